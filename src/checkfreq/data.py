@@ -1,0 +1,389 @@
+"""Resumable data loading: each sample exactly once per epoch, in the same order, after any restart.
+
+Three rules make a resumed run see exactly what an uninterrupted one would have seen:
+
+* **Order is a pure function.** The *global order* of epoch ``e`` is a permutation of
+  ``range(len(dataset))`` computed from ``(seed, e)`` alone (the identity when ``shuffle=False``).
+  Rank ``r`` of ``W`` takes every ``W``-th entry starting at ``r``, like
+  :class:`torch.utils.data.DistributedSampler`. No generator carries state from one epoch to the next.
+* **State is a position, not a history.** :class:`ResumableSampler` keeps ``epoch`` and
+  ``consumed``: how many entries of the epoch's global order the training loop has consumed on all
+  ranks together. Because ranks stride over the order and step in lockstep, the consumed samples
+  are always the prefix ``order[:consumed]``. Resuming starts at ``order[consumed]`` directly: the
+  skipped samples are never read, so resuming mid-epoch costs the same as resuming at its start.
+* **Randomness is per sample.** Before ``dataset[i]`` is called, Python's ``random``, NumPy's global
+  generator and torch's CPU generator are seeded from ``(seed, epoch, i)``, so a random augmentation
+  of sample ``i`` is the same whichever worker loads it, with any ``num_workers``, before or after a
+  restart. In the main process (``num_workers=0``) the caller's generator states are put back
+  afterwards: loading data never disturbs the training loop's random stream.
+
+**Changing the world size.** The remainder of the epoch, ``order[consumed:]``, is re-partitioned
+over the new ranks (rank ``r`` of ``W'`` takes ``order[consumed + r :: W']``), so every sample of the
+epoch is still seen exactly once. When the remainder is not a multiple of the world size, every
+rank still takes the same number of samples, as with ``DistributedSampler``: ``drop_last=False``
+repeats the first few remaining samples (at most ``W - 1``) and ``drop_last=True`` leaves the last
+few out. With one rank nothing is ever repeated or left out by the sampler.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+__all__ = ["ResumableLoader", "ResumableSampler", "sample_seed"]
+
+_MASK64 = (1 << 64) - 1
+_ORDER_DOMAIN = 0
+_SAMPLE_DOMAIN = 1
+_FINGERPRINT_KEYS = ("dataset_length", "seed", "shuffle")
+_RESERVED_LOADER_ARGS = frozenset({"sampler", "batch_sampler", "generator", "in_order"})
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix(*words: int) -> int:
+    """A 63-bit seed that depends on every word (well spread, cheap, stable across versions)."""
+    h = 0
+    for word in words:
+        h = _splitmix64(h ^ (word & _MASK64))
+    return h >> 1
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed the generators are set to before ``dataset[index]`` is loaded in ``epoch``."""
+    return _mix(_SAMPLE_DOMAIN, seed, epoch, index)
+
+
+def _resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size, defaulting to torch.distributed's when it is initialised."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+class ResumableSampler(Sampler[int]):
+    """This rank's sample indices for an epoch, starting at the first one not yet consumed.
+
+    Args:
+        length: number of samples in the dataset.
+        shuffle: permute the order each epoch (from ``seed`` and the epoch number); else keep it.
+        seed: the run's data seed; the only source of the order and of per-sample seeds.
+        rank, world_size: this process's place among the data-parallel ranks; by default taken from
+            ``torch.distributed`` when it is initialised, else ``0`` and ``1``.
+        drop_last: when the rest of the epoch does not split evenly over the ranks, leave the last
+            samples out instead of repeating the first ones (no effect with one rank).
+
+    The sampler does not see what the training loop consumes: whoever drives it (normally
+    :class:`ResumableLoader`) reports that with :meth:`advance`, and moves epochs with
+    :meth:`set_epoch`.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if length < 0:
+            raise ValueError(f"dataset length must be >= 0, got {length}")
+        self.length = length
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank, self.world_size = _resolve_topology(rank, world_size)
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.consumed = 0
+        """Entries of this epoch's global order consumed by all ranks together."""
+
+    def global_order(self, epoch: int) -> torch.Tensor:
+        """The order of every sample of ``epoch`` over all ranks: a pure function of (seed, epoch)."""
+        if not self.shuffle:
+            return torch.arange(self.length)
+        generator = torch.Generator().manual_seed(_mix(_ORDER_DOMAIN, self.seed, epoch))
+        return torch.randperm(self.length, generator=generator)
+
+    def _per_rank(self, remaining: int) -> int:
+        if self.drop_last:
+            return remaining // self.world_size
+        return -(-remaining // self.world_size)
+
+    def rank_indices(self) -> list[int]:
+        """The indices this rank yields from the current position to the end of the epoch."""
+        rest = self.global_order(self.epoch)[self.consumed :]
+        total = self._per_rank(len(rest)) * self.world_size
+        if total > len(rest):
+            rest = rest[torch.arange(total) % len(rest)]
+        return rest[self.rank : total : self.world_size].tolist()
+
+    def epoch_length(self) -> int:
+        """How many indices this rank yields in a whole epoch at the current world size."""
+        return self._per_rank(self.length)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rank_indices())
+
+    def __len__(self) -> int:
+        return self._per_rank(self.length - self.consumed)
+
+    def advance(self, samples: int) -> None:
+        """Record that each rank's training loop consumed ``samples`` more of its indices."""
+        self.consumed = min(self.length, self.consumed + samples * self.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; a call with the current epoch keeps the position.
+
+        Keeping the position makes the ``DistributedSampler`` habit of calling
+        ``set_epoch(epoch)`` at the top of each epoch safe after a mid-epoch restore.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and topology fingerprint, as JSON-able plain values."""
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "dataset_length": self.length,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict`, at this or another world size.
+
+        Raises:
+            ValueError: the state is malformed or was saved for another dataset length, seed or
+                shuffle setting (the saved position would then mean other samples).
+        """
+        missing = [k for k in ("epoch", "consumed", *_FINGERPRINT_KEYS) if k not in state]
+        if missing:
+            raise ValueError(f"data loader state lacks {missing}; got keys {sorted(state)}")
+        mine = self.state_dict()
+        for key in _FINGERPRINT_KEYS:
+            if _plain(state[key]) != mine[key]:
+                raise ValueError(
+                    f"data loader state was saved with {key}={_plain(state[key])!r} but this loader "
+                    f"has {key}={mine[key]!r}; resuming would visit other samples. Build the loader "
+                    "as in the saved run, or start this epoch afresh without loading its state."
+                )
+        epoch, consumed = operator.index(state["epoch"]), operator.index(state["consumed"])
+        if epoch < 0 or not 0 <= consumed <= self.length:
+            raise ValueError(
+                f"data loader state has epoch={epoch}, consumed={consumed}; need epoch >= 0 and "
+                f"0 <= consumed <= {self.length}"
+            )
+        self.epoch, self.consumed = epoch, consumed
+
+
+def _plain(value: Any) -> Any:
+    """A saved scalar as a Python value (a state may come back with 0-d tensors)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+@contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Put back Python's, NumPy's and torch's CPU generator states on exit."""
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+
+
+def _seed_generators(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would also reseed CUDA
+
+
+class _SeededFetch:
+    """The dataset the DataLoader sees: loads ``(index, seed)`` pairs, seeding before each sample."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitems__(self, pairs: Sequence[tuple[int, int]]) -> list[Any]:
+        with _preserved_rng():
+            return [self._fetch(index, seed) for index, seed in pairs]
+
+    def _fetch(self, index: int, seed: int) -> Any:
+        _seed_generators(seed)
+        return self.dataset[index]
+
+
+@dataclass
+class _BatchPlan:
+    """The DataLoader's batch sampler: one pass over ``indices``, each sample as ``(index, seed)``."""
+
+    batch_size: int
+    drop_last: bool
+    seed: int
+    epoch: int = 0
+    indices: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        n = len(self.indices)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def size_of(self, batch: int) -> int:
+        """Number of samples in batch number ``batch`` of this pass."""
+        return min(self.batch_size, len(self.indices) - batch * self.batch_size)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        size = self.batch_size
+        for start in range(0, len(self) * size, size):
+            chunk = self.indices[start : start + size]
+            yield [(i, sample_seed(self.seed, self.epoch, i)) for i in chunk]
+
+
+class ResumableLoader:
+    """A :class:`torch.utils.data.DataLoader` whose position can be saved and resumed exactly.
+
+    Takes the DataLoader's arguments (with its defaults) plus ``seed``, ``rank`` and
+    ``world_size`` (see :class:`ResumableSampler`); other keyword arguments (``prefetch_factor``,
+    ``timeout``, ``multiprocessing_context``, ...) go to the DataLoader unchanged. ``sampler``,
+    ``batch_sampler``, ``generator`` and ``in_order`` are set by the loader itself. Only map-style
+    datasets (``__len__`` and ``__getitem__``) are supported; ``dataset[i]`` is called once per
+    sample, after the generators are seeded from ``(seed, epoch, i)``.
+
+    **Epochs.** Iterating yields the rest of the current epoch (all of it after a boundary) and,
+    once the last batch has been taken and the loop asks for the next one, moves :attr:`epoch` on
+    by one. So ``for epoch in range(loader.epoch, n): for batch in loader:`` continues correctly
+    after a restore: mid-epoch it yields the rest of that epoch; at a boundary saved right after
+    the last batch it yields nothing for that epoch and goes on to the next.
+
+    **State.** :meth:`state_dict` holds the epoch, the samples consumed *by the training loop*
+    (batches handed out, not those prefetched by workers) and a fingerprint (dataset length, seed,
+    shuffle, world size). Register the loader with the ``Checkpointer`` like any stateful object.
+    Restoring with a different ``batch_size``, ``num_workers`` or world size yields each remaining
+    sample of the epoch exactly once (see the module documentation for the world-size rule).
+
+    An iterator is valid until the next :meth:`__iter__`, :meth:`set_epoch` or
+    :meth:`load_state_dict`; using it afterwards raises ``RuntimeError``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        _check_loader_args(dataset, batch_size, dataloader_kwargs)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = ResumableSampler(
+            len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+            drop_last=drop_last,
+        )
+        self._plan = _BatchPlan(batch_size, drop_last, seed)
+        self._loader = DataLoader(
+            _SeededFetch(dataset),  # type: ignore[arg-type]
+            batch_sampler=self._plan,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            worker_init_fn=worker_init_fn,
+            generator=torch.Generator(),  # worker seeds come from here, not the global RNG
+            **dataloader_kwargs,
+        )
+        self._generation = 0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch`` (the current epoch keeps its position)."""
+        self._generation += 1
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches this rank yields in a whole epoch, as for a DataLoader (a resumed pass yields fewer)."""
+        per_rank = self.sampler.epoch_length()
+        if self._plan.drop_last:
+            return per_rank // self.batch_size
+        return -(-per_rank // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _iterate(self, generation: int) -> Iterator[Any]:
+        self._plan.epoch, self._plan.indices = self.sampler.epoch, self.sampler.rank_indices()
+        for number, batch in enumerate(self._loader):
+            self._check_current(generation)
+            self.sampler.advance(self._plan.size_of(number))
+            yield batch
+        self._check_current(generation)
+        self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _check_current(self, generation: int) -> None:
+        if generation != self._generation:
+            raise RuntimeError(
+                "this ResumableLoader iterator is stale: the loader was iterated again, restored "
+                "or moved to another epoch since it was created"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, samples consumed by the training loop, and the topology fingerprint."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the saved position; see :meth:`ResumableSampler.load_state_dict`."""
+        self.sampler.load_state_dict(state)
+        self._generation += 1
+
+
+def _check_loader_args(dataset: Any, batch_size: int, extra: Mapping[str, Any]) -> None:
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            "ResumableLoader needs a map-style dataset (with __len__ and __getitem__); for an "
+            "iterable dataset register a loader with its own state_dict(), such as torchdata's "
+            "StatefulDataLoader"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    reserved = sorted(_RESERVED_LOADER_ARGS.intersection(extra))
+    if reserved:
+        raise TypeError(f"ResumableLoader sets {reserved} itself; they cannot be passed")
