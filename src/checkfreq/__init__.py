@@ -1,0 +1,36 @@
+"""checkfreq: cheap, frequent, exact checkpointing for PyTorch training.
+
+``Checkpointer`` takes a two-phase checkpoint (snapshot into reused host buffers, then a
+background persist) whenever its policy says so, and ``restore()`` resumes exactly.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from checkfreq.checkpointer import Checkpointer, read_checkpoint
+from checkfreq.errors import (
+    CheckfreqError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    NoValidCheckpointError,
+    PersistError,
+    StateMismatchError,
+    UnserializableStateError,
+)
+from checkfreq.policies import DecisionContext, Every, Policy
+
+__all__ = [
+    "Checkpointer",
+    "CheckfreqError",
+    "CorruptCheckpointError",
+    "DecisionContext",
+    "DirectoryLockedError",
+    "Every",
+    "NoValidCheckpointError",
+    "PersistError",
+    "Policy",
+    "StateMismatchError",
+    "UnserializableStateError",
+    "read_checkpoint",
+]

@@ -1,0 +1,391 @@
+"""The object users hold: registers the training state, counts steps, and wires the pieces together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+import checkfreq
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, StateMismatchError
+from checkfreq.events import EventLog
+from checkfreq.format import (
+    Manifest,
+    encode_header,
+    entry_view,
+    read_data_file,
+    read_manifest,
+    tensor_entries,
+    write_data_file,
+    write_manifest,
+)
+from checkfreq.persist import Writer
+from checkfreq.policies import DecisionContext, Policy, resolve
+from checkfreq.profiler import Profiler
+from checkfreq.rng import RNGState
+from checkfreq.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.state import Stateful, flatten, load_into, unflatten
+from checkfreq.store import LocalStore
+
+log = logging.getLogger("checkfreq")
+
+RESERVED_NAMES = frozenset({"rng", "checkfreq"})
+DATA_FILE = "rank00000.safetensors"
+
+
+class Checkpointer:
+    """Checkpoints the registered training state at iteration granularity and restores it exactly.
+
+    Args:
+        directory: where checkpoints go (created if missing; must be writable).
+        policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
+            (every ``n`` steps) or ``"auto"`` (the default).
+        keep: how many committed checkpoints to keep (the newest one is never deleted).
+        rng: capture and restore the Python, NumPy, torch and CUDA random generators.
+        on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
+            ``"warn"`` logs it and training goes on.
+        allow_pickle: store (and load) values JSON cannot hold by pickling them. Off by
+            default: loading a pickle can execute code.
+        persist_timeout: seconds any wait on the background writer may take before raising.
+        **objects: what to checkpoint, by name: anything with ``state_dict()``/``load_state_dict()``
+            (model, optimizer, scheduler, GradScaler, loader, ...) or plain values (numbers,
+            strings, lists, dicts, tensors), readable and settable as ``ckpt[name]``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        policy: Policy | str | int = "auto",
+        keep: int = 3,
+        rng: bool = True,
+        on_error: str = "raise",
+        allow_pickle: bool = False,
+        persist_timeout: float = 3600.0,
+        **objects: Any,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        if not objects:
+            raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
+        for name in objects:
+            if name in RESERVED_NAMES:
+                raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+        self._policy = resolve(policy)
+        self._keep = keep
+        self._on_error = on_error
+        self._allow_pickle = allow_pickle
+        self._timeout = persist_timeout
+        self._objects: dict[str, Stateful] = {n: o for n, o in objects.items() if isinstance(o, Stateful)}
+        self._values: dict[str, Any] = {n: v for n, v in objects.items() if not isinstance(v, Stateful)}
+        flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
+        if rng:
+            self._objects["rng"] = RNGState()
+
+        self._store = LocalStore(directory)
+        self._store.check_writable()
+        self._store.lock()
+        self._store.remove_staging()
+        self.directory = self._store.root
+        self._events = EventLog(self.directory)
+        self._profiler = Profiler()
+        self._snapshotter = Snapshotter()
+        self._writer = Writer()
+        self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._store, persist_timeout)
+
+        self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
+        self_ref = weakref.ref(self)
+        self._hook_handles = [
+            opt.register_step_pre_hook(lambda *_: _fence_hook(self_ref)) for opt in self._optimizers.values()
+        ]
+        self._fence: PendingSnapshot | None = None
+        self._fence_stall = 0.0
+
+        self._global_step = 0
+        self._last_checkpoint_step = 0
+        self._started = time.perf_counter()
+        self._last_step_time: float | None = None
+        self._last_checkpoint_time = self._started
+        self._last_epoch: int | None = None
+
+    # ------------------------------------------------------------------ user API
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps counted by :meth:`step` (restored by :meth:`restore`)."""
+        return self._global_step
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def profiler(self) -> Profiler:
+        return self._profiler
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if name in self._objects or name in RESERVED_NAMES:
+            raise KeyError(f"{name!r} is a registered object, not a plain value")
+        flatten({name: value}, allow_pickle=self._allow_pickle)
+        self._values[name] = value
+
+    def step(self, loss: float | None = None) -> bool:
+        """Call once after each optimizer step; returns True if a checkpoint was started.
+
+        ``loss`` (optional) feeds convergence-aware policies. Re-raises a background persist
+        failure (unless ``on_error="warn"``).
+        """
+        now = time.perf_counter()
+        self._surface_background_error()
+        self._global_step += 1
+        if self._last_step_time is not None:
+            self._profiler.record_iteration(now - self._last_step_time, persisting=self._writer.busy)
+        self._last_step_time = now
+        ctx = self._context(now, loss)
+        if self._policy.should_save(ctx):
+            self._checkpoint(blocking=False, reason="policy")
+            return True
+        return False
+
+    def save(self, blocking: bool = False) -> None:
+        """Checkpoint the current state now, whatever the policy says.
+
+        With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
+        """
+        self._surface_background_error()
+        if self._last_checkpoint_step != self._global_step or self._global_step == 0:
+            self._checkpoint(blocking=blocking, reason="save()")
+        elif blocking:
+            self.wait()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint in flight is durable; raise its error if it failed."""
+        self._writer.wait(self._timeout if timeout is None else timeout)
+        self._surface_background_error()
+
+    def restore(self, step: int | None = None) -> int:
+        """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
+
+        Returns the restored step, or 0 when the directory holds no checkpoint (a fresh run).
+        Invalid checkpoints are skipped with a warning saying why; if checkpoints exist but none
+        is valid, raises :class:`~checkfreq.errors.NoValidCheckpointError`.
+        """
+        self.wait()
+        candidates = [(s, p) for s, p in self._store.checkpoints() if step is None or s == step]
+        if not candidates:
+            if step is not None:
+                raise NoValidCheckpointError(f"no checkpoint for step {step} in {self.directory}")
+            return 0
+        skipped: list[tuple[str, str]] = []
+        for _, path in candidates:
+            try:
+                manifest, tensors = read_checkpoint(path)
+                break
+            except CorruptCheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path.name, e)
+                skipped.append((path.name, str(e)))
+        else:
+            reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+            raise NoValidCheckpointError(f"no valid checkpoint in {self.directory} ({reasons})")
+        self._apply(unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle))
+        self._global_step = self._last_checkpoint_step = manifest.step
+        self._last_step_time = None
+        self._last_checkpoint_time = time.perf_counter()
+        self._events.write("restore", step=manifest.step, skipped=skipped)
+        log.info("restored %s (step %d)", path.name, manifest.step)
+        return manifest.step
+
+    def close(self) -> None:
+        """Wait for the checkpoint in flight, stop the writer and release the directory."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._fence = None
+        try:
+            self.wait()
+        finally:
+            self._finalizer()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _context(self, now: float, loss: float | None) -> DecisionContext:
+        epoch = self._epoch()
+        changed = self._last_epoch is not None and epoch != self._last_epoch
+        self._last_epoch = epoch
+        p = self._profiler
+        return DecisionContext(
+            step=self._global_step,
+            steps_since_checkpoint=self._global_step - self._last_checkpoint_step,
+            elapsed=now - self._started,
+            seconds_since_checkpoint=now - self._last_checkpoint_time,
+            iteration_time=p.iteration.value,
+            iteration_time_while_persisting=p.iteration_while_persisting.value,
+            stall=p.stall.value,
+            persist_time=p.persist.value,
+            bytes_per_checkpoint=p.bytes_per_checkpoint,
+            persist_in_flight=self._writer.busy,
+            epoch=epoch,
+            epoch_changed=changed,
+            loss=loss,
+        )
+
+    def _epoch(self) -> int | None:
+        for obj in self._objects.values():
+            epoch = getattr(obj, "epoch", None)
+            if isinstance(epoch, int) and not isinstance(epoch, bool):
+                return epoch
+        return None
+
+    def _surface_background_error(self) -> None:
+        error = self._writer.take_error()
+        if error is None:
+            return
+        if self._on_error == "warn":
+            log.warning("checkpoint persist failed, training goes on: %s", error)
+            return
+        raise PersistError(f"checkpoint persist failed: {error}") from error
+
+    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+        start = time.perf_counter()
+        self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
+        self._surface_background_error()
+        self._finish_fence()
+        step, epoch = self._global_step, self._epoch()
+        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
+        state.update(self._values)
+        state["checkfreq"] = {"global_step": step}
+        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
+        pending = self._snapshotter.take(tensors, self._optimizer_owned(tensors))
+        self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start))
+        self._last_checkpoint_step = step
+        self._last_checkpoint_time = start
+        stall = time.perf_counter() - start
+        self._events.write(
+            "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
+            policy=type(self._policy).__name__,
+        )
+        if pending.has_deferred:
+            self._fence, self._fence_stall = pending, stall
+        else:
+            self._profiler.record_stall(stall)
+        if blocking:
+            self.wait()
+            self._finish_fence()
+
+    def _optimizer_owned(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
+        if not self._optimizers:
+            return set()
+        param_ptrs = {p.data_ptr() for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]}
+        prefixes = tuple(f"{name}/state/" for name in self._optimizers)
+        return {n for n, t in tensors.items() if n.startswith(prefixes) or t.data_ptr() in param_ptrs}
+
+    def _finish_fence(self) -> None:
+        """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
+        pending, self._fence = self._fence, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        pending.order_after_copy()
+        if pending.cpu_fence:
+            deadline = start + self._timeout
+            while not pending.copied.wait(0.5):
+                self._writer.check_alive()
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"snapshot copy still running after {self._timeout} s")
+        self._profiler.record_stall(self._fence_stall + time.perf_counter() - start)
+
+    def _persist(self, pending: PendingSnapshot, skeleton: Any, step: int, epoch: int | None, start: float) -> None:
+        staging = None
+        try:
+            pending.finish_copy()
+            staging = self._store.staging_dir(step)
+            size, digest = write_data_file(staging / DATA_FILE, encode_header(pending.layout), pending.buffer)
+            manifest = Manifest(
+                step=step,
+                epoch=epoch,
+                world_size=1,
+                files={DATA_FILE: {"size": size, "xxh3_64": digest}},
+                tensors=tensor_entries(pending.layout, DATA_FILE),
+                state=skeleton,
+                versions=_versions(),
+                created=time.time(),
+            )
+            write_manifest(staging, manifest)
+            final = self._store.commit(staging, step)
+        except BaseException as e:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            self._events.write("error", step=step, message=str(e))
+            raise
+        finally:
+            pending.copied.set()
+        self._store.retain(self._keep, final)
+        seconds = time.perf_counter() - start
+        self._profiler.record_persist(seconds, size)
+        self._events.write("commit", step=step, persist_s=seconds, bytes=size, bandwidth_gbps=size / seconds / 1e9)
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(self._objects) - set(state) - {"rng"})
+        if missing:
+            raise StateMismatchError(f"checkpoint holds no state for {', '.join(missing)}")
+        for name, obj in self._objects.items():
+            if name != "rng":
+                load_into(name, obj, state[name])
+        for name in self._values:
+            if name in state:
+                self._values[name] = state[name]
+        if "rng" in self._objects and "rng" in state:
+            self._objects["rng"].load_state_dict(state["rng"])  # last: nothing above may draw after it
+
+
+def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
+    checkpointer = ref()
+    if checkpointer is not None:
+        checkpointer._finish_fence()
+
+
+def _shutdown(writer: Writer, store: LocalStore, timeout: float) -> None:
+    try:
+        writer.close(timeout)
+    finally:
+        store.unlock()
+
+
+def _versions() -> dict[str, str]:
+    return {"checkfreq": checkfreq.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def read_checkpoint(path: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read and verify one checkpoint directory; return its manifest and tensors (CPU)."""
+    manifest = read_manifest(path)
+    sections = {}
+    for name, entry in manifest.files.items():
+        sections[name], _ = read_data_file(path / name, entry["size"], entry["xxh3_64"])
+    try:
+        tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
+    except RuntimeError as e:
+        raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
+    return manifest, tensors
+
+
+__all__ = ["Checkpointer", "CheckfreqError", "read_checkpoint"]

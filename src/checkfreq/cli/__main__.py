@@ -1,0 +1,3 @@
+from checkfreq.cli import app
+
+app()

@@ -1,0 +1,318 @@
+"""The bytes on disk: safetensors data files and the ``manifest.json`` that commits them.
+
+A data file is a standard safetensors file (readable by ``safetensors.safe_open``). Its tensors
+are laid out largest element size first, so every tensor starts at an offset aligned to its
+element size and one flat host buffer can hold the whole data section. The file is written
+straight from that buffer and checksummed (xxh3-64) while it streams.
+
+Nothing here unpickles: headers and manifests are JSON, validated before any allocation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from checkfreq.errors import CorruptCheckpointError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHUNK_BYTES = 64 << 20
+MAX_HEADER_BYTES = 100 << 20
+MAX_MANIFEST_BYTES = 256 << 20
+_SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives inside a data section: byte range ``[begin, end)``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The planned placement of a set of tensors in one data section."""
+
+    slots: tuple[TensorSlot, ...]
+    nbytes: int
+
+    @property
+    def signature(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        """What must match for a host buffer to be reused: names, dtypes and shapes."""
+        return tuple((s.name, s.dtype, s.shape) for s in self.slots)
+
+
+def dtype_code(name: str, dtype: torch.dtype) -> str:
+    """The safetensors code for ``dtype``, or a clear error naming the tensor."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"tensor {name!r} has dtype {dtype}, which checkfreq cannot store") from None
+
+
+def plan_layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Layout:
+    """Place tensors (name → (dtype, shape)) contiguously, largest element size first.
+
+    Each tensor's size is a multiple of its element size, so sorting by element size keeps
+    every offset aligned without padding (safetensors forbids holes in the data section).
+    """
+    for name, (dtype, _) in specs.items():
+        dtype_code(name, dtype)
+    order = sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
+    slots, offset = [], 0
+    for name in order:
+        dtype, shape = specs[name]
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        end = offset + numel * dtype.itemsize
+        slots.append(TensorSlot(name, dtype, tuple(shape), offset, end))
+        offset = end
+    return Layout(tuple(slots), offset)
+
+
+def slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    """A typed, shaped view of ``slot`` inside a flat ``uint8`` buffer (no copy)."""
+    return buffer[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
+
+
+def encode_header(layout: Layout) -> bytes:
+    """The safetensors prefix (length + JSON header, space-padded to 8 bytes) for ``layout``."""
+    header = {
+        s.name: {"dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
+        for s in layout.slots
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_data_file(path: Path, header: bytes, data: torch.Tensor) -> tuple[int, str]:
+    """Write ``header`` then the flat ``uint8`` CPU buffer ``data`` to ``path`` and fsync it.
+
+    Writes straight from the buffer in large chunks (no copy), hashing each chunk as it goes.
+    Returns (file size, xxh3-64 hex digest of the whole file).
+    """
+    hasher = xxhash.xxh3_64()
+    hasher.update(header)
+    view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(header))
+        for start in range(0, len(view), CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            _write_all(fd, chunk)
+            hasher.update(chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(header) + len(view), hasher.hexdigest()
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    while chunk:
+        written = os.write(fd, chunk)
+        chunk = chunk[written:]
+
+
+def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Read and verify a data file; return its data section (flat ``uint8``) and parsed header.
+
+    Raises :class:`CorruptCheckpointError` if the size, checksum or header is wrong.
+    """
+    try:
+        actual = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {path.name} is missing") from None
+    if actual != size:
+        raise CorruptCheckpointError(f"data file {path.name} has {actual} bytes, manifest says {size}")
+    hasher = xxhash.xxh3_64()
+    with open(path, "rb", buffering=0) as f:
+        prefix = _read_exact(f, 8, path)
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(MAX_HEADER_BYTES, size - 8):
+            raise CorruptCheckpointError(f"data file {path.name} declares an impossible header of {header_len} bytes")
+        header_bytes = _read_exact(f, header_len, path)
+        hasher.update(prefix)
+        hasher.update(header_bytes)
+        data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
+        view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
+        for start in range(0, len(view), CHUNK_BYTES):
+            chunk = view[start : start + CHUNK_BYTES]
+            if f.readinto(chunk) != len(chunk):
+                raise CorruptCheckpointError(f"data file {path.name} is shorter than its size")
+            hasher.update(chunk)
+    if hasher.hexdigest() != checksum:
+        raise CorruptCheckpointError(f"data file {path.name} fails its checksum (content changed or torn)")
+    try:
+        header = json.loads(header_bytes)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"data file {path.name} has an unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"data file {path.name} header is not a JSON object")
+    return data, header
+
+
+def _read_exact(f: Any, n: int, path: Path) -> bytes:
+    raw = f.read(n)
+    if len(raw) != n:
+        raise CorruptCheckpointError(f"data file {path.name} is truncated")
+    return raw
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of one checkpoint (``manifest.json``), written last."""
+
+    step: int
+    epoch: int | None
+    world_size: int
+    files: dict[str, dict[str, Any]]
+    """file name → {"size": int, "xxh3_64": str}."""
+    tensors: dict[str, dict[str, Any]]
+    """tensor name → {"file", "dtype", "shape", "offsets": [begin, end]} (offsets within the data section)."""
+    state: Any
+    """JSON skeleton of the registered objects; tensors appear as references to ``tensors``."""
+    versions: dict[str, str]
+    created: float
+
+    def to_json(self) -> bytes:
+        doc = {"format": "checkfreq", "schema_version": SCHEMA_VERSION, **self.__dict__}
+        return json.dumps(doc, indent=1, allow_nan=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Manifest:
+        """Parse and validate a manifest; any defect raises :class:`CorruptCheckpointError`."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError("manifest is implausibly large")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"manifest is not valid JSON: {e}") from None
+        if not isinstance(doc, dict) or doc.get("format") != "checkfreq":
+            raise CorruptCheckpointError("manifest is not a checkfreq manifest")
+        if doc.get("schema_version") != SCHEMA_VERSION:
+            raise CorruptCheckpointError(f"manifest schema version {doc.get('schema_version')!r} is not supported")
+        try:
+            manifest = cls(
+                step=_expect(doc["step"], int, "step"),
+                epoch=None if doc["epoch"] is None else _expect(doc["epoch"], int, "epoch"),
+                world_size=_expect(doc["world_size"], int, "world_size"),
+                files=_expect(doc["files"], dict, "files"),
+                tensors=_expect(doc["tensors"], dict, "tensors"),
+                state=doc["state"],
+                versions=_expect(doc["versions"], dict, "versions"),
+                created=float(_expect(doc["created"], (int, float), "created")),
+            )
+        except KeyError as e:
+            raise CorruptCheckpointError(f"manifest lacks field {e}") from None
+        manifest._validate()
+        return manifest
+
+    def _validate(self) -> None:
+        if self.step < 0 or self.world_size < 1:
+            raise CorruptCheckpointError("manifest has a negative step or a world size below 1")
+        for name, entry in self.files.items():
+            if not _SAFE_FILE_NAME.match(name) or name in (".", "..") or name == MANIFEST_NAME:
+                raise CorruptCheckpointError(f"manifest names an unsafe data file {name!r}")
+            if not isinstance(entry, dict):
+                raise CorruptCheckpointError(f"manifest entry for {name!r} is not an object")
+            _expect(entry.get("size"), int, f"files[{name!r}].size")
+            _expect(entry.get("xxh3_64"), str, f"files[{name!r}].xxh3_64")
+        for name, entry in self.tensors.items():
+            if not isinstance(entry, dict) or entry.get("file") not in self.files:
+                raise CorruptCheckpointError(f"tensor {name!r} refers to no listed data file")
+            if entry.get("dtype") not in DTYPES_BY_CODE:
+                raise CorruptCheckpointError(f"tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
+            shape, offsets = entry.get("shape"), entry.get("offsets")
+            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+                raise CorruptCheckpointError(f"tensor {name!r} has a malformed shape")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+                raise CorruptCheckpointError(f"tensor {name!r} has malformed offsets")
+            numel = 1
+            for d in shape:
+                numel *= d
+            begin, end = offsets
+            itemsize = DTYPES_BY_CODE[entry["dtype"]].itemsize
+            if begin < 0 or end - begin != numel * itemsize or begin % itemsize:
+                raise CorruptCheckpointError(f"tensor {name!r} offsets do not match its shape and dtype")
+            if end > self.files[entry["file"]]["size"]:
+                raise CorruptCheckpointError(f"tensor {name!r} lies beyond the end of its file")
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise CorruptCheckpointError(f"manifest field {what} has the wrong type")
+    return value
+
+
+def tensor_entries(layout: Layout, file_name: str) -> dict[str, dict[str, Any]]:
+    """The manifest's tensor index for one data file laid out by ``layout``."""
+    return {
+        s.name: {"file": file_name, "dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "offsets": [s.begin, s.end]}
+        for s in layout.slots
+    }
+
+
+def entry_view(data: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
+    """A view of one manifest tensor entry inside a verified data section."""
+    begin, end = entry["offsets"]
+    if end > data.numel():
+        raise CorruptCheckpointError("a tensor lies beyond the end of its data section")
+    return data[begin:end].view(DTYPES_BY_CODE[entry["dtype"]]).view(tuple(entry["shape"]))
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into ``directory`` and fsync it."""
+    raw = manifest.to_json()
+    fd = os.open(directory / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(raw))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read and validate ``directory/manifest.json``."""
+    path = directory / MANIFEST_NAME
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError("manifest is implausibly large")
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)") from None
+    return Manifest.from_json(raw)

@@ -1,0 +1,186 @@
+"""Registered objects ⇄ ``{flat_name: tensor}`` plus a JSON skeleton, with validation on load.
+
+Encoding of the skeleton (plain JSON):
+- str/int/float/bool/None as themselves; dicts with string keys as objects;
+- a tensor as ``{"__tensor__": name}``;
+- a tuple as ``{"__tuple__": [...]}``; a dict with other keys (e.g. optimizer state's ints)
+  as ``{"__items__": [[key, value], ...]}``; a NumPy array as ``{"__ndarray__": name}``;
+- anything else only with ``allow_pickle=True``: ``{"__pickle__": base64}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from checkfreq.errors import StateMismatchError, UnserializableStateError
+
+_MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__pickle__")
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything that can be registered with the Checkpointer."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def name(self, path: str) -> str:
+        name, n = path, 1
+        while name in self.tensors:
+            name, n = f"{path}#{n}", n + 1
+        return name
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            name = self.name(path)
+            self.tensors[name] = value.detach()
+            return {"__tensor__": name}
+        if isinstance(value, np.ndarray):
+            name = self.name(path)
+            self.tensors[name] = torch.from_numpy(np.ascontiguousarray(value))
+            return {"__ndarray__": name}
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return {"__tuple__": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and k not in _MARKERS for k in value):
+                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            if all(k is None or isinstance(k, (bool, int, float, str)) for k in value):
+                return {"__items__": [[k, self.encode(v, f"{path}/{k}")] for k, v in value.items()]}
+        if self.allow_pickle:
+            return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode()}
+        raise UnserializableStateError(
+            f"{path!r} is a {type(value).__qualname__}, which checkfreq stores only by pickling; "
+            "store it as plain values/tensors, or pass allow_pickle=True if you trust every reader"
+        )
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Split ``{registered_name: state}`` into a JSON skeleton and named tensors."""
+    flattener = _Flattener(allow_pickle)
+    skeleton = {name: flattener.encode(value, name) for name, value in state.items()}
+    return skeleton, flattener.tensors
+
+
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    """Rebuild the state from a skeleton and the tensors it references."""
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, list):
+            return [decode(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if len(node) == 1:
+            (marker, payload), = node.items()
+            if marker == "__tensor__":
+                return _lookup(tensors, payload)
+            if marker == "__ndarray__":
+                return _lookup(tensors, payload).numpy()
+            if marker == "__tuple__":
+                return tuple(decode(v) for v in payload)
+            if marker == "__items__":
+                return {_key(k): decode(v) for k, v in payload}
+            if marker == "__pickle__":
+                if not allow_pickle:
+                    raise UnserializableStateError(
+                        "this checkpoint holds pickled values; restore with allow_pickle=True only if you trust its source"
+                    )
+                return pickle.loads(base64.b64decode(payload))  # opt-in, documented in docs/format.md
+        return {k: decode(v) for k, v in node.items()}
+
+    return decode(skeleton)
+
+
+def _lookup(tensors: Mapping[str, torch.Tensor], name: Any) -> torch.Tensor:
+    if not isinstance(name, str) or name not in tensors:
+        raise StateMismatchError(f"checkpoint skeleton refers to tensor {name!r}, which is not in its index")
+    return tensors[name]
+
+
+def _key(key: Any) -> Any:
+    if isinstance(key, list):
+        raise StateMismatchError("checkpoint skeleton has an unhashable dictionary key")
+    return key
+
+
+def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Raise one error listing every missing/unexpected key and shape/dtype mismatch for ``module``."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    for key in sorted(set(expected) & set(state)):
+        want, got = expected[key], state[key]
+        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
+            if want.shape != got.shape:
+                problems.append(f"{key}: shape {tuple(got.shape)} in checkpoint, {tuple(want.shape)} in model")
+            elif want.dtype != got.dtype:
+                problems.append(f"{key}: dtype {got.dtype} in checkpoint, {want.dtype} in model")
+    if problems:
+        raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
+
+
+def check_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Check that per-parameter optimizer tensors match the shapes of the parameters they belong to."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise StateMismatchError(
+            f"checkpoint does not fit {name!r}: {len(groups) if isinstance(groups, list) else 'no'} "
+            f"parameter groups in checkpoint, {len(optimizer.param_groups)} in optimizer"
+        )
+    params: dict[Any, torch.Tensor] = {}
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+        ids = saved.get("params", []) if isinstance(saved, Mapping) else []
+        if len(ids) != len(live["params"]):
+            raise StateMismatchError(
+                f"checkpoint does not fit {name!r}: group {i} has {len(ids)} parameters in checkpoint, "
+                f"{len(live['params'])} in optimizer"
+            )
+        params.update(zip(ids, live["params"]))
+    problems = []
+    for pid, entry in (state.get("state") or {}).items():
+        param = params.get(pid)
+        if param is None or not isinstance(entry, Mapping):
+            problems.append(f"state for unknown parameter {pid!r}")
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                problems.append(f"parameter {pid} {key}: shape {tuple(value.shape)}, parameter is {tuple(param.shape)}")
+    if problems:
+        raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
+
+
+def load_into(name: str, obj: Any, state: Any) -> None:
+    """Validate ``state`` against ``obj`` and load it, raising :class:`StateMismatchError` on a mismatch."""
+    if isinstance(obj, torch.nn.Module):
+        check_module_state(name, obj, state)
+        obj.load_state_dict(state, strict=True)
+        return
+    if isinstance(obj, torch.optim.Optimizer):
+        check_optimizer_state(name, obj, state)
+    try:
+        obj.load_state_dict(state)
+    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+        raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e

@@ -1,0 +1,131 @@
+"""Where checkpoints live: a local directory with atomic commits, listing, retention and a lock.
+
+Layout: ``<root>/step_000001200/`` (committed) and ``<root>/step_000001200.tmp-<id>/`` (being
+written; never read). A checkpoint becomes visible only through the final ``rename``, after
+every file and the manifest are fsynced; the parent directory is fsynced after the rename.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from checkfreq.errors import DirectoryLockedError
+
+log = logging.getLogger("checkfreq.store")
+
+_COMMITTED = re.compile(r"^step_(\d{9,})$")
+LOCK_NAME = ".checkfreq.lock"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore:
+    """A checkpoint directory on a local (or POSIX network) filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.root = Path(root)
+        if create:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}") from None
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {self.root} does not exist")
+        self._lock_fd: int | None = None
+
+    def check_writable(self) -> None:
+        """Fail now, with a clear message, if checkpoints could not be written here later."""
+        probe = self.root / f".probe-{uuid.uuid4().hex}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise PermissionError(f"checkpoint directory {self.root} is not writable: {e.strerror}") from None
+
+    def lock(self) -> None:
+        """Take the directory's writer lock (released by the OS if this process dies)."""
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                owner = (self.root / LOCK_NAME).read_text().strip() or "unknown"
+                raise DirectoryLockedError(
+                    f"{self.root} is in use by another checkfreq writer (pid {owner}); "
+                    "give each job its own directory"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def remove_staging(self) -> None:
+        """Delete leftovers of writes that never committed (only safe while holding the lock)."""
+        for path in self.root.glob("step_*.tmp-*"):
+            log.info("removing uncommitted checkpoint %s", path.name)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def staging_dir(self, step: int) -> Path:
+        path = self.root / f"{checkpoint_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
+        path.mkdir()
+        return path
+
+    def commit(self, staging: Path, step: int) -> Path:
+        """Atomically publish a fully written and fsynced staging directory as checkpoint ``step``."""
+        fsync_directory(staging)
+        final = self.root / checkpoint_name(step)
+        if final.exists():
+            # A run restored from an older checkpoint reached this step again: the new one replaces it.
+            trash = self.root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:12]}"
+            os.rename(final, trash)
+            os.rename(staging, final)
+            fsync_directory(self.root)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(staging, final)
+            fsync_directory(self.root)
+        return final
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Committed checkpoint directories as (step, path), newest first."""
+        found = []
+        for entry in os.scandir(self.root):
+            match = _COMMITTED.match(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                found.append((int(match.group(1)), Path(entry.path)))
+        return sorted(found, reverse=True)
+
+    def retain(self, keep: int, protect: Path) -> None:
+        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
+        for _, path in self.checkpoints()[keep:]:
+            if path != protect:
+                self.delete(path)
+
+    def delete(self, path: Path) -> None:
+        """Remove a committed checkpoint: hide it with one rename first, so a kill never leaves half of it visible."""
+        hidden = path.with_name(f"{path.name}.tmp-deleting-{uuid.uuid4().hex[:12]}")
+        os.rename(path, hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
