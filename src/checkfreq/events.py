@@ -11,12 +11,14 @@ Lines are appended without fsync: the log is for people and plots, not for recov
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 EVENTS_NAME = "events.jsonl"
+log = logging.getLogger("checkfreq.events")
 
 
 class EventLog:
@@ -28,8 +30,11 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        try:
+            with self._lock, open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError as e:  # the log must never break training or hide the error being reported
+            log.debug("could not append to %s: %s", self.path, e)
 
 
 def read_events(directory: str | Path) -> list[dict[str, Any]]:
