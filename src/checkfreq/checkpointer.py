@@ -98,6 +98,7 @@ class Checkpointer:
         self._store.remove_staging()
         self.directory = self._store.root
         self._events = EventLog(self.directory)
+        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()
@@ -276,12 +277,15 @@ class Checkpointer:
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
         pending = self._snapshotter.take(tensors, self._optimizer_owned(tensors))
         self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start))
+        interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
         self._last_checkpoint_step = step
         self._last_checkpoint_time = start
         stall = time.perf_counter() - start
         self._events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=type(self._policy).__name__,
+            policy=type(self._policy).__name__, epoch=epoch, interval_steps=interval_steps, interval_s=interval_s,
+            iteration_s=self._profiler.iteration.value,
+            iteration_persisting_s=self._profiler.iteration_while_persisting.value,
         )
         if pending.has_deferred:
             self._fence, self._fence_stall = pending, stall
@@ -312,7 +316,9 @@ class Checkpointer:
                 self._writer.check_alive()
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"snapshot copy still running after {self._timeout} s")
-        self._profiler.record_stall(self._fence_stall + time.perf_counter() - start)
+        wait = time.perf_counter() - start
+        self._profiler.record_stall(self._fence_stall + wait)
+        self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
 
     def _persist(self, pending: PendingSnapshot, skeleton: Any, step: int, epoch: int | None, start: float) -> None:
         staging = None

@@ -1,7 +1,14 @@
 """The run's event log: one JSON object per line in ``<directory>/events.jsonl``.
 
-Schema (every record has ``event`` and ``time``, seconds since the epoch):
-- ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason"}`` — training thread blocked for ``stall_s``;
+Schema (every record has ``event`` and ``time``, seconds since the epoch; a measurement not
+taken yet is ``null``; docs/cli.md describes every field):
+- ``{"event": "start", "pid", "policy", "keep"}`` — a Checkpointer opened the directory;
+- ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason", "epoch", "interval_steps",
+  "interval_s", "iteration_s", "iteration_persisting_s"}`` — training thread blocked for ``stall_s``;
+  the interval is the one the policy chose (steps and seconds since the previous checkpoint);
+  the iteration times are the profiler's smoothed estimates without and with a persist overlapping;
+- ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
+  the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
 - ``{"event": "restore", "step", "skipped": [[name, reason], ...]}``.
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -29,12 +37,18 @@ class EventLog:
         self._lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        record = {"event": event, "time": time.time(), **{k: _finite(v) for k, v in fields.items()}}
+        line = json.dumps(record) + "\n"
         try:
             with self._lock, open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
         except OSError as e:  # the log must never break training or hide the error being reported
             log.debug("could not append to %s: %s", self.path, e)
+
+
+def _finite(value: Any) -> Any:
+    """NaN/inf (a measurement not taken yet) become ``null``, so every line is strict JSON."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_events(directory: str | Path) -> list[dict[str, Any]]:
