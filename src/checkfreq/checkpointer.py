@@ -8,6 +8,7 @@ import platform
 import shutil
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,6 +32,7 @@ from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
+from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.state import Stateful, flatten, load_into, unflatten
 from checkfreq.store import LocalStore
@@ -55,6 +57,10 @@ class Checkpointer:
         allow_pickle: store (and load) values JSON cannot hold by pickling them. Off by
             default: loading a pickle can execute code.
         persist_timeout: seconds any wait on the background writer may take before raising.
+        save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) that mean "preempted": the handler
+            only records the signal; the next :meth:`step` (or :meth:`close`) takes a blocking
+            checkpoint and then lets the signal take its original effect (the default action
+            ends the process). Needs the main thread.
         **objects: what to checkpoint, by name: anything with ``state_dict()``/``load_state_dict()``
             (model, optimizer, scheduler, GradScaler, loader, ...) or plain values (numbers,
             strings, lists, dicts, tensors), readable and settable as ``ckpt[name]``.
@@ -70,6 +76,7 @@ class Checkpointer:
         on_error: str = "raise",
         allow_pickle: bool = False,
         persist_timeout: float = 3600.0,
+        save_on_signal: Iterable[int] = (),
         **objects: Any,
     ) -> None:
         if keep < 1:
@@ -82,6 +89,7 @@ class Checkpointer:
             if name in RESERVED_NAMES:
                 raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
         self._policy = resolve(policy)
+        self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._keep = keep
         self._on_error = on_error
         self._allow_pickle = allow_pickle
@@ -102,7 +110,9 @@ class Checkpointer:
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()
-        self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._store, persist_timeout)
+        self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._store, persist_timeout, self._trap)
+        if self._trap is not None:
+            self._trap.install()
 
         self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
         self_ref = weakref.ref(self)
@@ -155,6 +165,8 @@ class Checkpointer:
         if self._last_step_time is not None:
             self._profiler.record_iteration(now - self._last_step_time, persisting=self._writer.busy)
         self._last_step_time = now
+        if self._trap is not None and self._trap.received is not None:
+            self._save_for_signal()
         ctx = self._context(now, loss)
         if self._policy.should_save(ctx):
             self._checkpoint(blocking=False, reason="policy")
@@ -211,6 +223,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the checkpoint in flight, stop the writer and release the directory."""
+        if self._trap is not None and self._trap.received is not None:
+            try:
+                self._save_for_signal()
+            finally:
+                self._finalizer()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
@@ -363,6 +380,22 @@ class Checkpointer:
         if "rng" in self._objects and "rng" in state:
             self._objects["rng"].load_state_dict(state["rng"])  # last: nothing above may draw after it
 
+    def _save_for_signal(self) -> None:
+        """Preempted: make the current state durable, then let the signal act as it would have."""
+        signum = self._trap.received  # type: ignore[union-attr]
+        self._events.write("signal", step=self._global_step, signal=signum)
+        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._global_step)
+        try:
+            if self._last_checkpoint_step != self._global_step or self._global_step == 0:
+                self._checkpoint(blocking=True, reason="signal")
+            else:
+                self.wait()
+        except BaseException:
+            log.error("the checkpoint taken for signal %s failed", signum, exc_info=True)
+            raise
+        finally:
+            self._trap.honour()  # type: ignore[union-attr]
+
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
     checkpointer = ref()
@@ -370,8 +403,10 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._finish_fence()
 
 
-def _shutdown(writer: Writer, store: LocalStore, timeout: float) -> None:
+def _shutdown(writer: Writer, store: LocalStore, timeout: float, trap: SignalTrap | None) -> None:
     try:
+        if trap is not None:
+            trap.uninstall()
         writer.close(timeout)
     finally:
         store.unlock()
