@@ -12,9 +12,15 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _main() -> None:
+    """checkfreq: cheap, frequent, exact checkpointing for PyTorch training."""
+
+
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app``.
     from checkfreq.cli import demo  # noqa: F401
+    from checkfreq.cli import inspect_cmds, report_cmd  # noqa: F401
 
 
 _register_commands()

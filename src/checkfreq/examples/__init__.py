@@ -1,0 +1,1 @@
+"""Runnable training jobs that use checkfreq (the demo's job lives here)."""
