@@ -208,6 +208,8 @@ class Manifest:
     """JSON skeleton of the registered objects; tensors appear as references to ``tensors``."""
     versions: dict[str, str]
     created: float
+    distributed: dict[str, Any] | None = None
+    """Written by several ranks: per-rank skeletons and how each tensor is split (see ``distributed_plan``)."""
 
     def to_json(self) -> bytes:
         doc = {"format": "checkfreq", "schema_version": SCHEMA_VERSION, **self.__dict__}
@@ -236,6 +238,7 @@ class Manifest:
                 state=doc["state"],
                 versions=_expect(doc["versions"], dict, "versions"),
                 created=float(_expect(doc["created"], (int, float), "created")),
+                distributed=None if doc.get("distributed") is None else _expect(doc["distributed"], dict, "distributed"),
             )
         except KeyError as e:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None
