@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -153,37 +154,62 @@ def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, 
 
     Raises :class:`CorruptCheckpointError` if the size, checksum or header is wrong.
     """
-    try:
-        actual = os.stat(path).st_size
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"data file {path.name} is missing") from None
+    f = _open_regular(path, f"data file {path.name}")
+    actual = os.fstat(f.fileno()).st_size
     if actual != size:
+        f.close()
         raise CorruptCheckpointError(f"data file {path.name} has {actual} bytes, manifest says {size}")
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
-        prefix = _read_exact(f, 8, path)
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise CorruptCheckpointError(f"data file {path.name} declares an impossible header of {header_len} bytes")
-        header_bytes = _read_exact(f, header_len, path)
-        hasher.update(prefix)
-        hasher.update(header_bytes)
-        data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
-        view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
-        for start in range(0, len(view), CHUNK_BYTES):
-            chunk = view[start : start + CHUNK_BYTES]
-            if f.readinto(chunk) != len(chunk):
-                raise CorruptCheckpointError(f"data file {path.name} is shorter than its size")
-            hasher.update(chunk)
-    if hasher.hexdigest() != checksum:
+    try:
+        with f:
+            data, header_bytes, digest = _read_sections(f, size, path)
+    except OSError as e:
+        raise CorruptCheckpointError(f"data file {path.name} cannot be read: {e.strerror}") from None
+    if digest != checksum:
         raise CorruptCheckpointError(f"data file {path.name} fails its checksum (content changed or torn)")
     try:
         header = json.loads(header_bytes)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"data file {path.name} has an unreadable header: {e}") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"data file {path.name} header is not a JSON object")
     return data, header
+
+
+def _read_sections(f: Any, size: int, path: Path) -> tuple[torch.Tensor, bytes, str]:
+    """Read a data file's header and data section, hashing as it goes."""
+    hasher = xxhash.xxh3_64()
+    prefix = _read_exact(f, 8, path)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+        raise CorruptCheckpointError(f"data file {path.name} declares an impossible header of {header_len} bytes")
+    header_bytes = _read_exact(f, header_len, path)
+    hasher.update(prefix)
+    hasher.update(header_bytes)
+    data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
+    view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
+    for start in range(0, len(view), CHUNK_BYTES):
+        chunk = view[start : start + CHUNK_BYTES]
+        if f.readinto(chunk) != len(chunk):
+            raise CorruptCheckpointError(f"data file {path.name} is shorter than its size")
+        hasher.update(chunk)
+    return data, header_bytes, hasher.hexdigest()
+
+
+def _open_regular(path: Path, what: str) -> Any:
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever).
+
+    Any OS error (missing, unreadable, I/O error) becomes :class:`CorruptCheckpointError`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what} is missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{what} cannot be opened: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{what} is not a regular file")
+    return open(fd, "rb", buffering=0)
 
 
 def _read_exact(f: Any, n: int, path: Path) -> bytes:
@@ -242,6 +268,8 @@ class Manifest:
             )
         except KeyError as e:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None
+        except OverflowError:
+            raise CorruptCheckpointError("manifest field created is out of range") from None
         manifest._validate()
         return manifest
 
@@ -261,7 +289,7 @@ class Manifest:
             if entry.get("dtype") not in DTYPES_BY_CODE:
                 raise CorruptCheckpointError(f"tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
             shape, offsets = entry.get("shape"), entry.get("offsets")
-            if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            if not (isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**63 for d in shape)):
                 raise CorruptCheckpointError(f"tensor {name!r} has a malformed shape")
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
                 raise CorruptCheckpointError(f"tensor {name!r} has malformed offsets")
@@ -295,7 +323,10 @@ def entry_view(data: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
     begin, end = entry["offsets"]
     if end > data.numel():
         raise CorruptCheckpointError("a tensor lies beyond the end of its data section")
-    return data[begin:end].view(DTYPES_BY_CODE[entry["dtype"]]).view(tuple(entry["shape"]))
+    try:
+        return data[begin:end].view(DTYPES_BY_CODE[entry["dtype"]]).view(tuple(entry["shape"]))
+    except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"a tensor entry does not fit its data section: {e}") from None
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -312,10 +343,13 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 def read_manifest(directory: Path) -> Manifest:
     """Read and validate ``directory/manifest.json``."""
     path = directory / MANIFEST_NAME
-    try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
+    if not path.exists():
+        raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)")
+    with _open_regular(path, MANIFEST_NAME) as f:
+        if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError("manifest is implausibly large")
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)") from None
+        try:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{MANIFEST_NAME} cannot be read: {e.strerror}") from None
     return Manifest.from_json(raw)
