@@ -53,8 +53,11 @@ class Writer:
                 raise TimeoutError(f"checkpoint persist still running after {timeout} s")
 
     def take_error(self) -> BaseException | None:
-        """The error of a failed job, if any (cleared by this call)."""
+        """The error of a failed job, or of a thread that died with a job in flight (cleared by this call)."""
         error, self._error = self._error, None
+        if error is None and not self._idle.is_set() and not self._thread.is_alive():
+            self._idle.set()
+            error = PersistError("the checkpoint writer thread died with a checkpoint in flight")
         return error
 
     def close(self, timeout: float | None = None) -> None:
