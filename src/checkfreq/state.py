@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from checkfreq.errors import StateMismatchError, UnserializableStateError
+from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__pickle__")
 
@@ -106,7 +106,10 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
                 return pickle.loads(base64.b64decode(payload))  # opt-in, documented in docs/format.md
         return {k: decode(v) for k, v in node.items()}
 
-    return decode(skeleton)
+    try:
+        return decode(skeleton)
+    except (TypeError, ValueError, RecursionError) as e:  # a hand-edited or hostile skeleton
+        raise CorruptCheckpointError(f"checkpoint skeleton is malformed: {type(e).__name__}: {e}") from None
 
 
 def _lookup(tensors: Mapping[str, torch.Tensor], name: Any) -> torch.Tensor:
