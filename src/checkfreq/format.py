@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,19 +128,37 @@ def write_data_file(path: Path, header: bytes, data: torch.Tensor) -> tuple[int,
     Returns (file size, xxh3-64 hex digest of the whole file).
     """
     hasher = xxhash.xxh3_64()
+    size = write_chunks(path, data_chunks(header, data, hasher))
+    return size, hasher.hexdigest()
+
+
+def data_chunks(header: bytes, data: torch.Tensor, hasher: Any) -> Iterator[memoryview]:
+    """The bytes of a data file in order: ``header``, then views of ``data`` (no copy).
+
+    Each chunk is fed to ``hasher`` as it is handed out, so once the chunks are consumed the
+    hasher holds the digest of the whole file. Any store's ``write_file`` can take them.
+    """
     hasher.update(header)
+    yield memoryview(header)
     view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+    for start in range(0, len(view), CHUNK_BYTES):
+        chunk = view[start : start + CHUNK_BYTES]
+        hasher.update(chunk)
+        yield chunk
+
+
+def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
+    """Create ``path`` (it must not exist), write ``chunks`` with ``os.write`` and fsync; return the size."""
+    size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _write_all(fd, memoryview(header))
-        for start in range(0, len(view), CHUNK_BYTES):
-            chunk = view[start : start + CHUNK_BYTES]
-            _write_all(fd, chunk)
-            hasher.update(chunk)
+        for chunk in chunks:
+            _write_all(fd, memoryview(chunk))
+            size += len(chunk)
         os.fsync(fd)
     finally:
         os.close(fd)
-    return len(header) + len(view), hasher.hexdigest()
+    return size
 
 
 def _write_all(fd: int, chunk: memoryview) -> None:
@@ -155,34 +173,41 @@ def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, 
     Raises :class:`CorruptCheckpointError` if the size, checksum or header is wrong.
     """
     f = _open_regular(path, f"data file {path.name}")
-    actual = os.fstat(f.fileno()).st_size
-    if actual != size:
-        f.close()
-        raise CorruptCheckpointError(f"data file {path.name} has {actual} bytes, manifest says {size}")
-    try:
-        with f:
-            data, header_bytes, digest = _read_sections(f, size, path)
-    except OSError as e:
-        raise CorruptCheckpointError(f"data file {path.name} cannot be read: {e.strerror}") from None
+    return read_data_stream(f, path.name, os.fstat(f.fileno()).st_size, size, checksum)
+
+
+def read_data_stream(f: Any, name: str, actual: int, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """:func:`read_data_file` for an open binary file object ``f`` of ``actual`` bytes (closed here).
+
+    ``name`` is the file's name for error messages. Stores that are not local directories
+    (fsspec) read through this.
+    """
+    with f:
+        if actual != size:
+            raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {size}")
+        try:
+            data, header_bytes, digest = _read_sections(f, size, name)
+        except OSError as e:
+            raise CorruptCheckpointError(f"data file {name} cannot be read: {e.strerror or e}") from None
     if digest != checksum:
-        raise CorruptCheckpointError(f"data file {path.name} fails its checksum (content changed or torn)")
+        raise CorruptCheckpointError(f"data file {name} fails its checksum (content changed or torn)")
     try:
         header = json.loads(header_bytes)
     except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"data file {path.name} has an unreadable header: {e}") from None
+        raise CorruptCheckpointError(f"data file {name} has an unreadable header: {e}") from None
     if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"data file {path.name} header is not a JSON object")
+        raise CorruptCheckpointError(f"data file {name} header is not a JSON object")
     return data, header
 
 
-def _read_sections(f: Any, size: int, path: Path) -> tuple[torch.Tensor, bytes, str]:
+def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, str]:
     """Read a data file's header and data section, hashing as it goes."""
     hasher = xxhash.xxh3_64()
-    prefix = _read_exact(f, 8, path)
+    prefix = _read_exact(f, 8, name)
     (header_len,) = struct.unpack("<Q", prefix)
     if header_len > min(MAX_HEADER_BYTES, size - 8):
-        raise CorruptCheckpointError(f"data file {path.name} declares an impossible header of {header_len} bytes")
-    header_bytes = _read_exact(f, header_len, path)
+        raise CorruptCheckpointError(f"data file {name} declares an impossible header of {header_len} bytes")
+    header_bytes = _read_exact(f, header_len, name)
     hasher.update(prefix)
     hasher.update(header_bytes)
     data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
@@ -190,7 +215,7 @@ def _read_sections(f: Any, size: int, path: Path) -> tuple[torch.Tensor, bytes, 
     for start in range(0, len(view), CHUNK_BYTES):
         chunk = view[start : start + CHUNK_BYTES]
         if f.readinto(chunk) != len(chunk):
-            raise CorruptCheckpointError(f"data file {path.name} is shorter than its size")
+            raise CorruptCheckpointError(f"data file {name} is shorter than its size")
         hasher.update(chunk)
     return data, header_bytes, hasher.hexdigest()
 
@@ -212,10 +237,10 @@ def _open_regular(path: Path, what: str) -> Any:
     return open(fd, "rb", buffering=0)
 
 
-def _read_exact(f: Any, n: int, path: Path) -> bytes:
+def _read_exact(f: Any, n: int, name: str) -> bytes:
     raw = f.read(n)
     if len(raw) != n:
-        raise CorruptCheckpointError(f"data file {path.name} is truncated")
+        raise CorruptCheckpointError(f"data file {name} is truncated")
     return raw
 
 
@@ -270,7 +295,10 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None
         except OverflowError:
             raise CorruptCheckpointError("manifest field created is out of range") from None
-        manifest._validate()
+        try:
+            manifest._validate()
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:  # odd types in odd places
+            raise CorruptCheckpointError(f"manifest is malformed: {type(e).__name__}: {e}") from None
         return manifest
 
     def _validate(self) -> None:
@@ -331,13 +359,7 @@ def entry_view(data: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write ``manifest.json`` into ``directory`` and fsync it."""
-    raw = manifest.to_json()
-    fd = os.open(directory / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _write_all(fd, memoryview(raw))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_chunks(directory / MANIFEST_NAME, [manifest.to_json()])
 
 
 def read_manifest(directory: Path) -> Manifest:
