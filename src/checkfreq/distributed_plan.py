@@ -1,0 +1,278 @@
+"""Plan, then I/O: which bytes each rank writes, and how a rank rebuilds its state from the pieces.
+
+Pure functions of names, dtypes, shapes and placements; no communication and no storage.
+
+Three kinds of tensors, by where they come from:
+
+* **replicated** (data parallel: every rank holds the same values): the tensors are laid end to
+  end, in name order, as one byte stream, and the stream is cut into ``world_size`` ranges of
+  nearly equal size. A tensor that straddles a cut is split into ranges of its flattened elements
+  (unless it is small, then the cut moves to its nearer edge), so every rank writes about
+  ``1/world_size`` of the bytes;
+* **private** (different on every rank: the random generators): each rank writes its own copy;
+* **sharded** (DTensor, e.g. FSDP2 parameters and optimizer state): each rank writes its local
+  shard with its place in the global tensor (offset and shape), so any other layout can be cut
+  from the saved shards on restore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from checkfreq.errors import CorruptCheckpointError
+from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest
+
+REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"
+PRIVATE_OBJECTS = ("rng",)
+"""Registered names whose tensors differ on every rank and are saved by each rank."""
+SMALL_FRACTION = 16
+"""A tensor smaller than 1/16 of a rank's share is never split: the cut moves to its nearer edge."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[begin, end)`` of the flattened replicated tensor ``name``."""
+
+    name: str
+    begin: int
+    end: int
+    whole: bool
+
+    @property
+    def stored_name(self) -> str:
+        """The piece's name in its data file."""
+        return self.name if self.whole else f"{self.name}@{self.begin}-{self.end}"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A stored block of a global tensor: ``data`` sits at ``offset`` (one entry per dimension)."""
+
+    data: torch.Tensor
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Everything saved about one tensor: its global dtype, shape and the blocks that cover it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (without importing it when unused)."""
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
+
+
+def storage_ptr(tensor: torch.Tensor) -> int:
+    """The address of the values a tensor's owner updates (a DTensor's local shard)."""
+    return tensor.to_local().data_ptr() if is_dtensor(tensor) else tensor.data_ptr()
+
+
+def kind_of(name: str, tensor: torch.Tensor) -> str:
+    """Whether ``name`` is replicated, private to each rank, or sharded."""
+    if is_dtensor(tensor):
+        return SHARDED
+    return PRIVATE if name.split("/", 1)[0] in PRIVATE_OBJECTS else REPLICATED
+
+
+def private_name(name: str, rank: int) -> str:
+    """The stored name of a rank's own copy (private tensor or local shard)."""
+    return f"{name}@rank{rank:05d}"
+
+
+def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[list[Piece]]:
+    """Split replicated tensors ``(name, numel, itemsize)`` over ``world_size`` ranks by bytes.
+
+    Returns each rank's pieces. Deterministic: every rank computes the same plan from the same
+    (sorted) input. Each rank's share differs from ``total / world_size`` by less than
+    ``total / world_size / SMALL_FRACTION`` bytes plus one element.
+    """
+    items = sorted(s for s in sizes if s[1] > 0)
+    empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]
+    starts, offset = [], 0
+    for _, numel, itemsize in items:
+        starts.append(offset)
+        offset += numel * itemsize
+    total = offset
+    cuts = [0]
+    for k in range(1, world_size):
+        cuts.append(max(cuts[-1], _cut(items, starts, total * k // world_size, total // world_size)))
+    cuts.append(total)
+    plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    plans[0][:0] = empty  # nothing to balance; rank 0 records them
+    return plans
+
+
+def _cut(items: Sequence[tuple[str, int, int]], starts: Sequence[int], ideal: int, share: int) -> int:
+    """Where the byte stream is cut near ``ideal``: at an element boundary, or a small tensor's edge."""
+    for (_, numel, itemsize), start in zip(items, starts):
+        end = start + numel * itemsize
+        if start <= ideal < end:
+            if end - start < max(share // SMALL_FRACTION, 1):
+                return start if ideal - start <= end - ideal else end
+            return start + round((ideal - start) / itemsize) * itemsize
+    return ideal
+
+
+def _pieces_between(items: Sequence[tuple[str, int, int]], starts: Sequence[int], lo: int, hi: int) -> list[Piece]:
+    pieces = []
+    for (name, numel, itemsize), start in zip(items, starts):
+        end = start + numel * itemsize
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            begin, stop = (a - start) // itemsize, (b - start) // itemsize
+            pieces.append(Piece(name, begin, stop, begin == 0 and stop == numel))
+    return pieces
+
+
+def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The live values a piece covers (a view when ``tensor`` is contiguous)."""
+    return tensor if piece.whole else tensor.reshape(-1)[piece.begin : piece.end]
+
+
+def local_box(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's block of a DTensor ``target`` in its global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return tuple(offset), tuple(shape)
+
+
+# ---------------------------------------------------------------------------------- restore side
+
+
+def local_view(
+    manifest: Manifest, stored: Mapping[str, torch.Tensor], rank: int = 0, targets: Mapping[str, torch.Tensor] | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The skeleton and tensors rank ``rank`` loads from a checkpoint written at any world size.
+
+    ``stored`` are the arrays of the checkpoint's data files. A tensor whose name is in
+    ``targets`` (a live DTensor) comes back as a DTensor with the target's placement, cut from
+    whatever shards were saved; every other tensor comes back whole. A rank beyond the saved
+    world size takes the private state (random generators) of rank ``rank % saved_world_size``.
+    """
+    meta = manifest.distributed
+    if meta is None:
+        skeleton = manifest.state
+        sources = {n: Source(t.dtype, tuple(t.shape), (Chunk(t, (0,) * t.dim()),)) for n, t in stored.items()}
+    else:
+        try:
+            ranks = meta["ranks"]
+            source_rank = rank % len(ranks)
+            skeleton = ranks[source_rank]
+            sources = {n: _source(e, stored, source_rank) for n, e in meta["tensors"].items()}
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+            raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
+    targets = targets or {}
+    return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
+
+
+def _source(entry: Mapping[str, Any], stored: Mapping[str, torch.Tensor], rank: int) -> Source:
+    dtype, shape = DTYPES_BY_CODE[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+    kind, parts = entry["kind"], entry["parts"]
+    if kind == PRIVATE:
+        return Source(dtype, shape, (Chunk(_stored(stored, parts[rank]), (0,) * len(shape)),))
+    if kind == SHARDED:
+        chunks = tuple(Chunk(_stored(stored, name), tuple(int(o) for o in offset)) for name, offset in parts)
+        return Source(dtype, shape, chunks)
+    if kind != REPLICATED:
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    if len(parts) == 1 and tuple(_stored(stored, parts[0][0]).shape) == shape:
+        return Source(dtype, shape, (Chunk(_stored(stored, parts[0][0]), (0,) * len(shape)),))
+    flat = torch.empty(_numel(shape), dtype=dtype)
+    covered = 0
+    for name, begin, end in parts:
+        flat[begin:end] = _stored(stored, name).reshape(-1)
+        covered += end - begin
+    if covered != flat.numel():
+        raise ValueError(f"pieces cover {covered} of {flat.numel()} elements")
+    return Source(dtype, shape, (Chunk(flat.view(shape), (0,) * len(shape)),))
+
+
+def _stored(stored: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in stored:
+        raise KeyError(f"stored array {name!r} is not in the data files")
+    return stored[name]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def materialize(name: str, source: Source, target: torch.Tensor | None) -> torch.Tensor:
+    """The whole tensor, or (for a DTensor ``target``) a DTensor with the target's placement."""
+    if target is None:
+        return _block(name, source, (0,) * len(source.shape), source.shape)
+    if tuple(target.shape) != source.shape:
+        return _block(name, source, (0,) * len(source.shape), source.shape)  # the loader reports the mismatch
+    from torch.distributed.tensor import DTensor
+
+    offset, shape = local_box(target)
+    local = _block(name, source, offset, shape).to(target.to_local().device)
+    return DTensor.from_local(
+        local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
+    )
+
+
+def _block(name: str, source: Source, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """Cut the box ``offset``/``shape`` out of the saved chunks (no copy when one chunk is the box)."""
+    for chunk in source.chunks:
+        if chunk.offset == offset and tuple(chunk.data.shape) == shape:
+            return chunk.data
+    out = torch.empty(shape, dtype=source.dtype)
+    covered = 0
+    for chunk in source.chunks:
+        src, dst, n = [], [], 1
+        for o, s, bo, bs in zip(chunk.offset, chunk.data.shape, offset, shape):
+            lo, hi = max(o, bo), min(o + s, bo + bs)
+            n *= max(hi - lo, 0)
+            src.append(slice(lo - o, hi - o))
+            dst.append(slice(lo - bo, hi - bo))
+        if n:
+            out[tuple(dst)] = chunk.data[tuple(src)]
+            covered += n
+    if covered != out.numel():
+        raise CorruptCheckpointError(f"saved shards of {name!r} cover {covered} of the {out.numel()} elements needed")
+    return out
+
+
+def optimizer_targets(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
+    """Optimizer-state name prefix → DTensor parameter, for state a fresh optimizer does not hold yet.
+
+    Keys are ``"<optimizer>/state/<index>/"``: torch numbers parameters by position over the
+    parameter groups, so saved state ``index`` belongs to the live parameter at that position.
+    """
+    targets = {}
+    for opt_name, optimizer in optimizers.items():
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            if is_dtensor(param):
+                targets[f"{opt_name}/state/{index}/"] = param
+    return targets
+
+
+def restore_targets(live: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer], names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """For each saved tensor name, the live DTensor whose placement it must be restored to."""
+    targets = {n: t for n, t in live.items() if is_dtensor(t)}
+    by_param = optimizer_targets(optimizers)
+    for name in names:
+        if name not in targets:
+            prefix = name[: name.rfind("/") + 1]
+            if prefix in by_param:
+                targets[name] = by_param[prefix]
+    return targets
+
+
+def dtype_entry(tensor: torch.Tensor) -> str:
+    """The dtype code a tensor is indexed with."""
+    return DTYPE_CODES[tensor.dtype]
