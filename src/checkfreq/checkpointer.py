@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 import checkfreq
+from checkfreq.distributed import Cluster, attach
+from checkfreq.distributed_plan import local_view, storage_ptr
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, StateMismatchError
 from checkfreq.events import EventLog
 from checkfreq.format import (
@@ -102,8 +104,11 @@ class Checkpointer:
 
         self._store = LocalStore(directory)
         self._store.check_writable()
-        self._store.lock()
-        self._store.remove_staging()
+        self._cluster: Cluster | None = attach(self._store, persist_timeout)  # under torch.distributed
+        if self._cluster is None:
+            self._store.lock()
+            self._store.remove_staging()
+        self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._store.root
         self._events = EventLog(self.directory)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
@@ -168,7 +173,7 @@ class Checkpointer:
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         ctx = self._context(now, loss)
-        if self._policy.should_save(ctx):
+        if self._decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
         return False
@@ -197,29 +202,42 @@ class Checkpointer:
         is valid, raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
         self.wait()
-        candidates = [(s, p) for s, p in self._store.checkpoints() if step is None or s == step]
-        if not candidates:
-            if step is not None:
-                raise NoValidCheckpointError(f"no checkpoint for step {step} in {self.directory}")
+        if self._cluster is None:
+            found = self._find(step)
+        else:  # rank 0 chooses, every rank reads the same checkpoint
+            found = self._cluster.find(lambda: self._find(step), read_checkpoint)
+        if found is None:
             return 0
-        skipped: list[tuple[str, str]] = []
-        for _, path in candidates:
-            try:
-                manifest, tensors = read_checkpoint(path)
-                break
-            except CorruptCheckpointError as e:
-                log.warning("skipping checkpoint %s: %s", path.name, e)
-                skipped.append((path.name, str(e)))
+        manifest, tensors, path, skipped = found
+        if self._cluster is None:
+            skeleton, tensors = local_view(manifest, tensors)
         else:
-            reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
-            raise NoValidCheckpointError(f"no valid checkpoint in {self.directory} ({reasons})")
-        self._apply(unflatten(manifest.state, tensors, allow_pickle=self._allow_pickle))
+            skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
+        self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
         self._global_step = self._last_checkpoint_step = manifest.step
         self._last_step_time = None
         self._last_checkpoint_time = time.perf_counter()
         self._events.write("restore", step=manifest.step, skipped=skipped)
         log.info("restored %s (step %d)", path.name, manifest.step)
         return manifest.step
+
+    def _find(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]] | None:
+        """The newest valid checkpoint (or the one at ``step``) as (manifest, arrays, path, skipped)."""
+        candidates = [(s, p) for s, p in self._store.checkpoints() if step is None or s == step]
+        if not candidates:
+            if step is not None:
+                raise NoValidCheckpointError(f"no checkpoint for step {step} in {self.directory}")
+            return None
+        skipped: list[tuple[str, str]] = []
+        for _, path in candidates:
+            try:
+                manifest, tensors = read_checkpoint(path)
+                return manifest, tensors, path, skipped
+            except CorruptCheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", path.name, e)
+                skipped.append((path.name, str(e)))
+        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+        raise NoValidCheckpointError(f"no valid checkpoint in {self.directory} ({reasons})")
 
     def close(self) -> None:
         """Wait for the checkpoint in flight, stop the writer and release the directory."""
@@ -232,6 +250,8 @@ class Checkpointer:
             handle.remove()
         self._hook_handles = []
         self._fence = None
+        if self._cluster is not None:
+            self._cluster.close()
         try:
             self.wait()
         finally:
@@ -292,8 +312,11 @@ class Checkpointer:
         state.update(self._values)
         state["checkfreq"] = {"global_step": step}
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
-        pending = self._snapshotter.take(tensors, self._optimizer_owned(tensors))
-        self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start))
+        owned, share = self._optimizer_owned(tensors), None
+        if self._cluster is not None:  # this rank writes its share only
+            tensors, owned, share = self._cluster.select(tensors, owned)
+        pending = self._snapshotter.take(tensors, owned)
+        self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start, share))
         interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
         self._last_checkpoint_step = step
         self._last_checkpoint_time = start
@@ -316,9 +339,9 @@ class Checkpointer:
         """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
         if not self._optimizers:
             return set()
-        param_ptrs = {p.data_ptr() for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]}
+        param_ptrs = {storage_ptr(p) for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]}
         prefixes = tuple(f"{name}/state/" for name in self._optimizers)
-        return {n for n, t in tensors.items() if n.startswith(prefixes) or t.data_ptr() in param_ptrs}
+        return {n for n, t in tensors.items() if n.startswith(prefixes) or storage_ptr(t) in param_ptrs}
 
     def _finish_fence(self) -> None:
         """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
@@ -337,7 +360,12 @@ class Checkpointer:
         self._profiler.record_stall(self._fence_stall + wait)
         self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
 
-    def _persist(self, pending: PendingSnapshot, skeleton: Any, step: int, epoch: int | None, start: float) -> None:
+    def _persist(
+        self, pending: PendingSnapshot, skeleton: Any, step: int, epoch: int | None, start: float, share: dict[str, Any] | None = None
+    ) -> None:
+        if share is not None:
+            self._persist_shared(pending, share, skeleton, step, epoch, start)
+            return
         staging = None
         try:
             pending.finish_copy()
@@ -363,6 +391,20 @@ class Checkpointer:
         finally:
             pending.copied.set()
         self._store.retain(self._keep, final)
+        self._record_commit(step, size, start)
+
+    def _persist_shared(self, pending: PendingSnapshot, share: dict[str, Any], skeleton: Any, step: int, epoch: int | None, start: float) -> None:
+        """Several ranks: write this rank's file; rank 0 commits once every rank's file is durable."""
+        try:
+            final, size = self._cluster.persist(pending, share, skeleton, step, epoch, _versions())  # type: ignore[union-attr]
+        except BaseException as e:
+            self._events.write("error", step=step, message=str(e))
+            raise
+        if final is not None:
+            self._store.retain(self._keep, final)
+        self._record_commit(step, size, start)
+
+    def _record_commit(self, step: int, size: int, start: float) -> None:
         seconds = time.perf_counter() - start
         self._profiler.record_persist(seconds, size)
         self._events.write("commit", step=step, persist_s=seconds, bytes=size, bandwidth_gbps=size / seconds / 1e9)
