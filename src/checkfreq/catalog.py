@@ -1,0 +1,379 @@
+"""Checkpoints as a user sees them from a shell: listing with validity, verification, inspection,
+export to a plain state dict, and tensor-by-tensor comparison.
+
+Everything here reads through :mod:`checkfreq.format`, :func:`checkfreq.checkpointer.read_checkpoint`
+and :class:`checkfreq.store.LocalStore`; nothing unpickles. The ``checkfreq`` command only formats
+what these functions return.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkfreq.checkpointer import read_checkpoint
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.format import MANIFEST_NAME, Manifest, read_manifest
+from checkfreq.state import unflatten
+from checkfreq.store import LocalStore, checkpoint_name, fsync_directory
+
+log = logging.getLogger("checkfreq.catalog")
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """One committed checkpoint directory and whether a restore would accept it."""
+
+    name: str
+    path: str
+    step: int
+    epoch: int | None
+    bytes: int
+    """Bytes of the files on disk (data files and manifest)."""
+    created: float | None
+    """When it was written (seconds since the epoch), from its manifest; None if unreadable."""
+    valid: bool
+    reason: str | None
+    """Why it is invalid (None when valid)."""
+    checksummed: bool
+    """Whether validity includes reading every byte against its checksum (else: manifest and sizes)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_checkpoint(target: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory ``target`` names: itself, ``RUN/step_N`` (N unpadded is fine),
+    or, for a run directory, its newest valid checkpoint (checksums verified)."""
+    path = Path(target)
+    match = _STEP_DIR.match(path.name)
+    if not path.exists() and match:
+        padded = path.with_name(checkpoint_name(int(match.group(1))))
+        if padded.exists():
+            return padded
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory")
+    if is_checkpoint_dir(path):
+        return path
+    invalid = []
+    for _, candidate in LocalStore(path, create=False).checkpoints():
+        status = check_checkpoint(candidate)
+        if status.valid:
+            return candidate
+        invalid.append(f"{status.name}: {status.reason}")
+    if not invalid:
+        raise NoValidCheckpointError(f"{path} holds no checkpoint")
+    raise NoValidCheckpointError(f"no valid checkpoint in {path} ({'; '.join(invalid)})")
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """True for a checkpoint directory (``step_N`` or holding a manifest), False for a run directory."""
+    return bool(_STEP_DIR.match(path.name)) or (path / MANIFEST_NAME).is_file()
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
+    """Every committed checkpoint under the run directory ``root``, newest first, with its validity.
+
+    With ``checksums=False`` only the manifest and the file sizes are checked (no data is read).
+    """
+    store = LocalStore(root, create=False)
+    return [check_checkpoint(path, checksums=checksums) for _, path in store.checkpoints()]
+
+
+def check_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True) -> CheckpointStatus:
+    """The status of one checkpoint directory; never raises for a damaged checkpoint."""
+    path = Path(path)
+    match = _STEP_DIR.match(path.name)
+    step, epoch, created = (int(match.group(1)) if match else -1), None, None
+    try:
+        manifest = read_manifest(path)
+        step, epoch, created = manifest.step, manifest.epoch, manifest.created
+        if checksums:
+            read_checkpoint(path)
+        else:
+            _check_sizes(path, manifest)
+        valid, reason = True, None
+    except CorruptCheckpointError as e:
+        valid, reason = False, str(e)
+    except OSError as e:
+        valid, reason = False, f"unreadable: {e}"
+    return CheckpointStatus(
+        name=path.name, path=str(path), step=step, epoch=epoch, bytes=_disk_bytes(path), created=created,
+        valid=valid, reason=reason, checksummed=checksums,
+    )
+
+
+def _check_sizes(path: Path, manifest: Manifest) -> None:
+    for name, entry in manifest.files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {name} is missing") from None
+        if actual != entry["size"]:
+            raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {entry['size']}")
+
+
+def _disk_bytes(path: Path) -> int:
+    try:
+        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, from its manifest."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    file: str
+
+
+@dataclass(frozen=True)
+class CheckpointDescription:
+    """What ``checkfreq inspect`` shows: the manifest's contents, without reading the data."""
+
+    path: str
+    step: int
+    epoch: int | None
+    world_size: int
+    created: float
+    versions: dict[str, str]
+    files: dict[str, dict[str, Any]]
+    tensors: list[TensorInfo]
+    objects: dict[str, dict[str, Any]]
+    """Registered name → {"tensors": count, "bytes": total, "value": the plain value, if it holds no tensor}."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(path: str | os.PathLike[str]) -> CheckpointDescription:
+    """Read a checkpoint's manifest (not its data) and summarise tensors, objects and versions."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    tensors = [
+        TensorInfo(name, list(e["shape"]), e["dtype"], e["offsets"][1] - e["offsets"][0], e["file"])
+        for name, e in sorted(manifest.tensors.items())
+    ]
+    objects: dict[str, dict[str, Any]] = {}
+    for name, node in manifest.state.items():
+        owned = [t for t in tensors if t.name == name or t.name.startswith(f"{name}/")]
+        entry: dict[str, Any] = {"tensors": len(owned), "bytes": sum(t.bytes for t in owned)}
+        if not owned and not _has_marker(node):
+            entry["value"] = node
+        objects[name] = entry
+    return CheckpointDescription(
+        path=str(path), step=manifest.step, epoch=manifest.epoch, world_size=manifest.world_size,
+        created=manifest.created, versions=manifest.versions, files=manifest.files, tensors=tensors, objects=objects,
+    )
+
+
+def _has_marker(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_has_marker(v) for v in node)
+    if isinstance(node, dict):
+        return any(k.startswith("__") and k.endswith("__") for k in node) or any(_has_marker(v) for v in node.values())
+    return False
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    source: str
+    destination: str
+    step: int
+    tensors: int
+    bytes: int
+    dropped: dict[str, int]
+    """Non-tensor values left out (a safetensors file holds tensors only), counted per top-level name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_state(path: str | os.PathLike[str], only: str | None = None) -> tuple[Manifest, Any]:
+    """The verified state of one checkpoint as plain Python: ``{registered_name: state}``, or one
+    object's state with ``only``. Tensors are independent CPU copies; NumPy arrays become tensors."""
+    manifest, tensors = read_checkpoint(Path(path))
+    state = unflatten(manifest.state, tensors, allow_pickle=False)
+    if only is not None:
+        if only not in state:
+            raise KeyError(f"checkpoint {Path(path).name} has no object {only!r}; it holds {', '.join(sorted(state))}")
+        state = state[only]
+    return manifest, _plain(state)
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return node.clone()  # a view shares the whole data section; torch.save would write all of it
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node.copy())
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_plain(v) for v in node)
+    return node
+
+
+def export(
+    source: str | os.PathLike[str], destination: str | os.PathLike[str], *, only: str | None = None
+) -> ExportResult:
+    """Write a checkpoint's state (or one object's, with ``only``) as a plain state dict.
+
+    ``.pt``/``.pth``: ``torch.save`` of the nested state, loadable with ``torch.load(weights_only=True)``.
+    ``.safetensors``: the tensors under their ``/``-joined paths (a module's own keys with ``only``).
+    The file appears atomically (written aside, fsynced, renamed).
+    """
+    source, destination = resolve_checkpoint(source), Path(destination)
+    if destination.suffix not in EXPORT_SUFFIXES:
+        raise ValueError(f"export to {destination.name}: the name must end in {', '.join(EXPORT_SUFFIXES)}")
+    manifest, state = load_state(source, only)
+    flat, dropped = flatten_tensors(state)
+    if not flat:
+        raise CheckfreqError(f"nothing to export: {only or 'the checkpoint'} holds no tensors")
+    staging = destination.with_name(f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        if destination.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(flat, str(staging), metadata={"checkfreq_step": str(manifest.step), "checkfreq_only": only or ""})
+        else:
+            torch.save(state, staging)
+            dropped = {}
+        _fsync_file(staging)
+        os.replace(staging, destination)
+        fsync_directory(destination.parent.resolve())
+    finally:
+        staging.unlink(missing_ok=True)
+    log.info("exported %s (%d tensors) to %s", source, len(flat), destination)
+    return ExportResult(
+        source=str(source), destination=str(destination), step=manifest.step, tensors=len(flat),
+        bytes=destination.stat().st_size, dropped=dropped,
+    )
+
+
+def flatten_tensors(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """``{path: tensor}`` for every tensor in a nested state (``/``-joined paths), and how many
+    non-tensor values each top-level entry holds."""
+    tensors: dict[str, torch.Tensor] = {}
+    others: dict[str, int] = {}
+    for path, value in _leaves(state, ""):
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+        else:
+            top = path.split("/", 1)[0]
+            others[top] = others.get(top, 0) + 1
+    return tensors, others
+
+
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        yield path, node
+        return
+    for key, value in items:
+        yield from _leaves(value, f"{path}/{key}" if path else str(key))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor differs between checkpoints A and B."""
+
+    name: str
+    status: str
+    """``equal``, ``differs``, ``only_a``, ``only_b`` or ``mismatch`` (shape or dtype)."""
+    detail: str | None
+    changed: int
+    """Elements that differ (0 unless ``differs``)."""
+    numel: int
+    max_abs: float | None
+    rel_l2: float | None
+    """‖A − B‖₂ / ‖A‖₂ (inf when A is all zeros and B is not; null in JSON)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_number(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CheckpointDiff:
+    """Every tensor of two checkpoints compared by name."""
+
+    a: str
+    b: str
+    step_a: int
+    step_b: int
+    tensors: list[TensorDiff]
+
+    @property
+    def identical(self) -> bool:
+        return all(t.status == "equal" for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "step_a": self.step_a, "step_b": self.step_b,
+            "identical": self.identical, "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+
+def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
+    """Compare two checkpoints (both verified against their checksums) tensor by tensor."""
+    path_a, path_b = resolve_checkpoint(a), resolve_checkpoint(b)
+    manifest_a, tensors_a = read_checkpoint(path_a)
+    manifest_b, tensors_b = read_checkpoint(path_b)
+    rows = [_compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())]
+    order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
+    rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
+    return CheckpointDiff(str(path_a), str(path_b), manifest_a.step, manifest_b.step, rows)
+
+
+def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> TensorDiff:
+    if x is None or y is None:
+        present = x if x is not None else y
+        return TensorDiff(name, "only_a" if y is None else "only_b", None, 0, present.numel(), None, None)  # type: ignore[union-attr]
+    if x.shape != y.shape or x.dtype != y.dtype:
+        detail = f"A {tuple(x.shape)} {x.dtype}, B {tuple(y.shape)} {y.dtype}"
+        return TensorDiff(name, "mismatch", detail, 0, x.numel(), None, None)
+    xd, yd = x.to(torch.float64), y.to(torch.float64)
+    unequal = (xd != yd) & ~(torch.isnan(xd) & torch.isnan(yd))
+    changed = int(unequal.sum())
+    if changed == 0:
+        return TensorDiff(name, "equal", None, 0, x.numel(), 0.0, 0.0)
+    delta = (xd - yd).abs()
+    max_abs = float(delta.max())
+    norm_a, norm_d = float(torch.linalg.vector_norm(xd)), float(torch.linalg.vector_norm(xd - yd))
+    rel = norm_d / norm_a if norm_a > 0 else math.inf
+    return TensorDiff(name, "differs", None, changed, x.numel(), max_abs, rel)
+
+
+def _json_number(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value

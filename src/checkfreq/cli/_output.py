@@ -1,0 +1,58 @@
+"""Output helpers shared by the inspection and report commands: consoles, JSON, and error exits."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from checkfreq.errors import CheckfreqError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_FAILED = 1
+"""A check failed (``verify``), or two checkpoints differ (``diff``)."""
+EXIT_ERROR = 2
+"""The command could not run: a missing path, an unreadable checkpoint, a bad argument."""
+
+JSON_HELP = "Print machine-readable JSON on stdout instead of tables."
+
+
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def emit_json(document: Any) -> None:
+    """Print ``document`` as strict JSON (NaN and infinities are not allowed)."""
+    typer.echo(json.dumps(document, indent=2, allow_nan=False))
+
+
+def reports_errors(command: F) -> F:
+    """Turn the library's expected errors into one red line on stderr and exit status 2."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except (CheckfreqError, OSError, KeyError, ValueError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
+            raise typer.Exit(EXIT_ERROR) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_age(created: float | None) -> str:
+    """How long ago ``created`` (seconds since the epoch) was, for people."""
+    if created is None:
+        return "?"
+    seconds = max(time.time() - created, 0.0)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} ago"
+    return f"{seconds:.0f} s ago"

@@ -1,0 +1,185 @@
+"""``checkfreq ls / inspect / verify / export / diff``: checkpoints from a shell.
+
+The work is done by :mod:`checkfreq.catalog`; these commands only format its results.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from checkfreq.cli import app
+from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, human_age, reports_errors
+from checkfreq.report import human_bytes
+
+if TYPE_CHECKING:
+    from checkfreq.catalog import CheckpointDiff
+
+JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+
+
+@app.command("ls")
+@reports_errors
+def ls_command(
+    directory: Annotated[Path, typer.Argument(help="Run directory holding step_* checkpoints.")],
+    quick: Annotated[bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason."""
+    from checkfreq.catalog import list_checkpoints
+
+    statuses = list_checkpoints(directory, checksums=not quick)
+    if as_json:
+        emit_json([s.to_dict() for s in statuses])
+        return
+    table = Table(title=f"{directory} ({'sizes only' if quick else 'checksums verified'})")
+    for column in ("checkpoint", "step", "epoch", "size", "age", "status"):
+        table.add_column(column, no_wrap=column != "status", justify="right" if column in ("step", "size") else "left")
+    for s in statuses:
+        status = "[green]valid[/green]" if s.valid else f"[red]INVALID[/red]: {s.reason}"
+        epoch = "-" if s.epoch is None else str(s.epoch)
+        table.add_row(s.name, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
+    out = console()
+    out.print(table)
+    out.print(f"{sum(s.valid for s in statuses)} valid, {sum(not s.valid for s in statuses)} invalid")
+
+
+@app.command("inspect")
+@reports_errors
+def inspect_command(
+    target: Annotated[Path, typer.Argument(help="A checkpoint (RUN/step_N), or a run directory for its newest valid one.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a checkpoint's tensors (name, shape, dtype, bytes), registered objects, metadata and versions."""
+    from checkfreq.catalog import describe, resolve_checkpoint
+
+    info = describe(resolve_checkpoint(target))
+    if as_json:
+        emit_json(info.to_dict())
+        return
+    out = console()
+    created = datetime.datetime.fromtimestamp(info.created).isoformat(sep=" ", timespec="seconds")
+    out.print(f"[bold]{info.path}[/bold]", soft_wrap=True)
+    out.print(f"step {info.step}, epoch {info.epoch}, world size {info.world_size}, written {created} ({human_age(info.created)})")
+    out.print("versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()), soft_wrap=True)
+    files = Table(title="files")
+    for column in ("file", "size", "xxh3-64"):
+        files.add_column(column, no_wrap=True)
+    for name, entry in info.files.items():
+        files.add_row(name, human_bytes(entry["size"]), entry["xxh3_64"])
+    out.print(files)
+    objects = Table(title="registered objects")
+    for column in ("name", "tensors", "bytes", "value"):
+        objects.add_column(column, no_wrap=column != "value")
+    for name, entry in info.objects.items():
+        value = json.dumps(entry["value"]) if "value" in entry else ""
+        objects.add_row(name, str(entry["tensors"]), human_bytes(entry["bytes"]), value)
+    out.print(objects)
+    tensors = Table(title=f"{len(info.tensors)} tensors, {human_bytes(sum(t.bytes for t in info.tensors))}")
+    for column in ("name", "shape", "dtype", "bytes"):
+        tensors.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
+    for t in info.tensors:
+        tensors.add_row(t.name, str(tuple(t.shape)), t.dtype, str(t.bytes))
+    out.print(tensors)
+
+
+@app.command("verify")
+@reports_errors
+def verify_command(
+    target: Annotated[Path, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists)."""
+    from checkfreq.catalog import check_checkpoint, is_checkpoint_dir, list_checkpoints, resolve_checkpoint
+
+    single = is_checkpoint_dir(target)
+    statuses = [check_checkpoint(resolve_checkpoint(target))] if single else list_checkpoints(target)
+    failed = [s for s in statuses if not s.valid]
+    if as_json:
+        emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses]})
+    else:
+        out = console()
+        for s in statuses:
+            if s.valid:
+                out.print(f"[green]ok[/green]     {s.name}  step {s.step}, {human_bytes(s.bytes)}", soft_wrap=True)
+            else:
+                out.print(f"[red]FAILED[/red] {s.name}: {s.reason}", soft_wrap=True)
+        if not statuses:
+            out.print(f"[red]no checkpoint in {target}[/red]", soft_wrap=True)
+        else:
+            out.print(f"{len(statuses) - len(failed)} of {len(statuses)} checkpoints verified")
+    if failed or not statuses:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@app.command("export")
+@reports_errors
+def export_command(
+    target: Annotated[Path, typer.Argument(help="A checkpoint, or a run directory for its newest valid one.")],
+    to: Annotated[Path, typer.Option("--to", help="Output file: NAME.safetensors, NAME.pt or NAME.pth.")],
+    only: Annotated[str | None, typer.Option("--only", help="Export one registered object, e.g. 'model'.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""
+    from checkfreq.catalog import export
+
+    result = export(target, to, only=only)
+    if as_json:
+        emit_json(result.to_dict())
+        return
+    out = console()
+    what = f"'{only}'" if only else "the state"
+    out.print(
+        f"exported {what} of step {result.step} ({result.tensors} tensors) from {result.source} "
+        f"to {result.destination} ({human_bytes(result.bytes)})",
+        soft_wrap=True,
+    )
+    if result.dropped:
+        counts = ", ".join(f"{name} ({n})" for name, n in result.dropped.items())
+        out.print(f"left out non-tensor values (a safetensors file holds tensors only): {counts}", soft_wrap=True)
+
+
+@app.command("diff")
+@reports_errors
+def diff_command(
+    a: Annotated[Path, typer.Argument(help="Checkpoint A (or a run directory: its newest valid checkpoint).")],
+    b: Annotated[Path, typer.Argument(help="Checkpoint B.")],
+    show_all: Annotated[bool, typer.Option("--all", help="List equal tensors too.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Compare two checkpoints tensor by tensor; exit 1 if they differ, like diff(1)."""
+    from checkfreq.catalog import diff
+
+    result = diff(a, b)
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        _print_diff(result, show_all)
+    if not result.identical:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _print_diff(result: CheckpointDiff, show_all: bool) -> None:
+    out = console()
+    out.print(f"A: {result.a} (step {result.step_a})\nB: {result.b} (step {result.step_b})", soft_wrap=True)
+    table = Table()
+    for column in ("tensor", "status", "changed", "max |A-B|", "‖A-B‖/‖A‖"):
+        table.add_column(column, no_wrap=column != "status")
+    rows = [t for t in result.tensors if show_all or t.status != "equal"]
+    for t in rows:
+        changed = f"{t.changed}/{t.numel}" if t.status in ("differs", "equal") else "-"
+        status = t.status if t.detail is None else f"{t.status}: {t.detail}"
+        table.add_row(t.name, status, changed, _g(t.max_abs), _g(t.rel_l2))
+    if rows:
+        out.print(table)
+    equal = sum(t.status == "equal" for t in result.tensors)
+    out.print(f"{len(result.tensors) - equal} of {len(result.tensors)} tensors differ")
+
+
+def _g(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"

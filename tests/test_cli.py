@@ -1,0 +1,248 @@
+"""The ``checkfreq`` inspection commands on checkpoints written by a real training run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import checkfreq as cf
+from checkfreq.cli import app
+from checkfreq.data import ResumableLoader
+
+STEPS_PER_EPOCH = 4
+runner = CliRunner()
+
+
+def train(directory: Path, epochs: int = 5, width: int = 32) -> dict[str, torch.Tensor]:
+    """A real small run: checkpoint every 5 steps; returns the model's final state."""
+    model = make_model(width=width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=1)
+    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10, note="cli") as ckpt:
+        for _ in range(loader.epoch, epochs):
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ckpt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    directory = tmp_path_factory.mktemp("cli") / "run"
+    return directory, train(directory)
+
+
+@pytest.fixture
+def run(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> Path:
+    """A private copy of the trained run, free to damage."""
+    return Path(shutil.copytree(trained[0], tmp_path / "run"))
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, [str(a) for a in args])
+    if result.exception and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output
+
+
+def as_json(*args: str) -> object:
+    code, out = invoke(*args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def data_file(checkpoint: Path) -> Path:
+    return checkpoint / "rank00000.safetensors"
+
+
+def damage(run: Path) -> tuple[Path, Path]:
+    """Flip one byte of step 10 (same size) and truncate step 15's data file."""
+    flipped, truncated = run / "step_000000010", run / "step_000000015"
+    raw = bytearray(data_file(flipped).read_bytes())
+    raw[-3] ^= 0xFF
+    data_file(flipped).write_bytes(bytes(raw))
+    with open(data_file(truncated), "r+b") as f:
+        f.truncate(data_file(truncated).stat().st_size - 100)
+    return flipped, truncated
+
+
+def test_ls_lists_every_checkpoint_with_step_epoch_and_validity(run: Path) -> None:
+    listing = as_json("ls", run)
+    assert [c["step"] for c in listing] == [20, 15, 10, 5]
+    assert [c["epoch"] for c in listing] == [(s - 1) // STEPS_PER_EPOCH for s in (20, 15, 10, 5)]
+    assert all(c["valid"] and c["reason"] is None and c["bytes"] > 1000 for c in listing)
+    code, out = invoke("ls", run)
+    assert code == 0 and "step_000000020" in out and "4 valid, 0 invalid" in out
+
+
+def test_ls_marks_invalid_checkpoints_and_says_why(run: Path) -> None:
+    flipped, truncated = damage(run)
+    listing = {c["name"]: c for c in as_json("ls", run)}
+    assert not listing[flipped.name]["valid"] and "checksum" in listing[flipped.name]["reason"]
+    assert not listing[truncated.name]["valid"] and "bytes" in listing[truncated.name]["reason"]
+    assert listing["step_000000020"]["valid"] and listing["step_000000005"]["valid"]
+    # --quick reads no data: it sees the truncation but not the flipped byte.
+    quick = {c["name"]: c["valid"] for c in as_json("ls", run, "--quick")}
+    assert quick[flipped.name] and not quick[truncated.name]
+    code, out = invoke("ls", run)
+    assert code == 0 and "INVALID" in out and "2 valid, 2 invalid" in out
+
+
+def test_verify_exits_nonzero_naming_each_bad_checkpoint(run: Path) -> None:
+    assert invoke("verify", run)[0] == 0
+    flipped, truncated = damage(run)
+    code, out = invoke("verify", run)
+    assert code == 1
+    failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 2 and flipped.name in failed[1] and truncated.name in failed[0]
+    assert "checksum" in out and "2 of 4 checkpoints verified" in out
+    report = as_json_allow_failure("verify", run)
+    assert report["ok"] is False and sorted(c["name"] for c in report["checkpoints"] if not c["valid"]) == [
+        flipped.name, truncated.name,
+    ]
+    assert invoke("verify", run / "step_000000020")[0] == 0
+    assert invoke("verify", run / "step_10")[0] == 1  # unpadded step names resolve too
+
+
+def as_json_allow_failure(*args: str) -> dict:
+    return json.loads(invoke(*args, "--json")[1])
+
+
+def test_verify_real_process_exit_status(run: Path) -> None:
+    damage(run)
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkfreq.cli", "verify", str(run)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED step_000000010" in proc.stdout
+
+
+def test_verify_of_an_empty_directory_fails(tmp_path: Path) -> None:
+    code, out = invoke("verify", tmp_path)
+    assert code == 1 and "no checkpoint" in out
+
+
+def test_inspect_shows_tensors_objects_and_versions(trained: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    run, final = trained
+    info = as_json("inspect", run / "step_000000020")
+    tensors = {t["name"]: t for t in info["tensors"]}
+    for key, value in final.items():
+        entry = tensors[f"model/{key}"]
+        assert entry["shape"] == list(value.shape)
+        assert entry["bytes"] == value.numel() * value.element_size()
+    assert tensors["model/0.weight"]["dtype"] == "F32" and tensors["model/1.num_batches_tracked"]["dtype"] == "I64"
+    assert any(name.startswith("optimizer/state/") for name in tensors)
+    assert info["step"] == 20 and info["epoch"] == 4 and info["versions"]["torch"] == torch.__version__
+    assert info["objects"]["note"] == {"tensors": 0, "bytes": 0, "value": "cli"}
+    assert info["objects"]["model"]["tensors"] == len(final)
+    code, out = invoke("inspect", run)
+    assert code == 0 and "model/0.weight" in out and "(32, 8)" in out and torch.__version__ in out
+
+
+def test_inspect_of_a_run_picks_its_newest_valid_checkpoint(run: Path) -> None:
+    raw = bytearray(data_file(run / "step_000000020").read_bytes())
+    raw[-1] ^= 1
+    data_file(run / "step_000000020").write_bytes(bytes(raw))
+    assert as_json("inspect", run)["step"] == 15
+
+
+def test_export_pt_loads_with_weights_only_into_a_fresh_model(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    run, final = trained
+    code, out = invoke("export", run, "--to", tmp_path / "model.pt", "--only", "model")
+    assert code == 0, out
+    fresh = make_model(seed=123)
+    fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, final[key]), key
+    # The file holds the model only, not the whole data section its tensors were views of.
+    assert (tmp_path / "model.pt").stat().st_size < data_file(run / "step_000000020").stat().st_size
+
+
+def test_export_safetensors_loads_into_a_fresh_model(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    run, final = trained
+    result = as_json("export", run, "--to", tmp_path / "model.safetensors", "--only", "model")
+    assert result["step"] == 20 and result["tensors"] == len(final) and result["dropped"] == {}
+    fresh = make_model(seed=7)
+    fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, final[key]), key
+
+
+def test_export_of_everything_restores_model_and_optimizer(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    run, _ = trained
+    assert invoke("export", run / "step_000000010", "--to", tmp_path / "all.pt")[0] == 0
+    state = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer", "loader", "rng", "note", "checkfreq"}
+    model = make_model(seed=3)
+    model.load_state_dict(state["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt.load_state_dict(state["optimizer"])
+    assert state["checkfreq"]["global_step"] == 10 and int(opt.state_dict()["state"][0]["step"]) == 10
+    flat = as_json("export", run, "--to", tmp_path / "all.safetensors")
+    assert flat["dropped"]["note"] == 1 and "optimizer" in flat["dropped"]
+    assert "optimizer/state/0/exp_avg" in load_file(tmp_path / "all.safetensors")
+
+
+def test_export_errors_are_clear(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    run, _ = trained
+    code, out = invoke("export", run, "--to", tmp_path / "model.bin")
+    assert code == 2 and ".safetensors" in out
+    code, out = invoke("export", run, "--to", tmp_path / "m.pt", "--only", "modle")
+    assert code == 2 and "'modle'" in out and "model" in out
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_diff_reports_which_tensors_differ_and_by_how_much(trained: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    run, _ = trained
+    code, out = invoke("diff", run / "step_000000020", run)
+    assert code == 0 and "0 of" in out
+    code, _ = invoke("diff", run / "step_000000005", run / "step_000000010")
+    assert code == 1
+    result = as_json_allow_failure("diff", run / "step_000000005", run / "step_000000010")
+    rows = {t["name"]: t for t in result["tensors"]}
+    _, a = cf.read_checkpoint(run / "step_000000005")
+    _, b = cf.read_checkpoint(run / "step_000000010")
+    weight = rows["model/0.weight"]
+    assert weight["status"] == "differs" and weight["numel"] == 256
+    assert weight["max_abs"] == pytest.approx(float((a["model/0.weight"] - b["model/0.weight"]).abs().max()))
+    expected_rel = float((a["model/0.weight"].double() - b["model/0.weight"].double()).norm() / a["model/0.weight"].double().norm())
+    assert weight["rel_l2"] == pytest.approx(expected_rel)
+    assert rows["model/1.num_batches_tracked"]["max_abs"] == 5
+    assert result["identical"] is False and result["step_a"] == 5 and result["step_b"] == 10
+
+
+def test_diff_flags_shape_mismatches(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    run, _ = trained
+    other = tmp_path / "narrow"
+    model = make_model(width=16)
+    with cf.Checkpointer(other, model=model, policy=1) as ckpt:
+        ckpt.save(blocking=True)
+    rows = {t["name"]: t for t in as_json_allow_failure("diff", run, other)["tensors"]}
+    assert rows["model/0.weight"]["status"] == "mismatch" and "(16, 8)" in rows["model/0.weight"]["detail"]
+    assert rows["optimizer/state/0/exp_avg"]["status"] == "only_a"
+
+
+def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    code, out = invoke("ls", tmp_path / "nope")
+    assert code == 2 and "does not exist" in out
+    code, out = invoke("inspect", tmp_path / "nope")
+    assert code == 2 and "nope" in out
