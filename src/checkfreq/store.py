@@ -14,9 +14,14 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from checkfreq.errors import DirectoryLockedError
+from checkfreq.format import Manifest, read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.store")
 
@@ -92,6 +97,25 @@ class LocalStore:
         path = self.root / f"{checkpoint_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
         path.mkdir()
         return path
+
+    @property
+    def events_directory(self) -> Path:
+        """The run's event log lives next to its checkpoints."""
+        return self.root
+
+    def write_file(self, staging: Path, name: str, chunks: Iterable[bytes | memoryview]) -> None:
+        """Write ``staging/name`` with ``os.write`` straight from ``chunks`` (no copy) and fsync it."""
+        write_chunks(staging / name, chunks)
+
+    def discard(self, staging: Path) -> None:
+        """Remove a staging directory that will never be committed."""
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def read_manifest(self, location: Path) -> Manifest:
+        return read_manifest(location)
+
+    def read_data(self, location: Path, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        return read_data_file(location / name, size, checksum)
 
     def commit(self, staging: Path, step: int) -> Path:
         """Atomically publish a fully written and fsynced staging directory as checkpoint ``step``."""
