@@ -1,0 +1,140 @@
+"""The narrow interface every checkpoint store implements, and the choice of store by URL.
+
+The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
+staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
+lists committed checkpoints, reads them back and applies retention. How a commit is made
+atomic is the store's business: a local directory renames a fully fsynced staging directory;
+an object store has no atomic rename, so the manifest, written last, is the commit marker and a
+checkpoint without one is never listed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import xxhash
+
+from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
+from checkfreq.store import LocalStore
+
+
+class Location(Protocol):
+    """Where one checkpoint lives in a store (a ``PurePath`` for the stores here)."""
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's directory name, ``step_NNNNNNNNN``."""
+        ...
+
+
+class Store(Protocol):
+    """Where checkpoints live: staging, atomic commit, listing, reading, retention.
+
+    Locations are opaque to callers: a location returned by a store is only ever handed back
+    to the same store.
+    """
+
+    root: Any
+    """The store's address for messages: a ``Path`` for a local directory, else a URL."""
+
+    @property
+    def events_directory(self) -> Path:
+        """A local directory for the run's event log."""
+        ...
+
+    def check_writable(self) -> None:
+        """Fail now, with a clear message, if checkpoints could not be written later."""
+
+    def lock(self) -> None:
+        """Claim the store for this writer where the store can (a local directory can)."""
+
+    def unlock(self) -> None:
+        """Release what :meth:`lock` took and finish background work (may raise its error)."""
+
+    def remove_staging(self) -> None:
+        """Delete leftovers of writes that never committed (only while holding the store)."""
+
+    def staging_dir(self, step: int) -> Any:
+        """A fresh location to write checkpoint ``step`` into."""
+
+    def write_file(self, staging: Any, name: str, chunks: Iterable[bytes | memoryview]) -> None:
+        """Write one file from ``chunks`` into ``staging``; it is durable when this returns."""
+
+    def commit(self, staging: Any, step: int) -> Location:
+        """Publish a fully written staging location (its manifest written last) as ``step``."""
+        ...
+
+    def discard(self, staging: Any) -> None:
+        """Remove a staging location that will never be committed."""
+
+    def checkpoints(self) -> list[tuple[int, Location]]:
+        """Committed checkpoints as (step, location), newest first."""
+        ...
+
+    def read_manifest(self, location: Any) -> Manifest:
+        """Read and validate a checkpoint's manifest (:class:`CorruptCheckpointError` if bad)."""
+        ...
+
+    def read_data(self, location: Any, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Read and verify one data file: its data section (flat ``uint8``) and parsed header."""
+        ...
+
+    def retain(self, keep: int, protect: Any) -> None:
+        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
+
+    def delete(self, location: Any) -> None:
+        """Remove a committed checkpoint so that a kill never leaves half of it listed."""
+
+
+def write_data(store: Store, staging: Any, name: str, header: bytes, data: torch.Tensor) -> tuple[int, str]:
+    """Stream a data file (``header`` + the flat buffer ``data``) into ``store``; return (size, xxh3-64)."""
+    hasher = xxhash.xxh3_64()
+    store.write_file(staging, name, data_chunks(header, data, hasher))
+    return len(header) + data.numel(), hasher.hexdigest()
+
+
+def write_manifest(store: Store, staging: Any, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into ``staging``: the last file of a checkpoint, its commit record."""
+    store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
+
+
+def open_store(
+    target: str | os.PathLike[str] | Store,
+    *,
+    remote: str | os.PathLike[str] | Store | None = None,
+    remote_keep: int = 3,
+    create: bool = True,
+) -> Store:
+    """The store for ``target``: a local path, a ``file://`` URL, any fsspec URL, or a ready store.
+
+    Plain paths and ``file://`` URLs give a :class:`~checkfreq.store.LocalStore` (fsync and
+    atomic rename); other URLs (``s3://``, ``gs://``, ``memory://``, ...) an
+    :class:`~checkfreq.storage.FsspecStore`. With ``remote``, ``target`` must be local: it
+    becomes the fast tier of a :class:`~checkfreq.storage.TieredStore` that copies each
+    checkpoint to ``remote`` in the background and keeps ``remote_keep`` there.
+    """
+    store = _single(target, create)
+    if remote is None:
+        return store
+    if not isinstance(store, LocalStore):
+        raise ValueError(f"with remote=..., the first tier must be a local directory, not {target!r}")
+    from checkfreq.storage.tiers import TieredStore
+
+    return TieredStore(store, _single(remote, create), remote_keep=remote_keep)
+
+
+def _single(target: str | os.PathLike[str] | Store, create: bool) -> Store:
+    if not isinstance(target, (str, os.PathLike)):
+        return target  # a store built by the caller, e.g. FsspecStore(url, **storage_options)
+    text = os.fspath(target)
+    if "://" not in text:
+        return LocalStore(text, create=create)
+    if text.startswith("file://"):
+        return LocalStore(text[len("file://") :], create=create)
+    from checkfreq.storage.remote import FsspecStore
+
+    return FsspecStore(text, create=create)
