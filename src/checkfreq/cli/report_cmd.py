@@ -1,0 +1,34 @@
+"""``checkfreq report``: a run's checkpointing timeline (PNG and HTML) and summary, from its event log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from checkfreq.cli import app
+from checkfreq.cli._output import JSON_HELP, console, emit_json, reports_errors
+
+
+@app.command("report")
+@reports_errors
+def report_command(
+    directory: Annotated[Path, typer.Argument(help="Run directory holding events.jsonl.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Where to write report.png and report.html (default: DIRECTORY).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
+) -> None:
+    """Plot iteration time, stall, persist time and bandwidth, the chosen interval and overhead; print a summary."""
+    from dataclasses import asdict
+
+    from checkfreq.report import summary_text, write_report
+
+    report, files = write_report(directory, out)
+    if as_json:
+        emit_json({**report.to_dict(), "files": asdict(files)})
+        return
+    output = console()
+    output.print(summary_text(report), soft_wrap=True)
+    output.print(f"timeline: {files.png}\npage:     {files.html}", soft_wrap=True)

@@ -1,0 +1,387 @@
+"""A run's checkpointing timeline from its event log: per-checkpoint records, a summary, and
+plots (PNG, and a self-contained HTML page).
+
+Overhead is estimated per window between two consecutive checkpoints of one session as the share
+of the window's wall time not explained by clean iterations::
+
+    overhead = 1 - interval_steps * iteration_s / interval_s
+
+so it counts the stall, the slowdown of iterations that overlap a persist, and anything else the
+loop did in that window. The first checkpoint after a start or a restore is left out (its window
+includes setup). The run's overhead is the same ratio over the sums of all counted windows.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import logging
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkfreq.errors import CheckfreqError
+from checkfreq.events import EVENTS_NAME, read_events
+
+log = logging.getLogger("checkfreq.report")
+
+PNG_NAME = "report.png"
+HTML_NAME = "report.html"
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint as the event log tells it (``None``: not recorded)."""
+
+    step: int
+    time: float
+    """When its snapshot finished (seconds since the epoch)."""
+    stall_s: float | None
+    """Total time the training loop was blocked by it (snapshot plus fence wait)."""
+    bytes: int | None
+    """Bytes of the data written (the snapshot's size until the commit reports the file's)."""
+    reason: str | None
+    policy: str | None
+    epoch: int | None
+    interval_steps: int | None
+    interval_s: float | None
+    iteration_s: float | None
+    iteration_persisting_s: float | None
+    first_of_session: bool
+    status: str = "unfinished"
+    """``committed``, ``failed``, or ``unfinished`` (no outcome logged: the process died or is still writing)."""
+    persist_s: float | None = None
+    bandwidth_gbps: float | None = None
+    error: str | None = None
+
+    @property
+    def overhead(self) -> float | None:
+        """This window's overhead (see the module docstring), or None when it cannot be estimated."""
+        if self.first_of_session or not (self.interval_steps and self.interval_s and self.iteration_s):
+            return None
+        return 1.0 - self.interval_steps * self.iteration_s / self.interval_s
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run in numbers; medians unless named otherwise; ``None`` where nothing was measured."""
+
+    sessions: int
+    restores: int
+    checkpoints: int
+    committed: int
+    failed: int
+    unfinished: int
+    first_step: int | None
+    last_step: int | None
+    wall_s: float
+    stall_total_s: float
+    stall_median_s: float | None
+    stall_max_s: float | None
+    persist_median_s: float | None
+    bandwidth_median_gbps: float | None
+    bytes_per_checkpoint: int | None
+    bytes_written: int
+    interval_median_steps: float | None
+    interval_median_s: float | None
+    iteration_s: float | None
+    """The last smoothed iteration time without a persist overlapping."""
+    iteration_persisting_s: float | None
+    """The last smoothed iteration time while a persist overlapped."""
+    overhead: float | None
+
+
+@dataclass
+class RunReport:
+    """Everything ``checkfreq report`` shows."""
+
+    directory: str
+    start_time: float
+    """Time of the log's first event (seconds since the epoch): the timeline's zero."""
+    records: list[CheckpointRecord] = field(default_factory=list)
+    restores: list[dict[str, Any]] = field(default_factory=list)
+    summary: Summary | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "start_time": self.start_time,
+            "summary": asdict(self.summary) if self.summary else None,
+            "checkpoints": [{**asdict(r), "overhead": r.overhead} for r in self.records],
+            "restores": self.restores,
+        }
+
+
+def load_run(directory: str | os.PathLike[str]) -> RunReport:
+    """Read ``DIR/events.jsonl`` into a :class:`RunReport` (records matched to their outcomes)."""
+    directory = Path(directory)
+    events = read_events(directory)
+    if not events:
+        raise CheckfreqError(f"{directory} has no event log ({EVENTS_NAME}); is it a checkfreq run directory?")
+    report = RunReport(str(directory), start_time=events[0]["time"])
+    open_by_step: dict[int, CheckpointRecord] = {}
+    new_session, sessions = True, 0
+    for event in events:
+        kind = event.get("event")
+        if kind == "start":
+            new_session, sessions = True, sessions + 1
+        elif kind == "restore":
+            new_session = True
+            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", [])})
+        elif kind == "snapshot":
+            record = _record(event, new_session)
+            new_session = False
+            report.records.append(record)
+            open_by_step[record.step] = record
+        elif kind in ("fence", "commit", "error") and event.get("step") in open_by_step:
+            _apply_outcome(open_by_step[event["step"]], event)
+    report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
+    return report
+
+
+def _record(event: dict[str, Any], first: bool) -> CheckpointRecord:
+    return CheckpointRecord(
+        step=event["step"], time=event["time"], stall_s=event.get("stall_s"), bytes=event.get("bytes"),
+        reason=event.get("reason"), policy=event.get("policy"), epoch=event.get("epoch"),
+        interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
+        iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
+        first_of_session=first,
+    )
+
+
+def _apply_outcome(record: CheckpointRecord, event: dict[str, Any]) -> None:
+    kind = event["event"]
+    if kind == "fence":
+        record.stall_s = event.get("stall_s", record.stall_s)
+    elif kind == "commit":
+        record.status, record.persist_s, record.bandwidth_gbps = "committed", event.get("persist_s"), event.get("bandwidth_gbps")
+        record.bytes = event.get("bytes", record.bytes)  # the file as written, header included
+    else:
+        record.status, record.error = "failed", event.get("message")
+
+
+def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
+    """The run's numbers from its records (see the module docstring for overhead)."""
+    recs = report.records
+    stalls = _values(r.stall_s for r in recs)
+    committed = [r for r in recs if r.status == "committed"]
+    counted = [r for r in recs if r.overhead is not None]
+    explained = sum(r.interval_steps * r.iteration_s for r in counted)  # type: ignore[operator]
+    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
+    return Summary(
+        sessions=sessions,
+        restores=len(report.restores),
+        checkpoints=len(recs),
+        committed=len(committed),
+        failed=sum(r.status == "failed" for r in recs),
+        unfinished=sum(r.status == "unfinished" for r in recs),
+        first_step=recs[0].step if recs else None,
+        last_step=recs[-1].step if recs else None,
+        wall_s=wall_s,
+        stall_total_s=sum(stalls),
+        stall_median_s=_median(stalls),
+        stall_max_s=max(stalls, default=None),
+        persist_median_s=_median(_values(r.persist_s for r in committed)),
+        bandwidth_median_gbps=_median(_values(r.bandwidth_gbps for r in committed)),
+        bytes_per_checkpoint=_median_int(_values(r.bytes for r in recs)),
+        bytes_written=sum(r.bytes or 0 for r in committed),
+        interval_median_steps=_median(_values(r.interval_steps for r in recs if not r.first_of_session)),
+        interval_median_s=_median(_values(r.interval_s for r in recs if not r.first_of_session)),
+        iteration_s=_last(r.iteration_s for r in recs),
+        iteration_persisting_s=_last(r.iteration_persisting_s for r in recs),
+        overhead=1.0 - explained / window if window > 0 else None,
+    )
+
+
+def _values(items: Any) -> list[Any]:
+    return [v for v in items if v is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _median_int(values: list[int]) -> int | None:
+    return int(statistics.median_low(values)) if values else None
+
+
+def _last(items: Any) -> float | None:
+    values = _values(items)
+    return values[-1] if values else None
+
+
+def summary_text(report: RunReport) -> str:
+    """A few plain lines a person reads first."""
+    s = report.summary
+    assert s is not None
+    lines = [
+        f"run {report.directory}: {s.checkpoints} checkpoints ({s.committed} committed, {s.failed} failed, "
+        f"{s.unfinished} unfinished), {s.sessions} session(s), {s.restores} restore(s), {human_seconds(s.wall_s)} logged",
+    ]
+    if s.checkpoints:
+        lines.append(
+            f"steps {s.first_step}..{s.last_step}; interval the policy chose: median "
+            f"{_num(s.interval_median_steps, '{:g}')} steps ({human_seconds(s.interval_median_s)})"
+        )
+        lines.append(
+            f"stall per checkpoint: median {human_seconds(s.stall_median_s)}, max {human_seconds(s.stall_max_s)}, "
+            f"total {human_seconds(s.stall_total_s)}"
+        )
+        lines.append(
+            f"persist: median {human_seconds(s.persist_median_s)} at {_num(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
+            f"{human_bytes(s.bytes_per_checkpoint)} per checkpoint, {human_bytes(s.bytes_written)} written"
+        )
+    lines.append(
+        f"iteration: {human_seconds(s.iteration_s)} without a persist, {human_seconds(s.iteration_persisting_s)} while persisting"
+    )
+    lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
+    return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def human_seconds(seconds: float | None) -> str:
+    """A duration for people: ``12.3 ms``, ``4.56 s``, ``12.0 min``; ``n/a`` for None."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+
+
+def human_bytes(nbytes: int | None) -> str:
+    """A size in decimal units for people: ``812 B``, ``1.25 MB``; ``n/a`` for None."""
+    if nbytes is None:
+        return "n/a"
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    value, unit = float(nbytes), "B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000:
+            break
+    return f"{value:.3g} {unit}"
+
+
+def render_figure(report: RunReport) -> Any:
+    """A matplotlib ``Figure`` of the timeline (Agg canvas; pyplot and its global state are not used)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 12), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(5, 1, sharex=True)
+    t0, recs = report.start_time, report.records
+    x = [r.time - t0 for r in recs]
+    _series(axes[0], x, [r.iteration_s for r in recs], "without persist", 1e3, "o-")
+    _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting", 1e3, "s--")
+    axes[0].set_ylabel("iteration (ms)")
+    axes[0].legend(loc="upper right", fontsize="small")
+    _series(axes[1], x, [r.stall_s for r in recs], "stall", 1e3, "o")
+    axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
+    axes[1].set_ylabel("stall (ms)")
+    _series(axes[2], x, [r.persist_s for r in recs], "persist", 1e3, "o-")
+    axes[2].set_ylabel("persist (ms)")
+    twin = axes[2].twinx()
+    _series(twin, x, [r.bandwidth_gbps for r in recs], "bandwidth", 1e3, "^:", color="C1")
+    twin.set_ylabel("bandwidth (MB/s)", color="C1")
+    _series(axes[3], x, [r.interval_steps for r in recs], "interval", 1.0, "o-", drawstyle="steps-post")
+    axes[3].set_ylabel("interval (steps)")
+    _series(axes[4], x, [r.overhead for r in recs], "per window", 100.0, "o-")
+    if report.summary and report.summary.overhead is not None:
+        axes[4].axhline(100 * report.summary.overhead, color="C3", linestyle="--", label="run")
+    axes[4].set_ylabel("overhead (%)")
+    axes[4].legend(loc="upper right", fontsize="small")
+    axes[4].set_xlabel("seconds since the first event")
+    _markers(axes, report, t0)
+    fig.suptitle(f"checkfreq run {Path(report.directory).name}: {len(recs)} checkpoints")
+    if not recs:
+        axes[0].text(0.5, 0.5, "no checkpoint in the event log", transform=axes[0].transAxes, ha="center")
+    return fig
+
+
+def _series(ax: Any, x: list[float], ys: list[Any], label: str, scale: float, style: str, **kw: Any) -> None:
+    points = [(xi, scale * y) for xi, y in zip(x, ys) if y is not None]
+    if points:
+        ax.plot(*zip(*points), style, label=label, markersize=3, **kw)
+    ax.grid(True, alpha=0.3)
+
+
+def _markers(axes: Any, report: RunReport, t0: float) -> None:
+    for restore in report.restores:
+        for ax in axes:
+            ax.axvline(restore["time"] - t0, color="grey", linestyle=":", linewidth=1)
+    for record in report.records:
+        if record.status == "failed":
+            for ax in axes:
+                ax.axvline(record.time - t0, color="red", linewidth=1)
+
+
+def write_html(report: RunReport, path: str | os.PathLike[str], figure: Any | None = None) -> Path:
+    """Write one HTML file with everything inline: the summary, the timeline as SVG, and a table."""
+    rows = "\n".join(_html_row(r, report.start_time) for r in report.records)
+    page = _HTML.format(
+        title=html.escape(f"checkfreq report: {report.directory}"),
+        summary=html.escape(summary_text(report)),
+        svg=_inline_svg(render_figure(report) if figure is None else figure),
+        rows=rows,
+    )
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _inline_svg(figure: Any) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg")
+    document = buffer.getvalue()
+    return document[document.index("<svg") :]  # drop the XML prolog and doctype: it is embedded in HTML
+
+
+def _html_row(r: CheckpointRecord, t0: float) -> str:
+    cells = [
+        f"{r.time - t0:.2f}", str(r.step), r.status, human_seconds(r.stall_s), human_seconds(r.persist_s),
+        _num(r.bandwidth_gbps, "{:.3g}"), human_bytes(r.bytes), _num(r.interval_steps, "{:g}"),
+        _num(None if r.overhead is None else 100 * r.overhead, "{:.2f}"), r.reason or "", r.error or "",
+    ]
+    return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+
+_HTML = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;margin:2em}} pre{{background:#f4f4f4;padding:1em}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style>
+</head><body>
+<h1>{title}</h1>
+<pre>{summary}</pre>
+<div>{svg}</div>
+<h2>Checkpoints</h2>
+<table><tr><th>t (s)</th><th>step</th><th>status</th><th>stall</th><th>persist</th><th>GB/s</th><th>bytes</th>
+<th>interval (steps)</th><th>overhead (%)</th><th>reason</th><th>error</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where :func:`write_report` put its output."""
+
+    png: str
+    html: str
+
+
+def write_report(directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> tuple[RunReport, ReportFiles]:
+    """Load a run's event log and write ``report.png`` and ``report.html`` into ``out`` (default: the run directory)."""
+    report = load_run(directory)
+    out_dir = Path(directory if out is None else out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figure = render_figure(report)
+    figure.savefig(out_dir / PNG_NAME, format="png")
+    files = ReportFiles(str(out_dir / PNG_NAME), str(write_html(report, out_dir / HTML_NAME, figure)))
+    log.info("wrote %s and %s", files.png, files.html)
+    return report, files

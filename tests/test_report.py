@@ -1,0 +1,150 @@
+"""``checkfreq report``: timeline PNG/HTML and summary from a real run's event log."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+from conftest import make_model, train_step
+from typer.testing import CliRunner
+
+import checkfreq as cf
+from checkfreq.cli import app
+from checkfreq.events import EventLog, read_events
+from checkfreq.report import human_seconds, load_run, summary_text
+
+runner = CliRunner()
+
+
+def session(directory: Path, steps: int) -> None:
+    """One training session: restore whatever is there, train ``steps`` more, checkpoint every 5."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with cf.Checkpointer(directory, model=model, optimizer=opt, policy=5, keep=2) as ckpt:
+        ckpt.restore()
+        for _ in range(steps):
+            train_step(model, opt)
+            ckpt.step()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two sessions: 12 steps, then a restart that resumes from step 10 and reaches step 30."""
+    directory = tmp_path_factory.mktemp("report") / "run"
+    session(directory, 12)
+    session(directory, 20)
+    return directory
+
+
+def expected_summary(events: list[dict]) -> dict:
+    """The summary computed straight from the raw log, independently of checkfreq.report."""
+    snapshots = [e for e in events if e["event"] == "snapshot"]
+    commits = [e for e in events if e["event"] == "commit"]
+    fences = {e["step"]: e["stall_s"] for e in events if e["event"] == "fence"}
+    stalls = [fences.get(s["step"], s["stall_s"]) for s in snapshots]
+    counted, after_boundary = [], True
+    for e in events:
+        if e["event"] in ("start", "restore"):
+            after_boundary = True
+        elif e["event"] == "snapshot":
+            if not after_boundary and e["iteration_s"] is not None:
+                counted.append(e)
+            after_boundary = False
+    explained = sum(e["interval_steps"] * e["iteration_s"] for e in counted)
+    return {
+        "checkpoints": len(snapshots),
+        "committed": len(commits),
+        "sessions": sum(e["event"] == "start" for e in events),
+        "restores": sum(e["event"] == "restore" for e in events),
+        "stall_total_s": sum(stalls),
+        "stall_max_s": max(stalls),
+        "stall_median_s": statistics.median(stalls),
+        "persist_median_s": statistics.median(e["persist_s"] for e in commits),
+        "bandwidth_median_gbps": statistics.median(e["bandwidth_gbps"] for e in commits),
+        "bytes_written": sum(e["bytes"] for e in commits),
+        "overhead": 1 - explained / sum(e["interval_s"] for e in counted),
+        "last_step": snapshots[-1]["step"],
+    }
+
+
+@pytest.fixture(scope="module")
+def reported(run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """``checkfreq report RUN --out OUT --json``: its parsed output and OUT."""
+    out = tmp_path_factory.mktemp("out")
+    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output), out
+
+
+def test_report_summary_matches_the_event_log(run: Path, reported: tuple[dict, Path]) -> None:
+    doc, _ = reported
+    summary, expected = doc["summary"], expected_summary(read_events(run))
+    assert expected["checkpoints"] == 6 and expected["sessions"] == 2 and expected["restores"] == 1
+    for key, value in expected.items():
+        assert summary[key] == pytest.approx(value), key
+    assert summary["failed"] == 0 and summary["unfinished"] == 0 and summary["last_step"] == 30
+    assert summary["interval_median_steps"] == 5
+    assert [c["step"] for c in doc["checkpoints"]] == [5, 10, 15, 20, 25, 30]
+    assert [c["first_of_session"] for c in doc["checkpoints"]] == [True, False, True, False, False, False]
+    text = summary_text(load_run(run))
+    assert "6 checkpoints (6 committed, 0 failed" in text and "2 session(s), 1 restore(s)" in text
+    assert f"median {human_seconds(expected['stall_median_s'])}" in text
+    assert f"{100 * expected['overhead']:.2f} %" in text
+
+
+def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path)])
+    assert result.exit_code == 0 and summary_text(load_run(run)) in result.output
+    assert str(tmp_path / "report.png") in result.output and (tmp_path / "report.html").is_file()
+
+
+def test_report_png_is_a_real_nonblank_image(reported: tuple[dict, Path]) -> None:
+    image = matplotlib.image.imread(reported[1] / "report.png")
+    height, width = image.shape[:2]
+    assert height >= 800 and width >= 800
+    rgb = image[..., :3]
+    not_white = (rgb < 0.95).any(axis=-1).mean()
+    colored = (np.abs(rgb[..., 0] - rgb[..., 2]) > 0.3).sum()  # plotted lines, not just grey axes
+    assert not_white > 0.02 and colored > 500
+
+
+def test_report_html_is_self_contained(reported: tuple[dict, Path]) -> None:
+    page = (reported[1] / "report.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "6 checkpoints" in page
+    assert "<script" not in page and "src=" not in page and "<link" not in page
+    assert page.count("<tr>") == 1 + 6
+
+
+def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> None:
+    log = EventLog(tmp_path)
+    log.write("start", pid=1, policy="Every", keep=3)
+    log.write("snapshot", step=5, stall_s=0.001, bytes=100, interval_steps=5, interval_s=9.0, iteration_s=None)
+    log.write("fence", step=5, wait_s=0.019, stall_s=0.02)
+    log.write("commit", step=5, persist_s=0.5, bytes=120, bandwidth_gbps=2.4e-7)
+    log.write("snapshot", step=10, stall_s=0.01, bytes=100, interval_steps=5, interval_s=1.0, iteration_s=0.15)
+    log.write("error", step=10, message="disk full")
+    log.write("start", pid=2, policy="Every", keep=3)
+    log.write("restore", step=5, skipped=[])
+    log.write("snapshot", step=10, stall_s=0.03, bytes=100, interval_steps=5, interval_s=7.0, iteration_s=0.2)
+    log.write("commit", step=10, persist_s=0.7, bytes=120, bandwidth_gbps=1.7e-7)
+    log.write("snapshot", step=15, stall_s=0.04, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.3)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "commit", "step": 15, "pers')  # torn by a kill
+    report = load_run(tmp_path)
+    recs, s = report.records, report.summary
+    assert [(r.step, r.status) for r in recs] == [(5, "committed"), (10, "failed"), (10, "committed"), (15, "unfinished")]
+    assert recs[0].stall_s == 0.02 and recs[0].bytes == 120 and recs[1].error == "disk full"
+    assert [r.overhead for r in recs] == [None, pytest.approx(0.25), None, pytest.approx(0.25)]
+    assert (s.checkpoints, s.committed, s.failed, s.unfinished, s.sessions, s.restores) == (4, 2, 1, 1, 2, 1)
+    assert s.overhead == pytest.approx(1 - (5 * 0.15 + 5 * 0.3) / (1.0 + 2.0))
+    assert s.stall_total_s == pytest.approx(0.02 + 0.01 + 0.03 + 0.04) and s.bytes_written == 240
+
+
+def test_report_without_an_event_log_is_a_clear_error(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "no event log" in result.output
