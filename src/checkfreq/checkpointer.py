@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import shutil
 import time
 import weakref
 from collections.abc import Iterable
@@ -20,16 +19,8 @@ from checkfreq.distributed import Cluster, attach
 from checkfreq.distributed_plan import local_view, storage_ptr
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, StateMismatchError
 from checkfreq.events import EventLog
-from checkfreq.format import (
-    Manifest,
-    encode_header,
-    entry_view,
-    read_data_file,
-    read_manifest,
-    tensor_entries,
-    write_data_file,
-    write_manifest,
-)
+from checkfreq import storage
+from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, resolve
 from checkfreq.profiler import Profiler
@@ -37,6 +28,7 @@ from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.state import Stateful, flatten, load_into, unflatten
+from checkfreq.storage import Store
 from checkfreq.store import LocalStore
 
 log = logging.getLogger("checkfreq")
@@ -49,10 +41,16 @@ class Checkpointer:
     """Checkpoints the registered training state at iteration granularity and restores it exactly.
 
     Args:
-        directory: where checkpoints go (created if missing; must be writable).
+        directory: where checkpoints go (created if missing; must be writable): a local path,
+            an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``; ``file://`` is a
+            local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md.
         policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted).
+        remote: a second, durable tier (URL, path or store): checkpoints are committed to the
+            local ``directory`` first, then copied to ``remote`` in the background; restore
+            takes the newest valid checkpoint of either tier. ``close()`` waits for the uploads.
+        remote_keep: how many checkpoints to keep in ``remote`` (default: ``keep``).
         rng: capture and restore the Python, NumPy, torch and CUDA random generators.
         on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
             ``"warn"`` logs it and training goes on.
@@ -70,10 +68,12 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: str | os.PathLike[str] | Store,
         *,
         policy: Policy | str | int = "auto",
         keep: int = 3,
+        remote: str | os.PathLike[str] | Store | None = None,
+        remote_keep: int | None = None,
         rng: bool = True,
         on_error: str = "raise",
         allow_pickle: bool = False,
@@ -102,7 +102,9 @@ class Checkpointer:
         if rng:
             self._objects["rng"] = RNGState()
 
-        self._store = LocalStore(directory)
+        self._store = storage.open_store(directory, remote=remote, remote_keep=keep if remote_keep is None else remote_keep)
+        if not isinstance(self._store, LocalStore) and torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise ValueError("under torch.distributed, checkpoints go to a shared local directory; remote stores are single-process")
         self._store.check_writable()
         self._cluster: Cluster | None = attach(self._store, persist_timeout)  # under torch.distributed
         if self._cluster is None:
@@ -231,7 +233,7 @@ class Checkpointer:
         skipped: list[tuple[str, str]] = []
         for _, path in candidates:
             try:
-                manifest, tensors = read_checkpoint(path)
+                manifest, tensors = read_checkpoint(path, self._store)
                 return manifest, tensors, path, skipped
             except CorruptCheckpointError as e:
                 log.warning("skipping checkpoint %s: %s", path.name, e)
@@ -370,7 +372,7 @@ class Checkpointer:
         try:
             pending.finish_copy()
             staging = self._store.staging_dir(step)
-            size, digest = write_data_file(staging / DATA_FILE, encode_header(pending.layout), pending.buffer)
+            size, digest = storage.write_data(self._store, staging, DATA_FILE, encode_header(pending.layout), pending.buffer)
             manifest = Manifest(
                 step=step,
                 epoch=epoch,
@@ -381,11 +383,11 @@ class Checkpointer:
                 versions=_versions(),
                 created=time.time(),
             )
-            write_manifest(staging, manifest)
+            storage.write_manifest(self._store, staging, manifest)
             final = self._store.commit(staging, step)
         except BaseException as e:
             if staging is not None:
-                shutil.rmtree(staging, ignore_errors=True)
+                self._store.discard(staging)
             self._events.write("error", step=step, message=str(e))
             raise
         finally:
@@ -445,7 +447,7 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._finish_fence()
 
 
-def _shutdown(writer: Writer, store: LocalStore, timeout: float, trap: SignalTrap | None) -> None:
+def _shutdown(writer: Writer, store: Store, timeout: float, trap: SignalTrap | None) -> None:
     try:
         if trap is not None:
             trap.uninstall()
@@ -458,12 +460,18 @@ def _versions() -> dict[str, str]:
     return {"checkfreq": checkfreq.__version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
-def read_checkpoint(path: Path) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Read and verify one checkpoint directory; return its manifest and tensors (CPU)."""
-    manifest = read_manifest(path)
+def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read and verify one checkpoint; return its manifest and tensors (CPU).
+
+    ``path`` is a local checkpoint directory or, with ``store``, a location that ``store`` listed.
+    """
+    if store is None:
+        path = Path(path)
+        store = LocalStore(path.parent, create=False)
+    manifest = store.read_manifest(path)
     sections = {}
     for name, entry in manifest.files.items():
-        sections[name], _ = read_data_file(path / name, entry["size"], entry["xxh3_64"])
+        sections[name], _ = store.read_data(path, name, entry["size"], entry["xxh3_64"])
     try:
         tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
     except RuntimeError as e:
