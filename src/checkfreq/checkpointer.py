@@ -112,7 +112,7 @@ class Checkpointer:
             self._store.remove_staging()
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._store.root
-        self._events = EventLog(self.directory)
+        self._events = EventLog(self._store.events_directory)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
