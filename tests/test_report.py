@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -74,9 +75,10 @@ def expected_summary(events: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def reported(run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """``checkfreq report RUN --out OUT --json``: its parsed output and OUT."""
+    """``checkfreq report RUN --out OUT --json [--tensorboard OUT/tb]``: its parsed output and OUT."""
     out = tmp_path_factory.mktemp("out")
-    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--json"])
+    tensorboard = ["--tensorboard", str(out / "tb")] if importlib.util.find_spec("tensorboard") else []
+    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--json", *tensorboard])
     assert result.exit_code == 0, result.output
     return json.loads(result.output), out
 
@@ -148,3 +150,18 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
 def test_report_without_an_event_log_is_a_clear_error(tmp_path: Path) -> None:
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "no event log" in result.output
+
+
+def test_tensorboard_scalars_match_the_report(reported: tuple[dict, Path]) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    doc, out = reported
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    stalls = events.Scalars("checkfreq/stall_ms")
+    assert [e.step for e in stalls] == [c["step"] for c in doc["checkpoints"]]
+    assert [e.value for e in stalls] == pytest.approx([1e3 * c["stall_s"] for c in doc["checkpoints"]], rel=1e-6)
+    assert [e.wall_time for e in stalls] == pytest.approx([c["time"] for c in doc["checkpoints"]])
+    assert len(events.Scalars("checkfreq/persist_ms")) == 6
+    assert doc["tensorboard_scalars"] == sum(len(events.Scalars(tag)) for tag in events.Tags()["scalars"])

@@ -367,6 +367,42 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 """
 
 
+TENSORBOARD_SCALARS: dict[str, tuple[str, float]] = {
+    "checkfreq/stall_ms": ("stall_s", 1e3),
+    "checkfreq/persist_ms": ("persist_s", 1e3),
+    "checkfreq/bandwidth_MBps": ("bandwidth_gbps", 1e3),
+    "checkfreq/interval_steps": ("interval_steps", 1.0),
+    "checkfreq/iteration_ms": ("iteration_s", 1e3),
+    "checkfreq/iteration_persisting_ms": ("iteration_persisting_s", 1e3),
+    "checkfreq/overhead_pct": ("overhead", 100.0),
+}
+"""TensorBoard tag → (:class:`CheckpointRecord` attribute, scale)."""
+
+
+def write_tensorboard(report: RunReport, logdir: str | os.PathLike[str]) -> int:
+    """Write each checkpoint's numbers as TensorBoard scalars (at its step and wall time) into ``logdir``.
+
+    Needs the optional ``tensorboard`` package (``pip install 'checkfreq[tensorboard]'``).
+    Returns the number of scalars written.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise CheckfreqError("TensorBoard output needs the tensorboard package: pip install 'checkfreq[tensorboard]'") from e
+    written = 0
+    writer = SummaryWriter(os.fspath(logdir))
+    try:
+        for record in report.records:
+            for tag, (attribute, scale) in TENSORBOARD_SCALARS.items():
+                value = getattr(record, attribute)
+                if value is not None:
+                    writer.add_scalar(tag, scale * value, record.step, walltime=record.time)
+                    written += 1
+    finally:
+        writer.close()
+    return written
+
+
 @dataclass(frozen=True)
 class ReportFiles:
     """Where :func:`write_report` put its output."""

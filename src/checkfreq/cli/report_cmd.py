@@ -18,17 +18,23 @@ def report_command(
     out: Annotated[
         Path | None, typer.Option("--out", help="Where to write report.png and report.html (default: DIRECTORY).")
     ] = None,
+    tensorboard: Annotated[
+        Path | None, typer.Option("--tensorboard", help="Also write the numbers as TensorBoard scalars into this log directory.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Plot iteration time, stall, persist time and bandwidth, the chosen interval and overhead; print a summary."""
     from dataclasses import asdict
 
-    from checkfreq.report import summary_text, write_report
+    from checkfreq.report import summary_text, write_report, write_tensorboard
 
     report, files = write_report(directory, out)
+    scalars = None if tensorboard is None else write_tensorboard(report, tensorboard)
     if as_json:
-        emit_json({**report.to_dict(), "files": asdict(files)})
+        emit_json({**report.to_dict(), "files": asdict(files), "tensorboard_scalars": scalars})
         return
     output = console()
     output.print(summary_text(report), soft_wrap=True)
     output.print(f"timeline: {files.png}\npage:     {files.html}", soft_wrap=True)
+    if tensorboard is not None:
+        output.print(f"tensorboard: {scalars} scalars in {tensorboard}", soft_wrap=True)
