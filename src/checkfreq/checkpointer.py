@@ -133,6 +133,7 @@ class Checkpointer:
         self._last_checkpoint_step = 0
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
+        self._clean_count, self._clean_seconds = 0, 0.0  # this window's iterations without a stall or persist
         self._last_checkpoint_time = self._started
         self._last_epoch: int | None = None
 
@@ -170,7 +171,10 @@ class Checkpointer:
         self._surface_background_error()
         self._global_step += 1
         if self._last_step_time is not None:
-            self._profiler.record_iteration(now - self._last_step_time, persisting=self._writer.busy)
+            seconds, persisting = now - self._last_step_time, self._writer.busy
+            self._profiler.record_iteration(seconds, persisting=persisting)
+            if not persisting and self._global_step - self._last_checkpoint_step > 1:  # the first one holds the stall
+                self._clean_count, self._clean_seconds = self._clean_count + 1, self._clean_seconds + seconds
         self._last_step_time = now
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
@@ -218,6 +222,7 @@ class Checkpointer:
         self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
         self._global_step = self._last_checkpoint_step = manifest.step
         self._last_step_time = None
+        self._clean_count, self._clean_seconds = 0, 0.0
         self._last_checkpoint_time = time.perf_counter()
         self._events.write("restore", step=manifest.step, skipped=skipped)
         log.info("restored %s (step %d)", path.name, manifest.step)
@@ -328,7 +333,10 @@ class Checkpointer:
             policy=type(self._policy).__name__, epoch=epoch, interval_steps=interval_steps, interval_s=interval_s,
             iteration_s=self._profiler.iteration.value,
             iteration_persisting_s=self._profiler.iteration_while_persisting.value,
+            clean_iterations=self._clean_count,
+            clean_iteration_s=self._clean_seconds / self._clean_count if self._clean_count else None,
         )
+        self._clean_count, self._clean_seconds = 0, 0.0
         if pending.has_deferred:
             self._fence, self._fence_stall = pending, stall
         else:

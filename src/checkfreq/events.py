@@ -4,9 +4,11 @@ Schema (every record has ``event`` and ``time``, seconds since the epoch; a meas
 taken yet is ``null``; docs/cli.md describes every field):
 - ``{"event": "start", "pid", "policy", "keep"}`` — a Checkpointer opened the directory;
 - ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason", "epoch", "interval_steps",
-  "interval_s", "iteration_s", "iteration_persisting_s"}`` — training thread blocked for ``stall_s``;
-  the interval is the one the policy chose (steps and seconds since the previous checkpoint);
-  the iteration times are the profiler's smoothed estimates without and with a persist overlapping;
+  "interval_s", "iteration_s", "iteration_persisting_s", "clean_iterations", "clean_iteration_s"}`` —
+  training thread blocked for ``stall_s``; the interval is the one the policy chose (steps and
+  seconds since the previous checkpoint); the iteration times are the profiler's smoothed
+  estimates without and with a persist overlapping; ``clean_iteration_s`` is the mean of the
+  ``clean_iterations`` iterations of that interval that neither overlapped a persist nor held a stall;
 - ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
