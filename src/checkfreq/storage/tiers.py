@@ -71,6 +71,7 @@ class TieredStore:
         self._error: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._keep: int | None = None
 
     @property
     def events_directory(self) -> Path:
@@ -129,12 +130,19 @@ class TieredStore:
         return self._tier(location).read_data(location.path, name, size, checksum)
 
     def retain(self, keep: int, protect: TierLocation) -> None:
-        """Local retention; the remote tier is trimmed to ``remote_keep`` after each upload."""
+        """Local retention (again after each upload); the remote tier keeps ``remote_keep``."""
         with self._cond:
-            busy = {protect.path, self._uploading, self._waiting[1] if self._waiting else None}
-            for _, path in self.local.checkpoints()[keep:]:
-                if path not in busy:
-                    self.local.delete(path)
+            self._keep = keep
+            self._retain_local(protect.path)
+
+    def _retain_local(self, protect: Path | None) -> None:
+        """Delete local checkpoints beyond ``keep`` except ``protect`` and those queued or in upload."""
+        if self._keep is None:
+            return
+        busy = {protect, self._uploading, self._waiting[1] if self._waiting else None}
+        for _, path in self.local.checkpoints()[self._keep :]:
+            if path not in busy:
+                self.local.delete(path)
 
     def delete(self, location: TierLocation) -> None:
         self._tier(location).delete(location.path)
@@ -196,6 +204,7 @@ class TieredStore:
             finally:
                 with self._cond:
                     self._uploading = None
+                    self._retain_local(None)
                     self._cond.notify_all()
 
     def _upload(self, step: int, path: Path) -> None:
