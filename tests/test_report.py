@@ -48,16 +48,20 @@ def expected_summary(events: list[dict]) -> dict:
     commits = [e for e in events if e["event"] == "commit"]
     fences = {e["step"]: e["stall_s"] for e in events if e["event"] == "fence"}
     stalls = [fences.get(s["step"], s["stall_s"]) for s in snapshots]
+    clean = [(e["clean_iterations"], e["clean_iteration_s"]) for e in snapshots if e["clean_iterations"]]
+    run_clean = sum(n * m for n, m in clean) / sum(n for n, _ in clean)
     counted, after_boundary = [], True
     for e in events:
         if e["event"] in ("start", "restore"):
             after_boundary = True
         elif e["event"] == "snapshot":
-            if not after_boundary and e["iteration_s"] is not None:
-                counted.append(e)
+            baseline = e["clean_iteration_s"] if e["clean_iteration_s"] is not None else run_clean
+            if not after_boundary and baseline is not None:
+                counted.append((e, baseline))
             after_boundary = False
-    explained = sum(e["interval_steps"] * e["iteration_s"] for e in counted)
+    explained = sum(e["interval_steps"] * baseline for e, baseline in counted)
     return {
+        "clean_iteration_s": run_clean,
         "checkpoints": len(snapshots),
         "committed": len(commits),
         "sessions": sum(e["event"] == "start" for e in events),
@@ -68,7 +72,7 @@ def expected_summary(events: list[dict]) -> dict:
         "persist_median_s": statistics.median(e["persist_s"] for e in commits),
         "bandwidth_median_gbps": statistics.median(e["bandwidth_gbps"] for e in commits),
         "bytes_written": sum(e["bytes"] for e in commits),
-        "overhead": 1 - explained / sum(e["interval_s"] for e in counted),
+        "overhead": 1 - explained / sum(e["interval_s"] for e, _ in counted),
         "last_step": snapshots[-1]["step"],
     }
 
@@ -128,13 +132,14 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
     log.write("snapshot", step=5, stall_s=0.001, bytes=100, interval_steps=5, interval_s=9.0, iteration_s=None)
     log.write("fence", step=5, wait_s=0.019, stall_s=0.02)
     log.write("commit", step=5, persist_s=0.5, bytes=120, bandwidth_gbps=2.4e-7)
-    log.write("snapshot", step=10, stall_s=0.01, bytes=100, interval_steps=5, interval_s=1.0, iteration_s=0.15)
+    log.write("snapshot", step=10, stall_s=0.01, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.15)
     log.write("error", step=10, message="disk full")
     log.write("start", pid=2, policy="Every", keep=3)
     log.write("restore", step=5, skipped=[])
     log.write("snapshot", step=10, stall_s=0.03, bytes=100, interval_steps=5, interval_s=7.0, iteration_s=0.2)
     log.write("commit", step=10, persist_s=0.7, bytes=120, bandwidth_gbps=1.7e-7)
-    log.write("snapshot", step=15, stall_s=0.04, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.3)
+    log.write("snapshot", step=15, stall_s=0.04, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.5,
+              clean_iterations=3, clean_iteration_s=0.3)
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('{"event": "commit", "step": 15, "pers')  # torn by a kill
     report = load_run(tmp_path)
@@ -143,8 +148,11 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
     assert recs[0].stall_s == 0.02 and recs[0].bytes == 120 and recs[1].error == "disk full"
     assert [r.overhead for r in recs] == [None, pytest.approx(0.25), None, pytest.approx(0.25)]
     assert (s.checkpoints, s.committed, s.failed, s.unfinished, s.sessions, s.restores) == (4, 2, 1, 1, 2, 1)
-    assert s.overhead == pytest.approx(1 - (5 * 0.15 + 5 * 0.3) / (1.0 + 2.0))
+    # Step 10's window had no clean iteration: it is measured against the run's clean mean (0.3 s).
+    assert [r.baseline_iteration_s for r in recs] == [0.3, 0.3, 0.3, 0.3]
+    assert s.overhead == pytest.approx(1 - (5 * 0.3 + 5 * 0.3) / (2.0 + 2.0))
     assert s.stall_total_s == pytest.approx(0.02 + 0.01 + 0.03 + 0.04) and s.bytes_written == 240
+    assert s.clean_iteration_s == 0.3 and s.iteration_s == 0.5
 
 
 def test_report_without_an_event_log_is_a_clear_error(tmp_path: Path) -> None:

@@ -4,10 +4,13 @@ plots (PNG, and a self-contained HTML page).
 Overhead is estimated per window between two consecutive checkpoints of one session as the share
 of the window's wall time not explained by clean iterations::
 
-    overhead = 1 - interval_steps * iteration_s / interval_s
+    overhead = 1 - interval_steps * clean_iteration_s / interval_s
 
-so it counts the stall, the slowdown of iterations that overlap a persist, and anything else the
-loop did in that window. The first checkpoint after a start or a restore is left out (its window
+where ``clean_iteration_s`` is the mean time of the window's iterations that neither overlapped a
+persist nor held a stall; for a window without such an iteration, the mean over the whole run's
+clean iterations, and without any, the profiler's smoothed ``iteration_s``. So it
+counts the stall, the slowdown of iterations that overlap a persist, and anything else the loop
+did in that window. The first checkpoint after a start or a restore is left out (its window
 includes setup). The run's overhead is the same ratio over the sums of all counted windows.
 """
 
@@ -49,19 +52,18 @@ class CheckpointRecord:
     interval_s: float | None
     iteration_s: float | None
     iteration_persisting_s: float | None
+    clean_iterations: int | None
+    clean_iteration_s: float | None
     first_of_session: bool
     status: str = "unfinished"
     """``committed``, ``failed``, or ``unfinished`` (no outcome logged: the process died or is still writing)."""
     persist_s: float | None = None
     bandwidth_gbps: float | None = None
     error: str | None = None
-
-    @property
-    def overhead(self) -> float | None:
-        """This window's overhead (see the module docstring), or None when it cannot be estimated."""
-        if self.first_of_session or not (self.interval_steps and self.interval_s and self.iteration_s):
-            return None
-        return 1.0 - self.interval_steps * self.iteration_s / self.interval_s
+    baseline_iteration_s: float | None = None
+    """The iteration time without checkpointing this window's overhead is measured against."""
+    overhead: float | None = None
+    """This window's overhead (see the module docstring); None when it cannot be estimated."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class Summary:
     bytes_written: int
     interval_median_steps: float | None
     interval_median_s: float | None
+    clean_iteration_s: float | None
+    """Mean clean iteration time (no stall, no persist overlapping) over all windows that had one."""
     iteration_s: float | None
     """The last smoothed iteration time without a persist overlapping."""
     iteration_persisting_s: float | None
@@ -109,7 +113,7 @@ class RunReport:
             "directory": self.directory,
             "start_time": self.start_time,
             "summary": asdict(self.summary) if self.summary else None,
-            "checkpoints": [{**asdict(r), "overhead": r.overhead} for r in self.records],
+            "checkpoints": [asdict(r) for r in self.records],
             "restores": self.restores,
         }
 
@@ -137,6 +141,7 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
             open_by_step[record.step] = record
         elif kind in ("fence", "commit", "error") and event.get("step") in open_by_step:
             _apply_outcome(open_by_step[event["step"]], event)
+    _estimate_overheads(report.records)
     report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
     return report
 
@@ -147,6 +152,7 @@ def _record(event: dict[str, Any], first: bool) -> CheckpointRecord:
         reason=event.get("reason"), policy=event.get("policy"), epoch=event.get("epoch"),
         interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
         iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
+        clean_iterations=event.get("clean_iterations"), clean_iteration_s=event.get("clean_iteration_s"),
         first_of_session=first,
     )
 
@@ -162,13 +168,21 @@ def _apply_outcome(record: CheckpointRecord, event: dict[str, Any]) -> None:
         record.status, record.error = "failed", event.get("message")
 
 
+def _estimate_overheads(records: list[CheckpointRecord]) -> None:
+    run_clean = _clean_mean(records)
+    for r in records:
+        r.baseline_iteration_s = next((v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None)
+        if not r.first_of_session and r.interval_steps and r.interval_s and r.baseline_iteration_s:
+            r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.interval_s
+
+
 def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
     """The run's numbers from its records (see the module docstring for overhead)."""
     recs = report.records
     stalls = _values(r.stall_s for r in recs)
     committed = [r for r in recs if r.status == "committed"]
     counted = [r for r in recs if r.overhead is not None]
-    explained = sum(r.interval_steps * r.iteration_s for r in counted)  # type: ignore[operator]
+    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
     window = sum(r.interval_s for r in counted)  # type: ignore[misc]
     return Summary(
         sessions=sessions,
@@ -189,6 +203,7 @@ def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
         bytes_written=sum(r.bytes or 0 for r in committed),
         interval_median_steps=_median(_values(r.interval_steps for r in recs if not r.first_of_session)),
         interval_median_s=_median(_values(r.interval_s for r in recs if not r.first_of_session)),
+        clean_iteration_s=_clean_mean(recs),
         iteration_s=_last(r.iteration_s for r in recs),
         iteration_persisting_s=_last(r.iteration_persisting_s for r in recs),
         overhead=1.0 - explained / window if window > 0 else None,
@@ -205,6 +220,12 @@ def _median(values: list[float]) -> float | None:
 
 def _median_int(values: list[int]) -> int | None:
     return int(statistics.median_low(values)) if values else None
+
+
+def _clean_mean(records: list[CheckpointRecord]) -> float | None:
+    windows = [(r.clean_iterations, r.clean_iteration_s) for r in records if r.clean_iterations and r.clean_iteration_s]
+    count = sum(n for n, _ in windows)
+    return sum(n * mean for n, mean in windows) / count if count else None
 
 
 def _last(items: Any) -> float | None:
@@ -234,7 +255,8 @@ def summary_text(report: RunReport) -> str:
             f"{human_bytes(s.bytes_per_checkpoint)} per checkpoint, {human_bytes(s.bytes_written)} written"
         )
     lines.append(
-        f"iteration: {human_seconds(s.iteration_s)} without a persist, {human_seconds(s.iteration_persisting_s)} while persisting"
+        f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
+        f"{human_seconds(s.iteration_persisting_s)} while persisting"
     )
     lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
     return "\n".join(lines)
@@ -277,10 +299,11 @@ def render_figure(report: RunReport) -> Any:
     axes = fig.subplots(5, 1, sharex=True)
     t0, recs = report.start_time, report.records
     x = [r.time - t0 for r in recs]
-    _series(axes[0], x, [r.iteration_s for r in recs], "without persist", 1e3, "o-")
-    _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting", 1e3, "s--")
+    _series(axes[0], x, [r.clean_iteration_s for r in recs], "clean (window mean)", 1e3, "o-")
+    _series(axes[0], x, [r.iteration_s for r in recs], "without persist (smoothed)", 1e3, "d:")
+    _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting (smoothed)", 1e3, "s--")
     axes[0].set_ylabel("iteration (ms)")
-    axes[0].legend(loc="upper right", fontsize="small")
+    axes[0].legend(loc="best", fontsize="small")
     _series(axes[1], x, [r.stall_s for r in recs], "stall", 1e3, "o")
     axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
     axes[1].set_ylabel("stall (ms)")
@@ -295,7 +318,7 @@ def render_figure(report: RunReport) -> Any:
     if report.summary and report.summary.overhead is not None:
         axes[4].axhline(100 * report.summary.overhead, color="C3", linestyle="--", label="run")
     axes[4].set_ylabel("overhead (%)")
-    axes[4].legend(loc="upper right", fontsize="small")
+    axes[4].legend(loc="best", fontsize="small")
     axes[4].set_xlabel("seconds since the first event")
     _markers(axes, report, t0)
     fig.suptitle(f"checkfreq run {Path(report.directory).name}: {len(recs)} checkpoints")
