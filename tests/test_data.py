@@ -338,13 +338,17 @@ def test_state_may_come_back_as_tensors():
     assert second.state_dict() == first.state_dict()
 
 
-def test_a_stale_iterator_raises():
-    source = loader()
-    it = iter(source)
-    next(it)
-    source.load_state_dict(source.state_dict())
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_stale_iterator_raises_and_takes_nothing(persistent_workers):
+    expected = one_epoch(loader())
+    source = loader(num_workers=2, persistent_workers=persistent_workers)
+    stale = iter(source)
+    head = take(stale, 2)
+    current = iter(source)
+    head += take(current, 1)
     with pytest.raises(RuntimeError, match="stale"):
-        next(it)
+        next(stale)
+    assert head + [row for batch in current for row in batch] == expected
 
 
 def test_loader_arguments_are_checked():

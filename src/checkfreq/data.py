@@ -351,8 +351,10 @@ class ResumableLoader:
 
     def _iterate(self, generation: int) -> Iterator[Any]:
         self._plan.epoch, self._plan.indices = self.sampler.epoch, self.sampler.rank_indices()
-        for number, batch in enumerate(self._loader):
-            self._check_current(generation)
+        batches = iter(self._loader)
+        for number in range(len(self._plan)):
+            self._check_current(generation)  # before taking a batch that a newer pass may own
+            batch = next(batches)
             self.sampler.advance(self._plan.size_of(number))
             yield batch
         self._check_current(generation)
