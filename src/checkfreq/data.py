@@ -146,6 +146,7 @@ class ResumableSampler(Sampler[int]):
         return iter(self.rank_indices())
 
     def __len__(self) -> int:
+        """How many indices :meth:`__iter__` yields from the current position."""
         return self._per_rank(self.length - self.consumed)
 
     def advance(self, samples: int) -> None:
