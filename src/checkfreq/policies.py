@@ -1,0 +1,437 @@
+"""When to checkpoint: small, pure decision objects.
+
+A policy answers :meth:`Policy.should_save` from a read-only :class:`DecisionContext`; it
+never touches torch or storage, so it can be unit-tested with plain numbers. Adaptive policies
+expose their current decision as ``interval`` (steps between checkpoints) and ``reason`` (why
+that interval now), and log every change on the ``checkfreq.policies`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from checkfreq.losscurve import LossCurve, fit_power_law
+from checkfreq.profiler import interference
+from checkfreq.schedule import convergence_interval, overhead_steps, place_optimal, two_phase_interval
+
+log = logging.getLogger("checkfreq.policies")
+
+
+@dataclass(frozen=True)
+class DecisionContext:
+    """What a policy may look at, built by the Checkpointer at every ``step()``.
+
+    Times are seconds; NaN means "not measured yet".
+    """
+
+    step: int
+    """Optimizer steps taken so far (including this one)."""
+    steps_since_checkpoint: int
+    elapsed: float
+    """Seconds since the Checkpointer was created (or restored)."""
+    seconds_since_checkpoint: float
+    iteration_time: float
+    iteration_time_while_persisting: float
+    stall: float
+    persist_time: float
+    bytes_per_checkpoint: int
+    persist_in_flight: bool
+    epoch: int | None = None
+    epoch_changed: bool = False
+    loss: float | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Decides, at each step, whether to take a checkpoint now."""
+
+    def should_save(self, ctx: DecisionContext) -> bool: ...
+
+
+def _measured(x: float) -> bool:
+    return x > 0 and math.isfinite(x)
+
+
+@dataclass
+class Every:
+    """Checkpoint every ``n`` steps, or every ``seconds`` of wall time (give exactly one)."""
+
+    n: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.n is None) == (self.seconds is None):
+            raise ValueError("Every: give exactly one of n= or seconds=")
+        if self.n is not None and self.n < 1:
+            raise ValueError(f"Every: n must be >= 1, got {self.n}")
+        if self.seconds is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"Every: seconds must be a positive number, got {self.seconds}")
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        if self.n is not None:
+            return ctx.steps_since_checkpoint >= self.n
+        return ctx.seconds_since_checkpoint >= self.seconds  # type: ignore[operator]
+
+
+@dataclass
+class EveryEpoch:
+    """Checkpoint at the first step of every new epoch (the epoch of a registered loader)."""
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        return ctx.epoch_changed
+
+
+@dataclass
+class _Cycles:
+    """Detects checkpoints from the context and measures each checkpoint-to-checkpoint cycle."""
+
+    last_since: int | None = None
+    start_step: int | None = None
+    start_time: float = 0.0
+    closed: tuple[int, float] | None = None
+    """The cycle that ended at this step, as ``(steps, seconds)``, if one did."""
+
+    def observe(self, ctx: DecisionContext) -> bool:
+        """Whether a checkpoint was taken since the previous call."""
+        fresh = self.last_since is not None and ctx.steps_since_checkpoint <= self.last_since
+        self.last_since = ctx.steps_since_checkpoint
+        self.closed = None
+        if not fresh:
+            return False
+        step, time = ctx.step - ctx.steps_since_checkpoint, ctx.elapsed - ctx.seconds_since_checkpoint
+        if self.start_step is not None and step > self.start_step and time > self.start_time:
+            self.closed = (step - self.start_step, time - self.start_time)
+        self.start_step, self.start_time = step, time
+        return True
+
+
+@dataclass
+class Overhead:
+    """Checkpoint as often as possible while checkpointing costs at most ``p`` of the run.
+
+    CheckFreq done right (algorithms.md §1): ``k = max(ceil(C_p / t_i), ceil(c / (p'·t_i)))``
+    where ``c`` is the stall plus the slowdown of iterations that overlap the persist, and ``p'``
+    is ``target·p`` to leave room for noise. ``k`` follows the measured costs both ways, with
+    hysteresis (it shrinks only when the plan falls below ``k / (1 + hysteresis)``). The overhead
+    measured over each window of checkpoint cycles corrects the plan: above ``p`` it scales the
+    cost up, below ``low·p`` it relaxes the correction. A budget keeps the whole-run promise: a
+    checkpoint is deferred while the overhead spent so far plus the next one's cost would exceed
+    ``p`` of the training time so far, and while the previous persist is still in flight.
+    """
+
+    p: float = 0.035
+    warmup: int = 10
+    """Steps profiled before the first checkpoint."""
+    target: float = 0.9
+    """Plan for ``target·p``, leaving the rest of the bound for noise."""
+    low: float = 0.5
+    hysteresis: float = 0.3
+    window: int = 3
+    """Cycles per verdict of measured overhead."""
+    interval: int = field(default=0, init=False)
+    """Current ``k`` (0 until the first checkpoint's cost is measured)."""
+    reason: str = field(default="profiling", init=False)
+    correction: float = field(default=1.0, init=False)
+    _cycles: _Cycles = field(default_factory=_Cycles, init=False, repr=False)
+    _window: deque[float] = field(default_factory=deque, init=False, repr=False)
+    _why: str | None = field(default=None, init=False, repr=False)
+    _spent: float = field(default=0.0, init=False, repr=False)
+    _productive: float = field(default=0.0, init=False, repr=False)
+    _planned_iteration: float = field(default=math.nan, init=False, repr=False)
+    _planned_costs: tuple[float, float] = field(default=(math.nan, math.nan), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.p < 1:
+            raise ValueError(f"Overhead: p must lie in (0, 1), got {self.p}")
+        if self.warmup < 1 or self.window < 1:
+            raise ValueError("Overhead: warmup and window must be >= 1")
+        if not (0 < self.low < 1 and 0 < self.target <= 1 and self.hysteresis >= 0):
+            raise ValueError("Overhead: need 0 < low < 1, 0 < target <= 1, hysteresis >= 0")
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        self.observe(ctx)
+        return self.ready(ctx) and ctx.steps_since_checkpoint >= max(self.interval, 1)
+
+    def observe(self, ctx: DecisionContext) -> None:
+        """Update the measurements and, when warranted, the plan."""
+        t_i = ctx.iteration_time
+        if self._cycles.observe(ctx) and self._cycles.closed is not None and _measured(t_i):
+            steps, seconds = self._cycles.closed
+            productive = steps * t_i
+            self._spent += seconds - productive
+            self._productive += productive
+            self._window.append((seconds - productive) / productive)
+            if len(self._window) >= self.window:
+                self._verdict(sorted(self._window)[len(self._window) // 2])
+                self._window.clear()
+        if not (_measured(t_i) and _measured(ctx.stall) and _measured(ctx.persist_time)):
+            return
+        shifted = _measured(self._planned_iteration) and abs(math.log(t_i / self._planned_iteration)) > 0.25
+        if shifted or self._why is not None or (ctx.stall, ctx.persist_time) != self._planned_costs:
+            self._planned_costs = (ctx.stall, ctx.persist_time)
+            self._plan(ctx, "iteration time changed" if shifted else None)
+
+    def ready(self, ctx: DecisionContext) -> bool:
+        """Whether the guards allow a checkpoint now: profiled, nothing in flight, within budget."""
+        if ctx.persist_in_flight or ctx.step < self.warmup:
+            return False
+        if self.interval == 0:
+            return True  # the first checkpoint measures what checkpoints cost
+        since = ctx.steps_since_checkpoint * ctx.iteration_time
+        return self._spent + self.cost(ctx) <= self.p * (self._productive + since)
+
+    def cost(self, ctx: DecisionContext) -> float:
+        """Seconds one checkpoint costs the training loop: its stall plus the persist's slowdown."""
+        slowdown = interference(ctx.iteration_time, ctx.iteration_time_while_persisting)
+        return ctx.stall + ctx.persist_time * slowdown / (1.0 + slowdown)
+
+    def _verdict(self, measured: float) -> None:
+        if measured > self.p:
+            self.correction = min(self.correction * measured / (self.target * self.p), 64.0)
+            self._why = f"measured overhead {measured:.2%} > p={self.p:.2%}"
+        elif measured < self.low * self.p and self.correction > 1.0:
+            self.correction = max(1.0, self.correction * max(measured / (self.target * self.p), 0.5))
+            self._why = f"measured overhead {measured:.2%} < {self.low:g}·p"
+
+    def _plan(self, ctx: DecisionContext, why: str | None) -> None:
+        t_i = ctx.iteration_time
+        k = overhead_steps(t_i, self.cost(ctx) * self.correction, ctx.persist_time, self.target * self.p)
+        why = why or self._why
+        self._why = None
+        grow = k > self.interval
+        shrink = k * (1.0 + self.hysteresis) < self.interval or (why == "iteration time changed" and k != self.interval)
+        if why == "iteration time changed":
+            self._planned_iteration = t_i
+        if not (grow or shrink):
+            return
+        first = self.interval == 0
+        self.reason = (
+            f"{'profiled' if first else why or 'costs changed'}: stall {ctx.stall * 1e3:.1f} ms, "
+            f"persist {ctx.persist_time * 1e3:.1f} ms, iteration {t_i * 1e3:.2f} ms, "
+            f"slowdown while persisting {interference(t_i, ctx.iteration_time_while_persisting):.0%}, "
+            f"correction ×{self.correction:.2f} → every {k} steps for ≤ {self.p:.1%} overhead"
+        )
+        log.info("Overhead: interval %d → %d steps (%s)", self.interval, k, self.reason)
+        self.interval, self._planned_iteration = k, t_i
+
+
+@dataclass
+class YoungDaly:
+    """Failure-optimal interval for a job MTBF: Daly's higher-order formula on the stall, at least the persist time.
+
+    ``mtbf`` is the *job's* mean time between failures in seconds (``g`` workers of MTBF ``M_1``
+    each give ``M_1 / g``). ``method``: ``"daly"`` (default), ``"young"`` or ``"exact"``.
+    The first checkpoint, after ``warmup`` steps, measures the costs.
+    """
+
+    mtbf: float
+    method: str = "daly"
+    warmup: int = 10
+    hysteresis: float = 0.1
+    interval: int = field(default=0, init=False)
+    reason: str = field(default="profiling", init=False)
+
+    def __post_init__(self) -> None:
+        if not (self.mtbf > 0 and math.isfinite(self.mtbf)):
+            raise ValueError(f"YoungDaly: mtbf must be a positive number of seconds, got {self.mtbf}")
+        two_phase_interval(1.0, 0.0, 1.0, method=self.method)  # validates the method name
+        if self.warmup < 1 or self.hysteresis < 0:
+            raise ValueError("YoungDaly: warmup must be >= 1 and hysteresis >= 0")
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        self.observe(ctx)
+        if self.interval == 0:
+            return ctx.step >= self.warmup and not ctx.persist_in_flight
+        return ctx.steps_since_checkpoint >= self.interval and not ctx.persist_in_flight
+
+    def observe(self, ctx: DecisionContext) -> None:
+        if not (_measured(ctx.iteration_time) and _measured(ctx.stall)):
+            return
+        persist = ctx.persist_time if _measured(ctx.persist_time) else 0.0
+        tau = two_phase_interval(ctx.stall, persist, self.mtbf, method=self.method)
+        k = max(round(tau / ctx.iteration_time), 1)
+        if self.interval and abs(k - self.interval) <= self.hysteresis * self.interval:
+            return
+        self.reason = (
+            f"{self.method} for MTBF {self.mtbf / 3600:.3g} h, stall {ctx.stall:.3g} s, persist {persist:.3g} s: "
+            f"τ = {tau:.1f} s = {k} steps of {ctx.iteration_time * 1e3:.2f} ms"
+        )
+        log.info("YoungDaly: interval %d → %d steps (%s)", self.interval, k, self.reason)
+        self.interval = k
+
+
+@dataclass
+class Auto:
+    """The default: never more overhead than ``p``; with an MTBF, no more often than failures justify.
+
+    The interval is the longer of :class:`Overhead`'s (the shortest the bound allows) and, when
+    ``mtbf`` is given, :class:`YoungDaly`'s failure-optimal one. Without an MTBF it checkpoints
+    as often as ``p`` allows.
+    """
+
+    p: float = 0.035
+    mtbf: float | None = None
+    overhead: Overhead = field(init=False)
+    failures: YoungDaly | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.overhead = Overhead(self.p)
+        self.failures = YoungDaly(self.mtbf) if self.mtbf is not None else None
+
+    @property
+    def interval(self) -> int:
+        return max(self.overhead.interval, self.failures.interval if self.failures else 0)
+
+    @property
+    def reason(self) -> str:
+        if self.failures is not None and self.failures.interval > self.overhead.interval:
+            return f"failure-optimal: {self.failures.reason}"
+        return f"overhead bound: {self.overhead.reason}"
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        self.overhead.observe(ctx)
+        if self.failures is not None:
+            self.failures.observe(ctx)
+        return self.overhead.ready(ctx) and ctx.steps_since_checkpoint >= max(self.interval, 1)
+
+
+@dataclass
+class ConvergenceAware:
+    """Denser checkpoints early, sparser late: lost progress valued by what it bought (algorithms.md §3).
+
+    Fits ``L = a + b·(step + w0)^(−c)`` to the losses passed to ``step(loss=…)`` every
+    ``refit_every`` steps (every tenth of the steps so far, later on) and adopts a new fit only when its value weight ``ω`` moved by more
+    than ``replan_tolerance``. The interval at the current step is the closed form
+    ``sqrt(2·C_b·M / ω^β)`` clamped to ``[max(t_i, C_p), M]``; with ``exact=True`` the remaining
+    checkpoints are placed by the dynamic program instead. ``horizon`` is the planned training
+    time in seconds (converted to steps with the measured iteration time). Until a fit exists it
+    behaves like :class:`YoungDaly`.
+    """
+
+    mtbf: float
+    horizon: float
+    beta: float = 1.0
+    exact: bool = False
+    refit_every: int = 50
+    replan_tolerance: float = 0.1
+    max_points: int = 2048
+    """Losses kept (halving the resolution when exceeded)."""
+    fit_points: int = 256
+    interval: int = field(default=0, init=False)
+    reason: str = field(default="no loss fit yet", init=False)
+    curve: LossCurve | None = field(default=None, init=False)
+    _fallback: YoungDaly = field(init=False, repr=False)
+    _steps: list[float] = field(default_factory=list, init=False, repr=False)
+    _losses: list[float] = field(default_factory=list, init=False, repr=False)
+    _stride: int = field(default=1, init=False, repr=False)
+    _next_fit: int = field(default=0, init=False, repr=False)
+    _plan: np.ndarray | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("mtbf", "horizon"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"ConvergenceAware: {name} must be a positive number of seconds, got {value}")
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ValueError(f"ConvergenceAware: beta must be >= 0, got {self.beta}")
+        if self.refit_every < 1 or self.max_points < 16 or not self.replan_tolerance > 0:
+            raise ValueError("ConvergenceAware: need refit_every >= 1, max_points >= 16, replan_tolerance > 0")
+        self._fallback = YoungDaly(self.mtbf)
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        self._fallback.observe(ctx)
+        if ctx.loss is not None and math.isfinite(ctx.loss):
+            self._record(ctx.step, ctx.loss)
+        if ctx.step >= self._next_fit and _measured(ctx.iteration_time) and _measured(ctx.stall):
+            self._next_fit = ctx.step + max(self.refit_every, ctx.step // 10)  # refits get rarer as data accrue
+            self._refit(ctx)
+        if ctx.persist_in_flight:
+            return False
+        if self.curve is None:
+            self.interval, self.reason = self._fallback.interval, f"no loss fit yet: {self._fallback.reason}"
+            return self._fallback.should_save(ctx)
+        if self._plan is not None:
+            last = ctx.step - ctx.steps_since_checkpoint
+            due = self._plan[self._plan > last]
+            self.interval = int(due[0] - last) if due.size else self.interval
+        else:
+            self.interval = self._closed_form(ctx, ctx.step - ctx.steps_since_checkpoint)
+        return ctx.steps_since_checkpoint >= self.interval
+
+    def _record(self, step: int, loss: float) -> None:
+        if step % self._stride:
+            return
+        self._steps.append(float(step))
+        self._losses.append(loss)
+        if len(self._steps) > self.max_points:  # keep memory bounded: halve the resolution
+            self._steps, self._losses, self._stride = self._steps[::2], self._losses[::2], self._stride * 2
+
+    def _units(self, ctx: DecisionContext) -> tuple[float, float, float, float]:
+        """Horizon, stall, persist and MTBF in steps."""
+        t_i = ctx.iteration_time
+        persist = ctx.persist_time if _measured(ctx.persist_time) else 0.0
+        return self.horizon / t_i, ctx.stall / t_i, persist / t_i, self.mtbf / t_i
+
+    def _closed_form(self, ctx: DecisionContext, position: int) -> int:
+        assert self.curve is not None
+        horizon, stall, persist, mtbf = self._units(ctx)
+        return round(
+            convergence_interval(
+                position, self.curve, horizon, stall=stall, persist=persist, mtbf=mtbf, iteration=1.0, beta=self.beta
+            )
+        )
+
+    def _refit(self, ctx: DecisionContext) -> None:
+        steps, losses = np.asarray(self._steps), np.asarray(self._losses)
+        if steps.size < 16:
+            return
+        bins = -(-steps.size // self.fit_points)  # average into at most fit_points bins: cheaper, less noisy
+        usable = steps.size // bins * bins
+        fit = fit_power_law(steps[:usable].reshape(-1, bins).mean(1), losses[:usable].reshape(-1, bins).mean(1))
+        horizon = self._units(ctx)[0]
+        if fit is None or (self.curve is not None and not self.curve.moved(fit, horizon, self.replan_tolerance)):
+            return
+        self.curve = fit
+        if self.exact:
+            self._plan = self._place_exact(ctx)
+        k = self._closed_form(ctx, ctx.step)
+        self.reason = (
+            f"loss fit a={fit.a:.3g} b={fit.b:.3g} w0={fit.w0:.3g} c={fit.c:.3g}: ω={fit.weight(ctx.step, horizon):.3g} "
+            f"at step {ctx.step}, β={self.beta:g} → every {k} steps now"
+            + (f" (exact placement, {self._plan.size} checkpoints left)" if self._plan is not None else "")
+        )
+        log.info("ConvergenceAware: replanned (%s)", self.reason)
+
+    def _place_exact(self, ctx: DecisionContext) -> np.ndarray:
+        assert self.curve is not None
+        horizon, stall, persist, mtbf = self._units(ctx)
+        step = max(persist, horizon / 2000.0, 1.0)
+        grid = np.append(np.arange(0.0, horizon, step), horizon)
+        placed = place_optimal(
+            grid,
+            stall=stall,
+            persist=persist,
+            restart=0.0,
+            rate=np.full(grid.size, 1.0 / mtbf),
+            weight=np.asarray(self.curve.weight(grid, horizon)),
+            survival=np.ones(grid.size),
+            window=max(int(4 * mtbf / step), 2),
+        )
+        return np.round(placed)
+
+
+def resolve(policy: Policy | str | int) -> Policy:
+    """Turn the Checkpointer's ``policy=`` argument into a policy object."""
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        return Every(policy)
+    if policy == "auto":
+        return Auto()
+    if isinstance(policy, Policy):
+        return policy
+    raise TypeError(f"policy must be a Policy, an int (every n steps) or 'auto', got {policy!r}")

@@ -1,0 +1,107 @@
+"""Online measurements of a run: iteration time, stall, persist time and bandwidth.
+
+The Checkpointer feeds it; policies read a :class:`~checkfreq.policies.DecisionContext` built from
+it. Every method is O(1) and allocation-free, so steps without a checkpoint cost nanoseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Smoothed:
+    """An exponentially smoothed estimate, robust to outliers, that re-profiles on a phase change.
+
+    A sample is clipped to ``[value / clip, value · clip]`` before it enters the average, so a
+    single spike moves the estimate little. When ``shift_after`` samples in a row all lie outside
+    ``[value / (1 + band), value · (1 + band)]`` on the same side, the regime has changed (a new
+    phase, a co-located job): the estimate restarts from the median of those samples.
+    """
+
+    alpha: float = 0.1
+    clip: float = 1.5
+    band: float = 0.3
+    shift_after: int = 8
+    value: float = math.nan
+    count: int = 0
+    shifts: int = 0
+    """How many phase changes were detected."""
+    _run_side: int = field(default=0, repr=False)
+    _run: list[float] = field(default_factory=list, repr=False)
+
+    def add(self, x: float) -> bool:
+        """Add a sample; returns True when it completed a detected phase change."""
+        if not (x >= 0 and math.isfinite(x)):
+            return False
+        self.count += 1
+        if self.count == 1 or not self.value > 0:
+            self.value = x
+            return False
+        side = 1 if x > self.value * (1 + self.band) else -1 if x < self.value / (1 + self.band) else 0
+        if side == 0 or side != self._run_side:
+            self._run.clear()
+        self._run_side = side
+        if side != 0:
+            self._run.append(x)
+            if len(self._run) >= self.shift_after:
+                self.value = sorted(self._run)[len(self._run) // 2]
+                self.shifts += 1
+                self._run.clear()
+                self._run_side = 0
+                return True
+        clipped = min(max(x, self.value / self.clip), self.value * self.clip)
+        self.value += self.alpha * (clipped - self.value)
+        return False
+
+
+@dataclass
+class Profiler:
+    """Measurements the policies decide from.
+
+    Iteration samples are wall time between consecutive ``step()`` calls; the stall of a
+    checkpoint (recorded just before the sample that contains it) is subtracted, so the iteration
+    estimates measure training only, and stalls are counted once, in :attr:`stall`.
+    """
+
+    iteration: Smoothed = field(default_factory=Smoothed)
+    """Iteration time with no persist running (the baseline ``t_i``)."""
+    iteration_while_persisting: Smoothed = field(default_factory=Smoothed)
+    """Iteration time while a background persist competes for CPU, memory bandwidth and disk."""
+    stall: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
+    persist: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
+    """Seconds from the start of a checkpoint until it is durable."""
+    bandwidth: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
+    """Bytes per second of the persist, end to end."""
+    bytes_per_checkpoint: int = 0
+    _stall_to_discount: float = 0.0
+
+    def record_iteration(self, seconds: float, persisting: bool) -> None:
+        """One step's wall time; ``persisting``: a background write overlapped it."""
+        seconds, self._stall_to_discount = max(seconds - self._stall_to_discount, 0.0), 0.0
+        (self.iteration_while_persisting if persisting else self.iteration).add(seconds)
+
+    def record_stall(self, seconds: float) -> None:
+        """Time the training thread was blocked by one checkpoint (snapshot plus fence wait)."""
+        self.stall.add(seconds)
+        self._stall_to_discount += seconds
+
+    def record_persist(self, seconds: float, nbytes: int) -> None:
+        """Duration of one checkpoint from its start to its durable commit, and its size."""
+        self.persist.add(seconds)
+        self.bytes_per_checkpoint = nbytes
+        if seconds > 0 and nbytes > 0:
+            self.bandwidth.add(nbytes / seconds)
+
+    @property
+    def slowdown(self) -> float:
+        """Relative slowdown of iterations that overlap a persist (0 when not measured)."""
+        return interference(self.iteration.value, self.iteration_while_persisting.value)
+
+
+def interference(iteration: float, iteration_while_persisting: float) -> float:
+    """``t_persisting / t_i − 1``, at least 0; 0 when either is unknown."""
+    if not (iteration > 0 and iteration_while_persisting > 0):
+        return 0.0
+    return max(iteration_while_persisting / iteration - 1.0, 0.0)
