@@ -1,0 +1,72 @@
+"""checkfreq itself: a checkpoint's stall, time to durable and write bandwidth; restore into the live model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import checkfreq as cf
+from benchmarks.limits import drop_cache
+from benchmarks.methods import Method, Sample, unlink
+from benchmarks.states import State
+
+NEVER = cf.Every(n=10**12)
+
+
+class CheckfreqSave(Method):
+    """``ckpt.save()`` and the fence at the next ``optimizer.step()``, with no compute to overlap.
+
+    The stall is therefore an upper bound: in a training loop the deferred copies overlap the
+    next forward/backward pass. Committed checkpoints are deleted between runs, outside timing.
+    """
+
+    name = "checkfreq"
+    kind = "checkfreq"
+
+    def setup(self, state: State, workdir: Path) -> None:
+        self._state = state
+        self._ckpt = cf.Checkpointer(workdir / "checkfreq", model=state.model, optimizer=state.optimizer,
+                                     policy=NEVER, keep=10**9)
+
+    def run(self) -> Sample:
+        self._ckpt.step()  # a new step, so save() has something new to take
+        start = time.perf_counter()
+        self._ckpt.save()
+        self._state.optimizer.step()  # no gradients: only the fence runs (the deferred copies)
+        copied = time.perf_counter()
+        self._ckpt.wait()
+        durable = time.perf_counter()
+        for path in self._ckpt.directory.glob("step_*"):
+            unlink(path)
+        return Sample(stall=copied - start, durable=durable - start, write=durable - copied)
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+
+class CheckfreqRestore(Method):
+    """``ckpt.restore()`` of a committed checkpoint into the existing model and optimizer."""
+
+    kind = "checkfreq"
+
+    def __init__(self, cold: bool) -> None:
+        self.cold = cold
+        self.name = f"checkfreq restore ({'cold' if cold else 'hot'} cache)"
+
+    def setup(self, state: State, workdir: Path) -> None:
+        self._ckpt = cf.Checkpointer(workdir / f"restore-{self.cold}", model=state.model,
+                                     optimizer=state.optimizer, policy=NEVER, keep=1)
+        self._ckpt.step()
+        self._ckpt.save(blocking=True)
+        self._files = list(self._ckpt.directory.glob("step_*/*.safetensors"))
+
+    def run(self) -> Sample:
+        if self.cold:
+            for path in self._files:
+                drop_cache(path)
+        start = time.perf_counter()
+        self._ckpt.restore()
+        return Sample(stall=time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._ckpt.close()
