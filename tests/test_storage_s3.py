@@ -203,3 +203,17 @@ def test_two_tiers_upload_and_keep_per_tier(endpoint: str, bucket_url: str, tmp_
     step, model_state, _ = restore_from(tmp_path / "elsewhere", remote=remote)
     assert step == 5
     assert_state_equal(model_state, expected_after(5)[0])
+
+
+def test_failed_upload_is_reported_not_silent(endpoint: str, bucket_url: str, tmp_path: Path) -> None:
+    remote = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+    model, optimizer = _script().build()
+    ckpt = cf.Checkpointer(tmp_path, remote=remote, policy=1, model=model, optimizer=optimizer)
+    bucket = bucket_url.removeprefix("s3://").split("/", 1)[0]
+    remote.fs.rm(bucket, recursive=True)  # the bucket is deleted under the running job
+    remote.fs.invalidate_cache()
+    _script().train_step(model, optimizer, 1)
+    ckpt.step()
+    with pytest.raises(cf.PersistError, match="copying a checkpoint to s3://"):
+        ckpt.close()
+    assert (tmp_path / "step_000000001" / "manifest.json").exists()  # the local tier still committed it

@@ -91,7 +91,8 @@ class FsspecStore:
         location = self._base / checkpoint_name(step)
         if self.fs.exists(str(location)):
             self._remove(location)
-        self.fs.makedirs(str(location), exist_ok=True)
+        if self.fs.exists(str(self._base)):  # never re-create a bucket deleted under a running job
+            self.fs.makedirs(str(location), exist_ok=True)
         return location
 
     def write_file(self, staging: PurePosixPath, name: str, chunks: Iterable[bytes | memoryview]) -> None:

@@ -1,0 +1,129 @@
+"""Storage chosen by URL: memory:// round trip, manifest-last commit, corruption, two tiers."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path, PurePosixPath
+
+import fsspec
+import pytest
+import torch
+from conftest import assert_state_equal, make_model, train_step
+
+import checkfreq as cf
+from checkfreq.format import MANIFEST_NAME
+from checkfreq.storage import FsspecStore, TieredStore, open_store
+from checkfreq.store import LocalStore
+
+
+@pytest.fixture
+def memory_url() -> str:
+    return f"memory://checkfreq-test-{uuid.uuid4().hex[:12]}/run"
+
+
+def _train(ckpt: cf.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        train_step(model, opt)
+        ckpt.step()
+
+
+def test_urls_choose_the_store(tmp_path: Path, memory_url: str) -> None:
+    assert isinstance(open_store(tmp_path / "a"), LocalStore)
+    local = open_store(f"file://{tmp_path}/b")
+    assert isinstance(local, LocalStore) and local.root == tmp_path / "b"
+    assert isinstance(open_store(memory_url), FsspecStore)
+    tiered = open_store(tmp_path / "c", remote=memory_url, remote_keep=5)
+    assert isinstance(tiered, TieredStore) and isinstance(tiered.remote, FsspecStore)
+    with pytest.raises(ValueError, match="first tier must be a local directory"):
+        open_store(memory_url, remote=tmp_path / "d")
+
+
+def test_memory_round_trip_is_bit_identical(memory_url: str) -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with cf.Checkpointer(memory_url, policy=2, keep=2, model=model, optimizer=opt, note="hi") as ckpt:
+        _train(ckpt, model, opt, 7)
+        ckpt.save(blocking=True)
+        expected = (model.state_dict(), opt.state_dict())
+    store = FsspecStore(memory_url, create=False)
+    assert [step for step, _ in store.checkpoints()] == [7, 6]
+
+    model2 = make_model(seed=1)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    with cf.Checkpointer(memory_url, model=model2, optimizer=opt2, note="") as ckpt2:
+        assert ckpt2.restore() == 7
+        assert ckpt2["note"] == "hi"
+    assert_state_equal(model2.state_dict(), expected[0])
+    assert_state_equal(opt2.state_dict(), expected[1])
+
+
+def test_directory_without_manifest_is_never_listed_and_is_cleaned(memory_url: str) -> None:
+    model = make_model()
+    with cf.Checkpointer(memory_url, model=model) as ckpt:
+        ckpt.save(blocking=True)
+    store = FsspecStore(memory_url)
+    staging = store.staging_dir(5)
+    store.write_file(staging, "rank00000.safetensors", [b"half of a checkpoint"])
+    assert [step for step, _ in store.checkpoints()] == [0]
+    with cf.Checkpointer(memory_url, model=make_model()) as ckpt:
+        assert ckpt.restore() == 0
+    assert not store.fs.exists(str(staging))
+
+
+def test_corrupt_remote_checkpoint_falls_back(memory_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(memory_url, policy=1, model=model, optimizer=opt) as ckpt:
+        _train(ckpt, model, opt, 2)
+    store = FsspecStore(memory_url)
+    newest = store.checkpoints()[0][1]
+    data = str(newest / "rank00000.safetensors")
+    raw = bytearray(store.fs.cat_file(data))
+    raw[-1] ^= 0xFF
+    store.fs.pipe_file(data, bytes(raw))
+    with cf.Checkpointer(memory_url, model=make_model(seed=3)) as ckpt:
+        assert ckpt.restore() == 1
+    assert "fails its checksum" in caplog.text
+
+
+def test_retention_deletes_manifest_first(memory_url: str) -> None:
+    store = FsspecStore(memory_url)
+    for step in (1, 2, 3):
+        staging = store.staging_dir(step)
+        store.write_file(staging, "data", [b"x"])
+        store.write_file(staging, MANIFEST_NAME, [b"{}"])
+        store.commit(staging, step)
+    store.retain(1, protect=store.checkpoints()[0][1])
+    assert [step for step, _ in store.checkpoints()] == [3]
+    assert sorted(PurePosixPath(p).parent.name for p in store.fs.find(str(store._base))) == ["step_000000003"] * 2
+
+
+def _restored_step(local: Path, remote: str) -> tuple[int, dict]:
+    model = make_model(seed=5)
+    with cf.Checkpointer(local, remote=remote, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ckpt:
+        return ckpt.restore(), model.state_dict()
+
+
+def test_tiers_restore_newest_of_either(tmp_path: Path, memory_url: str) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = {}
+    tiers = open_store(tmp_path / "fast", remote=memory_url, remote_keep=2)
+    assert isinstance(tiers, TieredStore)
+    with cf.Checkpointer(tiers, policy=1, keep=2, model=model, optimizer=opt) as ckpt:
+        for step in (1, 2, 3):
+            _train(ckpt, model, opt, 1)
+            ckpt.wait()
+            tiers.flush()  # each upload done before the next commit: none is superseded
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    remote = FsspecStore(memory_url, create=False)
+    assert [step for step, _ in remote.checkpoints()] == [3, 2]
+    assert [p.name for p in sorted((tmp_path / "fast").glob("step_*"))] == ["step_000000002", "step_000000003"]
+
+    remote.delete(remote.checkpoints()[0][1])  # the remote tier now lags: its newest is step 2
+    step, state = _restored_step(tmp_path / "fast", memory_url)
+    assert step == 3
+    assert_state_equal(state, states[3])
+    step, state = _restored_step(tmp_path / "elsewhere", memory_url)
+    assert step == 2
+    assert_state_equal(state, states[2])
