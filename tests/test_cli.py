@@ -246,3 +246,29 @@ def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     assert code == 2 and "does not exist" in out
     code, out = invoke("inspect", tmp_path / "nope")
     assert code == 2 and "nope" in out
+
+
+def test_commands_take_fsspec_urls(tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://cli-{tmp_path.name}"
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(url, model=model, optimizer=opt, policy=5, keep=3) as ckpt:
+        for _ in range(15):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ckpt.step()
+    assert [c["step"] for c in as_json("ls", url)] == [15, 10, 5]
+    assert as_json("inspect", f"{url}/step_10")["path"] == f"{url}/step_000000010"
+    assert invoke("export", url, "--to", tmp_path / "m.safetensors", "--only", "model")[0] == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in load_file(tmp_path / "m.safetensors").items())
+    fs = fsspec.filesystem("memory")
+    path = f"{url.removeprefix('memory://')}/step_000000010/rank00000.safetensors"
+    raw = bytearray(fs.cat_file(path))
+    raw[-1] ^= 1
+    fs.pipe_file(path, bytes(raw))
+    code, out = invoke("verify", url)
+    assert code == 1 and "FAILED step_000000010" in out and "checksum" in out
+    fs.rm(url.removeprefix("memory://"), recursive=True)

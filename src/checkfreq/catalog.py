@@ -1,9 +1,9 @@
 """Checkpoints as a user sees them from a shell: listing with validity, verification, inspection,
 export to a plain state dict, and tensor-by-tensor comparison.
 
-Everything here reads through :mod:`checkfreq.format`, :func:`checkfreq.checkpointer.read_checkpoint`
-and :class:`checkfreq.store.LocalStore`; nothing unpickles. The ``checkfreq`` command only formats
-what these functions return.
+Everything here reads through a :class:`~checkfreq.storage.Store` (a local directory or any
+fsspec URL) and :func:`checkfreq.checkpointer.read_checkpoint`; nothing unpickles. The
+``checkfreq`` command only formats what these functions return.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 
 from checkfreq.checkpointer import read_checkpoint
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.format import MANIFEST_NAME, Manifest, read_manifest
+from checkfreq.format import MANIFEST_NAME, Manifest
 from checkfreq.state import unflatten
+from checkfreq.storage import Store, open_store
 from checkfreq.store import LocalStore, checkpoint_name, fsync_directory
 
 log = logging.getLogger("checkfreq.catalog")
@@ -34,15 +35,41 @@ EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
 @dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint: the store holding it and its location there."""
+
+    store: Store
+    location: Any
+
+    @property
+    def name(self) -> str:
+        return self.location.name
+
+    @property
+    def address(self) -> str:
+        """A path for a local checkpoint, else ``URL/step_N``."""
+        if isinstance(self.store, LocalStore):
+            return str(self.location)
+        return f"{str(self.store.root).rstrip('/')}/{self.name}"
+
+    def read_manifest(self) -> Manifest:
+        return self.store.read_manifest(self.location)
+
+    def read(self) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """The verified manifest and tensors."""
+        return read_checkpoint(self.location, self.store)
+
+
+@dataclass(frozen=True)
 class CheckpointStatus:
-    """One committed checkpoint directory and whether a restore would accept it."""
+    """One committed checkpoint and whether a restore would accept it."""
 
     name: str
     path: str
     step: int
     epoch: int | None
     bytes: int
-    """Bytes of the files on disk (data files and manifest)."""
+    """Bytes of its files: on disk for a local directory, as the manifest lists them for a URL."""
     created: float | None
     """When it was written (seconds since the epoch), from its manifest; None if unreadable."""
     valid: bool
@@ -55,63 +82,84 @@ class CheckpointStatus:
         return asdict(self)
 
 
-def resolve_checkpoint(target: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory ``target`` names: itself, ``RUN/step_N`` (N unpadded is fine),
-    or, for a run directory, its newest valid checkpoint (checksums verified)."""
-    path = Path(target)
-    match = _STEP_DIR.match(path.name)
-    if not path.exists() and match:
-        padded = path.with_name(checkpoint_name(int(match.group(1))))
-        if padded.exists():
-            return padded
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory")
-    if is_checkpoint_dir(path):
-        return path
+def is_url(target: str | os.PathLike[str]) -> bool:
+    text = os.fspath(target)
+    return "://" in text and not text.startswith("file://")
+
+
+def names_checkpoint(target: str | os.PathLike[str]) -> bool:
+    """True if ``target`` names one checkpoint (``…/step_N`` or a directory with a manifest), False for a run."""
+    name = os.fspath(target).rstrip("/").rsplit("/", 1)[-1]
+    return bool(_STEP_DIR.match(name)) or (not is_url(target) and (Path(target) / MANIFEST_NAME).is_file())
+
+
+def resolve_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
+    """The checkpoint ``target`` names: ``RUN/step_N`` (N unpadded is fine; a path or a URL), a
+    local checkpoint directory, or, for a run, its newest valid checkpoint (checksums verified)."""
+    if names_checkpoint(target):
+        return _named_checkpoint(target)
     invalid = []
-    for _, candidate in LocalStore(path, create=False).checkpoints():
-        status = check_checkpoint(candidate)
+    for status, ref in _statuses(open_store(target, create=False), checksums=True):
         if status.valid:
-            return candidate
+            return ref
         invalid.append(f"{status.name}: {status.reason}")
     if not invalid:
-        raise NoValidCheckpointError(f"{path} holds no checkpoint")
-    raise NoValidCheckpointError(f"no valid checkpoint in {path} ({'; '.join(invalid)})")
+        raise NoValidCheckpointError(f"{target} holds no checkpoint")
+    raise NoValidCheckpointError(f"no valid checkpoint in {target} ({'; '.join(invalid)})")
 
 
-def is_checkpoint_dir(path: Path) -> bool:
-    """True for a checkpoint directory (``step_N`` or holding a manifest), False for a run directory."""
-    return bool(_STEP_DIR.match(path.name)) or (path / MANIFEST_NAME).is_file()
+def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
+    text = os.fspath(target).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    match = _STEP_DIR.match(name)
+    if not is_url(text):
+        path = Path(text)
+        if not path.exists() and match:
+            path = path.with_name(checkpoint_name(int(match.group(1))))
+        if not path.is_dir():
+            raise FileNotFoundError(f"{target} is neither a checkpoint nor a run directory")
+        return CheckpointRef(LocalStore(path.parent, create=False), path)
+    store = open_store(parent, create=False)
+    for step, location in store.checkpoints():
+        if match and step == int(match.group(1)):
+            return CheckpointRef(store, location)
+    raise NoValidCheckpointError(f"{target} is not a committed checkpoint (no manifest there)")
 
 
 def list_checkpoints(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
-    """Every committed checkpoint under the run directory ``root``, newest first, with its validity.
+    """Every committed checkpoint of the run at ``root`` (a path or a URL), newest first, with its validity.
 
-    With ``checksums=False`` only the manifest and the file sizes are checked (no data is read).
+    With ``checksums=False`` only the manifest and (for a local directory) the file sizes are
+    checked; no data is read.
     """
-    store = LocalStore(root, create=False)
-    return [check_checkpoint(path, checksums=checksums) for _, path in store.checkpoints()]
+    return [status for status, _ in _statuses(open_store(root, create=False), checksums=checksums)]
 
 
-def check_checkpoint(path: str | os.PathLike[str], *, checksums: bool = True) -> CheckpointStatus:
-    """The status of one checkpoint directory; never raises for a damaged checkpoint."""
-    path = Path(path)
-    match = _STEP_DIR.match(path.name)
-    step, epoch, created = (int(match.group(1)) if match else -1), None, None
+def _statuses(store: Store, *, checksums: bool) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
+    for _, location in store.checkpoints():
+        ref = CheckpointRef(store, location)
+        yield check_checkpoint(ref, checksums=checksums), ref
+
+
+def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True) -> CheckpointStatus:
+    """The status of one checkpoint; never raises for a damaged checkpoint."""
+    match = _STEP_DIR.match(ref.name)
+    step, manifest = (int(match.group(1)) if match else -1), None
     try:
-        manifest = read_manifest(path)
-        step, epoch, created = manifest.step, manifest.epoch, manifest.created
+        manifest = ref.read_manifest()
+        step = manifest.step
         if checksums:
-            read_checkpoint(path)
-        else:
-            _check_sizes(path, manifest)
+            ref.read()
+        elif isinstance(ref.store, LocalStore):
+            _check_sizes(ref.location, manifest)
         valid, reason = True, None
     except CorruptCheckpointError as e:
         valid, reason = False, str(e)
     except OSError as e:
         valid, reason = False, f"unreadable: {e}"
     return CheckpointStatus(
-        name=path.name, path=str(path), step=step, epoch=epoch, bytes=_disk_bytes(path), created=created,
+        name=ref.name, path=ref.address, step=step, epoch=manifest.epoch if manifest else None,
+        bytes=_bytes(ref, manifest), created=manifest.created if manifest else None,
         valid=valid, reason=reason, checksummed=checksums,
     )
 
@@ -126,9 +174,11 @@ def _check_sizes(path: Path, manifest: Manifest) -> None:
             raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {entry['size']}")
 
 
-def _disk_bytes(path: Path) -> int:
+def _bytes(ref: CheckpointRef, manifest: Manifest | None) -> int:
+    if not isinstance(ref.store, LocalStore):
+        return sum(entry["size"] for entry in manifest.files.values()) if manifest else 0
     try:
-        return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+        return sum(e.stat().st_size for e in os.scandir(ref.location) if e.is_file(follow_symlinks=False))
     except OSError:
         return 0
 
@@ -163,10 +213,9 @@ class CheckpointDescription:
         return asdict(self)
 
 
-def describe(path: str | os.PathLike[str]) -> CheckpointDescription:
+def describe(ref: CheckpointRef) -> CheckpointDescription:
     """Read a checkpoint's manifest (not its data) and summarise tensors, objects and versions."""
-    path = Path(path)
-    manifest = read_manifest(path)
+    manifest = ref.read_manifest()
     tensors = [
         TensorInfo(name, list(e["shape"]), e["dtype"], e["offsets"][1] - e["offsets"][0], e["file"])
         for name, e in sorted(manifest.tensors.items())
@@ -179,7 +228,7 @@ def describe(path: str | os.PathLike[str]) -> CheckpointDescription:
             entry["value"] = node
         objects[name] = entry
     return CheckpointDescription(
-        path=str(path), step=manifest.step, epoch=manifest.epoch, world_size=manifest.world_size,
+        path=ref.address, step=manifest.step, epoch=manifest.epoch, world_size=manifest.world_size,
         created=manifest.created, versions=manifest.versions, files=manifest.files, tensors=tensors, objects=objects,
     )
 
@@ -208,14 +257,14 @@ class ExportResult:
         return asdict(self)
 
 
-def load_state(path: str | os.PathLike[str], only: str | None = None) -> tuple[Manifest, Any]:
+def load_state(ref: CheckpointRef, only: str | None = None) -> tuple[Manifest, Any]:
     """The verified state of one checkpoint as plain Python: ``{registered_name: state}``, or one
     object's state with ``only``. Tensors are independent CPU copies; NumPy arrays become tensors."""
-    manifest, tensors = read_checkpoint(Path(path))
+    manifest, tensors = ref.read()
     state = unflatten(manifest.state, tensors, allow_pickle=False)
     if only is not None:
         if only not in state:
-            raise KeyError(f"checkpoint {Path(path).name} has no object {only!r}; it holds {', '.join(sorted(state))}")
+            raise KeyError(f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}")
         state = state[only]
     return manifest, _plain(state)
 
@@ -237,16 +286,17 @@ def _plain(node: Any) -> Any:
 def export(
     source: str | os.PathLike[str], destination: str | os.PathLike[str], *, only: str | None = None
 ) -> ExportResult:
-    """Write a checkpoint's state (or one object's, with ``only``) as a plain state dict.
+    """Write a checkpoint's state (or one object's, with ``only``) as a plain state dict in a local file.
 
     ``.pt``/``.pth``: ``torch.save`` of the nested state, loadable with ``torch.load(weights_only=True)``.
     ``.safetensors``: the tensors under their ``/``-joined paths (a module's own keys with ``only``).
     The file appears atomically (written aside, fsynced, renamed).
     """
-    source, destination = resolve_checkpoint(source), Path(destination)
+    destination = Path(destination)
     if destination.suffix not in EXPORT_SUFFIXES:
         raise ValueError(f"export to {destination.name}: the name must end in {', '.join(EXPORT_SUFFIXES)}")
-    manifest, state = load_state(source, only)
+    ref = resolve_checkpoint(source)
+    manifest, state = load_state(ref, only)
     flat, dropped = flatten_tensors(state)
     if not flat:
         raise CheckfreqError(f"nothing to export: {only or 'the checkpoint'} holds no tensors")
@@ -264,9 +314,9 @@ def export(
         fsync_directory(destination.parent.resolve())
     finally:
         staging.unlink(missing_ok=True)
-    log.info("exported %s (%d tensors) to %s", source, len(flat), destination)
+    log.info("exported %s (%d tensors) to %s", ref.address, len(flat), destination)
     return ExportResult(
-        source=str(source), destination=str(destination), step=manifest.step, tensors=len(flat),
+        source=ref.address, destination=str(destination), step=manifest.step, tensors=len(flat),
         bytes=destination.stat().st_size, dropped=dropped,
     )
 
@@ -347,13 +397,13 @@ class CheckpointDiff:
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
     """Compare two checkpoints (both verified against their checksums) tensor by tensor."""
-    path_a, path_b = resolve_checkpoint(a), resolve_checkpoint(b)
-    manifest_a, tensors_a = read_checkpoint(path_a)
-    manifest_b, tensors_b = read_checkpoint(path_b)
+    ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
+    manifest_a, tensors_a = ref_a.read()
+    manifest_b, tensors_b = ref_b.read()
     rows = [_compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())]
     order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
     rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
-    return CheckpointDiff(str(path_a), str(path_b), manifest_a.step, manifest_b.step, rows)
+    return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows)
 
 
 def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> TensorDiff:

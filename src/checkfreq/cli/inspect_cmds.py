@@ -1,5 +1,7 @@
 """``checkfreq ls / inspect / verify / export / diff``: checkpoints from a shell.
 
+Every command takes a local path or an fsspec URL (``s3://bucket/run``, ``memory://run``).
+
 The work is done by :mod:`checkfreq.catalog`; these commands only format its results.
 """
 
@@ -26,7 +28,7 @@ JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 @app.command("ls")
 @reports_errors
 def ls_command(
-    directory: Annotated[Path, typer.Argument(help="Run directory holding step_* checkpoints.")],
+    directory: Annotated[str, typer.Argument(help="Run directory (a path or an fsspec URL) holding step_* checkpoints.")],
     quick: Annotated[bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -52,7 +54,7 @@ def ls_command(
 @app.command("inspect")
 @reports_errors
 def inspect_command(
-    target: Annotated[Path, typer.Argument(help="A checkpoint (RUN/step_N), or a run directory for its newest valid one.")],
+    target: Annotated[str, typer.Argument(help="A checkpoint (RUN/step_N), or a run directory for its newest valid one.")],
     as_json: JsonFlag = False,
 ) -> None:
     """Show a checkpoint's tensors (name, shape, dtype, bytes), registered objects, metadata and versions."""
@@ -91,13 +93,13 @@ def inspect_command(
 @app.command("verify")
 @reports_errors
 def verify_command(
-    target: Annotated[Path, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
+    target: Annotated[str, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
     as_json: JsonFlag = False,
 ) -> None:
     """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists)."""
-    from checkfreq.catalog import check_checkpoint, is_checkpoint_dir, list_checkpoints, resolve_checkpoint
+    from checkfreq.catalog import check_checkpoint, list_checkpoints, names_checkpoint, resolve_checkpoint
 
-    single = is_checkpoint_dir(target)
+    single = names_checkpoint(target)
     statuses = [check_checkpoint(resolve_checkpoint(target))] if single else list_checkpoints(target)
     failed = [s for s in statuses if not s.valid]
     if as_json:
@@ -120,7 +122,7 @@ def verify_command(
 @app.command("export")
 @reports_errors
 def export_command(
-    target: Annotated[Path, typer.Argument(help="A checkpoint, or a run directory for its newest valid one.")],
+    target: Annotated[str, typer.Argument(help="A checkpoint, or a run directory for its newest valid one.")],
     to: Annotated[Path, typer.Option("--to", help="Output file: NAME.safetensors, NAME.pt or NAME.pth.")],
     only: Annotated[str | None, typer.Option("--only", help="Export one registered object, e.g. 'model'.")] = None,
     as_json: JsonFlag = False,
@@ -147,8 +149,8 @@ def export_command(
 @app.command("diff")
 @reports_errors
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="Checkpoint A (or a run directory: its newest valid checkpoint).")],
-    b: Annotated[Path, typer.Argument(help="Checkpoint B.")],
+    a: Annotated[str, typer.Argument(help="Checkpoint A (or a run directory: its newest valid checkpoint).")],
+    b: Annotated[str, typer.Argument(help="Checkpoint B.")],
     show_all: Annotated[bool, typer.Option("--all", help="List equal tensors too.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
