@@ -175,11 +175,6 @@ assert head + [batch.tolist() for batch in second] == expected
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restored tensors are views at an offset into one shared buffer, and "
-    "torch.Generator.set_state() on such a view crashes (segfault, torch 2.13)",
-)
 def test_a_stateful_dataloader_can_be_registered_instead(tmp_path):
     pytest.importorskip("torchdata.stateful_dataloader")
     proc = subprocess.run(  # in a child: the failure is a crash
@@ -188,11 +183,6 @@ def test_a_stateful_dataloader_can_be_registered_instead(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the store's directory lock is an flock, shared with DataLoader workers forked after it was "
-    "taken: after a SIGKILL the orphaned workers keep the directory locked",
-)
 def test_a_restart_right_after_a_kill_is_not_locked_out(tmp_path):
     killed = textwrap.dedent(f"""
         import os, signal

@@ -175,6 +175,18 @@ def check_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Ma
         raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
 
 
+def _own_storage(tree: Any) -> Any:
+    """Clone the tensors of a restored state: they are views into one read buffer, which objects
+    that keep their state's tensors (optimizers, generators) must neither alias nor pin."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _own_storage(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_own_storage(v) for v in tree)
+    return tree
+
+
 def load_into(name: str, obj: Any, state: Any) -> None:
     """Validate ``state`` against ``obj`` and load it, raising :class:`StateMismatchError` on a mismatch."""
     if isinstance(obj, torch.nn.Module):
@@ -184,6 +196,6 @@ def load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.optim.Optimizer):
         check_optimizer_state(name, obj, state)
     try:
-        obj.load_state_dict(state)
+        obj.load_state_dict(_own_storage(state))
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e

@@ -27,6 +27,17 @@ log = logging.getLogger("checkfreq.store")
 
 _COMMITTED = re.compile(r"^step_(\d{9,})$")
 LOCK_NAME = ".checkfreq.lock"
+_HELD_LOCKS: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the inherited lock descriptors (the lock stays the parent's)."""
+    for fd in _HELD_LOCKS:
+        os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 def checkpoint_name(step: int) -> str:
@@ -65,7 +76,11 @@ class LocalStore:
             raise PermissionError(f"checkpoint directory {self.root} is not writable: {e.strerror}") from None
 
     def lock(self) -> None:
-        """Take the directory's writer lock (released by the OS if this process dies)."""
+        """Take the directory's writer lock (released by the OS if this process dies).
+
+        Forked children (DataLoader workers) close their copy of the lock's descriptor, so
+        orphaned workers of a killed job never keep its restart locked out.
+        """
         fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,9 +96,11 @@ class LocalStore:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+        _HELD_LOCKS.add(fd)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
+            _HELD_LOCKS.discard(self._lock_fd)
             os.close(self._lock_fd)
             self._lock_fd = None
 
