@@ -9,6 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from checkfreq.checkpointer import Checkpointer, read_checkpoint
+from checkfreq.data import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
     CheckfreqError,
     CorruptCheckpointError,
@@ -32,5 +33,7 @@ __all__ = [
     "Policy",
     "StateMismatchError",
     "UnserializableStateError",
+    "ResumableLoader",
+    "ResumableSampler",
     "read_checkpoint",
 ]
