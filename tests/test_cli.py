@@ -272,3 +272,11 @@ def test_commands_take_fsspec_urls(tmp_path: Path) -> None:
     code, out = invoke("verify", url)
     assert code == 1 and "FAILED step_000000010" in out and "checksum" in out
     fs.rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_checkpoint_without_its_manifest_is_listed_invalid(run: Path) -> None:
+    (run / "step_000000005" / "manifest.json").unlink()
+    listing = {c["name"]: c for c in as_json("ls", run, "--quick")}
+    assert not listing["step_000000005"]["valid"] and "manifest.json is missing" in listing["step_000000005"]["reason"]
+    code, out = invoke("verify", run)
+    assert code == 1 and "FAILED step_000000005: manifest.json is missing" in out
