@@ -67,7 +67,8 @@ def inspect_command(
     out = console()
     created = datetime.datetime.fromtimestamp(info.created).isoformat(sep=" ", timespec="seconds")
     out.print(f"[bold]{info.path}[/bold]", soft_wrap=True)
-    out.print(f"step {info.step}, epoch {info.epoch}, world size {info.world_size}, written {created} ({human_age(info.created)})")
+    epoch = "-" if info.epoch is None else info.epoch
+    out.print(f"step {info.step}, epoch {epoch}, world size {info.world_size}, written {created} ({human_age(info.created)})")
     out.print("versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()), soft_wrap=True)
     files = Table(title="files")
     for column in ("file", "size", "xxh3-64"):
