@@ -131,6 +131,7 @@ class Checkpointer:
 
         self._global_step = 0
         self._last_checkpoint_step = 0
+        self._durable_step = -1  # the newest step known committed (set by the writer)
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
         self._clean_count, self._clean_seconds = 0, 0.0  # this window's iterations without a stall or persist
@@ -190,10 +191,10 @@ class Checkpointer:
         With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
         self._surface_background_error()
-        if self._last_checkpoint_step != self._global_step or self._global_step == 0:
-            self._checkpoint(blocking=blocking, reason="save()")
-        elif blocking:
-            self.wait()
+        if blocking:
+            self._ensure_durable("save()")
+        elif self._last_checkpoint_step != self._global_step or self._global_step == 0:
+            self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint in flight is durable; raise its error if it failed."""
@@ -220,7 +221,7 @@ class Checkpointer:
         else:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
         self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
-        self._global_step = self._last_checkpoint_step = manifest.step
+        self._global_step = self._last_checkpoint_step = self._durable_step = manifest.step
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
         self._last_checkpoint_time = time.perf_counter()
@@ -415,6 +416,7 @@ class Checkpointer:
         self._record_commit(step, size, start)
 
     def _record_commit(self, step: int, size: int, start: float) -> None:
+        self._durable_step = step
         seconds = time.perf_counter() - start
         self._profiler.record_persist(seconds, size)
         self._events.write("commit", step=step, persist_s=seconds, bytes=size, bandwidth_gbps=size / seconds / 1e9)
@@ -432,16 +434,21 @@ class Checkpointer:
         if "rng" in self._objects and "rng" in state:
             self._objects["rng"].load_state_dict(state["rng"])  # last: nothing above may draw after it
 
+    def _ensure_durable(self, reason: str) -> None:
+        """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
+        if self._last_checkpoint_step == self._global_step and self._global_step != 0:
+            self.wait()
+            if self._durable_step == self._global_step:
+                return
+        self._checkpoint(blocking=True, reason=reason)
+
     def _save_for_signal(self) -> None:
         """Preempted: make the current state durable, then let the signal act as it would have."""
         signum = self._trap.received  # type: ignore[union-attr]
         self._events.write("signal", step=self._global_step, signal=signum)
         log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._global_step)
         try:
-            if self._last_checkpoint_step != self._global_step or self._global_step == 0:
-                self._checkpoint(blocking=True, reason="signal")
-            else:
-                self.wait()
+            self._ensure_durable("signal")
         except BaseException:
             log.error("the checkpoint taken for signal %s failed", signum, exc_info=True)
             raise
