@@ -13,11 +13,22 @@ from benchmarks.states import State
 NEVER = cf.Every(n=10**12)
 
 
+def shared_checkpointer(state: State, workdir: Path) -> cf.Checkpointer:
+    """One Checkpointer (and one host buffer) per state, shared by the save and restore methods."""
+    ckpt = getattr(state, "_checkpointer", None)
+    if ckpt is None:
+        ckpt = cf.Checkpointer(workdir / "checkfreq", model=state.model, optimizer=state.optimizer,
+                               policy=NEVER, keep=10**9)
+        state._checkpointer = ckpt  # type: ignore[attr-defined]
+    return ckpt
+
+
 class CheckfreqSave(Method):
     """``ckpt.save()`` and the fence at the next ``optimizer.step()``, with no compute to overlap.
 
     The stall is therefore an upper bound: in a training loop the deferred copies overlap the
-    next forward/backward pass. Committed checkpoints are deleted between runs, outside timing.
+    next forward/backward pass. Older checkpoints are deleted before each run, outside timing
+    (the newest stays, for the restore measurements).
     """
 
     name = "checkfreq"
@@ -25,10 +36,11 @@ class CheckfreqSave(Method):
 
     def setup(self, state: State, workdir: Path) -> None:
         self._state = state
-        self._ckpt = cf.Checkpointer(workdir / "checkfreq", model=state.model, optimizer=state.optimizer,
-                                     policy=NEVER, keep=10**9)
+        self._ckpt = shared_checkpointer(state, workdir)
 
     def run(self) -> Sample:
+        for path in self._ckpt.directory.glob("step_*"):
+            unlink(path)
         self._ckpt.step()  # a new step, so save() has something new to take
         start = time.perf_counter()
         self._ckpt.save()
@@ -36,8 +48,6 @@ class CheckfreqSave(Method):
         copied = time.perf_counter()
         self._ckpt.wait()
         durable = time.perf_counter()
-        for path in self._ckpt.directory.glob("step_*"):
-            unlink(path)
         return Sample(stall=copied - start, durable=durable - start, write=durable - copied)
 
     def close(self) -> None:
@@ -45,7 +55,7 @@ class CheckfreqSave(Method):
 
 
 class CheckfreqRestore(Method):
-    """``ckpt.restore()`` of a committed checkpoint into the existing model and optimizer."""
+    """``ckpt.restore()`` of the newest committed checkpoint into the existing model and optimizer."""
 
     kind = "checkfreq"
 
@@ -54,19 +64,15 @@ class CheckfreqRestore(Method):
         self.name = f"checkfreq restore ({'cold' if cold else 'hot'} cache)"
 
     def setup(self, state: State, workdir: Path) -> None:
-        self._ckpt = cf.Checkpointer(workdir / f"restore-{self.cold}", model=state.model,
-                                     optimizer=state.optimizer, policy=NEVER, keep=1)
-        self._ckpt.step()
-        self._ckpt.save(blocking=True)
-        self._files = list(self._ckpt.directory.glob("step_*/*.safetensors"))
+        self._ckpt = shared_checkpointer(state, workdir)
+        if not any(self._ckpt.directory.glob("step_*")):
+            self._ckpt.step()
+            self._ckpt.save(blocking=True)
 
     def run(self) -> Sample:
         if self.cold:
-            for path in self._files:
+            for path in self._ckpt.directory.glob("step_*/*.safetensors"):
                 drop_cache(path)
         start = time.perf_counter()
         self._ckpt.restore()
         return Sample(stall=time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._ckpt.close()

@@ -14,6 +14,18 @@ from benchmarks.states import State
 CHUNK = 64 << 20
 
 
+def scratch(state: State) -> torch.Tensor:
+    """One flat buffer with all the state's bytes, shared by the limit measurements of a state.
+
+    Shared, so a 2 GB state does not cost a copy per method (setup, not timed).
+    """
+    flat = getattr(state, "_scratch", None)
+    if flat is None:
+        flat = flat_copy(state.tensors)
+        state._scratch = flat  # type: ignore[attr-defined]
+    return flat
+
+
 def flat_copy(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """All bytes of ``tensors`` in one flat ``uint8`` buffer (setup, not timed)."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -55,7 +67,11 @@ class RawCopy(Method):
     kind = "limit"
 
     def setup(self, state: State, workdir: Path) -> None:
-        self._pairs = [(torch.empty_like(t).fill_(0), t) for t in state.tensors.values()]
+        flat, offset, self._pairs = scratch(state), 0, []
+        for t in state.tensors.values():
+            n = t.numel() * t.element_size()
+            self._pairs.append((flat[offset : offset + n].view(t.dtype).view(t.shape), t))
+            offset += n
 
     def run(self) -> Sample:
         start = time.perf_counter()
@@ -72,7 +88,7 @@ class RawWrite(Method):
     kind = "limit"
 
     def setup(self, state: State, workdir: Path) -> None:
-        self._flat = flat_copy(state.tensors)
+        self._flat = scratch(state)
         self._path = workdir / "raw.bin"
 
     def run(self) -> Sample:
@@ -93,10 +109,9 @@ class RawRead(Method):
         self.name = f"raw read ({'cold' if cold else 'hot'} cache)"
 
     def setup(self, state: State, workdir: Path) -> None:
-        flat = flat_copy(state.tensors)
+        self._buffer = scratch(state)
         self._path = workdir / f"read-{'cold' if self.cold else 'hot'}.bin"
-        write_fsync(self._path, memoryview(flat.numpy()))
-        self._buffer = flat.fill_(0)
+        write_fsync(self._path, memoryview(self._buffer.numpy()))
 
     def run(self) -> Sample:
         if self.cold:

@@ -107,6 +107,8 @@ def render(results: dict[str, Any], png_name: str | None) -> str:
     """The whole generated section (between the markers)."""
     env = results["environment"]
     out = [BEGIN, "", f"Run of {results['date']}: {env}.", ""]
+    if results.get("failed"):
+        out += [f"Failed in this run (see its log): {'; '.join(results['failed'])}.", ""]
     for key, result in results["states"].items():
         out += state_table(result) + [""]
         memory = results["memory"].get(key)

@@ -100,7 +100,10 @@ def spawn(args: argparse.Namespace, worker: str, tmp: Path, size: float | None =
         cmd += ["--threads", str(args.threads)]
     env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log.info("running %s%s", worker, f" ({size:g} MB)" if size is not None else "")
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    done = subprocess.run(cmd, env=env, cwd=ROOT)
+    if done.returncode:
+        log.error("%s worker failed with exit status %d", worker, done.returncode)
+        return None
     return json.loads(result.read_text())
 
 
@@ -109,16 +112,28 @@ def environment() -> str:
             f"Python {platform.python_version()}, {platform.machine()}, malloc env {MALLOC_ENV}")
 
 
+def bench_size(args: argparse.Namespace, size: float, tmp: Path, results: dict[str, Any]) -> None:
+    """The state and memory workers of one size; a failed worker leaves its entry out (and is logged)."""
+    for worker, key in (("state", "states"), ("memory", "memory")):
+        result = spawn(args, worker, tmp, size)
+        if result is not None:
+            results[key][f"{size:g}"] = result
+        else:
+            results.setdefault("failed", []).append(f"{worker} worker, {size:g} MB")
+
+
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [float(s) for s in args.sizes.split(",") if s]
     results: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
                                "environment": environment(), "states": {}, "memory": {}}
     with tempfile.TemporaryDirectory(prefix="cf-bench-run-") as tmp:
-        for size in sizes:
-            results["states"][f"{size:g}"] = spawn(args, "state", Path(tmp), size)
-            results["memory"][f"{size:g}"] = spawn(args, "memory", Path(tmp), size)
-        if not args.no_train:
+        small, large = [s for s in sizes if s < 1000], [s for s in sizes if s >= 1000]
+        for size in small:
+            bench_size(args, size, Path(tmp), results)
+        if not args.no_train:  # before the large states: a large state can exhaust a shared machine
             results["training"] = spawn(args, "train", Path(tmp))
+        for size in large:
+            bench_size(args, size, Path(tmp), results)
         if args.cuda and not torch.cuda.is_available():
             results["gpu"] = {"skipped": "no CUDA device in this environment"}
         elif args.cuda:
