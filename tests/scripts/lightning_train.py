@@ -1,0 +1,99 @@
+"""A 2-epoch Lightning fit with CheckFreqCallback, for the exact-resume acceptance test.
+
+Resumes from ``--dir`` if a checkpoint is there, trains to the end (shuffled ResumableLoader,
+random augmentation, dropout, BatchNorm, AdamW, an epoch-interval LR schedule) and writes the
+final model and optimizer state to ``--out``. With ``--die-at K`` it SIGKILLs itself right after
+optimizer step ``K`` (once the checkpoint in flight is durable). Every batch's sample indices are
+appended to ``--log`` as ``epoch batch_idx index index ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+
+from checkfreq.data import ResumableLoader
+from checkfreq.integrations.lightning import CheckFreqCallback
+
+SAMPLES, BATCH, EPOCHS, EVERY = 72, 8, 2, 3  # 9 optimizer steps per epoch
+
+
+class NoisyPoints:
+    """Fixed points and labels; each fetch adds noise and a random sign flip and scale."""
+
+    def __init__(self, length: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(length, 8, generator=generator)
+        self.y = torch.randint(0, 3, (length,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x = self.x[index] + 0.1 * torch.randn(8)
+        sign = -1.0 if random.random() < 0.5 else 1.0
+        return x * sign * float(np.random.uniform(0.9, 1.1)), self.y[index], index
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, log_path: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
+        self.log_path = log_path
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        with open(self.log_path, "a") as log:
+            log.write(f"{self.current_epoch} {batch_idx} {' '.join(map(str, index.tolist()))}\n")
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+class DieAt(pl.Callback):
+    """SIGKILL this process right after optimizer step ``step``, as a node failure would."""
+
+    def __init__(self, step: int | None, checkfreq: CheckFreqCallback) -> None:
+        self.step, self.checkfreq = step, checkfreq
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            self.checkfreq.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--die-at", type=int, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+
+    model = Classifier(args.log)
+    loader = ResumableLoader(NoisyPoints(SAMPLES), batch_size=BATCH, shuffle=True, seed=5)
+    checkfreq = CheckFreqCallback(args.dir, policy=EVERY, keep=2)
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS, accelerator="cpu", devices=1, callbacks=[checkfreq, DieAt(args.die_at, checkfreq)],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, deterministic=True,
+    )
+    trainer.fit(model, train_dataloaders=loader)
+    print(f"restored {checkfreq.restored_step} final {trainer.global_step}", flush=True)
+    torch.save({"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()}, args.out)
+
+
+if __name__ == "__main__":
+    main()
