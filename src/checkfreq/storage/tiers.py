@@ -57,9 +57,10 @@ class TieredStore:
         local: the fast tier: every checkpoint is committed here first.
         remote: the durable tier each checkpoint is copied to in the background.
         remote_keep: how many checkpoints to keep in ``remote`` (``keep`` applies to ``local``).
+        timeout: seconds :meth:`unlock` waits for the upload in flight before raising ``TimeoutError``.
     """
 
-    def __init__(self, local: LocalStore, remote: Store, *, remote_keep: int) -> None:
+    def __init__(self, local: LocalStore, remote: Store, *, remote_keep: int, timeout: float = 3600.0) -> None:
         if remote_keep < 1:
             raise ValueError(f"remote_keep must be at least 1, got {remote_keep}")
         self.local, self.remote = local, remote
@@ -72,6 +73,7 @@ class TieredStore:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._keep: int | None = None
+        self._timeout = timeout  # the longest unlock() waits for an upload: a hung remote never hangs close()
 
     @property
     def events_directory(self) -> Path:
@@ -88,7 +90,7 @@ class TieredStore:
     def unlock(self) -> None:
         """Finish the uploads (raising a failure), stop the uploader and release both tiers."""
         try:
-            self.flush()
+            self.flush(self._timeout)
         finally:
             self._stop()
             try:
@@ -178,7 +180,7 @@ class TieredStore:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(self._timeout)
 
     def _raise_failure(self) -> None:
         with self._cond:
