@@ -290,7 +290,7 @@ def table(doc: dict[str, Any]) -> str:
         ("SIGKILLs", f"{doc['kills']} ({phases})", "≥ 200"),
         ("restarts that resumed", f"{doc['restores_from_checkpoint']} from a checkpoint + "
          f"{doc['fresh_starts_after_kill']} from scratch (killed before the first commit); "
-         f"{doc['kills_during_startup']} restarts were themselves killed while cleaning up", "all"),
+         f"{doc['kills_during_startup']} of the restarts were themselves killed while cleaning up", "all"),
         ("unrestorable states", str(doc["unrestorable"]), "0"),
         ("broken checkpoints visible after a kill", f"{doc['visible_checkpoints_corrupt']} of "
          f"{doc['visible_checkpoints_verified'] + doc['visible_checkpoints_corrupt']} read back", "0"),
@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if not args.no_report:
-        write_report(doc, args.report, "python benchmarks/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        command = " ".join(["python benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])
+        write_report(doc, args.report, command)
     ok = not (results.unrestorable or results.visible_checkpoints_corrupt or results.runs_different or results.hangs
               or results.runs_failed or results.max_lost > 2 * results.interval)
     return 0 if ok else 1

@@ -102,11 +102,9 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
         return os.path.realpath(path).startswith(root)
 
     if phase == "snapshot":
-        take = Snapshotter.take
-        Snapshotter.take = lambda self, *a, **k: (reached(), take(self, *a, **k))[1]  # type: ignore[method-assign]
+        Snapshotter.take = _before(Snapshotter.take, lambda *_, **__: reached())  # type: ignore[method-assign]
     elif phase == "copy":
-        finish = PendingSnapshot.finish_copy
-        PendingSnapshot.finish_copy = lambda self: (reached(), finish(self))[1]  # type: ignore[method-assign]
+        PendingSnapshot.finish_copy = _before(PendingSnapshot.finish_copy, lambda _: reached())  # type: ignore[method-assign]
     elif phase == "write":
         os.write = _after(os.write, lambda fd, *_: ".tmp-" in _fd_path(fd) and reached())
     elif phase == "fsync":
@@ -145,17 +143,17 @@ def _fd_path(fd: int) -> str:
 
 
 def _before(fn: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapped(*args: Any) -> Any:
-        hook(*args)
-        return fn(*args)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        hook(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return wrapped
 
 
 def _after(fn: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapped(*args: Any) -> Any:
-        result = fn(*args)
-        hook(*args)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        hook(*args, **kwargs)
         return result
 
     return wrapped
