@@ -54,9 +54,8 @@ def _real_checkpoint(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoint() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="cf-fuzz-"))
-    return _real_checkpoint(root)
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _real_checkpoint(tmp_path_factory.mktemp("fuzz"))
 
 
 def _only_checkfreq_errors(call: Any, *args: Any) -> None:
@@ -88,6 +87,13 @@ def _mutate(doc: Any, path: list[Any], value: Any) -> Any:
 @given(raw=st.binary(max_size=2048))
 def test_manifest_from_random_bytes(raw: bytes) -> None:
     _only_checkfreq_errors(Manifest.from_json, raw)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=1024) | JSON.map(lambda v: json.dumps(v).encode()))
+def test_read_manifest_from_a_random_file(tmp_path: Path, raw: bytes) -> None:
+    (tmp_path / MANIFEST_NAME).write_bytes(raw)
+    _only_checkfreq_errors(read_manifest, tmp_path)
 
 
 @FUZZ
