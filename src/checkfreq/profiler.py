@@ -24,6 +24,8 @@ class Smoothed:
     clip: float = 1.5
     band: float = 0.3
     shift_after: int = 8
+    jump_up: bool = False
+    """Adopt at once any sample above the band (a conservative upper estimate, for costs)."""
     value: float = math.nan
     count: int = 0
     shifts: int = 0
@@ -40,6 +42,11 @@ class Smoothed:
             self.value = x
             return False
         side = 1 if x > self.value * (1 + self.band) else -1 if x < self.value / (1 + self.band) else 0
+        if side == 1 and self.jump_up:
+            self.value, self._run_side = x, 0
+            self._run.clear()
+            self.shifts += 1
+            return True
         if side == 0 or side != self._run_side:
             self._run.clear()
         self._run_side = side
@@ -69,8 +76,9 @@ class Profiler:
     """Iteration time with no persist running (the baseline ``t_i``)."""
     iteration_while_persisting: Smoothed = field(default_factory=Smoothed)
     """Iteration time while a background persist competes for CPU, memory bandwidth and disk."""
-    stall: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
-    persist: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
+    stall: Smoothed = field(default_factory=lambda: _cost_estimate())
+    """Seconds the loop is blocked per checkpoint; rises at once, falls after two lower samples."""
+    persist: Smoothed = field(default_factory=lambda: _cost_estimate())
     """Seconds from the start of a checkpoint until it is durable."""
     bandwidth: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
     """Bytes per second of the persist, end to end."""
@@ -98,6 +106,10 @@ class Profiler:
     def slowdown(self) -> float:
         """Relative slowdown of iterations that overlap a persist (0 when not measured)."""
         return interference(self.iteration.value, self.iteration_while_persisting.value)
+
+
+def _cost_estimate() -> Smoothed:
+    return Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2, jump_up=True)
 
 
 def interference(iteration: float, iteration_while_persisting: float) -> float:
