@@ -12,8 +12,9 @@ saves it with each method in a rotating order (A B C, B C A, ...):
 * ``dcp.save``: blocking; stall = durable;
 * ``dcp.async_save`` (thread executor): stall until it returns, durable until its future is done.
 
-It also times a restore two ways: every rank reads every file (what checkfreq does) against each
-rank reading its own file and broadcasting it to the others over a gloo group.
+It also times getting the bytes of a checkpoint onto every rank two ways: every rank reads (and
+verifies) every file, what checkfreq does, against each rank reading its own file and broadcasting
+it to the others over a gloo group; and a whole ``restore()`` (choice, read, load into the objects).
 
 Prints medians with their spread (min-max) and the ratios; aggregate bandwidth is the state size
 over the slowest rank's durable time.
@@ -102,14 +103,20 @@ def worker(args: argparse.Namespace) -> None:
             for path in root.glob("dcp*"):
                 shutil.rmtree(path)
 
-    restore = {"read every file": [], "read own file + gloo broadcast": []}
+    restore: dict[str, list[float]] = {"read every file": [], "read own file + gloo broadcast": [], "whole restore()": []}
     newest = max((root / "checkfreq").glob("step_*"))
     group = dist.new_group(backend="gloo")
     for _ in range(3):
         dist.barrier()
         start = time.perf_counter()
-        ckpt.restore()
+        files = read_manifest(newest).files
+        for name, entry in sorted(files.items()):
+            read_data_file(newest / name, entry["size"], entry["xxh3_64"])
         restore["read every file"].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        ckpt.restore()
+        restore["whole restore()"].append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
         files = read_manifest(newest).files

@@ -30,12 +30,6 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError
-from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
-from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq.snapshot import PendingSnapshot
-from checkfreq.state import flatten
-from checkfreq.store import LocalStore, checkpoint_name
 from checkfreq.distributed_plan import (
     PRIVATE,
     REPLICATED,
@@ -50,6 +44,12 @@ from checkfreq.distributed_plan import (
     private_name,
     restore_targets,
 )
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError
+from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
+from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.snapshot import PendingSnapshot
+from checkfreq.state import flatten
+from checkfreq.store import LocalStore, checkpoint_name
 
 log = logging.getLogger("checkfreq.distributed")
 

@@ -3,7 +3,8 @@
 Trains a ``fully_shard`` model (uneven shards: 33 rows over 2 ranks) with Adam, checkpoints it,
 then restores into a freshly built FSDP2 model and optimizer (other initial weights, no optimizer
 state yet) and checks that every parameter and optimizer tensor matches, shard by shard, and that
-one more training step gives identical weights. Rank 0 saves the full (gathered) state to
+one more training step gives identical weights. Then checks that a policy answering differently
+on the two ranks still makes both checkpoint at the same step. Rank 0 saves the full (gathered) state to
 ``--expect`` for the test to compare a world-size-1 restore against.
 """
 
@@ -17,7 +18,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from checkfreq import Checkpointer
+from checkfreq import Checkpointer, DecisionContext
+
+
+class OnlyRankOneAtStep2:
+    """A policy whose answer depends on the rank: the ranks must still agree."""
+
+    def should_save(self, ctx: DecisionContext) -> bool:
+        return dist.get_rank() == 1 and ctx.step == 2
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -80,6 +88,15 @@ def main() -> None:
     train(restored_model, restored_optimizer, 4)
     for name, value in full_state(model, optimizer).items():
         assert torch.equal(full_state(restored_model, restored_optimizer)[name], value), f"after a step: {name}"
+    agree_dir = f"{args.ckpt_dir}-agree"
+    with Checkpointer(agree_dir, policy=OnlyRankOneAtStep2(), model=model, optimizer=optimizer) as ckpt:
+        started = []
+        for step in range(5, 9):
+            train(model, optimizer, step)
+            started.append(ckpt.step())
+    assert started == [False, False, True, False], started  # asked at step 2, taken at step 3 by both
+    assert sorted(os.listdir(agree_dir)) == [".checkfreq.lock", "events.jsonl", "step_000000003"]
+
     local_rows = model[0].weight.to_local().shape[0]
     print(f"rank={rank} fsdp round trip ok local_rows={local_rows} files={sorted(os.listdir(ckpt.directory / 'step_000000003'))}", flush=True)
     dist.destroy_process_group()
