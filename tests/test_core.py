@@ -338,3 +338,17 @@ def test_cuda_snapshot_is_consistent_and_pinned(tmp_path: Path) -> None:
     with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2) as ckpt:
         assert ckpt.restore(step=0) == 0
         assert all(torch.equal(v.cpu(), at_k[k]) for k, v in model2.state_dict().items())
+
+
+def test_blocking_save_raises_even_when_errors_only_warn(tmp_path: Path) -> None:
+    model, opt, *_ = _stack()
+    directory = tmp_path / "run"
+    with cf.Checkpointer(directory, policy=1000, on_error="warn", model=model, optimizer=opt) as ckpt:
+        train_step(model, opt)
+        ckpt.step()
+        os.rename(directory, tmp_path / "moved")
+        with pytest.raises(cf.PersistError, match="checkpoint at step 1 failed"):
+            ckpt.save(blocking=True)
+        os.rename(tmp_path / "moved", directory)
+        ckpt.save(blocking=True)
+    assert (directory / "step_000000001" / MANIFEST_NAME).exists()

@@ -53,7 +53,7 @@ class Checkpointer:
         remote_keep: how many checkpoints to keep in ``remote`` (default: ``keep``).
         rng: capture and restore the Python, NumPy, torch and CUDA random generators.
         on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
-            ``"warn"`` logs it and training goes on.
+            ``"warn"`` logs it and training goes on. A blocking :meth:`save` always raises.
         allow_pickle: store (and load) values JSON cannot hold by pickling them. Off by
             default: loading a pickle can execute code.
         persist_timeout: seconds any wait on the background writer may take before raising.
@@ -343,8 +343,11 @@ class Checkpointer:
         else:
             self._profiler.record_stall(stall)
         if blocking:
-            self.wait()
+            self._writer.wait(self._timeout)
             self._finish_fence()
+            error = self._writer.take_error()
+            if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
+                raise PersistError(f"checkpoint at step {step} failed: {error}") from error
 
     def _optimizer_owned(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
