@@ -20,7 +20,7 @@ def _main() -> None:
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app``.
     from checkfreq.cli import demo  # noqa: F401
-    from checkfreq.cli import inspect_cmds, report_cmd  # noqa: F401
+    from checkfreq.cli import inspect_cmds, plan, report_cmd  # noqa: F401
 
 
 _register_commands()
