@@ -99,6 +99,7 @@ class Checkpointer:
         self._objects: dict[str, Stateful] = {n: o for n, o in objects.items() if isinstance(o, Stateful)}
         self._values: dict[str, Any] = {n: v for n, v in objects.items() if not isinstance(v, Stateful)}
         flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
+        self._epoch_source = next((o for o in self._objects.values() if _has_int_epoch(o)), None)
         if rng:
             self._objects["rng"] = RNGState()
 
@@ -295,11 +296,11 @@ class Checkpointer:
         )
 
     def _epoch(self) -> int | None:
-        for obj in self._objects.values():
-            epoch = getattr(obj, "epoch", None)
-            if isinstance(epoch, int) and not isinstance(epoch, bool):
-                return epoch
-        return None
+        """The epoch of the first registered object that has one (the loader), found once."""
+        if self._epoch_source is None:
+            return None
+        epoch = getattr(self._epoch_source, "epoch", None)
+        return epoch if isinstance(epoch, int) else None
 
     def _surface_background_error(self) -> None:
         error = self._writer.take_error()
@@ -457,6 +458,11 @@ class Checkpointer:
             raise
         finally:
             self._trap.honour()  # type: ignore[union-attr]
+
+
+def _has_int_epoch(obj: object) -> bool:
+    epoch = getattr(obj, "epoch", None)
+    return isinstance(epoch, int) and not isinstance(epoch, bool)
 
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
