@@ -13,7 +13,7 @@ from conftest import assert_state_equal, make_model, train_step
 import checkfreq as cf
 from checkfreq.format import MANIFEST_NAME
 from checkfreq.storage import FsspecStore, TieredStore, open_store
-from checkfreq.store import LocalStore
+from checkfreq.storage.local import LocalStore
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidChec
 from checkfreq.format import MANIFEST_NAME, Manifest
 from checkfreq.state import unflatten
 from checkfreq.storage import Store, open_store
-from checkfreq.store import LocalStore, checkpoint_name, fsync_directory
+from checkfreq.storage.local import LocalStore, checkpoint_name, fsync_directory
 
 log = logging.getLogger("checkfreq.catalog")
 

@@ -29,7 +29,7 @@ from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.state import Stateful, flatten, load_into, unflatten
 from checkfreq.storage import Store
-from checkfreq.store import LocalStore
+from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq")
 

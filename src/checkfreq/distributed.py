@@ -49,7 +49,7 @@ from checkfreq.format import Manifest, encode_header, tensor_entries, write_data
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
-from checkfreq.store import LocalStore, checkpoint_name
+from checkfreq.storage.local import LocalStore, checkpoint_name
 
 log = logging.getLogger("checkfreq.distributed")
 

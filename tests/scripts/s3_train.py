@@ -21,7 +21,7 @@ import torch
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.format import MANIFEST_NAME
 from checkfreq.storage import FsspecStore, TieredStore
-from checkfreq.store import LocalStore, checkpoint_name
+from checkfreq.storage.local import LocalStore, checkpoint_name
 
 PIECE = 1 << 20
 

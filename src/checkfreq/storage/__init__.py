@@ -1,6 +1,6 @@
 """Where checkpoints live, behind one narrow interface chosen by URL.
 
-- a plain path or ``file://`` URL: :class:`~checkfreq.store.LocalStore` (fsync, atomic rename);
+- a plain path or ``file://`` URL: :class:`~checkfreq.storage.local.LocalStore` (fsync, atomic rename);
 - any other fsspec URL (``s3://``, ``gs://``, ``memory://``, ...): :class:`FsspecStore`, where
   the manifest written last is the commit marker;
 - a local path plus ``remote=``: :class:`TieredStore`, local commit first, remote copy in the
@@ -14,7 +14,7 @@ from __future__ import annotations
 from checkfreq.storage.base import Location, Store, open_store, write_data, write_manifest
 from checkfreq.storage.remote import FsspecStore
 from checkfreq.storage.tiers import TieredStore, TierLocation
-from checkfreq.store import LocalStore
+from checkfreq.storage.local import LocalStore
 
 __all__ = [
     "FsspecStore",

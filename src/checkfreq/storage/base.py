@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
-from checkfreq.store import LocalStore
+from checkfreq.storage.local import LocalStore
 
 
 class Location(Protocol):
@@ -111,7 +111,7 @@ def open_store(
 ) -> Store:
     """The store for ``target``: a local path, a ``file://`` URL, any fsspec URL, or a ready store.
 
-    Plain paths and ``file://`` URLs give a :class:`~checkfreq.store.LocalStore` (fsync and
+    Plain paths and ``file://`` URLs give a :class:`~checkfreq.storage.local.LocalStore` (fsync and
     atomic rename); other URLs (``s3://``, ``gs://``, ``memory://``, ...) an
     :class:`~checkfreq.storage.FsspecStore`. With ``remote``, ``target`` must be local: it
     becomes the fast tier of a :class:`~checkfreq.storage.TieredStore` that copies each

@@ -25,7 +25,7 @@ import torch
 
 from checkfreq.errors import CorruptCheckpointError
 from checkfreq.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_data_stream
-from checkfreq.store import checkpoint_name
+from checkfreq.storage.local import checkpoint_name
 
 log = logging.getLogger("checkfreq.storage")
 

@@ -28,7 +28,7 @@ import xxhash
 from checkfreq.errors import CorruptCheckpointError, PersistError
 from checkfreq.format import CHUNK_BYTES, MANIFEST_NAME, Manifest
 from checkfreq.storage.base import Store
-from checkfreq.store import LocalStore
+from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.storage")
 
@@ -51,7 +51,7 @@ class TierLocation:
 
 
 class TieredStore:
-    """A local :class:`~checkfreq.store.LocalStore` in front of a remote :class:`Store`.
+    """A local :class:`~checkfreq.storage.local.LocalStore` in front of a remote :class:`Store`.
 
     Args:
         local: the fast tier: every checkpoint is committed here first.

@@ -23,7 +23,7 @@ import torch
 from checkfreq.errors import DirectoryLockedError
 from checkfreq.format import Manifest, read_data_file, read_manifest, write_chunks
 
-log = logging.getLogger("checkfreq.store")
+log = logging.getLogger("checkfreq.storage.local")
 
 _COMMITTED = re.compile(r"^step_(\d{9,})$")
 LOCK_NAME = ".checkfreq.lock"
