@@ -104,24 +104,34 @@ def persisting_iterations(run: dict[str, Any]) -> list[float]:
 class LoopRow:
     name: str
     overhead: list[float]
-    """Per round: mean iteration time / the same round's no-checkpoint mean − 1."""
+    """Per run: mean iteration time / the mean of its neighbouring no-checkpoint runs − 1."""
     stalls: list[float]
     persisting_slowdown: list[float]
-    """Per round: median iteration time while persisting / no-checkpoint median − 1."""
+    """Per run: median iteration time while persisting / its no-checkpoint neighbours' median − 1."""
     checkpoints: float
+
+
+def _reference(run: dict[str, Any], nones: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The no-checkpoint runs a variant run is compared with: its two neighbours (or its round's)."""
+    if "ref" in run:
+        return [n for n in nones if n["seq"] in run["ref"]]
+    return [n for n in nones if n.get("round") == run["round"]]
 
 
 def loop_rows(training: dict[str, Any]) -> list[LoopRow]:
     runs = training["runs"]
-    base = {r["round"]: r for r in runs["no checkpoints"]}
+    nones = runs["no checkpoints"]
     rows = []
     for name, variant_runs in runs.items():
+        if name == "no checkpoints":
+            continue
         overhead, slowdown, stalls, counts = [], [], [], []
         for run in variant_runs:
-            ref = base[run["round"]]
-            overhead.append(ratio(mean_iteration(run), mean_iteration(ref)) - 1)
+            refs = _reference(run, nones)
+            ref_mean = statistics.fmean(mean_iteration(r) for r in refs)
+            overhead.append(ratio(mean_iteration(run), ref_mean) - 1)
             busy = persisting_iterations(run)
-            ref_median = median([e - b for b, e in ref["spans"][1:]])
+            ref_median = median([e - b for r in refs for b, e in r["spans"][1:]])
             slowdown.append(ratio(median(busy), ref_median) - 1 if busy else math.nan)
             stalls += run["stalls"]
             counts.append(len(run["checkpoint_steps"]))

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "performance.json").write_text(json.dumps(results, allow_nan=True))
     png = args.out / "performance.png"
     plot(results, png)
-    section = render(results, png.name)
+    section = render(results, png.name if png.exists() else None)
     splice(args.out / "performance.md", section)
     print(section)
 

@@ -1,7 +1,7 @@
 """A real CPU training loop (an MLP learning a fixed random teacher), checkpointed in several ways.
 
-Every variant trains the same model from the same seed; variants run interleaved, and each round
-has its own no-checkpoint run to compare with. Per run we keep every iteration's time, the stall
+Every variant trains the same model from the same seed; each variant run sits between two
+no-checkpoint runs, which are its reference. Per run we keep every iteration's time, the stall
 of each checkpoint (the save call, plus for checkfreq the extra time of the next
 ``optimizer.step()``, where the fence waits for the deferred copies) and which iterations
 overlapped a background persist.
@@ -215,20 +215,37 @@ def steps_for(name: str, workload: Workload) -> int:
 
 
 def bench_training(workload: Workload, repeats: int, intervals: tuple[int, ...]) -> dict[str, Any]:
-    """Interleaved rounds of every variant; per variant and round, the measured :class:`Run`."""
+    """Every variant, each between two no-checkpoint runs (N A N B N …), in rounds of rotated order.
+
+    Each variant is compared with the no-checkpoint runs just before and after it, so a load
+    change on a shared machine moves both sides of a ratio alike.
+    """
     table = variants(intervals)
-    names = list(table)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    names = [n for n in table if n != "no checkpoints"]
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in table}
     with tempfile.TemporaryDirectory(prefix="cf-train-") as tmp:
         train(workload, max(workload.steps // 4, 2), NoSave(), Path(tmp))  # warm-up
+        seq = 0
+
+        def baseline() -> int:
+            nonlocal seq
+            seq += 1
+            workdir = Path(tmp) / f"none-{seq}"
+            workdir.mkdir()
+            run = train(workload, workload.steps, NoSave(), workdir)
+            results["no checkpoints"].append({"seq": seq, **run.__dict__})
+            return seq
+
         for round_ in range(repeats):
-            order = names[1:]
-            shift = round_ % len(order)
-            for name in ["no checkpoints", *order[shift:], *order[:shift]]:
+            shift = round_ % len(names)
+            before = baseline()
+            for name in names[shift:] + names[:shift]:
                 workdir = Path(tmp) / f"{round_}-{names.index(name)}"
                 workdir.mkdir()
                 run = train(workload, steps_for(name, workload), table[name](), workdir)
-                results[name].append({"round": round_, **run.__dict__})
+                after = baseline()
+                results[name].append({"round": round_, "ref": [before, after], **run.__dict__})
+                before = after
     params = sum(p.numel() for p in make_model(workload.widths).parameters())
     return {"params": params, "state_bytes": params * 12, "batch": workload.batch, "steps": workload.steps,
             "intervals": list(intervals), "runs": results}
