@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.append(str(SCRIPTS))  # tests that import a training script import its helpers too
 
 
 def make_model(seed: int = 0, width: int = 32) -> torch.nn.Module:

@@ -11,35 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from torch import nn
 
 from checkfreq.data import ResumableLoader
 from checkfreq.integrations.lightning import CheckFreqCallback
+from noisy_points import NoisyPoints  # beside this script
 
 SAMPLES, BATCH, EPOCHS, EVERY = 72, 8, 2, 3  # 9 optimizer steps per epoch
-
-
-class NoisyPoints:
-    """Fixed points and labels; each fetch adds noise and a random sign flip and scale."""
-
-    def __init__(self, length: int) -> None:
-        generator = torch.Generator().manual_seed(1)
-        self.x = torch.randn(length, 8, generator=generator)
-        self.y = torch.randint(0, 3, (length,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        x = self.x[index] + 0.1 * torch.randn(8)
-        sign = -1.0 if random.random() < 0.5 else 1.0
-        return x * sign * float(np.random.uniform(0.9, 1.1)), self.y[index], index
 
 
 class Classifier(pl.LightningModule):
