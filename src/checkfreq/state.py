@@ -103,7 +103,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
                     raise UnserializableStateError(
                         "this checkpoint holds pickled values; restore with allow_pickle=True only if you trust its source"
                     )
-                return pickle.loads(base64.b64decode(payload))  # opt-in, documented in docs/format.md
+                return pickle.loads(base64.b64decode(payload))  # opt-in: README "On disk" and docs/reliability.md
         return {k: decode(v) for k, v in node.items()}
 
     try:
