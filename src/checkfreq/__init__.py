@@ -19,9 +19,14 @@ from checkfreq.errors import (
     StateMismatchError,
     UnserializableStateError,
 )
-from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, EveryEpoch, Overhead, Policy, YoungDaly
 
 __all__ = [
+    "Auto",
+    "ConvergenceAware",
+    "EveryEpoch",
+    "Overhead",
+    "YoungDaly",
     "Checkpointer",
     "CheckfreqError",
     "CorruptCheckpointError",
