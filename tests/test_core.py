@@ -59,6 +59,50 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
     assert torch.equal(restored_draws[2], draws[2])
 
 
+def test_restore_writes_into_the_live_tensors(tmp_path: Path) -> None:
+    """Restoring into a trained model and optimizer reuses their memory: no tensor is replaced."""
+    model, opt, *_ = _stack()
+    with cf.Checkpointer(tmp_path, policy=1, model=model, optimizer=opt) as ckpt:
+        for _ in range(3):
+            train_step(model, opt)
+            ckpt.step()
+        expected = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        for _ in range(2):
+            train_step(model, opt)
+        pointers = [t.data_ptr() for t in (*model.state_dict().values(), *_optimizer_tensors(opt))]
+        assert ckpt.restore() == 3
+    assert [t.data_ptr() for t in (*model.state_dict().values(), *_optimizer_tensors(opt))] == pointers
+    assert_state_equal(model.state_dict(), expected[0])
+    assert_state_equal(opt.state_dict(), expected[1])
+
+
+def test_restore_into_a_fresh_optimizer_owns_its_state(tmp_path: Path) -> None:
+    """A fresh optimizer has no state to write into: it gets tensors of its own, not views of the file."""
+    _three_checkpoints(tmp_path)
+    model, opt, *_ = _stack(seed=1)
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.restore()
+    tensors = _optimizer_tensors(opt)
+    assert tensors and len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
+    train_step(model, opt)  # the optimizer updates its state in place
+    cf.read_checkpoint(tmp_path / "step_000000003")  # still verifies: the file never changed
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for slots in opt.state.values() for t in slots.values() if isinstance(t, torch.Tensor)]
+
+
+def test_read_checkpoint_tensors_are_private(tmp_path: Path) -> None:
+    """Tensors read from a checkpoint are copy-on-write: writing to them leaves the file intact."""
+    path = _three_checkpoints(tmp_path)
+    _, tensors = cf.read_checkpoint(path)
+    weight = tensors["model/0.weight"]
+    original = weight.clone()
+    weight.add_(1.0)
+    _, again = cf.read_checkpoint(path)
+    assert torch.equal(again["model/0.weight"], original)
+
+
 def test_fresh_directory_restores_step_zero(tmp_path: Path) -> None:
     model = make_model()
     with cf.Checkpointer(tmp_path / "new", model=model) as ckpt:
@@ -174,6 +218,18 @@ def test_wrong_model_lists_every_mismatch(tmp_path: Path) -> None:
     message = str(info.value)
     assert "missing keys: 4.bias, 4.weight" in message
     assert "0.weight: shape (32, 8) in checkpoint, (16, 8) in model" in message
+
+
+def test_a_checkpoint_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
+    """The model fits but the optimizer does not: the error comes before the model is touched."""
+    _three_checkpoints(tmp_path)
+    model = make_model(seed=1)
+    opt = torch.optim.Adam([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}])
+    before = copy.deepcopy(model.state_dict())
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.StateMismatchError, match="parameter groups"):
+            ckpt.restore()
+    assert_state_equal(model.state_dict(), before)
 
 
 def test_wrong_optimizer_shape_is_detected(tmp_path: Path) -> None:

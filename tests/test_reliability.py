@@ -163,6 +163,26 @@ def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(tmp_path: 
     assert _visible(tmp_path) == (["step_000000001", "step_000000003"], [])
 
 
+def test_a_filesystem_that_cannot_map_files_is_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restore maps data files; where mapping fails (ENODEV, as on some FUSE mounts) it reads them."""
+    model, opt = _stack()
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        train_step(model, opt)
+        ckpt.step()
+        ckpt.save(blocking=True)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def no_mapping(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(checkfreq.format.mmap, "mmap", no_mapping)
+    restored = make_model(seed=1)
+    with cf.Checkpointer(tmp_path, model=restored, optimizer=torch.optim.Adam(restored.parameters())) as ckpt:
+        assert ckpt.restore() == 1
+    for name, value in restored.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 def test_read_only_filesystem_fails_at_construction(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "1m", read_only=True) as root:
         with pytest.raises(PermissionError, match="not writable"):

@@ -27,7 +27,7 @@ from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
-from checkfreq.state import Stateful, flatten, load_into, unflatten
+from checkfreq.state import Stateful, check_fits, flatten, load_into, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
 
@@ -429,6 +429,8 @@ class Checkpointer:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
         if missing:
             raise StateMismatchError(f"checkpoint holds no state for {', '.join(missing)}")
+        for name, obj in self._objects.items():  # every module and optimizer fits before any changes
+            check_fits(name, obj, state.get(name))
         for name, obj in self._objects.items():
             if name != "rng":
                 load_into(name, obj, state[name])

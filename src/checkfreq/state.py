@@ -126,6 +126,8 @@ def _key(key: Any) -> Any:
 
 def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Raise one error listing every missing/unexpected key and shape/dtype mismatch for ``module``."""
+    if not isinstance(state, Mapping):
+        raise StateMismatchError(f"checkpoint does not fit {name!r}: its state is a {type(state).__name__}, not a dict")
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -176,8 +178,8 @@ def check_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Ma
 
 
 def _own_storage(tree: Any) -> Any:
-    """Clone the tensors of a restored state: they are views into one read buffer, which objects
-    that keep their state's tensors (optimizers, generators) must neither alias nor pin."""
+    """Clone the tensors of a restored state: they are views into a mapped or read data section,
+    which objects that keep their state's tensors (optimizers, generators) must neither alias nor pin."""
     if isinstance(tree, torch.Tensor):
         return tree.clone()
     if isinstance(tree, dict):
@@ -187,15 +189,51 @@ def _own_storage(tree: Any) -> Any:
     return tree
 
 
-def load_into(name: str, obj: Any, state: Any) -> None:
-    """Validate ``state`` against ``obj`` and load it, raising :class:`StateMismatchError` on a mismatch."""
+def _into_live(saved: Any, live: Any) -> Any:
+    """``saved`` with each tensor copied into the live tensor at the same place of ``live`` (same
+    type, dtype and shape), so a restored optimizer keeps its memory; other tensors are cloned."""
+    if isinstance(saved, torch.Tensor):
+        fits = (
+            type(saved) is torch.Tensor and type(live) is torch.Tensor
+            and live.dtype == saved.dtype and live.shape == saved.shape
+        )
+        if not fits:
+            return saved.clone()
+        with torch.no_grad():
+            live.copy_(saved)
+        return live
+    if isinstance(saved, dict):
+        live = live if isinstance(live, dict) else {}
+        return {k: _into_live(v, live.get(k)) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
+        return type(saved)(_into_live(v, w) for v, w in zip(saved, live))
+    return saved
+
+
+def check_fits(name: str, obj: Any, state: Any) -> None:
+    """Raise :class:`StateMismatchError` if ``state`` cannot be loaded into a module or optimizer ``obj``.
+
+    Other objects are checked by their own ``load_state_dict``.
+    """
     if isinstance(obj, torch.nn.Module):
         check_module_state(name, obj, state)
+    elif isinstance(obj, torch.optim.Optimizer):
+        check_optimizer_state(name, obj, state)
+
+
+def load_into(name: str, obj: Any, state: Any) -> None:
+    """Validate ``state`` against ``obj`` and load it, raising :class:`StateMismatchError` on a mismatch.
+
+    A module copies the values into its tensors; an optimizer's existing state tensors take the
+    values in place; every other object gets tensors of its own.
+    """
+    check_fits(name, obj, state)
+    if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state, strict=True)
         return
-    if isinstance(obj, torch.optim.Optimizer):
-        check_optimizer_state(name, obj, state)
+    own = _into_live(state, obj.state_dict()) if isinstance(obj, torch.optim.Optimizer) else _own_storage(state)
     try:
-        obj.load_state_dict(_own_storage(state))
+        obj.load_state_dict(own)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e
