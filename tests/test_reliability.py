@@ -137,11 +137,11 @@ def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(tmp_path: 
     real_write_all = checkfreq.format._write_all
     failing = {"on": False}
 
-    def write_all(fd: int, chunk: memoryview) -> None:
+    def write_all(fd: int, chunk: memoryview, offset: int) -> None:
         if failing["on"]:
-            real_write_all(fd, chunk[: len(chunk) // 2])
+            real_write_all(fd, chunk[: len(chunk) // 2], offset)
             raise OSError(errno.EIO, "Input/output error")
-        real_write_all(fd, chunk)
+        real_write_all(fd, chunk, offset)
 
     monkeypatch.setattr(checkfreq.format, "_write_all", write_all)
     model, opt = _stack()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkfreq.format import Layout, plan_layout, slot_view
+from checkfreq.format import BLOCK_BYTES, Layout, plan_layout, slot_view
 
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -73,7 +73,7 @@ class Snapshotter:
         signature = (layout.signature, pin)
         if signature != self._signature or self._buffer is None:
             self._buffer, self._views = None, []  # release the old buffer before allocating
-            self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+            self._buffer = aligned_empty(layout.nbytes, pin)
             self._views = [slot_view(self._buffer, slot) for slot in layout.slots]
             self._signature = signature
         return self._buffer, self._views
@@ -121,3 +121,10 @@ class Snapshotter:
             all_done.record(stream)
         current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
         return all_done
+
+
+def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A flat ``uint8`` host buffer starting at a :data:`BLOCK_BYTES`-aligned address (for direct I/O)."""
+    raw = torch.empty(nbytes + BLOCK_BYTES, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % BLOCK_BYTES
+    return raw[start : start + nbytes]

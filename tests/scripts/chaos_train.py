@@ -78,7 +78,7 @@ class Progress:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._write = os.write  # the hooks may wrap os.write; this must not count
+        self._write = os.write  # progress lines; the write hook wraps os.pwrite
 
     def __call__(self, *words: object) -> None:
         self._write(self.fd, (" ".join(map(str, words)) + "\n").encode())
@@ -106,7 +106,7 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
     elif phase == "copy":
         PendingSnapshot.finish_copy = _before(PendingSnapshot.finish_copy, lambda _: reached())  # type: ignore[method-assign]
     elif phase == "write":
-        os.write = _after(os.write, lambda fd, *_: ".tmp-" in _fd_path(fd) and reached())
+        os.pwrite = _after(os.pwrite, lambda fd, *_: ".tmp-" in _fd_path(fd) and reached())
     elif phase == "fsync":
         os.fsync = _before(os.fsync, lambda fd: ours(_fd_path(fd)) and reached())
     elif phase == "rename":

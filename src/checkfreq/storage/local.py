@@ -121,7 +121,7 @@ class LocalStore:
         return self.root
 
     def write_file(self, staging: Path, name: str, chunks: Iterable[bytes | memoryview]) -> None:
-        """Write ``staging/name`` with ``os.write`` straight from ``chunks`` (no copy) and fsync it."""
+        """Write ``staging/name`` straight from ``chunks`` (no copy; direct I/O where aligned) and fsync it."""
         write_chunks(staging / name, chunks)
 
     def discard(self, staging: Path) -> None:
