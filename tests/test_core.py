@@ -92,6 +92,18 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for slots in opt.state.values() for t in slots.values() if isinstance(t, torch.Tensor)]
 
 
+def test_restored_values_hold_no_view_of_the_checkpoint(tmp_path: Path) -> None:
+    """Tensors and arrays in plain values come back with storage of their own, not pinning the file."""
+    model = make_model()
+    with cf.Checkpointer(tmp_path, model=model, best=torch.arange(4.0), table=np.arange(3)) as ckpt:
+        ckpt.save(blocking=True)
+    with cf.Checkpointer(tmp_path, model=model, best=None, table=None) as ckpt:
+        ckpt.restore()
+        best, table = ckpt["best"], ckpt["table"]
+    assert torch.equal(best, torch.arange(4.0)) and best.untyped_storage().nbytes() == best.nbytes
+    assert np.array_equal(table, np.arange(3)) and table.base is None
+
+
 def test_read_checkpoint_tensors_are_private(tmp_path: Path) -> None:
     """Tensors read from a checkpoint are copy-on-write: writing to them leaves the file intact."""
     path = _three_checkpoints(tmp_path)

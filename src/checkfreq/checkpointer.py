@@ -27,7 +27,7 @@ from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
-from checkfreq.state import Stateful, check_fits, flatten, load_into, unflatten
+from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
 
@@ -436,7 +436,7 @@ class Checkpointer:
                 load_into(name, obj, state[name])
         for name in self._values:
             if name in state:
-                self._values[name] = state[name]
+                self._values[name] = own_storage(state[name])
         if "rng" in self._objects and "rng" in state:
             self._objects["rng"].load_state_dict(state["rng"])  # last: nothing above may draw after it
 

@@ -1,9 +1,9 @@
 """Phase 2: one background writer thread, at most one checkpoint in flight.
 
-A thread rather than a process: the writer's work is ``pwrite`` (direct I/O)/``fsync`` straight from the
-host buffer (both release the GIL) plus an xxh3 checksum at >10 GB/s, so it holds the GIL for
-very little time, and a thread shares the host buffer without shared-memory plumbing. See
-docs/architecture.md for the measurement behind this choice.
+A thread rather than a process: the writer's work is ``pwrite``/``fsync`` straight from the
+host buffer (direct I/O; both release the GIL) plus an xxh3 checksum at >10 GB/s, so it holds
+the GIL for very little time, and a thread shares the host buffer without shared-memory
+plumbing. See docs/architecture.md for the measurement behind this choice.
 """
 
 from __future__ import annotations

@@ -177,15 +177,17 @@ def check_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Ma
         raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
 
 
-def _own_storage(tree: Any) -> Any:
+def own_storage(tree: Any) -> Any:
     """Clone the tensors of a restored state: they are views into a mapped or read data section,
     which objects that keep their state's tensors (optimizers, generators) must neither alias nor pin."""
     if isinstance(tree, torch.Tensor):
         return tree.clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
     if isinstance(tree, dict):
-        return {k: _own_storage(v) for k, v in tree.items()}
+        return {k: own_storage(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_own_storage(v) for v in tree)
+        return type(tree)(own_storage(v) for v in tree)
     return tree
 
 
@@ -232,7 +234,7 @@ def load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state, strict=True)
         return
-    own = _into_live(state, obj.state_dict()) if isinstance(obj, torch.optim.Optimizer) else _own_storage(state)
+    own = _into_live(state, obj.state_dict()) if isinstance(obj, torch.optim.Optimizer) else own_storage(state)
     try:
         obj.load_state_dict(own)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
