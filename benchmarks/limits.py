@@ -60,6 +60,13 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
+def warm_cache(path: Path) -> None:
+    """Read a file once so its pages are in the page cache (a file written with O_DIRECT is not)."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(CHUNK):
+            pass
+
+
 class RawCopy(Method):
     """``copy_`` of every state tensor into a preallocated buffer of its own shape."""
 

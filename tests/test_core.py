@@ -115,6 +115,23 @@ def test_read_checkpoint_tensors_are_private(tmp_path: Path) -> None:
     assert torch.equal(again["model/0.weight"], original)
 
 
+def test_an_iteration_a_short_persist_overlapped_counts_as_persisting(tmp_path: Path) -> None:
+    """A persist that starts and ends between two step() calls still slowed that iteration down."""
+    model, opt, *_ = _stack()
+    with cf.Checkpointer(tmp_path, policy=cf.Every(3), model=model, optimizer=opt) as ckpt:
+        for _ in range(3):
+            train_step(model, opt)
+            ckpt.step()  # the third starts a checkpoint
+        before = (ckpt.profiler.iteration.count, ckpt.profiler.iteration_while_persisting.count)
+        train_step(model, opt)
+        ckpt.wait()  # the persist ends inside this iteration
+        ckpt.step()
+        train_step(model, opt)
+        ckpt.step()  # nothing ran during this one
+    after = (ckpt.profiler.iteration.count, ckpt.profiler.iteration_while_persisting.count)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
 def test_fresh_directory_restores_step_zero(tmp_path: Path) -> None:
     model = make_model()
     with cf.Checkpointer(tmp_path / "new", model=model) as ckpt:

@@ -135,6 +135,7 @@ class Checkpointer:
         self._durable_step = -1  # the newest step known committed (set by the writer)
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
+        self._transitions_seen = 0  # the writer's job transitions at the previous step()
         self._clean_count, self._clean_seconds = 0, 0.0  # this window's iterations without a stall or persist
         self._last_checkpoint_time = self._started
         self._last_epoch: int | None = None
@@ -172,12 +173,15 @@ class Checkpointer:
         now = time.perf_counter()
         self._surface_background_error()
         self._global_step += 1
+        transitions = self._writer.transitions
         if self._last_step_time is not None:
-            seconds, persisting = now - self._last_step_time, self._writer.busy
+            seconds = now - self._last_step_time
+            # persisting: a persist overlapped any part of this iteration, even one that ended within it
+            persisting = self._writer.busy or transitions != self._transitions_seen
             self._profiler.record_iteration(seconds, persisting=persisting)
             if not persisting and self._global_step - self._last_checkpoint_step > 1:  # the first one holds the stall
                 self._clean_count, self._clean_seconds = self._clean_count + 1, self._clean_seconds + seconds
-        self._last_step_time = now
+        self._last_step_time, self._transitions_seen = now, transitions
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         ctx = self._context(now, loss)

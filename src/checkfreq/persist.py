@@ -29,6 +29,8 @@ class Writer:
         self._idle = threading.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        self.transitions = 0
+        """Jobs submitted plus jobs finished: a change between two looks means a job ran in between."""
         self._thread = threading.Thread(target=self._run, name="checkfreq-writer", daemon=True)
         self._thread.start()
 
@@ -42,6 +44,7 @@ class Writer:
             raise RuntimeError("a persist is already in flight")
         self.check_alive()
         self._idle.clear()
+        self.transitions += 1
         self._jobs.put(job)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -80,4 +83,5 @@ class Writer:
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._error = e
             finally:
+                self.transitions += 1
                 self._idle.set()
