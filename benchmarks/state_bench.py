@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ def interleave(methods: list[Method], state: State, repeats: int) -> dict[str, A
             shift = round_ % len(live) if live else 0
             for method in live[shift:] + live[:shift]:
                 gc.collect()
+                os.sync()  # the previous method's writeback must not land on this one
                 samples[method.name].append(dataclasses.asdict(method.run()))
         for method in live:
             method.close()
