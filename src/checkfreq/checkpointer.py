@@ -494,6 +494,9 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
     """Read and verify one checkpoint; return its manifest and tensors (CPU).
 
     ``path`` is a local checkpoint directory or, with ``store``, a location that ``store`` listed.
+    Every file's checksum is verified before this returns. Tensors of a local checkpoint are
+    views of a private, copy-on-write mapping of its files: nothing is copied until they are
+    used, and writing to them never changes the checkpoint.
     """
     if store is None:
         path = Path(path)
