@@ -9,6 +9,7 @@ next forward/backward runs; on CUDA they are copied on a side stream. Either way
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -41,9 +42,8 @@ class PendingSnapshot:
     def finish_copy(self) -> None:
         """Run in the writer: perform deferred CPU copies and wait for CUDA copies; then release the fence."""
         try:
-            with torch.no_grad():
-                for dst, src in self.deferred_cpu:
-                    dst.copy_(src)
+            for dst, src in self.deferred_cpu:
+                copy_on_this_thread(dst, src)
             for event in self.cuda_done:
                 event.synchronize()
         finally:
@@ -121,6 +121,22 @@ class Snapshotter:
             all_done.record(stream)
         current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
         return all_done
+
+
+def copy_on_this_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a CPU tensor into its buffer slot (same dtype and shape) with one thread, GIL released.
+
+    The writer must not use ``Tensor.copy_`` for this: ATen would start a second OpenMP team
+    in the writer thread, which oversubscribes the cores the training loop's team runs on and
+    slows every later iteration, not only those the copy overlaps (docs/performance.md).
+    ``ctypes.memmove`` is one ``memmove`` that releases the GIL. Views that are not plain
+    contiguous memory (strided, lazily conjugated or negated) take ``copy_``.
+    """
+    if src.is_contiguous() and not (src.is_conj() or src.is_neg()) and dst.is_contiguous() and src.dtype == dst.dtype:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    else:
+        with torch.no_grad():
+            dst.copy_(src)
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
