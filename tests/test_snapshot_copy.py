@@ -6,30 +6,75 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
 
-from checkfreq.snapshot import copy_on_this_thread
+from checkfreq.snapshot import PIECE_BYTES, PendingSnapshot
+
+SOURCES = {
+    "float32": lambda: torch.randn(1000, 37),
+    "bfloat16": lambda: torch.randn(64, 64).to(torch.bfloat16),
+    "int64": lambda: torch.arange(-5000, 5000, dtype=torch.int64),
+    "transposed": lambda: torch.randn(40, 30).t(),
+    "conj": lambda: torch.randn(8, 8, dtype=torch.complex64).conj(),  # lazily conjugated
+    "neg": lambda: torch.randn(8, 8)._neg_view(),  # lazily negated
+    "empty": lambda: torch.empty(0, 3),
+    "several pieces": lambda: torch.randn(3 * PIECE_BYTES // 4 + 123),
+}
 
 
-@pytest.mark.parametrize(
-    "src",
-    [
-        torch.randn(1000, 37),
-        torch.randn(64, 64).to(torch.bfloat16),
-        torch.arange(-5000, 5000, dtype=torch.int64),
-        torch.randn(40, 30).t(),  # strided
-        torch.randn(8, 8, dtype=torch.complex64).conj(),  # lazily conjugated
-        torch.randn(8, 8)._neg_view(),  # lazily negated
-        torch.empty(0, 3),
-    ],
-    ids=["float32", "bfloat16", "int64", "transposed", "conj", "neg", "empty"],
-)
-def test_copy_on_this_thread_is_exact(src: torch.Tensor) -> None:
-    dst = torch.full(src.shape, 7, dtype=src.dtype)
-    copy_on_this_thread(dst, src)
-    assert torch.equal(dst, src.resolve_conj().resolve_neg())
+def _pending(sources: list[torch.Tensor]) -> tuple[PendingSnapshot, list[torch.Tensor]]:
+    slots = [torch.full(src.shape, 7, dtype=src.dtype) for src in sources]
+    return PendingSnapshot(None, torch.empty(0), list(zip(slots, sources))), slots  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_deferred_copies_are_exact(kind: str) -> None:
+    src = SOURCES[kind]()
+    pending, (slot,) = _pending([src])
+    pending.finish_copy()
+    assert pending.copied.is_set() and torch.equal(slot, src.resolve_conj().resolve_neg())
+
+
+def test_the_fence_and_the_writer_share_the_pieces() -> None:
+    """Both threads claim pieces; each piece is copied once and every byte arrives."""
+    sources = [torch.randn(PIECE_BYTES // 4 * 5 + 7), torch.arange(10**6), torch.randn(300, 200).t()]
+    pending, slots = _pending(sources)
+    writer = threading.Thread(target=pending.finish_copy)
+    writer.start()
+    pending.copy_pieces()  # what the fence does
+    writer.join()
+    assert pending.copied.is_set()
+    for slot, src in zip(slots, sources):
+        assert torch.equal(slot, src)
+
+
+def test_the_fence_alone_can_do_every_copy() -> None:
+    """If the writer has not started yet, the training thread copies everything and the writer finds nothing left."""
+    sources = [torch.randn(PIECE_BYTES // 2 + 1) for _ in range(4)]
+    pending, slots = _pending(sources)
+    pending.copy_pieces()
+    assert not pending.copied.is_set()  # only the writer releases the fence: it may have CUDA copies too
+    pending.finish_copy()
+    assert pending.copied.is_set() and all(torch.equal(a, b) for a, b in zip(slots, sources))
+
+
+def test_a_failed_copy_fails_the_persist_and_releases_the_fence() -> None:
+    def broken() -> PendingSnapshot:  # a pair that copy_ cannot broadcast
+        return PendingSnapshot(None, torch.empty(0), [(torch.empty(3), torch.randn(5, 4).t())])  # type: ignore[arg-type]
+
+    in_writer = broken()
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        in_writer.finish_copy()
+    assert in_writer.copied.is_set()
+    in_fence = broken()
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        in_fence.copy_pieces()
+    with pytest.raises(RuntimeError, match="deferred snapshot copy failed"):
+        in_fence.finish_copy()  # the writer must not persist a buffer with a piece missing
+    assert in_fence.copied.is_set()
 
 
 THREADS_AFTER_A_CHECKPOINT = textwrap.dedent(

@@ -370,6 +370,7 @@ class Checkpointer:
         start = time.perf_counter()
         pending.order_after_copy()
         if pending.cpu_fence:
+            pending.copy_pieces()  # share the copies the writer has not reached yet
             deadline = start + self._timeout
             while not pending.copied.wait(0.5):
                 self._writer.check_alive()

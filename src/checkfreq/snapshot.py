@@ -10,6 +10,7 @@ next forward/backward runs; on CUDA they are copied on a side stream. Either way
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -21,39 +22,106 @@ from checkfreq.format import BLOCK_BYTES, Layout, plan_layout, slot_view
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+PIECE_BYTES = 4 << 20
+"""Deferred copies are split into pieces of at most this size, so the writer and the fence can share them."""
+
+Piece = tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
+"""``(dst address, src address, bytes)`` for plain memory, or a ``(dst, src)`` pair for ``copy_``."""
+
+
 @dataclass
 class PendingSnapshot:
-    """A snapshot whose deferred copies may still be running; see :meth:`wait_copied`."""
+    """A snapshot whose deferred copies may still be running.
+
+    The writer copies the deferred CPU tensors piece by piece (:meth:`finish_copy`); if the next
+    ``optimizer.step()`` arrives first, the training thread claims the remaining pieces too
+    (:meth:`copy_pieces`), so the fence lasts as long as a copy on two threads, not on one.
+    """
 
     layout: Layout
     buffer: torch.Tensor
     deferred_cpu: CopyPairs
     cuda_done: list[torch.cuda.Event] = field(default_factory=list)
     copied: threading.Event = field(default_factory=threading.Event)
+    """Set by the writer once every deferred copy is done (or has failed)."""
 
     def __post_init__(self) -> None:
         self.cpu_fence = bool(self.deferred_cpu)
         """True if the fence must wait on the CPU for the writer to copy (CPU tensors were deferred)."""
+        self._pieces = [piece for dst, src in self.deferred_cpu for piece in _pieces(dst, src)]
+        self._claims = itertools.count()  # next() on a count is atomic: each piece is claimed once
+        self._left = len(self._pieces)
+        self._lock = threading.Lock()
+        self._pieces_done = threading.Event()
+        self._failed: BaseException | None = None
+        if not self._pieces:
+            self._pieces_done.set()
 
     @property
     def has_deferred(self) -> bool:
         return self.cpu_fence or bool(self.cuda_done)
 
-    def finish_copy(self) -> None:
-        """Run in the writer: perform deferred CPU copies and wait for CUDA copies; then release the fence."""
+    def copy_pieces(self) -> None:
+        """Copy unclaimed pieces until none is left; the writer and the fence both call this."""
+        pieces = self._pieces  # the writer drops its reference once all are done
         try:
-            for dst, src in self.deferred_cpu:
-                copy_on_this_thread(dst, src)
+            while (index := next(self._claims)) < len(pieces):
+                _copy_piece(pieces[index])
+                with self._lock:
+                    self._left -= 1
+                    if self._left == 0:
+                        self._pieces_done.set()
+        except BaseException as e:
+            self._failed = e
+            self._pieces_done.set()
+            raise
+
+    def finish_copy(self) -> None:
+        """Run in the writer: copy deferred CPU pieces and wait for CUDA copies; then release the fence.
+
+        Raises if a piece failed, in this thread or in the training thread.
+        """
+        try:
+            self.copy_pieces()
             for event in self.cuda_done:
                 event.synchronize()
+            self._pieces_done.wait()  # the training thread may still be copying a piece it claimed
+            if self._failed is not None:
+                raise RuntimeError(f"a deferred snapshot copy failed: {self._failed}") from self._failed
         finally:
-            self.deferred_cpu = []
+            self.deferred_cpu, self._pieces = [], []
             self.copied.set()
 
     def order_after_copy(self) -> None:
         """Make the current CUDA streams wait for the side-stream copies (no CPU wait)."""
         for event in self.cuda_done:
             torch.cuda.current_stream(event.device).wait_event(event)
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[Piece]:
+    """Split one deferred copy into pieces: address ranges for plain memory, else the pair itself.
+
+    Address ranges are copied with ``ctypes.memmove``, which releases the GIL and runs on the
+    calling thread only. The writer must not use ``Tensor.copy_``: ATen would start a second
+    OpenMP team in the writer thread, which oversubscribes the cores that the training loop's
+    team runs on and slows every later iteration, not only those the copy overlaps
+    (docs/performance.md). Views that are not plain contiguous memory (strided, lazily
+    conjugated or negated) are copied whole with ``copy_``.
+    """
+    if not (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())):
+        return [(dst, src)]
+    nbytes = src.numel() * src.element_size()
+    d, s = dst.data_ptr(), src.data_ptr()
+    return [(d + at, s + at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
+
+
+def _copy_piece(piece: Piece) -> None:
+    dst, src, *size = piece
+    if size:
+        ctypes.memmove(dst, src, size[0])
+    else:
+        with torch.no_grad():
+            dst.copy_(src)  # type: ignore[union-attr]
 
 
 class Snapshotter:
@@ -121,22 +189,6 @@ class Snapshotter:
             all_done.record(stream)
         current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
         return all_done
-
-
-def copy_on_this_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a CPU tensor into its buffer slot (same dtype and shape) with one thread, GIL released.
-
-    The writer must not use ``Tensor.copy_`` for this: ATen would start a second OpenMP team
-    in the writer thread, which oversubscribes the cores the training loop's team runs on and
-    slows every later iteration, not only those the copy overlaps (docs/performance.md).
-    ``ctypes.memmove`` is one ``memmove`` that releases the GIL. Views that are not plain
-    contiguous memory (strided, lazily conjugated or negated) take ``copy_``.
-    """
-    if src.is_contiguous() and not (src.is_conj() or src.is_neg()) and dst.is_contiguous() and src.dtype == dst.dtype:
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
-    else:
-        with torch.no_grad():
-            dst.copy_(src)
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
