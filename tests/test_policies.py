@@ -253,3 +253,35 @@ def test_profiler_discounts_stalls_from_iteration_time() -> None:
     assert prof.iteration_while_persisting.value == pytest.approx(0.01)
     assert prof.stall.value == 0.05 and prof.bandwidth.value == pytest.approx(2e9)
     assert prof.slowdown == 0.0
+
+
+def test_profiler_measures_what_each_checkpoint_cost() -> None:
+    """Stall plus the extra time of the iterations the persist overlapped, closed by the first clean iteration."""
+    prof = Profiler()
+    for _ in range(20):
+        prof.record_iteration(0.1, persisting=False)
+    prof.begin_checkpoint()
+    prof.record_stall(0.005)
+    prof.record_iteration(0.155, persisting=True)  # the stall, then the deferred copy: +50 ms
+    prof.record_iteration(0.11, persisting=True)  # the end of the persist: +10 ms
+    assert math.isnan(prof.checkpoint_cost.value)  # still open
+    prof.record_iteration(0.1, persisting=False)
+    assert prof.checkpoint_cost.value == pytest.approx(0.065)
+    prof.begin_checkpoint()
+    prof.record_iteration(0.13, persisting=True)
+    prof.begin_checkpoint()  # the next checkpoint closes the one still overlapping
+    assert prof.checkpoint_cost.value == pytest.approx(0.065 + 0.3 * (0.03 - 0.065))
+
+
+def test_overhead_plans_from_the_measured_cost_per_checkpoint() -> None:
+    """A slowdown concentrated in one iteration: the measured cost, not the average slowdown, sets the interval."""
+    ctx = DecisionContext(
+        step=100, steps_since_checkpoint=1, elapsed=10.0, seconds_since_checkpoint=0.1, iteration_time=0.1,
+        iteration_time_while_persisting=0.13, stall=0.005, persist_time=0.15, bytes_per_checkpoint=1,
+        persist_in_flight=False, checkpoint_cost=0.065,
+    )
+    policy = Overhead(p=0.05)
+    policy.should_save(ctx)
+    assert policy.cost(ctx) == 0.065  # the model alone would say 5 ms + 150 ms · 0.3/1.3 ≈ 40 ms
+    assert policy.interval == math.ceil(0.065 / (0.9 * 0.05 * 0.1))
+    assert "cost per checkpoint 65.0 ms" in policy.reason

@@ -292,6 +292,7 @@ class Checkpointer:
             iteration_time_while_persisting=p.iteration_while_persisting.value,
             stall=p.stall.value,
             persist_time=p.persist.value,
+            checkpoint_cost=p.checkpoint_cost.value,
             bytes_per_checkpoint=p.bytes_per_checkpoint,
             persist_in_flight=self._writer.busy,
             epoch=epoch,
@@ -328,6 +329,7 @@ class Checkpointer:
         owned, share = self._optimizer_owned(tensors), None
         if self._cluster is not None:  # this rank writes its share only
             tensors, owned, share = self._cluster.select(tensors, owned)
+        self._profiler.begin_checkpoint()
         pending = self._snapshotter.take(tensors, owned)
         self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start, share))
         interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time

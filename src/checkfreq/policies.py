@@ -45,6 +45,8 @@ class DecisionContext:
     epoch: int | None = None
     epoch_changed: bool = False
     loss: float | None = None
+    checkpoint_cost: float = math.nan
+    """What a checkpoint cost the loop, measured: its stall plus the extra time of the iterations its persist overlapped."""
 
 
 @runtime_checkable
@@ -116,7 +118,8 @@ class Overhead:
     """Checkpoint as often as possible while checkpointing costs at most ``p`` of the run.
 
     CheckFreq done right (algorithms.md §1): ``k = max(ceil(C_p / t_i), ceil(c / (p'·t_i)))``
-    where ``c`` is the stall plus the slowdown of iterations that overlap the persist, and ``p'``
+    where ``c`` is what one checkpoint costs the loop — its stall plus the extra time of the
+    iterations its persist overlapped, measured per checkpoint by the profiler — and ``p'``
     is ``target·p`` to leave room for noise. ``k`` follows the measured costs both ways, with
     hysteresis (it shrinks only when the plan falls below ``k / (1 + hysteresis)``). The overhead
     measured over each window of checkpoint cycles corrects the plan: above ``p`` it scales the
@@ -144,7 +147,7 @@ class Overhead:
     _spent: float = field(default=0.0, init=False, repr=False)
     _productive: float = field(default=0.0, init=False, repr=False)
     _planned_iteration: float = field(default=math.nan, init=False, repr=False)
-    _planned_costs: tuple[float, float] = field(default=(math.nan, math.nan), init=False, repr=False)
+    _planned_costs: tuple[float, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.p < 1:
@@ -173,8 +176,9 @@ class Overhead:
         if not (_measured(t_i) and _measured(ctx.stall) and _measured(ctx.persist_time)):
             return
         shifted = _measured(self._planned_iteration) and abs(math.log(t_i / self._planned_iteration)) > 0.25
-        if shifted or self._why is not None or (ctx.stall, ctx.persist_time) != self._planned_costs:
-            self._planned_costs = (ctx.stall, ctx.persist_time)
+        costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)
+        if shifted or self._why is not None or costs != self._planned_costs:
+            self._planned_costs = costs
             self._plan(ctx, "iteration time changed" if shifted else None)
 
     def ready(self, ctx: DecisionContext) -> bool:
@@ -187,7 +191,14 @@ class Overhead:
         return self._spent + self.cost(ctx) <= self.p * (self._productive + since)
 
     def cost(self, ctx: DecisionContext) -> float:
-        """Seconds one checkpoint costs the training loop: its stall plus the persist's slowdown."""
+        """Seconds one checkpoint costs the training loop: its stall plus the persist's slowdown.
+
+        The measured cost when there is one; otherwise estimated from the persist time and the
+        average slowdown of persisting iterations (which underestimates a slowdown that is
+        concentrated in the first iteration the persist overlaps).
+        """
+        if _measured(ctx.checkpoint_cost):
+            return ctx.checkpoint_cost
         slowdown = interference(ctx.iteration_time, ctx.iteration_time_while_persisting)
         return ctx.stall + ctx.persist_time * slowdown / (1.0 + slowdown)
 
@@ -215,6 +226,7 @@ class Overhead:
             f"{'profiled' if first else why or 'costs changed'}: stall {ctx.stall * 1e3:.1f} ms, "
             f"persist {ctx.persist_time * 1e3:.1f} ms, iteration {t_i * 1e3:.2f} ms, "
             f"slowdown while persisting {interference(t_i, ctx.iteration_time_while_persisting):.0%}, "
+            f"cost per checkpoint {self.cost(ctx) * 1e3:.1f} ms, "
             f"correction ×{self.correction:.2f} → every {k} steps for ≤ {self.p:.1%} overhead"
         )
         log.info("Overhead: interval %d → %d steps (%s)", self.interval, k, self.reason)

@@ -82,18 +82,41 @@ class Profiler:
     """Seconds from the start of a checkpoint until it is durable."""
     bandwidth: Smoothed = field(default_factory=lambda: Smoothed(alpha=0.3, clip=4.0, band=0.5, shift_after=2))
     """Bytes per second of the persist, end to end."""
+    checkpoint_cost: Smoothed = field(default_factory=lambda: _cost_estimate())
+    """Seconds one checkpoint cost the training loop, measured whole: its stall plus the time the
+    iterations its persist overlapped took beyond :attr:`iteration`."""
     bytes_per_checkpoint: int = 0
     _stall_to_discount: float = 0.0
+    _open_cost: float | None = None  # the cost of the checkpoint whose aftermath is being measured
+
+    def begin_checkpoint(self) -> None:
+        """A checkpoint starts: measure its cost until an iteration runs with no persist."""
+        self._close_cost()
+        self._open_cost = 0.0
 
     def record_iteration(self, seconds: float, persisting: bool) -> None:
         """One step's wall time; ``persisting``: a background write overlapped it."""
         seconds, self._stall_to_discount = max(seconds - self._stall_to_discount, 0.0), 0.0
+        if self._open_cost is not None and not persisting:
+            self._close_cost()
+        elif self._open_cost is not None:
+            if self.iteration.value > 0:
+                self._open_cost += seconds - self.iteration.value
+            else:  # no clean baseline yet: this checkpoint's cost cannot be told apart
+                self._open_cost = None
         (self.iteration_while_persisting if persisting else self.iteration).add(seconds)
 
     def record_stall(self, seconds: float) -> None:
         """Time the training thread was blocked by one checkpoint (snapshot plus fence wait)."""
         self.stall.add(seconds)
         self._stall_to_discount += seconds
+        if self._open_cost is not None:
+            self._open_cost += seconds
+
+    def _close_cost(self) -> None:
+        if self._open_cost is not None:
+            self.checkpoint_cost.add(max(self._open_cost, 0.0))
+        self._open_cost = None
 
     def record_persist(self, seconds: float, nbytes: int) -> None:
         """Duration of one checkpoint from its start to its durable commit, and its size."""
