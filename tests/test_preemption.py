@@ -95,6 +95,8 @@ def test_previous_python_handler_runs_after_the_checkpoint_and_the_trap_rearms(t
 
 def test_sigint_becomes_keyboard_interrupt_after_a_durable_checkpoint(tmp_path: Path) -> None:
     model, opt = _stack()
+    # Python's own SIGINT handler, which a process started in the background (SIGINT ignored) lacks
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     ckpt = cf.Checkpointer(tmp_path, policy=1000, model=model, optimizer=opt, save_on_signal=(signal.SIGINT,))
     try:
         train_step(model, opt)
@@ -107,6 +109,7 @@ def test_sigint_becomes_keyboard_interrupt_after_a_durable_checkpoint(tmp_path: 
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         ckpt.close()
+        signal.signal(signal.SIGINT, inherited)
     manifest, tensors = read_checkpoint(tmp_path / "step_000000002")
     assert manifest.step == 2
     model2, opt2 = _stack()
