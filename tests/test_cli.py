@@ -28,7 +28,7 @@ def train(directory: Path, epochs: int = 5, width: int = 32) -> dict[str, torch.
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=1)
-    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10, note="cli") as ckpt:
+    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10, values={"note": "cli"}) as ckpt:
         for _ in range(loader.epoch, epochs):
             for x, y in loader:
                 loss = torch.nn.functional.cross_entropy(model(x), y)

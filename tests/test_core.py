@@ -33,7 +33,7 @@ def _stack(seed: int = 0, width: int = 32):
 def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
     model, opt, sched, scaler = _stack()
     with cf.Checkpointer(tmp_path, policy=cf.Every(3), model=model, optimizer=opt, scheduler=sched,
-                         scaler=scaler, meta={"name": "run", "lr": [0.1, 0.2]}, best=1.5) as ckpt:
+                         scaler=scaler, values={"meta": {"name": "run", "lr": [0.1, 0.2]}, "best": 1.5}) as ckpt:
         for _ in range(7):
             train_step(model, opt)
             sched.step()
@@ -45,7 +45,7 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
 
     model2, opt2, sched2, scaler2 = _stack(seed=1)
     with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2,
-                         meta={}, best=0.0) as ckpt2:
+                         values={"meta": {}, "best": 0.0}) as ckpt2:
         assert ckpt2.restore() == 7
         assert ckpt2.global_step == 7
         assert ckpt2["best"] == 0.25 and ckpt2["meta"] == {"name": "run", "lr": [0.1, 0.2]}
@@ -95,9 +95,9 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def test_restored_values_hold_no_view_of_the_checkpoint(tmp_path: Path) -> None:
     """Tensors and arrays in plain values come back with storage of their own, not pinning the file."""
     model = make_model()
-    with cf.Checkpointer(tmp_path, model=model, best=torch.arange(4.0), table=np.arange(3)) as ckpt:
+    with cf.Checkpointer(tmp_path, model=model, values={"best": torch.arange(4.0), "table": np.arange(3)}) as ckpt:
         ckpt.save(blocking=True)
-    with cf.Checkpointer(tmp_path, model=model, best=None, table=None) as ckpt:
+    with cf.Checkpointer(tmp_path, model=model, values={"best": None, "table": None}) as ckpt:
         ckpt.restore()
         best, table = ckpt["best"], ckpt["table"]
     assert torch.equal(best, torch.arange(4.0)) and best.untyped_storage().nbytes() == best.nbytes
@@ -283,13 +283,13 @@ def test_missing_object_in_checkpoint_is_named(tmp_path: Path) -> None:
 def test_unserializable_values_need_opt_in(tmp_path: Path) -> None:
     model = make_model()
     with pytest.raises(cf.UnserializableStateError, match="'thing' is a Fraction.*allow_pickle"):
-        cf.Checkpointer(tmp_path, model=model, thing=Fraction(1, 3))
-    with cf.Checkpointer(tmp_path, model=model, thing=Fraction(1, 3), allow_pickle=True) as ckpt:
+        cf.Checkpointer(tmp_path, model=model, values={"thing": Fraction(1, 3)})
+    with cf.Checkpointer(tmp_path, model=model, values={"thing": Fraction(1, 3)}, allow_pickle=True) as ckpt:
         ckpt.save(blocking=True)
-    with cf.Checkpointer(tmp_path, model=model, thing=None) as ckpt:
+    with cf.Checkpointer(tmp_path, model=model, values={"thing": None}) as ckpt:
         with pytest.raises(cf.UnserializableStateError, match="pickled"):
             ckpt.restore()
-    with cf.Checkpointer(tmp_path, model=model, thing=None, allow_pickle=True) as ckpt:
+    with cf.Checkpointer(tmp_path, model=model, values={"thing": None}, allow_pickle=True) as ckpt:
         ckpt.restore()
         assert ckpt["thing"] == Fraction(1, 3)
 
@@ -330,7 +330,7 @@ def test_bad_arguments_fail_early(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="on_error"):
         cf.Checkpointer(tmp_path, model=model, on_error="ignore")
     with pytest.raises(ValueError, match="reserved"):
-        cf.Checkpointer(tmp_path, model=model, checkfreq=1)
+        cf.Checkpointer(tmp_path, model=model, values={"checkfreq": 1})
     with pytest.raises(ValueError, match="register at least one"):
         cf.Checkpointer(tmp_path)
     blocker = tmp_path / "file"

@@ -41,7 +41,7 @@ def test_urls_choose_the_store(tmp_path: Path, memory_url: str) -> None:
 def test_memory_round_trip_is_bit_identical(memory_url: str) -> None:
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with cf.Checkpointer(memory_url, policy=2, keep=2, model=model, optimizer=opt, note="hi") as ckpt:
+    with cf.Checkpointer(memory_url, policy=2, keep=2, model=model, optimizer=opt, values={"note": "hi"}) as ckpt:
         _train(ckpt, model, opt, 7)
         ckpt.save(blocking=True)
         expected = (model.state_dict(), opt.state_dict())
@@ -50,7 +50,7 @@ def test_memory_round_trip_is_bit_identical(memory_url: str) -> None:
 
     model2 = make_model(seed=1)
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
-    with cf.Checkpointer(memory_url, model=model2, optimizer=opt2, note="") as ckpt2:
+    with cf.Checkpointer(memory_url, model=model2, optimizer=opt2, values={"note": ""}) as ckpt2:
         assert ckpt2.restore() == 7
         assert ckpt2["note"] == "hi"
     assert_state_equal(model2.state_dict(), expected[0])

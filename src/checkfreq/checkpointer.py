@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import platform
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -17,9 +18,10 @@ import torch
 import checkfreq
 from checkfreq.distributed import Cluster, attach
 from checkfreq.distributed_plan import local_view, storage_ptr
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, StateMismatchError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, ExistingCheckpointsError, NoValidCheckpointError, PersistError, StateMismatchError
 from checkfreq.events import EventLog
 from checkfreq import storage
+from checkfreq.options import check_objects, check_option_types
 from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, resolve
@@ -27,7 +29,7 @@ from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
-from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, unflatten
+from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
 
@@ -61,9 +63,15 @@ class Checkpointer:
             only records the signal; the next :meth:`step` (or :meth:`close`) takes a blocking
             checkpoint and then lets the signal take its original effect (the default action
             ends the process). Needs the main thread.
-        **objects: what to checkpoint, by name: anything with ``state_dict()``/``load_state_dict()``
-            (model, optimizer, scheduler, GradScaler, loader, ...) or plain values (numbers,
-            strings, lists, dicts, tensors), readable and settable as ``ckpt[name]``.
+        values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
+            readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
+        **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
+            (model, optimizer, scheduler, GradScaler, loader, ...).
+
+    Raises:
+        TypeError: a keyword is neither an option nor a stateful object (a misspelled option,
+            named with the closest valid one, or a plain value, which belongs in ``values``), or
+            an option has a value of the wrong type.
     """
 
     def __init__(
@@ -79,25 +87,30 @@ class Checkpointer:
         allow_pickle: bool = False,
         persist_timeout: float = 3600.0,
         save_on_signal: Iterable[int] = (),
-        **objects: Any,
+        values: Mapping[str, Any] | None = None,
+        **objects: Stateful,
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}")
+        check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
+        check_option_types(keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout)
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
-        if not objects:
+        values = dict(values or {})
+        if not objects and not values:
             raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
-        for name in objects:
+        for name in [*objects, *values]:
             if name in RESERVED_NAMES:
                 raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+        both = sorted(set(objects) & set(values))
+        if both:
+            raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
         self._policy = resolve(policy)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._keep = keep
         self._on_error = on_error
         self._allow_pickle = allow_pickle
         self._timeout = persist_timeout
-        self._objects: dict[str, Stateful] = {n: o for n, o in objects.items() if isinstance(o, Stateful)}
-        self._values: dict[str, Any] = {n: v for n, v in objects.items() if not isinstance(v, Stateful)}
+        self._objects: dict[str, Stateful] = dict(objects)
+        self._values: dict[str, Any] = values
         flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
         self._epoch_source = next((o for o in self._objects.values() if _has_int_epoch(o)), None)
         if rng:
@@ -113,6 +126,9 @@ class Checkpointer:
             self._store.remove_staging()
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._store.root
+        newest = self._store.checkpoints()
+        self._foreign_step: int | None = newest[0][0] if newest else None  # until restore() adopts them
+        self._closed = False
         self._events = EventLog(self._store.events_directory)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
         self._profiler = Profiler()
@@ -171,6 +187,7 @@ class Checkpointer:
         failure (unless ``on_error="warn"``).
         """
         now = time.perf_counter()
+        self._check_open("step()")
         self._surface_background_error()
         self._global_step += 1
         transitions = self._writer.transitions
@@ -195,6 +212,7 @@ class Checkpointer:
 
         With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
+        self._check_open("save()")
         self._surface_background_error()
         if blocking:
             self._ensure_durable("save()")
@@ -213,12 +231,14 @@ class Checkpointer:
         Invalid checkpoints are skipped with a warning saying why; if checkpoints exist but none
         is valid, raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
+        self._check_open("restore()")
         self.wait()
         if self._cluster is None:
             found = self._find(step)
         else:  # rank 0 chooses, every rank reads the same checkpoint
             found = self._cluster.find(lambda: self._find(step), read_checkpoint)
         if found is None:
+            self._foreign_step = None
             return 0
         manifest, tensors, path, skipped = found
         if self._cluster is None:
@@ -227,6 +247,7 @@ class Checkpointer:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
         self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
         self._global_step = self._last_checkpoint_step = self._durable_step = manifest.step
+        self._foreign_step = None  # this run continues them
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
         self._last_checkpoint_time = time.perf_counter()
@@ -253,7 +274,8 @@ class Checkpointer:
         raise NoValidCheckpointError(f"no valid checkpoint in {self.directory} ({reasons})")
 
     def close(self) -> None:
-        """Wait for the checkpoint in flight, stop the writer and release the directory."""
+        """Wait for the checkpoint in flight, stop the writer and release the directory (idempotent)."""
+        self._closed = True
         if self._trap is not None and self._trap.received is not None:
             try:
                 self._save_for_signal()
@@ -307,6 +329,10 @@ class Checkpointer:
         epoch = getattr(self._epoch_source, "epoch", None)
         return epoch if isinstance(epoch, int) else None
 
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise CheckfreqError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
+
     def _surface_background_error(self) -> None:
         error = self._writer.take_error()
         if error is None:
@@ -317,6 +343,12 @@ class Checkpointer:
         raise PersistError(f"checkpoint persist failed: {error}") from error
 
     def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+        if self._foreign_step is not None:
+            raise ExistingCheckpointsError(
+                f"{self.directory} already holds checkpoints (the newest at step {self._foreign_step}) and this run "
+                "did not restore them: its checkpoints would be written beside and over them. Call restore() "
+                "before training to resume from them, or give this run a directory of its own."
+            )
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
         self._surface_background_error()
@@ -324,7 +356,10 @@ class Checkpointer:
         step, epoch = self._global_step, self._epoch()
         state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
         state.update(self._values)
-        state["checkfreq"] = {"global_step": step}
+        state["checkfreq"] = {
+            "global_step": step,
+            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
+        }
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
         owned, share = self._optimizer_owned(tensors), None
         if self._cluster is not None:  # this rank writes its share only
@@ -436,8 +471,9 @@ class Checkpointer:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
         if missing:
             raise StateMismatchError(f"checkpoint holds no state for {', '.join(missing)}")
+        saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
         for name, obj in self._objects.items():  # every module and optimizer fits before any changes
-            check_fits(name, obj, state.get(name))
+            check_fits(name, obj, state.get(name), saved_types.get(name))
         for name, obj in self._objects.items():
             if name != "rng":
                 load_into(name, obj, state[name])
@@ -513,6 +549,13 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
     except RuntimeError as e:
         raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
     return manifest, tensors
+
+
+CHECKPOINTER_OPTIONS = tuple(
+    name for name, p in inspect.signature(Checkpointer.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+"""The option keywords of :class:`Checkpointer` (every other keyword registers an object)."""
 
 
 __all__ = ["Checkpointer", "CheckfreqError", "read_checkpoint"]

@@ -29,3 +29,7 @@ class PersistError(CheckfreqError):
 
 class DirectoryLockedError(CheckfreqError):
     """Another live process is already checkpointing into the same directory."""
+
+
+class ExistingCheckpointsError(CheckfreqError):
+    """A run would checkpoint into a directory holding another run's checkpoints without restoring them."""

@@ -147,8 +147,21 @@ def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, A
         raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
 
 
-def check_optimizer_state(name: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Check that per-parameter optimizer tensors match the shapes of the parameters they belong to."""
+def type_name(obj: object) -> str:
+    """``module.QualifiedName`` of ``obj``'s class, as recorded in a checkpoint."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def check_optimizer_state(
+    name: str, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], saved_type: str | None = None
+) -> None:
+    """Check that ``state`` was written by an optimizer of the same class (``saved_type``, when the
+    checkpoint records it: another class's group options and state would fail at its first step),
+    with the same parameter groups, and that per-parameter tensors match their parameters' shapes."""
+    if saved_type is not None and saved_type != type_name(optimizer):
+        raise StateMismatchError(
+            f"checkpoint does not fit {name!r}: it was written by a {saved_type}, this optimizer is a {type_name(optimizer)}"
+        )
     groups = state.get("param_groups") if isinstance(state, Mapping) else None
     if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
         raise StateMismatchError(
@@ -213,15 +226,16 @@ def _into_live(saved: Any, live: Any) -> Any:
     return saved
 
 
-def check_fits(name: str, obj: Any, state: Any) -> None:
-    """Raise :class:`StateMismatchError` if ``state`` cannot be loaded into a module or optimizer ``obj``.
+def check_fits(name: str, obj: Any, state: Any, saved_type: str | None = None) -> None:
+    """Raise :class:`StateMismatchError` if ``state`` cannot be loaded into a module or optimizer ``obj``
+    (an optimizer's class is compared with ``saved_type`` when the checkpoint recorded it).
 
     Other objects are checked by their own ``load_state_dict``.
     """
     if isinstance(obj, torch.nn.Module):
         check_module_state(name, obj, state)
     elif isinstance(obj, torch.optim.Optimizer):
-        check_optimizer_state(name, obj, state)
+        check_optimizer_state(name, obj, state, saved_type)
 
 
 def load_into(name: str, obj: Any, state: Any) -> None:

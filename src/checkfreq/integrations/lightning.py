@@ -19,7 +19,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from checkfreq.checkpointer import Checkpointer
+from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
+from checkfreq.options import check_names
 from checkfreq.policies import Policy
 from checkfreq.storage import Store
 
@@ -55,8 +56,9 @@ class CheckFreqCallback(pl.Callback):
         remote_keep: checkpoints to keep in ``remote`` (default: ``keep``).
         resume: restore the newest valid checkpoint when the fit starts.
         save_on_train_end: take a blocking checkpoint when training ends.
-        **options: further :class:`~checkfreq.Checkpointer` arguments (``on_error``,
-            ``persist_timeout``, ``save_on_signal``, ...).
+        **options: further :class:`~checkfreq.Checkpointer` options (``on_error``,
+            ``persist_timeout``, ``save_on_signal``, ``values``, ...); any other keyword raises
+            ``TypeError`` naming the closest option.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class CheckFreqCallback(pl.Callback):
         **options: Any,
     ) -> None:
         super().__init__()
+        check_names("CheckFreqCallback", options, _OPTIONS)  # the explicit ones never reach **options
         self._settings = dict(policy=policy, keep=keep, remote=remote, remote_keep=remote_keep, **options)
         self._directory = directory
         self._resume = resume
@@ -118,6 +121,9 @@ class CheckFreqCallback(pl.Callback):
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             checkpointer.close()
+
+
+_OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end")
 
 
 def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""Keyword arguments that are options, told apart from the objects registered for checkpointing.
+
+Entry points such as :class:`~checkfreq.Checkpointer` take options and the objects to checkpoint
+as keywords. Only objects with ``state_dict()``/``load_state_dict()`` may be registered that way;
+anything else is a misspelled option or a plain value, and is refused with a ``TypeError`` that
+names the closest option, so that a typo never becomes checkpointed state.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from checkfreq.state import Stateful
+
+PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
+
+
+def closest(name: str, valid: Iterable[str]) -> str | None:
+    """The valid name ``name`` most probably misspells, if any is close enough."""
+    matches = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "") -> TypeError:
+    """The error for an unexpected keyword ``name`` of ``caller``, with a did-you-mean if one is close."""
+    message = f"{caller}() got an unexpected keyword argument {name!r}"
+    guess = closest(name, valid)
+    if guess is not None:
+        message += f"; did you mean {guess!r}?"
+    if hint:
+        message += f" ({hint})"
+    return TypeError(message)
+
+
+def check_objects(caller: str, objects: Mapping[str, Any], options: Iterable[str], option_types: tuple[type, ...] = ()) -> None:
+    """Refuse every keyword in ``objects`` that is not a stateful object to register.
+
+    A value of one of ``option_types`` (a policy) is a misspelled option even when it
+    has a ``state_dict()``; any other value without one is a misspelled option or a plain value.
+    """
+    options = list(options)
+    for name, obj in objects.items():
+        if isinstance(obj, option_types) or not isinstance(obj, Stateful):
+            hint = "" if closest(name, options) is not None else (
+                f"its value, a {type(obj).__qualname__}, has no state_dict()/load_state_dict(); {PLAIN_VALUES_HINT}"
+            )
+            raise unknown_option(caller, name, options, hint)
+
+
+def check_names(caller: str, names: Iterable[str], options: Iterable[str]) -> None:
+    """Refuse any of ``names`` that is not one of ``options`` (for entry points that forward options)."""
+    options = list(options)
+    for name in names:
+        if name not in options:
+            raise unknown_option(caller, name, options)
+
+
+def check_option_types(
+    *, keep: Any, remote_keep: Any, rng: Any, allow_pickle: Any, persist_timeout: Any
+) -> None:
+    """Refuse option values of the wrong type, such as an object registered under an option's name."""
+    counts = {"keep": keep} if remote_keep is None else {"keep": keep, "remote_keep": remote_keep}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int (checkpoints to keep), got {type(value).__qualname__}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    for name, value in {"rng": rng, "allow_pickle": allow_pickle}.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__qualname__}")
+    if isinstance(persist_timeout, bool) or not isinstance(persist_timeout, (int, float)) or persist_timeout <= 0:
+        raise TypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
