@@ -226,8 +226,11 @@ def test_the_epoch_loop_continues_correctly_after_any_restore(drop_last, stops):
 
 def test_set_epoch_keeps_the_position_of_the_current_epoch():
     source = loader()
-    take(iter(source), 2)
-    source.set_epoch(0)
+    it = iter(source)
+    take(it, 2)
+    assert source.state_dict()["consumed"] == 8  # a checkpoint counts the batch it trained on
+    take(it, 1)
+    source.set_epoch(0)  # the batch handed out since is given again, as by a new iterator
     assert source.state_dict()["consumed"] == 8
     source.set_epoch(4)
     assert source.epoch == 4 and source.state_dict()["consumed"] == 0
@@ -343,7 +346,7 @@ def test_a_stale_iterator_raises_and_takes_nothing(persistent_workers):
     expected = one_epoch(loader())
     source = loader(num_workers=2, persistent_workers=persistent_workers)
     stale = iter(source)
-    head = take(stale, 2)
+    head = take(stale, 2)[:4]  # its second batch was handed out but never used: the next iterator gives it again
     current = iter(source)
     head += take(current, 1)
     with pytest.raises(RuntimeError, match="stale"):
@@ -364,3 +367,14 @@ def test_len_counts_batches_of_a_whole_epoch():
     assert len(loader(23)) == 6
     assert len(loader(23, drop_last=True)) == 5
     assert len(loader(23, rank=1, world_size=2)) == 3
+
+
+def test_peeking_at_a_batch_loses_no_sample():
+    """``next(iter(loader))`` to read a batch's shape, as DDP tutorials do, then the epoch's loop."""
+    expected = one_epoch(loader())
+    source = loader()
+    peeked = take(iter(source), 1)
+    source.sampler.set_epoch(0)
+    assert peeked == expected[:4]
+    assert one_epoch(source) == expected
+    assert source.epoch == 1

@@ -287,6 +287,10 @@ class ResumableLoader:
     Restoring with a different ``batch_size``, ``num_workers`` or world size yields each remaining
     sample of the epoch exactly once (see the module documentation for the world-size rule).
 
+    **Peeking.** A batch counts as consumed when the loop asks for the next one or a checkpoint
+    reads :meth:`state_dict`. So ``next(iter(loader))`` (to look at a batch's shape) costs
+    nothing: the next iterator starts with that same batch.
+
     An iterator is valid until the next :meth:`__iter__`, :meth:`set_epoch` or
     :meth:`load_state_dict`; using it afterwards raises ``RuntimeError``.
     """
@@ -328,6 +332,8 @@ class ResumableLoader:
             **dataloader_kwargs,
         )
         self._generation = 0
+        self._handed_out = 0
+        """Samples of the batch last handed out: consumed once the next batch or a state_dict() is asked for."""
 
     @property
     def epoch(self) -> int:
@@ -336,6 +342,7 @@ class ResumableLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch`` (the current epoch keeps its position)."""
+        self._handed_out = 0
         self._generation += 1
         self.sampler.set_epoch(epoch)
 
@@ -347,6 +354,7 @@ class ResumableLoader:
         return -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
+        self._handed_out = 0  # a batch the previous iterator handed out but nobody used: yielded again
         self._generation += 1
         return self._iterate(self._generation)
 
@@ -356,10 +364,16 @@ class ResumableLoader:
         for number in range(len(self._plan)):
             self._check_current(generation)  # before taking a batch that a newer pass may own
             batch = next(batches)
-            self.sampler.advance(self._plan.size_of(number))
+            self._consume_handed_out()  # asking for this batch means the previous one was used
+            self._handed_out = self._plan.size_of(number)
             yield batch
         self._check_current(generation)
+        self._consume_handed_out()
         self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def _consume_handed_out(self) -> None:
+        self.sampler.advance(self._handed_out)
+        self._handed_out = 0
 
     def _check_current(self, generation: int) -> None:
         if generation != self._generation:
@@ -369,12 +383,17 @@ class ResumableLoader:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, samples consumed by the training loop, and the topology fingerprint."""
+        """Epoch, samples consumed by the training loop, and the topology fingerprint.
+
+        The last batch handed out counts as consumed: a checkpoint is taken after training on it.
+        """
+        self._consume_handed_out()
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at the saved position; see :meth:`ResumableSampler.load_state_dict`."""
         self.sampler.load_state_dict(state)
+        self._handed_out = 0
         self._generation += 1
 
 
