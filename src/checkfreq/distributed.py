@@ -16,8 +16,10 @@ restored, removed by rank 0 at the next start). See docs/distributed.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
     PRIVATE,
     REPLICATED,
@@ -64,6 +67,36 @@ def attach(store: LocalStore, timeout: float) -> Cluster | None:
     return Cluster(store, timeout)
 
 
+JOIN_TIMEOUT = 600.0
+"""At most this many seconds for every rank to construct its Checkpointer (``persist_timeout`` if shorter)."""
+_JOIN_WARNING_S = 30.0
+_joins = itertools.count()
+
+
+def wait_for_every_rank(world_size: int, timeout: float) -> None:
+    """Return once every rank has constructed its Checkpointer; raise after ``timeout`` seconds.
+
+    The habit ``torch.save`` teaches (checkpoint on rank 0 only) would otherwise hang in the
+    collective creation of the Cluster's groups, with no word of why.
+    """
+    store = default_store()
+    key = f"checkfreq/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_joins)}"
+    arrived = store.add(key, 1)
+    start = warned = time.monotonic()
+    while arrived < world_size:
+        now = time.monotonic()
+        if now - start > timeout:
+            raise CheckfreqError(
+                f"only {arrived} of {world_size} ranks constructed a Checkpointer within {timeout:.0f} s: every "
+                "rank must construct it at the same point (not only rank 0), and call step() on every rank"
+            )
+        if now - warned > _JOIN_WARNING_S:
+            log.warning("waiting for every rank to construct its Checkpointer (%d of %d so far)", arrived, world_size)
+            warned = now
+        time.sleep(0.02)
+        arrived = store.add(key, 0)
+
+
 def rank_file(rank: int) -> str:
     """The data file rank ``rank`` writes."""
     return f"rank{rank:05d}.safetensors"
@@ -79,6 +112,7 @@ class Cluster:
 
     def __init__(self, store: LocalStore, timeout: float) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         self._store = store
         wait = timedelta(seconds=timeout)
         self._control = dist.new_group(backend="gloo", timeout=wait)

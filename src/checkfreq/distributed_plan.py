@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from checkfreq.compat import dtensor_class, dtensor_local_box
 from checkfreq.errors import CorruptCheckpointError
 from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest
 
@@ -139,10 +140,7 @@ def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 def local_box(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offset, shape) of this rank's block of a DTensor ``target`` in its global tensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    return tuple(offset), tuple(shape)
+    return dtensor_local_box(target)
 
 
 # ---------------------------------------------------------------------------------- restore side
@@ -215,11 +213,9 @@ def materialize(name: str, source: Source, target: torch.Tensor | None) -> torch
         return _block(name, source, (0,) * len(source.shape), source.shape)
     if tuple(target.shape) != source.shape:
         return _block(name, source, (0,) * len(source.shape), source.shape)  # the loader reports the mismatch
-    from torch.distributed.tensor import DTensor
-
     offset, shape = local_box(target)
     local = _block(name, source, offset, shape).to(target.to_local().device)
-    return DTensor.from_local(
+    return dtensor_class().from_local(
         local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
     )
 

@@ -1,0 +1,62 @@
+"""The torch APIs whose place or presence depends on the torch version, behind one small module.
+
+checkfreq supports torch >= 2.6 (see pyproject.toml): the public ``torch.distributed.tensor``
+(DTensor) and ``torch.distributed.fsdp.fully_shard`` (FSDP2) exist from there on. The few
+private APIs used are reached only here, each with an error that names what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkfreq.errors import CheckfreqError
+
+MINIMUM_TORCH = (2, 6)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the running torch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+class UnsupportedTorchError(CheckfreqError):
+    """The running torch lacks an API that checkfreq needs for what was asked of it."""
+
+
+def _missing(what: str, error: Exception) -> UnsupportedTorchError:
+    return UnsupportedTorchError(
+        f"{what} is not available in torch {torch.__version__} ({type(error).__name__}: {error}); "
+        f"checkfreq needs torch >= {'.'.join(map(str, MINIMUM_TORCH))}"
+    )
+
+
+def dtensor_class() -> type:
+    """``torch.distributed.tensor.DTensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError as e:
+        raise _missing("torch.distributed.tensor.DTensor", e) from e
+    return DTensor
+
+
+def dtensor_local_box(target: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's block of the DTensor ``target`` in its global tensor."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError as e:
+        raise _missing("DTensor's compute_local_shape_and_global_offset", e) from e
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return tuple(offset), tuple(shape)
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (the one torchrun's rendezvous set up)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError as e:
+        raise _missing("the default process group's store", e) from e
+    return _get_default_store()

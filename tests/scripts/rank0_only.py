@@ -1,0 +1,28 @@
+"""A torchrun job that constructs its Checkpointer on rank 0 only, as torch.save habits suggest."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import checkfreq as cf
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            cf.Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2), persist_timeout=3.0)
+        except cf.CheckfreqError as e:
+            print(f"refused after {time.monotonic() - start:.1f} s: {e}", flush=True)
+    else:
+        time.sleep(6.0)  # the other rank trains on and never constructs one
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
