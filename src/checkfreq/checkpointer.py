@@ -125,7 +125,8 @@ class Checkpointer:
         self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
         self_ref = weakref.ref(self)
         self._hook_handles = [
-            opt.register_step_pre_hook(lambda *_: _fence_hook(self_ref)) for opt in self._optimizers.values()
+            _stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
+            for opt in self._optimizers.values()
         ]
         self._fence: PendingSnapshot | None = None
         self._fence_stall = 0.0
@@ -472,6 +473,13 @@ class Checkpointer:
 def _has_int_epoch(obj: object) -> bool:
     epoch = getattr(obj, "epoch", None)
     return isinstance(epoch, int) and not isinstance(epoch, bool)
+
+
+def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step()`` runs: a wrapper's (Accelerate's ``AcceleratedOptimizer``) inner one."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:

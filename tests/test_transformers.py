@@ -1,0 +1,108 @@
+"""Acceptance: a transformers Trainer fit with CheckFreqTrainer, SIGKILLed and resumed, ends bit-identical.
+
+Each run is ``scripts/hf_train.py`` (a tiny random GPT-2, 2 epochs of 6 optimizer steps, evaluation
+every 4 steps, a checkpoint every 3) in a child process. The first run dies at step 5 (restore:
+step 3, mid-epoch), the second at step 8 (restore: step 6, the end of epoch 0), the third finishes.
+Skipped when the ``transformers`` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_state_equal
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SAMPLES_PER_STEP = 8  # batch 4, gradient accumulation 2
+TIMING = ("runtime", "per_second")
+
+
+def fit(workdir: Path, name: str, *args: str, killed: bool = False) -> str:
+    command = [sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
+               "--log", str(workdir / f"{name}.log"), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    expected = -signal.SIGKILL if killed else 0
+    assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{proc.stdout}{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+
+
+def reads(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()]
+
+
+def comparable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in history]
+
+
+def test_killed_and_resumed_trainer_is_bit_identical(tmp_path: Path) -> None:
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    assert "restored 0 final 12 epoch 2.0" in fit(reference, "final")
+    fit(run, "killed1", "--die-at", "5", killed=True)
+    fit(run, "killed2", "--die-at", "8", killed=True)
+    assert "restored 6 final 12 epoch 2.0" in fit(run, "final")
+
+    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    assert actual["scheduler"] == expected["scheduler"]
+    assert comparable(actual["log_history"]) == comparable(expected["log_history"])
+    assert sum("eval_loss" in entry for entry in actual["log_history"]) == 3
+    assert actual["epoch"] == 2.0
+
+    # No sample is read again to find the place: each resumed run reads exactly what the
+    # uninterrupted one read from its checkpoint on, until it dies or ends.
+    full = reads(reference / "final.log")
+    assert sorted(full[:48]) == sorted(full[48:]) == list(range(48))
+    assert reads(run / "killed1.log") == full[: 5 * SAMPLES_PER_STEP]
+    assert reads(run / "killed2.log") == full[3 * SAMPLES_PER_STEP : 8 * SAMPLES_PER_STEP]
+    assert reads(run / "final.log") == full[6 * SAMPLES_PER_STEP :]
+
+    # the export of the final checkpoint is a checkpoint-N/ directory from_pretrained reads
+    assert actual["exported_dir"].endswith("checkpoint-12")
+    assert (Path(actual["exported_dir"]) / "model.safetensors").exists()
+    assert_state_equal(actual["exported"], actual["model"])
+
+
+def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:
+    """Accelerate's AcceleratedOptimizer (no step hooks of its own) and its scheduler wrapper checkpoint and restore."""
+    from accelerate import Accelerator
+
+    from checkfreq import Checkpointer
+
+    def prepared(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return Accelerator(cpu=True).prepare(model, optimizer, scheduler)
+
+    model, optimizer, scheduler = prepared(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, policy=2) as ckpt:
+        for _ in range(4):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            ckpt.step()
+        ckpt.wait()
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    model, optimizer, scheduler = prepared(1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        assert ckpt.restore() == 4
+    assert_state_equal(model.state_dict(), saved["model"])
+    assert_state_equal(optimizer.state_dict(), saved["optimizer"])
+    assert scheduler.state_dict() == saved["scheduler"]
