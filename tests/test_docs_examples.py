@@ -1,0 +1,28 @@
+"""The runnable examples of docs/huggingface.md and docs/lightning.md run as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+def run_example(page: str, tmp_path: Path) -> list[str]:
+    code = re.search(r"## A runnable example\n\n```python\n(.*?)```", (DOCS / page).read_text(), re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if not line.startswith("{")]  # without the Trainer's logs
+
+
+def test_huggingface_example_runs_resumes_and_exports(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    assert run_example("huggingface.md", tmp_path)== ["0", "8 16", "2"]
