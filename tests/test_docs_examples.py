@@ -26,3 +26,8 @@ def run_example(page: str, tmp_path: Path) -> list[str]:
 def test_huggingface_example_runs_resumes_and_exports(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     assert run_example("huggingface.md", tmp_path)== ["0", "8 16", "2"]
+
+
+def test_lightning_example_runs_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    assert [line for line in run_example("lightning.md", tmp_path) if line.isdigit()] == ["0", "8"]
