@@ -3,6 +3,7 @@
 Each run is ``scripts/hf_train.py`` (a tiny random GPT-2, 2 epochs of 6 optimizer steps, evaluation
 every 4 steps, a checkpoint every 3) in a child process. The first run dies at step 5 (restore:
 step 3, mid-epoch), the second at step 8 (restore: step 6, the end of epoch 0), the third finishes.
+The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time.
 Skipped when the ``transformers`` extra is not installed.
 """
 
@@ -25,13 +26,24 @@ SAMPLES_PER_STEP = 8  # batch 4, gradient accumulation 2
 TIMING = ("runtime", "per_second")
 
 
-def fit(workdir: Path, name: str, *args: str, killed: bool = False) -> str:
-    command = [sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
-               "--log", str(workdir / f"{name}.log"), *args]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    expected = -signal.SIGKILL if killed else 0
-    assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{proc.stdout}{proc.stderr[-3000:]}"
-    return proc.stdout
+def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1) -> str:
+    """Run the script (under torchrun with ``ranks`` > 1); nothing of the job may outlive it."""
+    script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
+              "--read-log", str(workdir / f"{name}.log"), *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(launcher + script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
+    assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{out[-4000:]}"
+    return out
 
 
 
@@ -73,6 +85,30 @@ def test_killed_and_resumed_trainer_is_bit_identical(tmp_path: Path) -> None:
     assert actual["exported_dir"].endswith("checkpoint-12")
     assert (Path(actual["exported_dir"]) / "model.safetensors").exists()
     assert_state_equal(actual["exported"], actual["model"])
+
+
+def test_ddp_trainer_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> None:
+    """2 ranks: 3 optimizer steps per epoch, a checkpoint every 2; rank 1 dies at step 3, rank 0 at step 5."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    assert fit(reference, "final", "--every", "2", ranks=2).count("restored 0 final 6 epoch 2.0") == 2
+    fit(run, "killed1", "--every", "2", "--die-at", "3", "--die-rank", "1", killed=True, ranks=2)
+    fit(run, "killed2", "--every", "2", "--die-at", "5", "--die-rank", "0", killed=True, ranks=2)
+    assert fit(run, "final", "--every", "2", ranks=2).count("restored 4 final 6 epoch 2.0") == 2
+
+    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    assert comparable(actual["log_history"]) == comparable(expected["log_history"])
+    assert_state_equal(actual["exported"], actual["model"])
+    per_step = SAMPLES_PER_STEP  # per rank: batch 4, gradient accumulation 2
+    for rank in (0, 1):
+        full = reads(reference / f"final.log.{rank}")
+        assert reads(run / f"final.log.{rank}") == full[4 * per_step :]
+    for epoch in range(2):  # the ranks' shares make up each epoch, each sample once
+        shares = [reads(reference / f"final.log.{rank}")[epoch * 3 * per_step : (epoch + 1) * 3 * per_step] for rank in (0, 1)]
+        assert sorted(shares[0] + shares[1]) == list(range(48))
 
 
 def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:

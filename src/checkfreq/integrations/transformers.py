@@ -245,7 +245,7 @@ class CheckFreqTrainer(Trainer):
 
         The directory holds ``model.safetensors`` and the model's ``config.json`` (what
         ``from_pretrained`` reads) and the Trainer's ``trainer_state.json``. Only the main process
-        writes; every process returns the path.
+        writes; every process returns the path once it is written.
         """
         if step is None:
             found = _resume_point(self.checkfreq_dir)
@@ -260,6 +260,7 @@ class CheckFreqTrainer(Trainer):
             model.save_pretrained(target, state_dict={k: v.clone() for k, v in weights.items()})
             (target / TRAINER_STATE).write_text(unflatten(skeleton["trainer"], tensors)["trainer_state"])
             log.info("exported checkfreq checkpoint %d to %s", step, target)
+        self.accelerator.wait_for_everyone()  # no process reads the export before it is written
         return target
 
 
