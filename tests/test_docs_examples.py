@@ -31,3 +31,17 @@ def test_huggingface_example_runs_resumes_and_exports(tmp_path: Path) -> None:
 def test_lightning_example_runs_and_resumes(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     assert [line for line in run_example("lightning.md", tmp_path) if line.isdigit()] == ["0", "8"]
+
+
+def test_accelerate_example_runs_on_two_processes_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    code = re.search(r"## Accelerate loops\n.*?```python\n(.*?)```", (DOCS / "huggingface.md").read_text(), re.S).group(1)
+    (tmp_path / "train.py").write_text(code)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    for restored in (0, 15):  # 16 optimizer steps, the newest checkpoint at step 15
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for rank in (0, 1):
+            assert f"rank {rank} restored {restored} final 16" in proc.stdout

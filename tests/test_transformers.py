@@ -142,3 +142,14 @@ def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> No
     assert_state_equal(model.state_dict(), saved["model"])
     assert_state_equal(optimizer.state_dict(), saved["optimizer"])
     assert scheduler.state_dict() == saved["scheduler"]
+
+
+def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from checkfreq import Checkpointer
+
+    loader = Accelerator(cpu=True).prepare(torch.utils.data.DataLoader(torch.arange(8.0), batch_size=2))
+    with pytest.raises(ValueError, match="ResumableLoader"):
+        Checkpointer(tmp_path, loader=loader)
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -87,9 +87,10 @@ class Checkpointer:
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if not objects:
             raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
-        for name in objects:
+        for name, obj in objects.items():
             if name in RESERVED_NAMES:
                 raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+            _refuse_positionless_loader(name, obj)
         self._policy = resolve(policy)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._keep = keep
@@ -473,6 +474,15 @@ class Checkpointer:
 def _has_int_epoch(obj: object) -> bool:
     epoch = getattr(obj, "epoch", None)
     return isinstance(epoch, int) and not isinstance(epoch, bool)
+
+
+def _refuse_positionless_loader(name: str, obj: object) -> None:
+    """Refuse an Accelerate-prepared DataLoader: it has ``state_dict()`` but no position to give."""
+    if getattr(obj, "use_stateful_dataloader", None) is False:
+        raise ValueError(
+            f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
+            "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
+        )
 
 
 def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
