@@ -67,7 +67,7 @@ class TrainerProgress:
         t = self._trainer
         return {
             "trainer_state": _state_json(t),
-            "tr_loss": t._tr_loss.detach().clone(),
+            "tr_loss": t._tr_loss.detach(),
             "total_loss_scalar": t._total_loss_scalar,
             "globalstep_last_logged": t._globalstep_last_logged,
             "initial_global_step": t._initial_global_step,
@@ -153,6 +153,13 @@ class CheckFreqTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         """The training data in an order that is a pure function of (seed, epoch), split over the ranks."""
         dataset, collator = self.train_dataset, self.data_collator
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(
+                f"CheckFreqTrainer draws batches in a resumable order; train_sampling_strategy="
+                f"{self.args.train_sampling_strategy!r} is not supported (use 'random' or 'sequential')"
+            )
+        if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError("CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)")
         if hasattr(dataset, "column_names"):  # a datasets.Dataset
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
@@ -172,20 +179,18 @@ class CheckFreqTrainer(Trainer):
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
-        epochs_trained, steps_in_epoch = super()._init_training_state(
+        epochs_trained, batches_done = super()._init_training_state(
             max_steps, num_update_steps_per_epoch, num_train_epochs, None if self._resume_step else resume_from_checkpoint, trial
         )
-        if not self._resume_step:
-            return epochs_trained, steps_in_epoch
-        # The Trainer computes the data position from its state: put the saved state in place now
-        self.state = TrainerState(**self._saved_state)
-        self.state.init_training_references(self, max_steps, num_train_epochs, trial)
-        self._load_callback_state()
-        epochs_trained = self.state.global_step // num_update_steps_per_epoch
-        steps_in_epoch = self.state.global_step % num_update_steps_per_epoch * self.args.gradient_accumulation_steps
-        if self._train_sampler is not None:
+        if self._resume_step:  # the Trainer computes the data position from its state: put the saved one in place now
+            self.state = TrainerState(**self._saved_state)
+            self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+            self._load_callback_state()
+            epochs_trained = self.state.global_step // num_update_steps_per_epoch
+            batches_done = self.state.global_step % num_update_steps_per_epoch * self.args.gradient_accumulation_steps
+        if self._train_sampler is not None:  # the Trainer's fast-forward does not set the epoch
             self._train_sampler.set_epoch(epochs_trained)
-        return epochs_trained, steps_in_epoch
+        return epochs_trained, batches_done
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
