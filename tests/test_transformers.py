@@ -153,3 +153,32 @@ def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: P
     with pytest.raises(ValueError, match="ResumableLoader"):
         Checkpointer(tmp_path, loader=loader)
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
+    """The loss of each optimizer step (summed over its micro-batches) reaches the policy, as the Trainer logs it."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
+
+    from checkfreq.integrations.transformers import CheckFreqTrainer
+    from checkfreq.policies import Every
+
+    class Recording(Every):
+        def should_save(self, ctx):  # type: ignore[no-untyped-def]
+            self.seen.append(ctx.loss)
+            return super().should_save(ctx)
+
+    policy = Recording(n=2)
+    policy.seen = []
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True)
+    trainer = CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                               checkfreq_policy=policy)
+    trainer.train()
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(policy.seen) == len(logged) == 4
+    assert policy.seen == pytest.approx(logged, abs=1e-3)

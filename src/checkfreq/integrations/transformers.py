@@ -37,6 +37,7 @@ from checkfreq.checkpointer import Checkpointer, read_checkpoint
 from checkfreq.data import ResumableSampler
 from checkfreq.distributed_plan import local_view
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.integrations.loss import LossFeed
 from checkfreq.policies import Policy
 from checkfreq.state import unflatten
 from checkfreq.storage.local import LocalStore
@@ -119,6 +120,8 @@ class CheckFreqTrainer(Trainer):
         self._train_sampler: ResumableSampler | None = None
         self._counted_step = 0
         self._end_of_epoch_pending = False
+        self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
+        self._loss = LossFeed()
         self.restored_step = 0
         """The optimizer step the last ``train()`` resumed from (0 for a fresh run)."""
 
@@ -229,19 +232,26 @@ class CheckFreqTrainer(Trainer):
         self._counted_step = self.state.global_step
         log.info("resumed from checkfreq checkpoint at step %d (epoch %.4f)", step, self.state.epoch)
 
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)  # a micro-batch's share of the step's loss
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        return loss
+
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
         super()._maybe_log_save_evaluate(*args, **kwargs)
         if self._checkpointer is None:
             return
         if self.state.global_step != self._counted_step:  # after an optimizer step's log and evaluation
             self._counted_step = self.state.global_step
+            self._loss.push(self._step_loss)  # for convergence-aware policies, without a device sync
+            self._step_loss = None
             if float(self.state.epoch).is_integer():  # an epoch's last step: its end-of-epoch evaluation comes first
                 self._end_of_epoch_pending = True
                 return
-            self._checkpointer.step()
+            self._checkpointer.step(loss=self._loss.take())
         elif self._end_of_epoch_pending:  # the end-of-epoch call that follows an epoch's last step
             self._end_of_epoch_pending = False
-            self._checkpointer.step()
+            self._checkpointer.step(loss=self._loss.take())
 
     # ------------------------------------------------------------------ export
 
