@@ -36,6 +36,7 @@ class LossFeed:
         if loss.device.type != "cuda":
             self._latest = float(loss)
             return
+        self._harvest()
         if self._copied is not None:
             return  # the previous copy is still in flight
         if self._host is None:
@@ -46,7 +47,11 @@ class LossFeed:
 
     def take(self) -> float | None:
         """The newest loss that arrived on the host since the last call (None if none, or not finite)."""
-        if self._copied is not None and self._copied.query():
-            self._latest, self._copied = float(self._host), None  # type: ignore[arg-type]
+        self._harvest()
         latest, self._latest = self._latest, None
         return latest if latest is not None and math.isfinite(latest) else None
+
+    def _harvest(self) -> None:
+        """Take the loss of a finished copy (checking the event does not wait for the device)."""
+        if self._copied is not None and self._copied.query():
+            self._latest, self._copied = float(self._host), None  # type: ignore[arg-type]
