@@ -160,3 +160,9 @@ def test_a_checkpointer_on_rank_0_only_fails_with_the_rule_instead_of_hanging(tm
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"refused after [3-5]\.\d s: only 1 of 2 ranks constructed a Checkpointer.*every rank must", result.stdout)
+
+
+def test_the_transformers_trainer_refuses_a_misspelled_checkfreq_option() -> None:
+    transformers = pytest.importorskip("checkfreq.integrations.transformers")
+    with pytest.raises(TypeError, match="CheckFreqTrainer.*'remote_dir'; did you mean 'remote'"):
+        transformers.CheckFreqTrainer(checkfreq_options={"remote_dir": "/x"})

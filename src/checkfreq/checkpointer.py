@@ -100,6 +100,8 @@ class Checkpointer:
         for name in [*objects, *values]:
             if name in RESERVED_NAMES:
                 raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+        for name, obj in objects.items():
+            _refuse_positionless_loader(name, obj)
         both = sorted(set(objects) & set(values))
         if both:
             raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
@@ -141,7 +143,8 @@ class Checkpointer:
         self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
         self_ref = weakref.ref(self)
         self._hook_handles = [
-            opt.register_step_pre_hook(lambda *_: _fence_hook(self_ref)) for opt in self._optimizers.values()
+            _stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
+            for opt in self._optimizers.values()
         ]
         self._fence: PendingSnapshot | None = None
         self._fence_stall = 0.0
@@ -347,7 +350,8 @@ class Checkpointer:
             raise ExistingCheckpointsError(
                 f"{self.directory} already holds checkpoints (the newest at step {self._foreign_step}) and this run "
                 "did not restore them: its checkpoints would be written beside and over them. Call restore() "
-                "before training to resume from them, or give this run a directory of its own."
+                "before training to resume from them (resume=True for CheckFreqCallback, "
+                "resume_from_checkpoint=True for CheckFreqTrainer), or give this run a directory of its own."
             )
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
@@ -508,6 +512,22 @@ class Checkpointer:
 def _has_int_epoch(obj: object) -> bool:
     epoch = getattr(obj, "epoch", None)
     return isinstance(epoch, int) and not isinstance(epoch, bool)
+
+
+def _refuse_positionless_loader(name: str, obj: object) -> None:
+    """Refuse an Accelerate-prepared DataLoader: it has ``state_dict()`` but no position to give."""
+    if getattr(obj, "use_stateful_dataloader", None) is False:
+        raise ValueError(
+            f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
+            "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
+        )
+
+
+def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step()`` runs: a wrapper's (Accelerate's ``AcceleratedOptimizer``) inner one."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:

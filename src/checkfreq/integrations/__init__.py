@@ -2,4 +2,6 @@
 
 - :mod:`checkfreq.integrations.lightning`: ``CheckFreqCallback`` for ``lightning.pytorch.Trainer``
   (needs the ``lightning`` extra).
+- :mod:`checkfreq.integrations.transformers`: ``CheckFreqTrainer``, a ``transformers.Trainer``
+  (needs the ``transformers`` extra).
 """

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
+from checkfreq.integrations.loss import LossFeed
 from checkfreq.options import check_names
 from checkfreq.policies import Policy
 from checkfreq.storage import Store
@@ -56,6 +59,9 @@ class CheckFreqCallback(pl.Callback):
         remote_keep: checkpoints to keep in ``remote`` (default: ``keep``).
         resume: restore the newest valid checkpoint when the fit starts.
         save_on_train_end: take a blocking checkpoint when training ends.
+        monitor: what convergence-aware policies see as the loss: ``None`` for the loss
+            ``training_step`` returns, or the name of a metric logged with ``self.log``. It is read
+            without a device sync (see :class:`~checkfreq.integrations.loss.LossFeed`).
         **options: further :class:`~checkfreq.Checkpointer` options (``on_error``,
             ``persist_timeout``, ``save_on_signal``, ``values``, ...); any other keyword raises
             ``TypeError`` naming the closest option.
@@ -71,6 +77,7 @@ class CheckFreqCallback(pl.Callback):
         remote_keep: int | None = None,
         resume: bool = True,
         save_on_train_end: bool = True,
+        monitor: str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -79,6 +86,8 @@ class CheckFreqCallback(pl.Callback):
         self._directory = directory
         self._resume = resume
         self._save_on_train_end = save_on_train_end
+        self._monitor = monitor
+        self._loss = LossFeed()
         self._checkpointer: Checkpointer | None = None
         self._seen_step = 0
         self.restored_step = 0
@@ -92,8 +101,6 @@ class CheckFreqCallback(pl.Callback):
         return self._checkpointer
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size > 1:
-            raise NotImplementedError("CheckFreqCallback supports single-process training for now")
         self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module))
         if self._resume:
             self.restored_step = self._checkpointer.restore()
@@ -102,10 +109,11 @@ class CheckFreqCallback(pl.Callback):
         self._seen_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._loss.push(_loss_of(outputs, trainer) if self._monitor is None else trainer.callback_metrics.get(self._monitor))
         if trainer.global_step == self._seen_step:
             return  # accumulating gradients: no optimizer step, nothing consistent to save
         self._seen_step = trainer.global_step
-        self.checkpointer.step()  # no loss passed: reading it would sync a GPU every step
+        self.checkpointer.step(loss=self._loss.take())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._save_on_train_end:
@@ -123,7 +131,13 @@ class CheckFreqCallback(pl.Callback):
             checkpointer.close()
 
 
-_OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end")
+_OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end", "monitor")
+
+
+def _loss_of(outputs: Any, trainer: pl.Trainer) -> Any:
+    """The loss ``training_step`` returned; Lightning hands callbacks it divided by the accumulation factor."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    return loss * trainer.accumulate_grad_batches if isinstance(loss, torch.Tensor) else loss
 
 
 def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

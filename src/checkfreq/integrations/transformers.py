@@ -1,0 +1,317 @@
+"""Hugging Face ``transformers``: checkfreq's checkpointing inside ``Trainer``.
+
+:class:`CheckFreqTrainer` is a ``transformers.Trainer`` that checkpoints with a
+:class:`~checkfreq.Checkpointer` after each optimizer step (once the step's logging and
+evaluation are done, as the policy decides) and resumes from the newest valid checkpoint with
+``trainer.train(resume_from_checkpoint=True)``:
+
+* the model, the optimizer (Accelerate's wrapper included), the LR scheduler, each rank's random
+  generators and the Trainer's own state (``global_step``, ``epoch``, log and evaluation history,
+  the loss accumulated since the last log, stateful callbacks) are restored;
+* the Trainer reads the restored ``global_step`` to compute where the epoch stands, and its
+  fast-forward then steps over index lists of a :class:`~checkfreq.data.ResumableSampler` whose
+  order is a pure function of (seed, epoch): no sample is read, collated or sent to a worker
+  again;
+* :meth:`CheckFreqTrainer.export_checkpoint` writes a checkpoint in the ``checkpoint-N/`` layout
+  (``model.safetensors``, ``config.json``, ``trainer_state.json``) that ``from_pretrained`` reads.
+
+See docs/huggingface.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader
+from transformers import Trainer, TrainerState
+from transformers.trainer_callback import ExportableState
+
+from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer, read_checkpoint
+from checkfreq.data import ResumableSampler
+from checkfreq.distributed_plan import local_view
+from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.integrations.loss import LossFeed
+from checkfreq.options import check_names
+from checkfreq.policies import Policy
+from checkfreq.state import unflatten
+from checkfreq.storage.local import LocalStore
+
+log = logging.getLogger("checkfreq.integrations.transformers")
+
+TRAINER_STATE = "trainer_state.json"
+
+
+class _EpochLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` that forwards the Trainer's ``set_epoch``."""
+
+    def __init__(self, dataset: Any, sampler: ResumableSampler, batch_size: int, drop_last: bool, **options: Any) -> None:
+        super().__init__(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last), **options)
+        self.resumable_sampler = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.resumable_sampler.set_epoch(epoch)
+
+
+class TrainerProgress:
+    """The Trainer's own state (``TrainerState`` and the loss accumulated since the last log) as a stateful object."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self._trainer
+        return {
+            "trainer_state": _state_json(t),
+            "tr_loss": t._tr_loss.detach(),
+            "total_loss_scalar": t._total_loss_scalar,
+            "globalstep_last_logged": t._globalstep_last_logged,
+            "initial_global_step": t._initial_global_step,
+            "current_flos": float(t.current_flos),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self._trainer
+        t._tr_loss = state["tr_loss"].clone().to(t.args.device)
+        t._total_loss_scalar = state["total_loss_scalar"]
+        t._globalstep_last_logged = state["globalstep_last_logged"]
+        t._initial_global_step = state["initial_global_step"]
+        t.current_flos = state["current_flos"]
+
+
+class CheckFreqTrainer(Trainer):
+    """A ``transformers.Trainer`` checkpointed by checkfreq: frequent, cheap, exact to resume.
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer``.
+        checkfreq_dir: where checkpoints go (default ``<output_dir>/checkfreq``).
+        checkfreq_policy: when to checkpoint (see :class:`~checkfreq.Checkpointer`), in optimizer steps.
+        checkfreq_keep: committed checkpoints to keep (default ``args.save_total_limit``, else 3).
+        checkfreq_options: further :class:`~checkfreq.Checkpointer` options (``remote``, ``on_error``, ...);
+            any other name raises ``TypeError`` naming the closest option.
+
+    ``train(resume_from_checkpoint=True)`` resumes from the newest valid checkfreq checkpoint, and
+    starts afresh when there is none, so the same command serves the first run and every restart.
+    A path still resumes from one of the Trainer's own ``checkpoint-N/`` directories.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        checkfreq_dir: str | os.PathLike[str] | None = None,
+        checkfreq_policy: Policy | str | int = "auto",
+        checkfreq_keep: int | None = None,
+        checkfreq_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        forwarded = [name for name in CHECKPOINTER_OPTIONS if name not in ("policy", "keep")]
+        check_names("CheckFreqTrainer", checkfreq_options or {}, forwarded)
+        super().__init__(*args, **kwargs)
+        self.checkfreq_dir = Path(checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq")
+        self._checkfreq_settings = dict(
+            policy=checkfreq_policy, keep=checkfreq_keep or self.args.save_total_limit or 3, **(checkfreq_options or {})
+        )
+        self._checkpointer: Checkpointer | None = None
+        self._resume = False
+        self._resume_step = 0  # the checkpoint being resumed from, restored at the first batch fetch
+        self._saved_state: dict[str, Any] = {}  # its TrainerState, put in place before the Trainer reads it
+        self._train_sampler: ResumableSampler | None = None
+        self._counted_step = 0
+        self._end_of_epoch_pending = False
+        self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
+        self._loss = LossFeed()
+        self.restored_step = 0
+        """The optimizer step the last ``train()`` resumed from (0 for a fresh run)."""
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The :class:`~checkfreq.Checkpointer` of the running ``train()``."""
+        if self._checkpointer is None:
+            raise RuntimeError("CheckFreqTrainer has no checkpointer outside train()")
+        return self._checkpointer
+
+    # ------------------------------------------------------------------ Trainer hooks
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        self._resume = resume_from_checkpoint is True
+        return super().train(None if self._resume else resume_from_checkpoint, *args, **kwargs)
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
+        self._resume_step = self.restored_step = 0
+        if self._resume:
+            found = _resume_point(self.checkfreq_dir)
+            if found is not None:  # the Trainer's resume path, fed from the checkfreq checkpoint
+                self._resume_step, path, self._saved_state = found
+                self.restored_step = self._resume_step
+                kwargs["resume_from_checkpoint"] = str(path)
+        try:
+            return super()._inner_training_loop(*args, **kwargs)
+        finally:
+            checkpointer, self._checkpointer = self._checkpointer, None
+            if checkpointer is not None:
+                checkpointer.close()
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training data in an order that is a pure function of (seed, epoch), split over the ranks."""
+        dataset, collator = self.train_dataset, self.data_collator
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            raise ValueError(
+                f"CheckFreqTrainer draws batches in a resumable order; train_sampling_strategy="
+                f"{self.args.train_sampling_strategy!r} is not supported (use 'random' or 'sequential')"
+            )
+        if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError("CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)")
+        if hasattr(dataset, "column_names"):  # a datasets.Dataset
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        world_size = max(1, self.args.world_size)
+        self._train_sampler = ResumableSampler(
+            len(dataset), shuffle=self.args.train_sampling_strategy != "sequential", seed=seed,
+            rank=self.args.process_index if world_size > 1 else 0, world_size=world_size,
+            drop_last=self.args.dataloader_drop_last,
+        )
+        return _EpochLoader(
+            dataset, self._train_sampler, self._train_batch_size, self.args.dataloader_drop_last,
+            collate_fn=collator, num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            generator=torch.Generator().manual_seed(seed),  # a new iterator draws nothing from the global generator
+        )
+
+    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+                             resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
+        epochs_trained, batches_done = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, None if self._resume_step else resume_from_checkpoint, trial
+        )
+        if self._resume_step:  # the Trainer computes the data position from its state: put the saved one in place now
+            self.state = TrainerState(**self._saved_state)
+            self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+            self._load_callback_state()
+            epochs_trained = self.state.global_step // num_update_steps_per_epoch
+            batches_done = self.state.global_step % num_update_steps_per_epoch * self.args.gradient_accumulation_steps
+        if self._train_sampler is not None:  # the Trainer's fast-forward does not set the epoch
+            self._train_sampler.set_epoch(epochs_trained)
+        return epochs_trained, batches_done
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        model, train_dataloader = super()._prepare_for_training(*args, **kwargs)
+        objects: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "trainer": TrainerProgress(self)}
+        if self.lr_scheduler is not None:
+            objects["scheduler"] = self.lr_scheduler
+        if self.accelerator.scaler is not None:
+            objects["scaler"] = self.accelerator.scaler
+        self._checkpointer = Checkpointer(self.checkfreq_dir, **self._checkfreq_settings, **objects)
+        self._counted_step = self.state.global_step
+        self._end_of_epoch_pending = False
+        return model, train_dataloader
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self._resume_step:  # the Trainer's own checkpoint
+            super()._load_rng_state(checkpoint)
+        # else: the generators come back with the rest, right before the first batch is drawn
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        # Restored here, after the Trainer set up the epoch and before anything is drawn from the
+        # data or the generators: the next draw is the one the interrupted run made next.
+        self._restore_pending()
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self._restore_pending()  # resumed from the last step: no batch was drawn
+        output = super()._finalize_training(*args, **kwargs)
+        self.checkpointer.save(blocking=True)  # the final state, unless the last step's checkpoint holds it
+        return output
+
+    def _restore_pending(self) -> None:
+        if not self._resume_step:
+            return
+        step, self._resume_step = self._resume_step, 0
+        self.checkpointer.restore(step)
+        self._counted_step = self.state.global_step
+        log.info("resumed from checkfreq checkpoint at step %d (epoch %.4f)", step, self.state.epoch)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = super().training_step(*args, **kwargs)  # a micro-batch's share of the step's loss
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        return loss
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        if self._checkpointer is None:
+            return
+        if self.state.global_step != self._counted_step:  # after an optimizer step's log and evaluation
+            self._counted_step = self.state.global_step
+            self._loss.push(self._step_loss)  # for convergence-aware policies, without a device sync
+            self._step_loss = None
+            if float(self.state.epoch).is_integer():  # an epoch's last step: its end-of-epoch evaluation comes first
+                self._end_of_epoch_pending = True
+                return
+            self._checkpointer.step(loss=self._loss.take())
+        elif self._end_of_epoch_pending:  # the end-of-epoch call that follows an epoch's last step
+            self._end_of_epoch_pending = False
+            self._checkpointer.step(loss=self._loss.take())
+
+    # ------------------------------------------------------------------ export
+
+    def export_checkpoint(self, output_dir: str | os.PathLike[str] | None = None, step: int | None = None) -> Path:
+        """Write checkfreq checkpoint ``step`` (default: the newest valid one) as a ``checkpoint-N/`` directory.
+
+        The directory holds ``model.safetensors`` and the model's ``config.json`` (what
+        ``from_pretrained`` reads) and the Trainer's ``trainer_state.json``. Only the main process
+        writes; every process returns the path once it is written.
+        """
+        if step is None:
+            found = _resume_point(self.checkfreq_dir)
+            if found is None:
+                raise NoValidCheckpointError(f"no valid checkpoint in {self.checkfreq_dir}")
+            step = found[0]
+        target = Path(output_dir if output_dir is not None else self.args.output_dir) / f"checkpoint-{step}"
+        if self.args.should_save:
+            skeleton, tensors = _checkpoint_view(self.checkfreq_dir, step)
+            weights = unflatten(skeleton["model"], tensors)
+            model = self.accelerator.unwrap_model(self.model)
+            model.save_pretrained(target, state_dict={k: v.clone() for k, v in weights.items()})
+            (target / TRAINER_STATE).write_text(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+            log.info("exported checkfreq checkpoint %d to %s", step, target)
+        self.accelerator.wait_for_everyone()  # no process reads the export before it is written
+        return target
+
+
+def _state_json(trainer: Trainer) -> str:
+    """The Trainer's state as the JSON of its ``trainer_state.json``, with the callbacks' current state."""
+    state = dataclasses.replace(trainer.state, stateful_callbacks={})
+    stateful = [cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)]
+    state.stateful_callbacks = TrainerState(stateful_callbacks=stateful).stateful_callbacks
+    return json.dumps(dataclasses.asdict(state), sort_keys=True)
+
+
+def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any]] | None:
+    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or None."""
+    if not directory.is_dir():
+        return None
+    store = LocalStore(directory, create=False)
+    for step, path in store.checkpoints():
+        try:
+            manifest, tensors = read_checkpoint(path, store)
+        except CorruptCheckpointError as e:  # the Checkpointer skips it the same way
+            log.warning("skipping checkpoint %s: %s", path.name, e)
+            continue
+        skeleton, tensors = local_view(manifest, tensors)
+        return step, path, json.loads(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+    return None
+
+
+def _checkpoint_view(directory: Path, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The skeleton and whole tensors of checkpoint ``step`` (pieces written by several ranks joined)."""
+    store = LocalStore(directory, create=False)
+    path = next((p for s, p in store.checkpoints() if s == step), None)
+    if path is None:
+        raise NoValidCheckpointError(f"no checkpoint for step {step} in {directory}")
+    manifest, tensors = read_checkpoint(path, store)
+    return local_view(manifest, tensors)

@@ -1,0 +1,100 @@
+"""A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
+
+Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
+``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint=True``. Runs as one
+process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank
+logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With ``--die-at K`` it SIGKILLs
+itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
+dataset reads is appended to ``--read-log``. At the end it writes the final weights, optimizer and
+scheduler state and the log history to ``--out``, exports the newest checkpoint to
+``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments, default_data_collator
+
+from checkfreq.integrations.transformers import CheckFreqTrainer
+
+TEXT = "checkpoints taken often and cheaply let a killed run go on where it stopped. " * 40
+BLOCK = 16
+
+
+class CharBlocks(torch.utils.data.Dataset):
+    """Blocks of character codes of ``TEXT``; each read is logged."""
+
+    def __init__(self, count: int, offset: int, log: str | None) -> None:
+        self.count, self.offset, self.log = count, offset, log
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{i}\n")
+        start = (self.offset + i * 7) % (len(TEXT) - BLOCK)
+        ids = torch.tensor([ord(c) % 96 for c in TEXT[start:start + BLOCK]])
+        return {"input_ids": ids, "labels": ids}
+
+
+class DieAt(TrainerCallback):
+    def __init__(self, step: int | None) -> None:
+        self.step, self.trainer = step, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.trainer.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--read-log", required=True)
+    parser.add_argument("--die-at", type=int, default=None)
+    parser.add_argument("--die-rank", type=int, default=0)
+    parser.add_argument("--every", type=int, default=3)
+    args = parser.parse_args()
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    read_log = args.read_log if world_size == 1 else f"{args.read_log}.{rank}"
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
+    training = TrainingArguments(
+        output_dir=os.path.join(args.dir, "out"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
+        eval_strategy="steps", eval_steps=4, logging_steps=2, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=3, dataloader_num_workers=0,
+    )
+    die = DieAt(args.die_at if rank == args.die_rank else None)
+    trainer = CheckFreqTrainer(
+        model=model, args=training, train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
+        data_collator=default_data_collator, callbacks=[die],
+        checkfreq_dir=os.path.join(args.dir, "checkfreq"), checkfreq_policy=args.every, checkfreq_keep=2,
+    )
+    die.trainer = trainer
+    trainer.train(resume_from_checkpoint=True)
+    exported = trainer.export_checkpoint()
+    reloaded = GPT2LMHeadModel.from_pretrained(exported)
+    print(f"restored {trainer.restored_step} final {trainer.state.global_step} epoch {trainer.state.epoch}", flush=True)
+    if rank != 0:
+        return
+    torch.save({
+        "model": model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.lr_scheduler.state_dict(), "exported": reloaded.state_dict(),
+        "exported_dir": str(exported), "epoch": trainer.state.epoch, "log_history": trainer.state.log_history,
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Acceptance: a transformers Trainer fit with CheckFreqTrainer, SIGKILLed and resumed, ends bit-identical.
+
+Each run is ``scripts/hf_train.py`` (a tiny random GPT-2, 2 epochs of 6 optimizer steps, evaluation
+every 4 steps, a checkpoint every 3) in a child process. The first run dies at step 5 (restore:
+step 3, mid-epoch), the second at step 8 (restore: step 6, the end of epoch 0), the third finishes.
+The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time.
+Skipped when the ``transformers`` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SCRIPTS, assert_state_equal
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow
+
+SAMPLES_PER_STEP = 8  # batch 4, gradient accumulation 2
+TIMING = ("runtime", "per_second")
+
+
+def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1) -> str:
+    """Run the script (under torchrun with ``ranks`` > 1); nothing of the job may outlive it."""
+    script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
+              "--read-log", str(workdir / f"{name}.log"), *args]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(launcher + script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
+    assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{out[-4000:]}"
+    return out
+
+
+
+
+def reads(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()]
+
+
+def comparable(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in history]
+
+
+def test_killed_and_resumed_trainer_is_bit_identical(tmp_path: Path) -> None:
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    assert "restored 0 final 12 epoch 2.0" in fit(reference, "final")
+    fit(run, "killed1", "--die-at", "5", killed=True)
+    fit(run, "killed2", "--die-at", "8", killed=True)
+    assert "restored 6 final 12 epoch 2.0" in fit(run, "final")
+
+    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    assert actual["scheduler"] == expected["scheduler"]
+    assert comparable(actual["log_history"]) == comparable(expected["log_history"])
+    assert sum("eval_loss" in entry for entry in actual["log_history"]) == 3
+    assert actual["epoch"] == 2.0
+
+    # No sample is read again to find the place: each resumed run reads exactly what the
+    # uninterrupted one read from its checkpoint on, until it dies or ends.
+    full = reads(reference / "final.log")
+    assert sorted(full[:48]) == sorted(full[48:]) == list(range(48))
+    assert reads(run / "killed1.log") == full[: 5 * SAMPLES_PER_STEP]
+    assert reads(run / "killed2.log") == full[3 * SAMPLES_PER_STEP : 8 * SAMPLES_PER_STEP]
+    assert reads(run / "final.log") == full[6 * SAMPLES_PER_STEP :]
+
+    # the export of the final checkpoint is a checkpoint-N/ directory from_pretrained reads
+    assert actual["exported_dir"].endswith("checkpoint-12")
+    assert (Path(actual["exported_dir"]) / "model.safetensors").exists()
+    assert_state_equal(actual["exported"], actual["model"])
+
+
+def test_ddp_trainer_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> None:
+    """2 ranks: 3 optimizer steps per epoch, a checkpoint every 2; rank 1 dies at step 3, rank 0 at step 5."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    assert fit(reference, "final", "--every", "2", ranks=2).count("restored 0 final 6 epoch 2.0") == 2
+    fit(run, "killed1", "--every", "2", "--die-at", "3", "--die-rank", "1", killed=True, ranks=2)
+    fit(run, "killed2", "--every", "2", "--die-at", "5", "--die-rank", "0", killed=True, ranks=2)
+    assert fit(run, "final", "--every", "2", ranks=2).count("restored 4 final 6 epoch 2.0") == 2
+
+    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    assert comparable(actual["log_history"]) == comparable(expected["log_history"])
+    assert_state_equal(actual["exported"], actual["model"])
+    per_step = SAMPLES_PER_STEP  # per rank: batch 4, gradient accumulation 2
+    for rank in (0, 1):
+        full = reads(reference / f"final.log.{rank}")
+        assert reads(run / f"final.log.{rank}") == full[4 * per_step :]
+    for epoch in range(2):  # the ranks' shares make up each epoch, each sample once
+        shares = [reads(reference / f"final.log.{rank}")[epoch * 3 * per_step : (epoch + 1) * 3 * per_step] for rank in (0, 1)]
+        assert sorted(shares[0] + shares[1]) == list(range(48))
+
+
+def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:
+    """Accelerate's AcceleratedOptimizer (no step hooks of its own) and its scheduler wrapper checkpoint and restore."""
+    from accelerate import Accelerator
+
+    from checkfreq import Checkpointer
+
+    def prepared(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return Accelerator(cpu=True).prepare(model, optimizer, scheduler)
+
+    model, optimizer, scheduler = prepared(0)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler, policy=2) as ckpt:
+        for _ in range(4):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            ckpt.step()
+        ckpt.wait()
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    model, optimizer, scheduler = prepared(1)
+    with Checkpointer(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler) as ckpt:
+        assert ckpt.restore() == 4
+    assert_state_equal(model.state_dict(), saved["model"])
+    assert_state_equal(optimizer.state_dict(), saved["optimizer"])
+    assert scheduler.state_dict() == saved["scheduler"]
+
+
+def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from checkfreq import Checkpointer
+
+    loader = Accelerator(cpu=True).prepare(torch.utils.data.DataLoader(torch.arange(8.0), batch_size=2))
+    with pytest.raises(ValueError, match="ResumableLoader"):
+        Checkpointer(tmp_path, loader=loader)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
+    """The loss of each optimizer step (summed over its micro-batches) reaches the policy, as the Trainer logs it."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
+
+    from checkfreq.integrations.transformers import CheckFreqTrainer
+    from checkfreq.policies import Every
+
+    class Recording(Every):
+        def should_save(self, ctx):  # type: ignore[no-untyped-def]
+            self.seen.append(ctx.loss)
+            return super().should_save(ctx)
+
+    policy = Recording(n=2)
+    policy.seen = []
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True)
+    trainer = CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                               checkfreq_policy=policy)
+    trainer.train()
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(policy.seen) == len(logged) == 4
+    assert policy.seen == pytest.approx(logged, abs=1e-3)
