@@ -16,7 +16,9 @@ from checkfreq.errors import (
     DirectoryLockedError,
     NoValidCheckpointError,
     PersistError,
+    ReplicaMismatchError,
     StateMismatchError,
+    TopologyError,
     UnserializableStateError,
 )
 from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, EveryEpoch, Overhead, Policy, YoungDaly
@@ -36,9 +38,11 @@ __all__ = [
     "PersistError",
     "Policy",
     "read_checkpoint",
+    "ReplicaMismatchError",
     "ResumableLoader",
     "ResumableSampler",
     "StateMismatchError",
+    "TopologyError",
     "UnserializableStateError",
     "YoungDaly",
 ]

@@ -22,13 +22,13 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from checkfreq.distributed_plan import (
     PRIVATE,
@@ -47,6 +47,7 @@ from checkfreq.distributed_plan import (
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError
 from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
 from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.replicas import VERIFY_SLICES, Layout, agree, fingerprint
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
 from checkfreq.storage.local import LocalStore, checkpoint_name
@@ -83,7 +84,7 @@ class Cluster:
         wait = timedelta(seconds=timeout)
         self._control = dist.new_group(backend="gloo", timeout=wait)
         self._commit = dist.new_group(backend="gloo", timeout=wait)
-        self._plan: tuple[Any, list[Piece]] | None = None
+        self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         message: dict[str, Any] | None = {"error": "rank 0 failed while opening the directory"}
         if self.rank == 0:
@@ -112,22 +113,32 @@ class Cluster:
         return self._decider.should_save
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], replicated: set[str]
     ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any]]:
-        """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index)."""
-        replicated = sorted(n for n, t in tensors.items() if kind_of(n, t) == REPLICATED)
-        signature = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in replicated)
-        if self._plan is None or self._plan[0] != signature:
-            sizes = [(n, tensors[n].numel(), tensors[n].element_size()) for n in replicated]
-            self._plan = (signature, partition(sizes, self.world_size)[self.rank])
+        """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index).
+
+        ``replicated`` names the tensors that are the same on every rank (parameters and optimizer
+        state): they are verified across ranks (:mod:`checkfreq.replicas`) and split over the ranks;
+        every other tensor is written by each rank for itself.
+        """
+        names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
+        layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
+        planned = self._plan is not None and self._plan.layout == layout
+        if not planned:
+            self._plan = Plan.of(layout, [(n, tensors[n].numel(), tensors[n].element_size()) for n in names], self)
+        plan = self._plan
+        assert plan is not None
+        checked = plan.verify_all() if not planned else plan.verify_next()
+        agree(layout, {_label(p): fingerprint(piece_view(tensors[p.name], p)) for p in checked},
+              lambda value: all_gather_json(value, self._control))
         arrays: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
-        for piece in self._plan[1]:
+        for piece in plan.pieces:
             tensor = tensors[piece.name]
             arrays[piece.stored_name] = piece_view(tensor, piece)
             index[piece.name] = _entry(tensor, REPLICATED, [piece.stored_name, piece.begin, piece.end])
         for name, tensor in tensors.items():
-            kind = kind_of(name, tensor)
+            kind = kind_of(name, tensor, replicated)
             if kind == REPLICATED:
                 continue
             stored = private_name(name, self.rank)
@@ -139,8 +150,7 @@ class Cluster:
                 arrays[stored] = tensor
                 index[name] = _entry(tensor, PRIVATE, stored)
         fenced = {stored for stored, name in _origins(index) if name in owned}
-        digest = xxhash.xxh3_64_hexdigest(repr(signature).encode())
-        return arrays, fenced, {"signature": digest, "tensors": index}
+        return arrays, fenced, {"tensors": index}
 
     def find(self, find_local: Callable[[], Found | None], read: Callable[[Path], tuple[Manifest, dict[str, torch.Tensor]]]) -> Found | None:
         """The checkpoint every rank restores: rank 0 picks the newest valid one, all read it."""
@@ -221,15 +231,40 @@ class Cluster:
             errors = [r["error"] for r in reports if not r.get("ok")]
             if errors:
                 raise PersistError("; ".join(errors))
-            if len({r["signature"] for r in reports}) != 1:
-                raise PersistError("ranks hold different replicated state (names, dtypes or shapes differ); "
-                                   "every rank must register the same model and optimizer")
             write_manifest(staging, _merge(reports, step, epoch, versions))
             return {"error": None, "path": str(self._store.commit(staging, step))}
         except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
             shutil.rmtree(staging, ignore_errors=True)
             log.warning("checkpoint %d not committed: %s", step, e)
             return {"error": str(e)}
+
+
+@dataclass
+class Plan:
+    """The replicated layout this rank plans for: its share, and the rotating verification slices."""
+
+    layout: Layout
+    pieces: list[Piece]
+    """This rank's share of the replicated bytes."""
+    whole: list[Piece]
+    """Every replicated tensor, whole."""
+    slices: list[list[Piece]]
+    """The replicated bytes cut into :data:`~checkfreq.replicas.VERIFY_SLICES` slices."""
+    checks: int = 0
+
+    @classmethod
+    def of(cls, layout: Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
+        whole = [Piece(name, 0, numel, True) for name, numel, _ in sizes]
+        return cls(layout, partition(sizes, cluster.world_size)[cluster.rank], whole, partition(sizes, VERIFY_SLICES))
+
+    def verify_all(self) -> list[Piece]:
+        """Every tensor: the layout was just planned."""
+        return self.whole
+
+    def verify_next(self) -> list[Piece]:
+        """The next slice in turn."""
+        self.checks += 1
+        return self.slices[self.checks % len(self.slices)]
 
 
 class AgreedPolicy:
@@ -263,6 +298,11 @@ class AgreedPolicy:
 
     def close(self) -> None:
         self._collect()
+
+
+def _label(piece: Piece) -> str:
+    """A piece as people read it: the tensor's name, with the range of its flattened elements if partial."""
+    return piece.name if piece.whole else f"{piece.name}[{piece.begin}:{piece.end}]"
 
 
 def _entry(tensor: torch.Tensor, kind: str, part: Any) -> dict[str, Any]:

@@ -29,3 +29,11 @@ class PersistError(CheckfreqError):
 
 class DirectoryLockedError(CheckfreqError):
     """Another live process is already checkpointing into the same directory."""
+
+
+class ReplicaMismatchError(CheckfreqError):
+    """Ranks hold different values, dtypes or shapes for state stored once; names the entries and ranks."""
+
+
+class TopologyError(CheckfreqError):
+    """A data loader's partition over the ranks does not match the job's rank and world size."""
