@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
-from checkfreq.distributed_plan import Chunk, Source, materialize, partition
-from checkfreq.replicas import describe, fingerprint
+from checkfreq.distributed_plan import Chunk, Source, materialize, partition, stream_range
+from checkfreq.replicas import disagreement, fingerprint, report
 from checkfreq.report import load_run, summary_text
 
 SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all
@@ -63,6 +63,19 @@ def test_partition_balances_bytes_and_covers_every_element_once(world: int, seed
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
 
 
+def test_verification_windows_cover_every_element_once() -> None:
+    sizes = _uneven_sizes(3)
+    total = sum(n * s for _, n, s in sizes)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for k in range(7):
+        for piece in stream_range(sizes, k * total // 7, (k + 1) * total // 7):
+            covered.setdefault(piece.name, []).append((piece.begin, piece.end))
+    for name, n, _ in sizes:
+        ranges = sorted(covered.get(name, [(0, 0)]))
+        assert ranges[0][0] == 0 and ranges[-1][1] == n, name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
+
+
 def test_partition_keeps_small_tensors_whole() -> None:
     sizes = [("a", 1000, 4), ("b", 10, 4), ("c", 1000, 4)]  # the middle of the stream falls in b
     plans = partition(sizes, 2)
@@ -81,13 +94,14 @@ def test_reshard_cuts_any_box_from_saved_shards() -> None:
 
 
 def test_replica_errors_name_the_entries_and_the_ranks() -> None:
-    layout = [["model/w", "torch.float32", [4, 8]], ["optimizer/state/0/step", "torch.float32", []]]
-    other = [["model/w", "torch.float64", [4, 8]]]
-    message = describe([{"layout": layout, "values": {}}, {"layout": layout, "values": {}}, {"layout": other, "values": {}}])
+    layout = (("model/w", "torch.float32", (4, 8)), ("optimizer/state/0/step", "torch.float32", ()))
+    other = (("model/w", "torch.float64", (4, 8)),)
+    same = [report(layout, {"model/w": "a"}) for _ in range(3)]
+    assert disagreement(same) is None
+    message = disagreement([*same[:2], report(other, {"model/w": "a"})])
     assert "'model/w' is torch.float32 (4, 8) on ranks [0, 1] but torch.float64 (4, 8) on ranks [2]" in message
     assert "'optimizer/state/0/step' is torch.float32 () on ranks [0, 1] but absent on ranks [2]" in message
-    values = [{"layout": layout, "values": {"model/w[0:16]": h, "model/w[16:32]": "a"}} for h in ("a", "b", "a")]
-    message = describe(values)
+    message = disagreement([report(layout, {"model/w[0:16]": h, "model/w[16:32]": "a"}) for h in ("a", "b", "a")])
     assert "'model/w[0:16]' holds 2 different values, on ranks [0, 2] and [1]" in message and "16:32" not in message
     assert fingerprint(torch.arange(6.0)) == fingerprint(torch.arange(6.0).view(2, 3).t().contiguous().t())
     assert fingerprint(torch.arange(6.0)) != fingerprint(torch.arange(6.0).flip(0))
@@ -257,7 +271,7 @@ def test_world_size_changes_follow_the_per_rank_rule(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ranks_holding_different_parameters_stop_with_the_entry_named(tmp_path: Path) -> None:
     out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--diverge"), restarts=0), expect_success=False)
-    assert "ReplicaMismatchError" in out
+    assert "ReplicaMismatchError: checkpoint 3 not committed: ranks disagree" in out
     assert "'model/0.weight' holds 2 different values, on ranks [0] and [1]" in out
     assert not list((tmp_path / "ckpt").glob("step_*"))
 

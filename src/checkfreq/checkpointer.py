@@ -17,7 +17,14 @@ import torch
 import checkfreq
 from checkfreq.distributed import Cluster, attach
 from checkfreq.distributed_plan import local_view, source_rank, storage_ptr
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, StateMismatchError
+from checkfreq.errors import (
+    CheckfreqError,
+    CorruptCheckpointError,
+    NoValidCheckpointError,
+    PersistError,
+    ReplicaMismatchError,
+    StateMismatchError,
+)
 from checkfreq.events import EventLog
 from checkfreq import storage
 from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
@@ -332,6 +339,8 @@ class Checkpointer:
         error = self._writer.take_error()
         if error is None:
             return
+        if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
+            raise error
         if self._on_error == "warn":
             log.warning("checkpoint persist failed, training goes on: %s", error)
             return
@@ -374,6 +383,8 @@ class Checkpointer:
             self._writer.wait(self._timeout)
             self._finish_fence()
             error = self._writer.take_error()
+            if isinstance(error, ReplicaMismatchError):
+                raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
 

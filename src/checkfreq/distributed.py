@@ -43,11 +43,12 @@ from checkfreq.distributed_plan import (
     piece_view,
     private_name,
     restore_targets,
+    stream_range,
 )
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
 from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq.replicas import VERIFY_SLICES, Layout, agree, fingerprint
+from checkfreq import replicas
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
 from checkfreq.storage.local import LocalStore, checkpoint_name
@@ -118,8 +119,8 @@ class Cluster:
         """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index).
 
         ``replicated`` names the tensors that are the same on every rank (parameters and optimizer
-        state): they are verified across ranks (:mod:`checkfreq.replicas`) and split over the ranks;
-        every other tensor is written by each rank for itself.
+        state): they are split over the ranks, and fingerprinted for rank 0 to verify at the commit
+        (:mod:`checkfreq.replicas`); every other tensor is written by each rank for itself.
         """
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
@@ -129,8 +130,7 @@ class Cluster:
         plan = self._plan
         assert plan is not None
         checked = plan.verify_all() if not planned else plan.verify_next()
-        agree(layout, {_label(p): fingerprint(piece_view(tensors[p.name], p)) for p in checked},
-              lambda value: all_gather_json(value, self._control))
+        claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
         arrays: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
         for piece in plan.pieces:
@@ -150,7 +150,7 @@ class Cluster:
                 arrays[stored] = tensor
                 index[name] = _entry(tensor, PRIVATE, stored)
         fenced = {stored for stored, name in _origins(index) if name in owned}
-        return arrays, fenced, {"tensors": index}
+        return arrays, fenced, {"tensors": index, "replicas": claim}
 
     def find(self, find_local: Callable[[], Found | None], read: Callable[[Path], tuple[Manifest, dict[str, torch.Tensor]]]) -> Found | None:
         """The checkpoint every rank restores: rank 0 picks the newest valid one, all read it."""
@@ -222,7 +222,8 @@ class Cluster:
         outcome = self._commit_all(reports, staging, step, epoch, versions) if self.rank == 0 else None
         outcome = broadcast_json(outcome, self._commit)
         if outcome["error"] is not None:
-            raise PersistError(f"checkpoint {step} not committed: {outcome['error']}") from failure
+            error = ReplicaMismatchError if outcome.get("replicas") else PersistError
+            raise error(f"checkpoint {step} not committed: {outcome['error']}") from failure
         return (Path(outcome["path"]) if self.rank == 0 else None), size
 
     def _commit_all(self, reports: list[dict[str, Any]], staging: Path, step: int, epoch: int | None, versions: dict[str, str]) -> dict[str, Any]:
@@ -231,40 +232,43 @@ class Cluster:
             errors = [r["error"] for r in reports if not r.get("ok")]
             if errors:
                 raise PersistError("; ".join(errors))
+            problem = replicas.disagreement([r["replicas"] for r in reports])
+            if problem is not None:
+                raise ReplicaMismatchError(problem)
             write_manifest(staging, _merge(reports, step, epoch, versions))
             return {"error": None, "path": str(self._store.commit(staging, step))}
         except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
             shutil.rmtree(staging, ignore_errors=True)
             log.warning("checkpoint %d not committed: %s", step, e)
-            return {"error": str(e)}
+            return {"error": str(e), "replicas": isinstance(e, ReplicaMismatchError)}
 
 
 @dataclass
 class Plan:
-    """The replicated layout this rank plans for: its share, and the rotating verification slices."""
+    """The replicated layout this rank plans for: its share, and what each checkpoint verifies."""
 
-    layout: Layout
+    layout: replicas.Layout
+    sizes: list[tuple[str, int, int]]
+    """(name, numel, itemsize) of every replicated tensor."""
     pieces: list[Piece]
     """This rank's share of the replicated bytes."""
-    whole: list[Piece]
-    """Every replicated tensor, whole."""
-    slices: list[list[Piece]]
-    """The replicated bytes cut into :data:`~checkfreq.replicas.VERIFY_SLICES` slices."""
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
-        whole = [Piece(name, 0, numel, True) for name, numel, _ in sizes]
-        return cls(layout, partition(sizes, cluster.world_size)[cluster.rank], whole, partition(sizes, VERIFY_SLICES))
+    def of(cls, layout: replicas.Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
+        return cls(layout, sizes, partition(sizes, cluster.world_size)[cluster.rank])
 
     def verify_all(self) -> list[Piece]:
-        """Every tensor: the layout was just planned."""
-        return self.whole
+        """Every tensor, whole: the layout was just planned."""
+        return [Piece(name, 0, numel, True) for name, numel, _ in self.sizes]
 
     def verify_next(self) -> list[Piece]:
-        """The next slice in turn."""
+        """The next window of at most :data:`~checkfreq.replicas.VERIFY_BYTES` of the bytes, in turn."""
         self.checks += 1
-        return self.slices[self.checks % len(self.slices)]
+        total = sum(numel * itemsize for _, numel, itemsize in self.sizes)
+        windows = max(1, -(-total // replicas.VERIFY_BYTES))
+        k = self.checks % windows
+        return stream_range(self.sizes, k * total // windows, (k + 1) * total // windows)
 
 
 class AgreedPolicy:

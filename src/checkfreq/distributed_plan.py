@@ -97,11 +97,7 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     """
     items = sorted(s for s in sizes if s[1] > 0)
     empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]
-    starts, offset = [], 0
-    for _, numel, itemsize in items:
-        starts.append(offset)
-        offset += numel * itemsize
-    total = offset
+    starts, total = _starts(items)
     cuts = [0]
     for k in range(1, world_size):
         cuts.append(max(cuts[-1], _cut(items, starts, total * k // world_size, total // world_size)))
@@ -109,6 +105,25 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
     plans[0][:0] = empty  # nothing to balance; rank 0 records them
     return plans
+
+
+def stream_range(sizes: Sequence[tuple[str, int, int]], begin: int, end: int) -> list[Piece]:
+    """The pieces covering bytes ``[begin, end)`` of the replicated tensors laid end to end in name order.
+
+    Cut at element boundaries: an element straddling ``end`` belongs to the next range.
+    """
+    items = sorted(s for s in sizes if s[1] > 0)
+    starts, _ = _starts(items)
+    return _pieces_between(items, starts, begin, end)
+
+
+def _starts(items: Sequence[tuple[str, int, int]]) -> tuple[list[int], int]:
+    """Each tensor's first byte in the stream, and the stream's length."""
+    starts, offset = [], 0
+    for _, numel, itemsize in items:
+        starts.append(offset)
+        offset += numel * itemsize
+    return starts, offset
 
 
 def _cut(items: Sequence[tuple[str, int, int]], starts: Sequence[int], ideal: int, share: int) -> int:

@@ -3,17 +3,19 @@
 Under data parallelism the parameters and the optimizer state are replicated by construction
 (DDP broadcasts rank 0's parameters when it wraps the model and averages the gradients, so every
 rank's optimizer takes the same step), and :mod:`checkfreq.distributed` stores them once, split
-over the ranks. If they ever differ, storing them once would silently hand every rank a splice of
-several ranks' values on restore. So the ranks compare, on the training thread, at each checkpoint:
+over the ranks. If they ever differed, storing them once would silently hand every rank a splice of
+several ranks' values on restore. So with each checkpoint every rank reports, in the commit report
+it sends anyway:
 
-* the **layout** (name, dtype and shape of every replicated tensor), always;
-* **fingerprints** (xxh3-64 of the bytes) of every replicated tensor when the layout is planned,
-  and of one of :data:`VERIFY_SLICES` rotating slices of the bytes at each later checkpoint, so
-  every byte is checked again every :data:`VERIFY_SLICES` checkpoints at a small cost.
+* the **layout** (name, dtype and shape of every replicated tensor);
+* **fingerprints** (xxh3-64 of the bytes, taken on the training thread at the snapshot) of every
+  replicated tensor when the layout is planned, and at each later checkpoint of the next window of
+  at most :data:`VERIFY_BYTES` of them, in turn, so every byte is checked again from time to time
+  at a bounded cost per checkpoint.
 
-Each rank sends one short digest of both; only when the digests differ do the ranks exchange the
-details, and then every rank raises :class:`~checkfreq.errors.ReplicaMismatchError` naming the
-entries and the ranks that disagree. No checkpoint is started, so the last good one stays.
+Rank 0 commits only if every rank reported the same (:func:`disagreement`); otherwise every rank
+raises :class:`~checkfreq.errors.ReplicaMismatchError` naming the entries and the ranks that
+disagree, and the last committed checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.errors import ReplicaMismatchError
-
-VERIFY_SLICES = 16
-"""The replicated bytes are cut into this many slices; each checkpoint after the first verifies one."""
+VERIFY_BYTES = 2 << 20
+"""Bytes of replicated state each checkpoint after the first verifies (the whole of it when smaller)."""
 SHOWN = 5
-"""How many disagreeing entries an error message names (the rest are counted)."""
+"""How many disagreeing entries a message names (the rest are counted)."""
 
 Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
 """(name, dtype, shape) of every replicated tensor, in name order."""
@@ -43,21 +43,16 @@ def fingerprint(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
 
 
-def agree(layout: Layout, fingerprints: Mapping[str, str], gather: Any) -> None:
-    """Raise :class:`ReplicaMismatchError` on every rank unless all ranks hold the same layout and values.
-
-    ``gather`` is an all-gather of a JSON-able value over the ranks (in rank order).
-    """
-    mine = {"layout": _digest(repr(layout)), "values": _digest(repr(sorted(fingerprints.items())))}
-    if all(digest == mine for digest in gather(mine)):
-        return
-    details = gather({"layout": [[n, d, list(s)] for n, d, s in layout], "values": dict(fingerprints)})
-    raise ReplicaMismatchError(describe(details))
+def report(layout: Layout, fingerprints: Mapping[str, str]) -> dict[str, Any]:
+    """What a rank tells the others about its replicated state (JSON-able)."""
+    return {"layout": [[n, d, list(s)] for n, d, s in layout], "fingerprints": dict(fingerprints)}
 
 
-def describe(details: Sequence[Mapping[str, Any]]) -> str:
-    """The message for ranks that disagree: which entries, and which ranks hold which version."""
-    layouts = [{n: f"{d} {tuple(s)}" for n, d, s in rank["layout"]} for rank in details]
+def disagreement(reports: Sequence[Mapping[str, Any]]) -> str | None:
+    """``None`` if every rank's :func:`report` is the same, else a message naming entries and ranks."""
+    if all(r == reports[0] for r in reports):
+        return None
+    layouts = [{n: f"{d} {tuple(s)}" for n, d, s in r["layout"]} for r in reports]
     problems = [
         f"{name!r} is " + " but ".join(f"{version} on ranks {ranks}" for version, ranks in versions.items())
         for name, versions in _disagreements(layouts)
@@ -65,14 +60,14 @@ def describe(details: Sequence[Mapping[str, Any]]) -> str:
     if not problems:  # the same layout: values differ
         problems = [
             f"{name!r} holds {len(versions)} different values, on ranks " + " and ".join(map(str, versions.values()))
-            for name, versions in _disagreements([rank["values"] for rank in details])
+            for name, versions in _disagreements([r["fingerprints"] for r in reports])
         ]
     shown = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
     return (
         f"ranks disagree on state that checkfreq stores once (parameters and optimizer state): {shown}. "
         "These must be identical on every rank, as DistributedDataParallel keeps them: wrap the model in "
         "DDP (and register the model itself with the Checkpointer) and give every rank the same optimizer. "
-        "Nothing was checkpointed; the last checkpoint is unchanged."
+        "No checkpoint is committed while they differ; the last committed one is unchanged."
     )
 
 
@@ -86,7 +81,3 @@ def _disagreements(per_rank: Sequence[Mapping[str, str]]) -> list[tuple[str, dic
         if len(versions) > 1:
             found.append((name, versions))
     return found
-
-
-def _digest(text: str) -> str:
-    return xxhash.xxh3_64_hexdigest(text.encode())
