@@ -8,7 +8,8 @@ the training process group after that:
   (for policies whose answer may differ between ranks) and on *which* checkpoint to restore;
 * the **commit** group, used only from each rank's background writer: after a rank's data file
   is fsynced it sends a small JSON report; rank 0 writes ``manifest.json`` and renames the
-  staging directory only if every rank reported a durable file, then tells everyone the outcome.
+  staging directory only if every rank reported a durable file and the same replicated state
+  (:mod:`checkfreq.replicas`), then tells everyone the outcome.
 
 A rank that dies before reporting leaves the staging directory uncommitted (never listed, never
 restored, removed by rank 0 at the next start). See docs/distributed.md.
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkfreq import replicas
 from checkfreq.distributed_plan import (
     PRIVATE,
     REPLICATED,
@@ -48,7 +50,6 @@ from checkfreq.distributed_plan import (
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
 from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq import replicas
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
 from checkfreq.storage.local import LocalStore, checkpoint_name
@@ -124,12 +125,12 @@ class Cluster:
         """
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
-        planned = self._plan is not None and self._plan.layout == layout
-        if not planned:
+        if self._plan is None or self._plan.layout != layout:
             self._plan = Plan.of(layout, [(n, tensors[n].numel(), tensors[n].element_size()) for n in names], self)
+            checked = self._plan.verify_all()
+        else:
+            checked = self._plan.verify_next()
         plan = self._plan
-        assert plan is not None
-        checked = plan.verify_all() if not planned else plan.verify_next()
         claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
         arrays: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
