@@ -9,6 +9,7 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
 * ``--broadcast-buffers 0``: DDP with ``forward_sync_buffers=False`` (every rank keeps its own
   BatchNorm statistics); by default rank 0's buffers are broadcast at each forward.
 * ``--diverge``: rank 1 changes a weight after DDP synchronised them (the first checkpoint must fail).
+* ``--on-error raise|warn``: the Checkpointer's ``on_error``.
 * ``--dump DIR``: write each rank's model state and values right after the restore to
   ``DIR/restored-w<world>-r<rank>.pt`` and at ``--stop-at`` to ``DIR/stopped-w<world>-r<rank>.pt``.
 
@@ -60,6 +61,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--broadcast-buffers", type=int, default=1)
     parser.add_argument("--dump", default=None)
     parser.add_argument("--diverge", action="store_true")
+    parser.add_argument("--on-error", default="raise")
     return parser.parse_args()
 
 
@@ -88,8 +90,8 @@ def main() -> None:
             model[0].weight[0, 0] += 1.0
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, model=model, optimizer=optimizer,
-                        scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, on_error=args.on_error, model=model,
+                        optimizer=optimizer, scheduler=scheduler, loader=loader)
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
