@@ -6,6 +6,7 @@ The end-to-end tests run real ``torchrun --nproc-per-node 2`` jobs (CPU, gloo) o
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -20,8 +21,13 @@ import pytest
 import torch
 from conftest import SCRIPTS, assert_state_equal
 
+from typer.testing import CliRunner
+
 from checkfreq import Checkpointer
-from checkfreq.distributed_plan import Chunk, Source, materialize, partition
+from checkfreq.cli import app
+from checkfreq.distributed_plan import Chunk, Source, materialize, partition, stream_range
+from checkfreq.replicas import disagreement, fingerprint, report
+from checkfreq.report import load_run, summary_text
 
 SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all
 
@@ -57,6 +63,19 @@ def test_partition_balances_bytes_and_covers_every_element_once(world: int, seed
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
 
 
+def test_verification_windows_cover_every_element_once() -> None:
+    sizes = _uneven_sizes(3)
+    total = sum(n * s for _, n, s in sizes)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for k in range(7):
+        for piece in stream_range(sizes, k * total // 7, (k + 1) * total // 7):
+            covered.setdefault(piece.name, []).append((piece.begin, piece.end))
+    for name, n, _ in sizes:
+        ranges = sorted(covered.get(name, [(0, 0)]))
+        assert ranges[0][0] == 0 and ranges[-1][1] == n, name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
+
+
 def test_partition_keeps_small_tensors_whole() -> None:
     sizes = [("a", 1000, 4), ("b", 10, 4), ("c", 1000, 4)]  # the middle of the stream falls in b
     plans = partition(sizes, 2)
@@ -74,29 +93,43 @@ def test_reshard_cuts_any_box_from_saved_shards() -> None:
         materialize("w", holes, None)
 
 
+def test_replica_errors_name_the_entries_and_the_ranks() -> None:
+    layout = (("model/w", "torch.float32", (4, 8)), ("optimizer/state/0/step", "torch.float32", ()))
+    other = (("model/w", "torch.float64", (4, 8)),)
+    same = [report(layout, {"model/w": "a"}) for _ in range(3)]
+    assert disagreement(same) is None
+    message = disagreement([*same[:2], report(other, {"model/w": "a"})])
+    assert "'model/w' is torch.float32 (4, 8) on ranks [0, 1] but torch.float64 (4, 8) on ranks [2]" in message
+    assert "'optimizer/state/0/step' is torch.float32 () on ranks [0, 1] but absent on ranks [2]" in message
+    message = disagreement([report(layout, {"model/w[0:16]": h, "model/w[16:32]": "a"}) for h in ("a", "b", "a")])
+    assert "'model/w[0:16]' holds 2 different values, on ranks [0, 2] and [1]" in message and "16:32" not in message
+    assert fingerprint(torch.arange(6.0)) == fingerprint(torch.arange(6.0).view(2, 3).t().contiguous().t())
+    assert fingerprint(torch.arange(6.0)) != fingerprint(torch.arange(6.0).flip(0))
+
+
 # ---------------------------------------------------------------------------- real torchrun jobs
 
 
-def _launch(workdir: Path, script: str, *args: str, nproc: int = 2) -> subprocess.Popen[str]:
+def _launch(workdir: Path, script: str, *args: str, nproc: int = 2, restarts: int = 3) -> subprocess.Popen[str]:
     # torchrun's shared rendezvous store can hand a restarted worker its predecessor's address
     # (pytorch/pytorch#135712): give the workers their own store, as docs/distributed.md advises.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if nproc:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "--max-restarts=3", "--monitor-interval=0.1", str(SCRIPTS / script), *args]
+                   f"--max-restarts={restarts}", "--monitor-interval=0.1", str(SCRIPTS / script), *args]
     else:  # one plain process, no process group
         command = [sys.executable, str(SCRIPTS / script), *args]
     return subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen[str]) -> str:
+def _finish(proc: subprocess.Popen[str], expect_success: bool = True) -> str:
     try:
         out, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:  # timed out: torchrun's workers run in sessions of their own
             _kill_tree(proc.pid)
-    assert proc.returncode == 0, out[-4000:]
+    assert (proc.returncode == 0) == expect_success, out[-4000:]
     return out
 
 
@@ -110,12 +143,10 @@ def _kill_tree(pid: int) -> None:
             process.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
-    assert proc.returncode == 0, out[-4000:]
-    return out
 
 
 def _train_args(workdir: Path, *extra: str) -> list[str]:
-    return ["--ckpt-dir", str(workdir / "ckpt"), "--final", str(workdir / "final.pt"),
+    return ["--ckpt-dir", str(workdir / "ckpt"), "--final", str(workdir / "final"),
             "--batch-log", str(workdir / "batches.log"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
             "--epochs", str(EPOCHS), "--every", str(EVERY), *extra]
 
@@ -136,59 +167,123 @@ def _assert_each_sample_once_per_epoch(log: Path) -> None:
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch}: {seen}"
 
 
+def _finals(workdir: Path) -> list[dict]:
+    return [torch.load(workdir / f"final.rank{rank}.pt") for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """An uninterrupted torchrun job and, at the same time, one killed three times and restarted."""
-    reference, killed = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("killed")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """For DDP with and without buffer broadcasts: an uninterrupted torchrun job and, at the same
+    time, one killed two or three times and restarted.
+
+    Every job registers BatchNorm (buffers that differ per rank after each forward), dropout, a
+    per-rank plain tensor, a per-rank int and a value that is a tensor on rank 0 and a float on
+    rank 1, and builds its loader before ``init_process_group``.
+    """
     first = random.choice([1, 2, 4, 5])  # rank 0 dies between checkpoints
     last = random.choice([10, 11])  # rank 0 dies after checkpoint 9 is durable
-    plan = f"0:0:{first}:step,1:1:6:persist,2:0:{last}:step"  # rank 1 dies while checkpoint 6 is written
-    procs = [_launch(reference, "ddp_train.py", *_train_args(reference)),
-             _launch(killed, "ddp_train.py", *_train_args(killed, "--die", plan))]
-    outs = [_finish(p) for p in procs]
-    return {"reference": reference, "killed": killed, "killed_out": outs[1], "first": first, "plan": plan}
+    second = random.choice([4, 5, 7, 8])  # rank 1 dies between checkpoints
+    plans = {  # LIFE:RANK:STEP:MODE; "persist": while the checkpoint of that step is written
+        "broadcast": (f"0:0:{first}:step,1:1:6:persist,2:0:{last}:step", "1"),
+        "local": (f"0:1:{second}:step,1:0:9:persist", "0"),
+    }
+    jobs = {}
+    for name, (plan, broadcast) in plans.items():
+        reference, killed = tmp_path_factory.mktemp(f"{name}-reference"), tmp_path_factory.mktemp(f"{name}-killed")
+        extra = ("--broadcast-buffers", broadcast)
+        jobs[name] = {"reference": reference, "killed": killed, "plan": plan,
+                      "procs": [_launch(reference, "ddp_train.py", *_train_args(reference, *extra)),
+                                _launch(killed, "ddp_train.py", *_train_args(killed, *extra, "--die", plan))]}
+    for job in jobs.values():
+        _, job["killed_out"] = [_finish(p) for p in job.pop("procs")]
+    after_first, after_second = (3 if first > 3 else 0), (6 if second > 6 else 3)
+    jobs["broadcast"]["restored"] = [0, after_first, 3, 9]  # checkpoint 6 was never committed
+    jobs["local"]["restored"] = [0, after_second, 6]  # nor checkpoint 9
+    return jobs
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_after_kills_resume_exactly(runs: dict) -> None:
-    killed, plan = runs["killed"], runs["plan"]
-    after_first = 3 if runs["first"] > 3 else 0
-    expected = [(0, r, 0) for r in (0, 1)] + [(1, r, after_first) for r in (0, 1)]
-    expected += [(2, r, 3) for r in (0, 1)] + [(3, r, 9) for r in (0, 1)]  # checkpoint 6 was never committed
-    assert _restores(runs["killed_out"]) == expected, plan
-    final = torch.load(killed / "final.pt")
-    assert_state_equal(final, torch.load(runs["reference"] / "final.pt"))
+@pytest.mark.parametrize("buffers", ["broadcast", "local"])
+def test_torchrun_restarts_after_kills_resume_exactly(runs: dict, buffers: str) -> None:
+    job = runs[buffers]
+    killed, plan = job["killed"], job["plan"]
+    expected = [(life, r, step) for life, step in enumerate(job["restored"]) for r in (0, 1)]
+    assert _restores(job["killed_out"]) == expected, plan
+    finals = _finals(killed)
+    for rank, (final, reference) in enumerate(zip(finals, _finals(job["reference"]))):
+        assert_state_equal(final, reference)  # model (BatchNorm buffers included), optimizer, values, RNG
+    assert isinstance(finals[0]["mixed"], torch.Tensor) and isinstance(finals[1]["mixed"], float)
+    assert not torch.equal(finals[0]["model"]["1.running_mean"], finals[1]["model"]["1.running_mean"])
+    assert finals[0]["seen"] != finals[1]["seen"]
     _assert_each_sample_once_per_epoch(killed / "batches.log")
     assert not [p.name for p in (killed / "ckpt").iterdir() if ".tmp-" in p.name]
 
 
 @pytest.mark.slow
-def test_each_rank_writes_its_share_of_the_bytes(runs: dict) -> None:
-    newest = max((runs["reference"] / "ckpt").glob("step_*"))
+def test_each_rank_writes_its_share_and_the_log_counts_checkpoints_once(runs: dict) -> None:
+    run = runs["broadcast"]["reference"]
+    newest = max((run / "ckpt").glob("step_*"))
     sizes = [(newest / f"rank{r:05d}.safetensors").stat().st_size for r in (0, 1)]
     assert all(abs(s - sum(sizes) / 2) <= 0.1 * sum(sizes) / 2 for s in sizes), sizes
-    # and a world-size-1 process restores the whole state from the two files
+    # a world-size-1 process restores the shared state and rank 0's buffers (docs/distributed.md)
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ddp_train", SCRIPTS / "ddp_train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     model = module.build_model()
-    with Checkpointer(runs["reference"] / "ckpt", model=model, rng=False) as ckpt:
+    with Checkpointer(run / "ckpt", model=model, rng=False) as ckpt:
+        ckpt["running"] = torch.zeros(8)
         assert ckpt.restore() == 12
-    assert_state_equal(model.state_dict(), torch.load(runs["reference"] / "final.pt")["model"])
+        assert torch.equal(ckpt["running"], _finals(run)[0]["running"])
+    assert_state_equal(model.state_dict(), _finals(run)[0]["model"])
+    # every rank logged its events into the one log; the report counts each checkpoint once
+    report = load_run(run / "ckpt")
+    assert report.summary.checkpoints == report.summary.committed == 4  # steps 3, 6, 9, 12
+    assert report.summary.sessions == 2  # the job and the restore above
+    assert sorted(report.rank_stalls) == [0, 1] and len(report.rank_stalls[1]) == 4
+    assert "stall per rank: rank 0 median" in summary_text(report)
+    listed = CliRunner().invoke(app, ["ls", str(run / "ckpt"), "--json"])
+    assert [c["step"] for c in json.loads(listed.output)] == [12, 9]
 
 
 @pytest.mark.slow
-def test_world_size_changes_keep_each_sample_once_per_epoch(tmp_path: Path) -> None:
-    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "6")))
+def test_world_size_changes_follow_the_per_rank_rule(tmp_path: Path) -> None:
+    """2 -> 1 -> 2: shared state carries over, per-rank state comes from saved rank ``r % saved world size``."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    args = ("--dump", str(dump))
+    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "6", *args)))
     assert "restored step=0" in out
-    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "11"), nproc=0))
+    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "11", *args), nproc=0))
     assert "rank=0 restored step=6 epoch=1 consumed=32" in out  # 2 -> 1
-    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path)))
+    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, *args)))
     assert out.count("restored step=11 epoch=2 consumed=8") == 2  # 1 -> 2
-    assert (tmp_path / "final.pt").exists()
+    state = {p.stem: torch.load(p) for p in dump.iterdir()}
+    assert_state_equal(state["restored-w1-r0"], state["stopped-w2-r0"])  # rank 1's per-rank state is dropped
+    assert not torch.equal(state["stopped-w2-r1"]["values"]["running"], state["stopped-w2-r0"]["values"]["running"])
+    for rank in (0, 1):  # both new ranks start from the one saved rank
+        assert_state_equal(state[f"restored-w2-r{rank}"], state["stopped-w1-r0"])
+    assert _finals(tmp_path)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+
+
+@pytest.mark.slow
+def test_ranks_holding_different_parameters_stop_with_the_entry_named(tmp_path: Path) -> None:
+    # on_error="warn" lets storage failures pass; a wrong training state is raised all the same
+    args = _train_args(tmp_path, "--diverge", "--on-error", "warn")
+    out = _finish(_launch(tmp_path, "ddp_train.py", *args, restarts=0), expect_success=False)
+    assert "ReplicaMismatchError: checkpoint 3 not committed: ranks disagree" in out
+    assert "'model/0.weight' holds 2 different values, on ranks [0] and [1]" in out
+    assert not list((tmp_path / "ckpt").glob("step_*"))
+
+
+@pytest.mark.slow
+def test_loader_built_before_the_process_group(tmp_path: Path) -> None:
+    out = _finish(_launch(tmp_path, "loader_topology.py", restarts=0))
+    indices = {int(r): set(map(int, i.split())) for r, i in re.findall(r"rank=(\d) indices=([\d ]+)", out)}
+    assert indices[0] | indices[1] == set(range(12)) and not indices[0] & indices[1]
+    assert out.count("topology error: this loader partitions its samples for rank 0 of 1, but the job now has rank") == 2
 
 
 @pytest.mark.slow

@@ -173,3 +173,20 @@ def test_tensorboard_scalars_match_the_report(reported: tuple[dict, Path]) -> No
     assert [e.wall_time for e in stalls] == pytest.approx([c["time"] for c in doc["checkpoints"]])
     assert len(events.Scalars("checkfreq/persist_ms")) == 6
     assert doc["tensorboard_scalars"] == sum(len(events.Scalars(tag)) for tag in events.Tags()["scalars"])
+
+
+def test_ranks_of_one_job_count_each_checkpoint_once_and_keep_their_own_stalls(tmp_path: Path) -> None:
+    logs = [EventLog(tmp_path, rank=rank) for rank in (0, 1)]
+    for log in logs:
+        log.write("start", pid=log.rank, policy="Every", keep=3)
+    for step, stalls in ((3, (0.01, 0.03)), (6, (0.02, 0.05))):
+        for log, stall in zip(logs, stalls):
+            log.write("snapshot", step=step, stall_s=stall, bytes=100, interval_steps=3, interval_s=1.0)
+        logs[1].write("fence", step=step, wait_s=0.01, stall_s=stalls[1] + 0.01)
+        for log in logs:
+            log.write("commit", step=step, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
+    report = load_run(tmp_path)
+    s = report.summary
+    assert (s.checkpoints, s.committed, s.sessions) == (2, 2, 1)
+    assert report.rank_stalls == {0: [0.01, 0.02], 1: [pytest.approx(0.04), pytest.approx(0.06)]}
+    assert "stall per rank: rank 0 median 15 ms, max 20 ms; rank 1 median 50 ms, max 60 ms" in summary_text(report)

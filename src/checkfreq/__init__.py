@@ -17,7 +17,9 @@ from checkfreq.errors import (
     ExistingCheckpointsError,
     NoValidCheckpointError,
     PersistError,
+    ReplicaMismatchError,
     StateMismatchError,
+    TopologyError,
     UnserializableStateError,
 )
 from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, EveryEpoch, Overhead, Policy, YoungDaly
@@ -38,9 +40,11 @@ __all__ = [
     "PersistError",
     "Policy",
     "read_checkpoint",
+    "ReplicaMismatchError",
     "ResumableLoader",
     "ResumableSampler",
     "StateMismatchError",
+    "TopologyError",
     "UnserializableStateError",
     "YoungDaly",
 ]

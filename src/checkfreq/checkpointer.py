@@ -17,8 +17,16 @@ import torch
 
 import checkfreq
 from checkfreq.distributed import Cluster, attach
-from checkfreq.distributed_plan import local_view, storage_ptr
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, ExistingCheckpointsError, NoValidCheckpointError, PersistError, StateMismatchError
+from checkfreq.distributed_plan import local_view, source_rank, storage_ptr
+from checkfreq.errors import (
+    CheckfreqError,
+    CorruptCheckpointError,
+    ExistingCheckpointsError,
+    NoValidCheckpointError,
+    PersistError,
+    ReplicaMismatchError,
+    StateMismatchError,
+)
 from checkfreq.events import EventLog
 from checkfreq import storage
 from checkfreq.options import check_objects, check_option_types
@@ -131,7 +139,7 @@ class Checkpointer:
         newest = self._store.checkpoints()
         self._foreign_step: int | None = newest[0][0] if newest else None  # until restore() adopts them
         self._closed = False
-        self._events = EventLog(self._store.events_directory)
+        self._events = EventLog(self._store.events_directory, rank=0 if self._cluster is None else self._cluster.rank)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
@@ -165,6 +173,10 @@ class Checkpointer:
     def global_step(self) -> int:
         """Optimizer steps counted by :meth:`step` (restored by :meth:`restore`)."""
         return self._global_step
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._cluster is None else self._cluster.world_size
 
     @property
     def policy(self) -> Policy:
@@ -244,6 +256,7 @@ class Checkpointer:
             self._foreign_step = None
             return 0
         manifest, tensors, path, skipped = found
+        self._note_world_size_change(manifest)
         if self._cluster is None:
             skeleton, tensors = local_view(manifest, tensors)
         else:
@@ -254,9 +267,25 @@ class Checkpointer:
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
         self._last_checkpoint_time = time.perf_counter()
-        self._events.write("restore", step=manifest.step, skipped=skipped)
+        self._events.write("restore", step=manifest.step, skipped=skipped, world_size=self._world_size,
+                           saved_world_size=manifest.world_size)
         log.info("restored %s (step %d)", path.name, manifest.step)
         return manifest.step
+
+    def _note_world_size_change(self, manifest: Manifest) -> None:
+        """Say whose per-rank state this rank takes when the checkpoint was written by another number of ranks."""
+        rank, world = (0 if self._cluster is None else self._cluster.rank), self._world_size
+        if manifest.world_size == world:
+            return
+        dropped = ""
+        if world < manifest.world_size and rank == 0:
+            dropped = f"; the per-rank state of saved ranks {world}..{manifest.world_size - 1} is not restored"
+        log.warning(
+            "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
+            "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
+            "every rank shared%s (docs/distributed.md)",
+            manifest.step, manifest.world_size, world, rank, source_rank(rank, manifest.world_size), dropped,
+        )
 
     def _find(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]] | None:
         """The newest valid checkpoint (or the one at ``step``) as (manifest, arrays, path, skipped)."""
@@ -340,6 +369,8 @@ class Checkpointer:
         error = self._writer.take_error()
         if error is None:
             return
+        if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
+            raise error
         if self._on_error == "warn":
             log.warning("checkpoint persist failed, training goes on: %s", error)
             return
@@ -367,7 +398,7 @@ class Checkpointer:
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
         owned, share = self._optimizer_owned(tensors), None
         if self._cluster is not None:  # this rank writes its share only
-            tensors, owned, share = self._cluster.select(tensors, owned)
+            tensors, owned, share = self._cluster.select(tensors, owned, self._replicated(tensors))
         self._profiler.begin_checkpoint()
         pending = self._snapshotter.take(tensors, owned)
         self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start, share))
@@ -392,6 +423,8 @@ class Checkpointer:
             self._writer.wait(self._timeout)
             self._finish_fence()
             error = self._writer.take_error()
+            if isinstance(error, ReplicaMismatchError):
+                raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
 
@@ -399,8 +432,25 @@ class Checkpointer:
         """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
         if not self._optimizers:
             return set()
-        param_ptrs = {storage_ptr(p) for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]}
-        prefixes = tuple(f"{name}/state/" for name in self._optimizers)
+        params = [p for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]]
+        return self._state_of(tensors, params, self._optimizers)
+
+    def _replicated(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Names of tensors data parallelism keeps the same on every rank: parameters and optimizer state.
+
+        The parameters of registered modules and optimizers and the optimizer state; buffers
+        (BatchNorm statistics), plain values and other objects' tensors may differ between ranks.
+        """
+        modules = [o for o in self._objects.values() if isinstance(o, torch.nn.Module)]
+        params = [p for m in modules for p in m.parameters()]
+        params += [p for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]]
+        return self._state_of(tensors, params, self._optimizers)
+
+    @staticmethod
+    def _state_of(tensors: dict[str, torch.Tensor], params: list[torch.Tensor], optimizers: dict[str, Any]) -> set[str]:
+        """Names of ``tensors`` that are one of ``params`` or under an optimizer's ``state``."""
+        param_ptrs = {storage_ptr(p) for p in params}
+        prefixes = tuple(f"{name}/state/" for name in optimizers)
         return {n for n, t in tensors.items() if n.startswith(prefixes) or storage_ptr(t) in param_ptrs}
 
     def _finish_fence(self) -> None:

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from checkfreq.errors import TopologyError
+
 __all__ = ["ResumableLoader", "ResumableSampler", "sample_seed"]
 
 _MASK64 = (1 << 64) - 1
@@ -68,13 +70,14 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return _mix(_SAMPLE_DOMAIN, seed, epoch, index)
 
 
-def _resolve_topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Rank and world size, defaulting to torch.distributed's when it is initialised."""
-    initialised = dist.is_available() and dist.is_initialized()
-    if world_size is None:
-        world_size = dist.get_world_size() if initialised else 1
-    if rank is None:
-        rank = dist.get_rank() if initialised else 0
+def _job_topology() -> tuple[int, int] | None:
+    """(rank, world size) of the torch.distributed job, or ``None`` when no process group is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _check_topology(rank: int, world_size: int) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size
@@ -87,8 +90,12 @@ class ResumableSampler(Sampler[int]):
         length: number of samples in the dataset.
         shuffle: permute the order each epoch (from ``seed`` and the epoch number); else keep it.
         seed: the run's data seed; the only source of the order and of per-sample seeds.
-        rank, world_size: this process's place among the data-parallel ranks; by default taken from
-            ``torch.distributed`` when it is initialised, else ``0`` and ``1``.
+        rank, world_size: this process's place among the data-parallel ranks. Given, they are used
+            as they are (e.g. a data-parallel group smaller than the job). Left out, they are taken
+            from ``torch.distributed`` when the first pass starts (``0`` and ``1`` without a
+            process group) and then kept; a later pass in a job whose rank or world size differs
+            raises :class:`~checkfreq.errors.TopologyError`. So a loader may be built before
+            ``init_process_group``.
         drop_last: when the rest of the epoch does not split evenly over the ranks, leave the last
             samples out instead of repeating the first ones (no effect with one rank).
 
@@ -112,11 +119,55 @@ class ResumableSampler(Sampler[int]):
         self.length = length
         self.shuffle = shuffle
         self.seed = seed
-        self.rank, self.world_size = _resolve_topology(rank, world_size)
+        self._given = (rank, world_size)
+        if rank is not None and world_size is not None:
+            _check_topology(rank, world_size)
+        self._bound: tuple[int, int] | None = None
+        """(rank, world size) fixed when the first pass started."""
         self.drop_last = drop_last
         self.epoch = 0
         self.consumed = 0
         """Entries of this epoch's global order consumed by all ranks together."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the data-parallel ranks (see :meth:`topology`)."""
+        return self.topology()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of data-parallel ranks (see :meth:`topology`)."""
+        return self.topology()[1]
+
+    def topology(self) -> tuple[int, int]:
+        """(rank, world size): as given, as fixed by the first pass, or else the job's as it is now."""
+        if self._bound is not None:
+            return self._bound
+        return self._fill(_job_topology() or (0, 1))
+
+    def _fill(self, job: tuple[int, int]) -> tuple[int, int]:
+        """The given rank and world size, the job's where not given."""
+        rank, world_size = self._given
+        return _check_topology(job[0] if rank is None else rank, job[1] if world_size is None else world_size)
+
+    def bind(self) -> tuple[int, int]:
+        """Fix the topology at the start of a pass; raise if the job's no longer matches the one fixed.
+
+        Raises:
+            TopologyError: the first pass ran with another rank or world size than the job has now
+                (typically: it ran before ``init_process_group``).
+        """
+        if self._bound is None:
+            self._bound = self.topology()
+            return self._bound
+        job = _job_topology()
+        if job is not None and self._fill(job) != self._bound:
+            raise TopologyError(
+                f"this loader partitions its samples for rank {self._bound[0]} of {self._bound[1]}, but the "
+                f"job now has rank {job[0]} of {job[1]} (did its first pass run before init_process_group?). "
+                "Iterate it only after init_process_group, or pass rank and world_size."
+            )
+        return self._bound
 
     def global_order(self, epoch: int) -> torch.Tensor:
         """The order of every sample of ``epoch`` over all ranks: a pure function of (seed, epoch)."""
@@ -131,12 +182,13 @@ class ResumableSampler(Sampler[int]):
         return -(-remaining // self.world_size)
 
     def rank_indices(self) -> list[int]:
-        """The indices this rank yields from the current position to the end of the epoch."""
+        """The indices this rank yields from the current position to the end of the epoch (starts a pass)."""
+        rank, world_size = self.bind()
         rest = self.global_order(self.epoch)[self.consumed :]
-        total = self._per_rank(len(rest)) * self.world_size
+        total = self._per_rank(len(rest)) * world_size
         if total > len(rest):
             rest = rest[torch.arange(total) % len(rest)]
-        return rest[self.rank : total : self.world_size].tolist()
+        return rest[rank:total:world_size].tolist()
 
     def epoch_length(self) -> int:
         """How many indices this rank yields in a whole epoch at the current world size."""

@@ -8,7 +8,8 @@ the training process group after that:
   (for policies whose answer may differ between ranks) and on *which* checkpoint to restore;
 * the **commit** group, used only from each rank's background writer: after a rank's data file
   is fsynced it sends a small JSON report; rank 0 writes ``manifest.json`` and renames the
-  staging directory only if every rank reported a durable file, then tells everyone the outcome.
+  staging directory only if every rank reported a durable file and the same replicated state
+  (:mod:`checkfreq.replicas`), then tells everyone the outcome.
 
 A rank that dies before reporting leaves the staging directory uncommitted (never listed, never
 restored, removed by rank 0 at the next start). See docs/distributed.md.
@@ -24,14 +25,15 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
+from checkfreq import replicas
 from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
     PRIVATE,
@@ -46,8 +48,9 @@ from checkfreq.distributed_plan import (
     piece_view,
     private_name,
     restore_targets,
+    stream_range,
 )
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.snapshot import PendingSnapshot
@@ -117,7 +120,7 @@ class Cluster:
         wait = timedelta(seconds=timeout)
         self._control = dist.new_group(backend="gloo", timeout=wait)
         self._commit = dist.new_group(backend="gloo", timeout=wait)
-        self._plan: tuple[Any, list[Piece]] | None = None
+        self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         message: dict[str, Any] | None = {"error": "rank 0 failed while opening the directory"}
         if self.rank == 0:
@@ -146,22 +149,31 @@ class Cluster:
         return self._decider.should_save
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], replicated: set[str]
     ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any]]:
-        """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index)."""
-        replicated = sorted(n for n, t in tensors.items() if kind_of(n, t) == REPLICATED)
-        signature = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in replicated)
-        if self._plan is None or self._plan[0] != signature:
-            sizes = [(n, tensors[n].numel(), tensors[n].element_size()) for n in replicated]
-            self._plan = (signature, partition(sizes, self.world_size)[self.rank])
+        """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index).
+
+        ``replicated`` names the tensors that are the same on every rank (parameters and optimizer
+        state): they are split over the ranks, and fingerprinted for rank 0 to verify at the commit
+        (:mod:`checkfreq.replicas`); every other tensor is written by each rank for itself.
+        """
+        names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
+        layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
+        if self._plan is None or self._plan.layout != layout:
+            self._plan = Plan.of(layout, [(n, tensors[n].numel(), tensors[n].element_size()) for n in names], self)
+            checked = self._plan.verify_all()
+        else:
+            checked = self._plan.verify_next()
+        plan = self._plan
+        claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
         arrays: dict[str, torch.Tensor] = {}
         index: dict[str, Any] = {}
-        for piece in self._plan[1]:
+        for piece in plan.pieces:
             tensor = tensors[piece.name]
             arrays[piece.stored_name] = piece_view(tensor, piece)
             index[piece.name] = _entry(tensor, REPLICATED, [piece.stored_name, piece.begin, piece.end])
         for name, tensor in tensors.items():
-            kind = kind_of(name, tensor)
+            kind = kind_of(name, tensor, replicated)
             if kind == REPLICATED:
                 continue
             stored = private_name(name, self.rank)
@@ -173,8 +185,7 @@ class Cluster:
                 arrays[stored] = tensor
                 index[name] = _entry(tensor, PRIVATE, stored)
         fenced = {stored for stored, name in _origins(index) if name in owned}
-        digest = xxhash.xxh3_64_hexdigest(repr(signature).encode())
-        return arrays, fenced, {"signature": digest, "tensors": index}
+        return arrays, fenced, {"tensors": index, "replicas": claim}
 
     def find(self, find_local: Callable[[], Found | None], read: Callable[[Path], tuple[Manifest, dict[str, torch.Tensor]]]) -> Found | None:
         """The checkpoint every rank restores: rank 0 picks the newest valid one, all read it."""
@@ -246,7 +257,8 @@ class Cluster:
         outcome = self._commit_all(reports, staging, step, epoch, versions) if self.rank == 0 else None
         outcome = broadcast_json(outcome, self._commit)
         if outcome["error"] is not None:
-            raise PersistError(f"checkpoint {step} not committed: {outcome['error']}") from failure
+            error = ReplicaMismatchError if outcome.get("replicas") else PersistError
+            raise error(f"checkpoint {step} not committed: {outcome['error']}") from failure
         return (Path(outcome["path"]) if self.rank == 0 else None), size
 
     def _commit_all(self, reports: list[dict[str, Any]], staging: Path, step: int, epoch: int | None, versions: dict[str, str]) -> dict[str, Any]:
@@ -255,15 +267,43 @@ class Cluster:
             errors = [r["error"] for r in reports if not r.get("ok")]
             if errors:
                 raise PersistError("; ".join(errors))
-            if len({r["signature"] for r in reports}) != 1:
-                raise PersistError("ranks hold different replicated state (names, dtypes or shapes differ); "
-                                   "every rank must register the same model and optimizer")
+            problem = replicas.disagreement([r["replicas"] for r in reports])
+            if problem is not None:
+                raise ReplicaMismatchError(problem)
             write_manifest(staging, _merge(reports, step, epoch, versions))
             return {"error": None, "path": str(self._store.commit(staging, step))}
         except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
             shutil.rmtree(staging, ignore_errors=True)
             log.warning("checkpoint %d not committed: %s", step, e)
-            return {"error": str(e)}
+            return {"error": str(e), "replicas": isinstance(e, ReplicaMismatchError)}
+
+
+@dataclass
+class Plan:
+    """The replicated layout this rank plans for: its share, and what each checkpoint verifies."""
+
+    layout: replicas.Layout
+    sizes: list[tuple[str, int, int]]
+    """(name, numel, itemsize) of every replicated tensor."""
+    pieces: list[Piece]
+    """This rank's share of the replicated bytes."""
+    checks: int = 0
+
+    @classmethod
+    def of(cls, layout: replicas.Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
+        return cls(layout, sizes, partition(sizes, cluster.world_size)[cluster.rank])
+
+    def verify_all(self) -> list[Piece]:
+        """Every tensor, whole: the layout was just planned."""
+        return [Piece(name, 0, numel, True) for name, numel, _ in self.sizes]
+
+    def verify_next(self) -> list[Piece]:
+        """The next window of at most :data:`~checkfreq.replicas.VERIFY_BYTES` of the bytes, in turn."""
+        self.checks += 1
+        total = sum(numel * itemsize for _, numel, itemsize in self.sizes)
+        windows = max(1, -(-total // replicas.VERIFY_BYTES))
+        k = self.checks % windows
+        return stream_range(self.sizes, k * total // windows, (k + 1) * total // windows)
 
 
 class AgreedPolicy:
@@ -297,6 +337,11 @@ class AgreedPolicy:
 
     def close(self) -> None:
         self._collect()
+
+
+def _label(piece: Piece) -> str:
+    """A piece as people read it: the tensor's name, with the range of its flattened elements if partial."""
+    return piece.name if piece.whole else f"{piece.name}[{piece.begin}:{piece.end}]"
 
 
 def _entry(tensor: torch.Tensor, kind: str, part: Any) -> dict[str, Any]:

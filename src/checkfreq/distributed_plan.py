@@ -4,12 +4,15 @@ Pure functions of names, dtypes, shapes and placements; no communication and no 
 
 Three kinds of tensors, by where they come from:
 
-* **replicated** (data parallel: every rank holds the same values): the tensors are laid end to
-  end, in name order, as one byte stream, and the stream is cut into ``world_size`` ranges of
-  nearly equal size. A tensor that straddles a cut is split into ranges of its flattened elements
-  (unless it is small, then the cut moves to its nearer edge), so every rank writes about
-  ``1/world_size`` of the bytes;
-* **private** (different on every rank: the random generators): each rank writes its own copy;
+* **replicated** (data parallel: every rank holds the same values, and checkfreq verifies it, see
+  :mod:`checkfreq.replicas`): the parameters of registered modules and optimizers and the
+  optimizer state. The tensors are laid end to end, in name order, as one byte stream, and the
+  stream is cut into ``world_size`` ranges of nearly equal size. A tensor that straddles a cut is
+  split into ranges of its flattened elements (unless it is small, then the cut moves to its
+  nearer edge), so every rank writes about ``1/world_size`` of the bytes;
+* **private** (everything else: buffers such as BatchNorm statistics, plain values, random
+  generators, other objects' tensors; they may differ between ranks): each rank writes its own
+  copy and gets it back;
 * **sharded** (DTensor, e.g. FSDP2 parameters and optimizer state): each rank writes its local
   shard with its place in the global tensor (offset and shape), so any other layout can be cut
   from the saved shards on restore.
@@ -17,7 +20,7 @@ Three kinds of tensors, by where they come from:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +31,6 @@ from checkfreq.errors import CorruptCheckpointError
 from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest
 
 REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"
-PRIVATE_OBJECTS = ("rng",)
-"""Registered names whose tensors differ on every rank and are saved by each rank."""
 SMALL_FRACTION = 16
 """A tensor smaller than 1/16 of a rank's share is never split: the cut moves to its nearer edge."""
 
@@ -76,11 +77,11 @@ def storage_ptr(tensor: torch.Tensor) -> int:
     return tensor.to_local().data_ptr() if is_dtensor(tensor) else tensor.data_ptr()
 
 
-def kind_of(name: str, tensor: torch.Tensor) -> str:
-    """Whether ``name`` is replicated, private to each rank, or sharded."""
+def kind_of(name: str, tensor: torch.Tensor, replicated: Container[str]) -> str:
+    """Whether ``name`` is sharded (a DTensor), replicated (named in ``replicated``) or private."""
     if is_dtensor(tensor):
         return SHARDED
-    return PRIVATE if name.split("/", 1)[0] in PRIVATE_OBJECTS else REPLICATED
+    return REPLICATED if name in replicated else PRIVATE
 
 
 def private_name(name: str, rank: int) -> str:
@@ -97,11 +98,7 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     """
     items = sorted(s for s in sizes if s[1] > 0)
     empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]
-    starts, offset = [], 0
-    for _, numel, itemsize in items:
-        starts.append(offset)
-        offset += numel * itemsize
-    total = offset
+    starts, total = _starts(items)
     cuts = [0]
     for k in range(1, world_size):
         cuts.append(max(cuts[-1], _cut(items, starts, total * k // world_size, total // world_size)))
@@ -109,6 +106,25 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
     plans[0][:0] = empty  # nothing to balance; rank 0 records them
     return plans
+
+
+def stream_range(sizes: Sequence[tuple[str, int, int]], begin: int, end: int) -> list[Piece]:
+    """The pieces covering bytes ``[begin, end)`` of the replicated tensors laid end to end in name order.
+
+    Cut at element boundaries: an element straddling ``end`` belongs to the next range.
+    """
+    items = sorted(s for s in sizes if s[1] > 0)
+    starts, _ = _starts(items)
+    return _pieces_between(items, starts, begin, end)
+
+
+def _starts(items: Sequence[tuple[str, int, int]]) -> tuple[list[int], int]:
+    """Each tensor's first byte in the stream, and the stream's length."""
+    starts, offset = [], 0
+    for _, numel, itemsize in items:
+        starts.append(offset)
+        offset += numel * itemsize
+    return starts, offset
 
 
 def _cut(items: Sequence[tuple[str, int, int]], starts: Sequence[int], ideal: int, share: int) -> int:
@@ -153,8 +169,9 @@ def local_view(
 
     ``stored`` are the arrays of the checkpoint's data files. A tensor whose name is in
     ``targets`` (a live DTensor) comes back as a DTensor with the target's placement, cut from
-    whatever shards were saved; every other tensor comes back whole. A rank beyond the saved
-    world size takes the private state (random generators) of rank ``rank % saved_world_size``.
+    whatever shards were saved; every other tensor comes back whole. Private state (and the
+    skeleton: plain values, the loader's position) comes from saved rank
+    ``source_rank(rank, saved_world_size)``; a private tensor that rank did not hold is left out.
     """
     meta = manifest.distributed
     if meta is None:
@@ -163,13 +180,23 @@ def local_view(
     else:
         try:
             ranks = meta["ranks"]
-            source_rank = rank % len(ranks)
-            skeleton = ranks[source_rank]
-            sources = {n: _source(e, stored, source_rank) for n, e in meta["tensors"].items()}
+            source = source_rank(rank, len(ranks))
+            skeleton = ranks[source]
+            sources = {n: _source(e, stored, source) for n, e in meta["tensors"].items() if _holds(e, source)}
         except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
             raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
     targets = targets or {}
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
+
+
+def source_rank(rank: int, saved_world_size: int) -> int:
+    """The saved rank whose private state rank ``rank`` restores: itself, or ``rank % saved_world_size``."""
+    return rank % saved_world_size
+
+
+def _holds(entry: Mapping[str, Any], rank: int) -> bool:
+    """Whether saved rank ``rank`` has a part of this tensor (a private one may exist on some ranks only)."""
+    return entry["kind"] != PRIVATE or entry["parts"][rank] is not None
 
 
 def _source(entry: Mapping[str, Any], stored: Mapping[str, torch.Tensor], rank: int) -> Source:

@@ -33,3 +33,11 @@ class DirectoryLockedError(CheckfreqError):
 
 class ExistingCheckpointsError(CheckfreqError):
     """A run would checkpoint into a directory holding another run's checkpoints without restoring them."""
+
+
+class ReplicaMismatchError(CheckfreqError):
+    """Ranks hold different values, dtypes or shapes for state stored once; names the entries and ranks."""
+
+
+class TopologyError(CheckfreqError):
+    """A data loader's partition over the ranks does not match the job's rank and world size."""

@@ -1,7 +1,9 @@
 """The run's event log: one JSON object per line in ``<directory>/events.jsonl``.
 
-Schema (every record has ``event`` and ``time``, seconds since the epoch; a measurement not
-taken yet is ``null``; docs/cli.md describes every field):
+Schema (every record has ``event``, ``time`` (seconds since the epoch) and ``rank`` (the process's
+rank under torch.distributed, 0 for one process; logs written before ranks were recorded have
+none, which means 0); a measurement not taken yet is ``null``; docs/cli.md describes every field).
+Every rank of a distributed job appends to the same log:
 - ``{"event": "start", "pid", "policy", "keep"}`` — a Checkpointer opened the directory;
 - ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason", "epoch", "interval_steps",
   "interval_s", "iteration_s", "iteration_persisting_s", "clean_iterations", "clean_iteration_s"}`` —
@@ -13,7 +15,7 @@ taken yet is ``null``; docs/cli.md describes every field):
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...]}``.
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "world_size", "saved_world_size"}``.
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 
@@ -32,14 +34,15 @@ log = logging.getLogger("checkfreq.events")
 
 
 class EventLog:
-    """Appends records from any thread."""
+    """Appends one process's records (tagged with its ``rank``) from any thread."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, rank: int = 0) -> None:
         self.path = directory / EVENTS_NAME
+        self.rank = rank
         self._lock = threading.Lock()
 
     def write(self, event: str, **fields: Any) -> None:
-        record = {"event": event, "time": time.time(), **{k: _finite(v) for k, v in fields.items()}}
+        record = {"event": event, "time": time.time(), "rank": self.rank, **{k: _finite(v) for k, v in fields.items()}}
         line = json.dumps(record) + "\n"
         try:
             with self._lock, open(self.path, "a", encoding="utf-8") as f:

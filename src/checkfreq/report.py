@@ -12,6 +12,10 @@ clean iterations, and without any, the profiler's smoothed ``iteration_s``. So i
 counts the stall, the slowdown of iterations that overlap a persist, and anything else the loop
 did in that window. The first checkpoint after a start or a restore is left out (its window
 includes setup). The run's overhead is the same ratio over the sums of all counted windows.
+
+Under torch.distributed every rank logs its own events into the one log. A checkpoint, a session
+and a restore are counted once, from rank 0's events (the rank that commits); each rank's own
+stalls are kept apart in :attr:`RunReport.rank_stalls`.
 """
 
 from __future__ import annotations
@@ -107,6 +111,8 @@ class RunReport:
     records: list[CheckpointRecord] = field(default_factory=list)
     restores: list[dict[str, Any]] = field(default_factory=list)
     summary: Summary | None = None
+    rank_stalls: dict[int, list[float]] = field(default_factory=dict)
+    """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +121,7 @@ class RunReport:
             "summary": asdict(self.summary) if self.summary else None,
             "checkpoints": [asdict(r) for r in self.records],
             "restores": self.restores,
+            "rank_stalls": self.rank_stalls,
         }
 
 
@@ -124,10 +131,10 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
     events = read_events(directory)
     if not events:
         raise CheckfreqError(f"{directory} has no event log ({EVENTS_NAME}); is it a checkfreq run directory?")
-    report = RunReport(str(directory), start_time=events[0]["time"])
+    report = RunReport(str(directory), start_time=events[0]["time"], rank_stalls=_rank_stalls(events))
     open_by_step: dict[int, CheckpointRecord] = {}
     new_session, sessions = True, 0
-    for event in events:
+    for event in (e for e in events if e.get("rank", 0) == 0):
         kind = event.get("event")
         if kind == "start":
             new_session, sessions = True, sessions + 1
@@ -144,6 +151,20 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
     _estimate_overheads(report.records)
     report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
     return report
+
+
+def _rank_stalls(events: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Each rank's stall per checkpoint, in log order (the fenced total where a fence followed)."""
+    by_rank: dict[int, list[list[Any]]] = {}
+    for event in events:
+        entries = by_rank.setdefault(event.get("rank", 0), [])
+        if event.get("event") == "snapshot":
+            entries.append([event.get("step"), event.get("stall_s")])
+        elif event.get("event") == "fence":
+            same_step = [e for e in entries if e[0] == event.get("step")]
+            if same_step:
+                same_step[-1][1] = event.get("stall_s", same_step[-1][1])
+    return {rank: [s for _, s in entries if s is not None] for rank, entries in sorted(by_rank.items()) if entries}
 
 
 def _record(event: dict[str, Any], first: bool) -> CheckpointRecord:
@@ -254,6 +275,11 @@ def summary_text(report: RunReport) -> str:
             f"persist: median {human_seconds(s.persist_median_s)} at {_num(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
             f"{human_bytes(s.bytes_per_checkpoint)} per checkpoint, {human_bytes(s.bytes_written)} written"
         )
+    if len(report.rank_stalls) > 1:
+        lines.append("stall per rank: " + "; ".join(
+            f"rank {rank} median {human_seconds(_median(stalls))}, max {human_seconds(max(stalls, default=None))}"
+            for rank, stalls in report.rank_stalls.items()
+        ))
     lines.append(
         f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
         f"{human_seconds(s.iteration_persisting_s)} while persisting"

@@ -2,7 +2,16 @@
 
 Runs under ``torchrun`` (DDP over gloo) or as one plain process. Restores from ``--ckpt-dir`` if a
 checkpoint is there, trains to the end (shuffled resumable loader, random augmentation, dropout,
-BatchNorm, AdamW, an LR schedule) and rank 0 writes the final state to ``--final``.
+BatchNorm, AdamW, an LR schedule) and every rank writes its final state to ``<final>.rank<r>.pt``.
+Besides the model, each rank registers per-rank plain values: a tensor (``running``), a Python int
+(``seen``) and a value that is a tensor on rank 0 and a float on the others (``mixed``).
+
+* ``--broadcast-buffers 0``: DDP with ``forward_sync_buffers=False`` (every rank keeps its own
+  BatchNorm statistics); by default rank 0's buffers are broadcast at each forward.
+* ``--diverge``: rank 1 changes a weight after DDP synchronised them (the first checkpoint must fail).
+* ``--on-error raise|warn``: the Checkpointer's ``on_error``.
+* ``--dump DIR``: write each rank's model state and values right after the restore to
+  ``DIR/restored-w<world>-r<rank>.pt`` and at ``--stop-at`` to ``DIR/stopped-w<world>-r<rank>.pt``.
 
 * ``--die LIFE:RANK:STEP:MODE,...``: in incarnation LIFE (torchrun's ``TORCHELASTIC_RESTART_COUNT``),
   rank RANK SIGKILLs itself after optimizer step STEP: MODE ``step`` once the checkpoint in flight
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -48,12 +58,18 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--die", default="", help="LIFE:RANK:STEP:MODE,... (MODE: step or persist)")
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--broadcast-buffers", type=int, default=1)
+    parser.add_argument("--dump", default=None)
+    parser.add_argument("--diverge", action="store_true")
+    parser.add_argument("--on-error", default="raise")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
+    # built before the process group exists, as Lightning does: it must still partition by rank
+    loader = ResumableLoader(NoisyPoints(args.samples), batch_size=args.batch_size, shuffle=True, seed=5)
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
@@ -66,15 +82,24 @@ def main() -> None:
             die_at, die_mode = int(at), mode
 
     model = build_model()
-    net = nn.parallel.DistributedDataParallel(model) if distributed else model
+    world = dist.get_world_size() if distributed else 1
+    sync = {} if args.broadcast_buffers else {"forward_sync_buffers": False}
+    net = nn.parallel.DistributedDataParallel(model, **sync) if distributed else model
+    if args.diverge and rank == 1:  # a parameter DDP no longer keeps in step: checkfreq must refuse it
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1.0
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
-    loader = ResumableLoader(NoisyPoints(args.samples), batch_size=args.batch_size, shuffle=True, seed=5)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, model=model, optimizer=optimizer,
-                        scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, on_error=args.on_error, model=model,
+                        optimizer=optimizer, scheduler=scheduler, loader=loader)
+    ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
+    ckpt["seen"] = 0
+    ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
     step = ckpt.restore()
     state = loader.state_dict()
     print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}", flush=True)
+    if args.dump:
+        torch.save(per_rank_state(model, ckpt), f"{args.dump}/restored-w{world}-r{rank}.pt")
 
     with open(f"{args.batch_log}", "a") as log:
         for epoch in range(loader.epoch, args.epochs):
@@ -82,6 +107,9 @@ def main() -> None:
                 log.write(f"{rank} {epoch} {loader.state_dict()['consumed']} {' '.join(map(str, index.tolist()))}\n")
                 log.flush()
                 loss = nn.functional.cross_entropy(net(x), y)
+                ckpt["running"] = ckpt["running"] * 0.5 + loss.detach()
+                ckpt["seen"] += int(index.sum())
+                ckpt["mixed"] = ckpt["mixed"] + (loss.detach() if isinstance(ckpt["mixed"], torch.Tensor) else loss.item())
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -95,12 +123,20 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if ckpt.global_step == args.stop_at:
                     ckpt.save(blocking=True)
+                    if args.dump:
+                        torch.save(per_rank_state(model, ckpt), f"{args.dump}/stopped-w{world}-r{rank}.pt")
                     finish(ckpt, distributed)
                     return
     finish(ckpt, distributed)
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, args.final)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state(), **per_rank_state(model, ckpt)["values"]},
+               Path(args.final).with_suffix(f".rank{rank}.pt"))
+
+
+def per_rank_state(model: nn.Module, ckpt: Checkpointer) -> dict:
+    """What may differ between ranks: the BatchNorm buffers and the plain values."""
+    return {"buffers": {k: v.clone() for k, v in model.named_buffers()},
+            "values": {k: ckpt[k] for k in ("running", "seen", "mixed")}}
 
 
 def finish(ckpt: Checkpointer, distributed: bool) -> None:
