@@ -6,8 +6,8 @@ final model and optimizer state to ``--out``. With ``--die-at K`` it SIGKILLs it
 optimizer step ``K`` (once the checkpoint in flight is durable). Every batch's sample indices are
 appended to ``--log`` as ``epoch batch_idx index index ...``.
 
-With ``--devices 2`` the fit runs under ``strategy="ddp"`` on two CPU processes (gloo), without
-BatchNorm; the loader comes from ``train_dataloader()`` (built once the process group is up),
+With ``--devices 2`` the fit runs under ``strategy="ddp"`` on two CPU processes (gloo), each rank
+writing its final state (rank ``r > 0`` to ``--out`` + ``.r``); the loader comes from ``train_dataloader()`` (built once the process group is up),
 ``--die-rank`` says which rank dies, and each rank logs to ``--log`` + ``.RANK``.
 """
 
@@ -31,7 +31,7 @@ SAMPLES, BATCH, EPOCHS, EVERY = 72, 8, 2, 3  # 9 optimizer steps per epoch
 class Classifier(pl.LightningModule):
     def __init__(self, log_path: str, devices: int = 1) -> None:
         super().__init__()
-        norm = nn.BatchNorm1d(32) if devices == 1 else nn.LayerNorm(32)  # per-rank BatchNorm buffers: issue 14
+        norm = nn.BatchNorm1d(32)
         self.net = nn.Sequential(nn.Linear(8, 32), norm, nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
         self.log_path = log_path if devices == 1 else None
         self.base_log = log_path
@@ -89,10 +89,9 @@ def main() -> None:
     else:
         trainer.fit(model)
     print(f"rank {trainer.global_rank} restored {checkfreq.restored_step} final {trainer.global_step}", flush=True)
-    if trainer.global_rank != 0:
-        return
+    out = args.out if trainer.global_rank == 0 else f"{args.out}.{trainer.global_rank}"  # each rank's BatchNorm buffers
     torch.save({"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
-                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()}, args.out)
+                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()}, out)
 
 
 if __name__ == "__main__":
