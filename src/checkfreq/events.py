@@ -13,7 +13,8 @@ taken yet is ``null``; docs/cli.md describes every field):
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...]}``.
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "seeded"}`` — ``seeded`` lists what the
+  checkpoint carried into the new session (``"profile"``, ``"policy"``).
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 
