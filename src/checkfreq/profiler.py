@@ -74,8 +74,8 @@ class Smoothed:
         few nearby ones smooth it, ``shift_after`` in a row beyond the band (another node, another
         load) replace it by their median, and a costlier sample of a ``jump_up`` estimate at once.
         """
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"a seeded estimate must be a positive number, got {value!r}")
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"a seeded estimate must be a non-negative number, got {value!r}")
         self.value, self.count, self._run_side = value, 1, 0
         self._run.clear()
 
@@ -154,8 +154,8 @@ class Profiler:
         """
         values = {name: state.get(name) for name in _SEEDED}
         for name, value in values.items():
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise ValueError(f"profile {name!r} must be a positive number or null, got {value!r}")
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"profile {name!r} must be a non-negative number or null, got {value!r}")
         nbytes = state.get("bytes_per_checkpoint", 0)
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"profile 'bytes_per_checkpoint' must be a non-negative integer, got {nbytes!r}")
