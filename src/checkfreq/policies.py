@@ -231,6 +231,8 @@ class Overhead:
     _productive: float = field(default=0.0, init=False, repr=False)
     _planned_iteration: float = field(default=math.nan, init=False, repr=False)
     _planned_costs: tuple[float, ...] = field(default=(), init=False, repr=False)
+    _resumed: bool = field(default=False, init=False, repr=False)
+    """A loaded plan not yet checked against this session's iteration time."""
 
     def __post_init__(self) -> None:
         if not 0 < self.p < 1:
@@ -278,7 +280,7 @@ class Overhead:
         planned_iteration, planned_costs = _number(state, "planned_iteration_s"), tuple(_number({"cost": c}, "cost") for c in costs)
         self.interval, self.reason, self.correction, self._spent, self._productive = interval, reason, correction, spent, productive
         self._planned_iteration, self._planned_costs = planned_iteration, planned_costs
-        self._window, self._why, self._cycles = deque(window), why, _Cycles()
+        self._window, self._why, self._cycles, self._resumed = deque(window), why, _Cycles(), True
 
     def observe(self, ctx: DecisionContext) -> None:
         """Update the measurements and, when warranted, the plan."""
@@ -294,11 +296,28 @@ class Overhead:
                 self._window.clear()
         if not (_measured(t_i) and _measured(ctx.stall) and _measured(ctx.persist_time)):
             return
+        if self._resumed:  # the loaded plan stands, unchanged, until this session's warmup has measured it
+            if ctx.session_steps < self.warmup:
+                return
+            self._revalidate(ctx)
         shifted = _measured(self._planned_iteration) and abs(math.log(t_i / self._planned_iteration)) > 0.25
         costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)
         if shifted or self._why is not None or costs != self._planned_costs:
             self._planned_costs = costs
             self._plan(ctx, "iteration time changed" if shifted else None)
+
+    def _revalidate(self, ctx: DecisionContext) -> None:
+        """After a restore's warmup: keep the loaded plan if the iteration time is what it was planned
+        for; otherwise the run landed elsewhere (another node, another load) and the loaded costs are
+        suspect too: plan nothing until a checkpoint of this session has measured them afresh."""
+        self._resumed = False
+        before, now = self._planned_iteration, ctx.iteration_time
+        if not _measured(before) or abs(math.log(now / before)) <= 0.25:
+            return
+        self.reason = f"re-profiling after the restore: iteration {now * 1e3:.2f} ms, planned for {before * 1e3:.2f} ms"
+        log.info("Overhead: interval %d → 0 steps (%s)", self.interval, self.reason)
+        self.interval, self._planned_iteration = 0, math.nan
+        self._planned_costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)  # replan once they change
 
     def ready(self, ctx: DecisionContext) -> bool:
         """Whether the guards allow a checkpoint now: this session profiled, nothing in flight, within budget."""

@@ -2,11 +2,12 @@
 
 ``torchrun --nproc-per-node 2 --max-restarts 1 ddp_sessions.py DIR --kill-at K --reps R --steps S``:
 
-* life 0 trains with ``Checkpointer(DIR/killed, ...)`` and rank 0 SIGKILLs itself after step K;
+* life 0 warms up, trains with ``Checkpointer(DIR/killed, ...)`` and rank 0 SIGKILLs itself after step K;
 * life 1 (the restart) measures :func:`overhead_loop.resumed_sessions` on copies of ``DIR/killed``.
 
-Every rank prints JSON lines: ``{"life", "rank", "checkpoint": step}`` for each checkpoint of life 0
-and ``{"life", "rank", "sessions": {...}}`` at the end of life 1.
+Every rank appends JSON lines to ``DIR/rank<r>.jsonl`` (its own file: torchrun interleaves the
+ranks' stdout): ``{"life", "rank", "checkpoint": step}`` for each checkpoint of life 0 and
+``{"life", "rank", "sessions": {...}}`` at the end of life 1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from overhead_loop import resumed_sessions, setup  # beside this script
+from overhead_loop import resumed_sessions, setup, train  # beside this script
 
 from checkfreq import Checkpointer
 
@@ -39,9 +40,11 @@ def main() -> None:
     killed = args.directory / "killed"
 
     def say(**fields: object) -> None:
-        print(json.dumps({"life": life, "rank": rank, **fields}), flush=True)
+        with open(args.directory / f"rank{rank}.jsonl", "a") as out:
+            out.write(json.dumps({"life": life, "rank": rank, **fields}) + "\n")
 
     if life == 0:
+        train(30, None, net, opt, x, y)  # warm up, as resumed_sessions does before what it compares with
         ckpt = Checkpointer(killed, keep=2, model=model, optimizer=opt)
         while True:
             loss = torch.nn.functional.mse_loss(net(x), y)

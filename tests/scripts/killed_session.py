@@ -1,6 +1,6 @@
 """One session of the overhead loop under the default policy, SIGKILLed after step ``--kill-at``.
 
-``python killed_session.py DIR --kill-at K``: restores from DIR if it holds a checkpoint, trains
+``python killed_session.py DIR --kill-at K``: warms up, restores from DIR if it holds a checkpoint, trains
 with ``Checkpointer(DIR, model=..., optimizer=...)`` (``policy="auto"``), and kills itself with
 SIGKILL right after optimizer step K, whatever is in flight. Prints one JSON line per checkpoint
 the policy started: ``{"checkpoint": step}``.
@@ -14,7 +14,7 @@ import os
 import signal
 
 import torch
-from overhead_loop import setup  # beside this script
+from overhead_loop import setup, train  # beside this script
 
 from checkfreq import Checkpointer
 
@@ -26,6 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, opt, x, y = setup()
+    train(30, None, model, opt, x, y)  # warm up, as resumed_sessions does before what it compares with
     ckpt = Checkpointer(args.directory, keep=2, model=model, optimizer=opt)
     ckpt.restore()
     while True:
