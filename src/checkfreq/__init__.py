@@ -19,7 +19,17 @@ from checkfreq.errors import (
     StateMismatchError,
     UnserializableStateError,
 )
-from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, EveryEpoch, Overhead, Policy, YoungDaly
+from checkfreq.policies import (
+    Auto,
+    ConvergenceAware,
+    DecisionContext,
+    Every,
+    EveryEpoch,
+    Overhead,
+    Policy,
+    StatefulPolicy,
+    YoungDaly,
+)
 
 __all__ = [
     "Auto",
@@ -38,6 +48,7 @@ __all__ = [
     "read_checkpoint",
     "ResumableLoader",
     "ResumableSampler",
+    "StatefulPolicy",
     "StateMismatchError",
     "UnserializableStateError",
     "YoungDaly",
