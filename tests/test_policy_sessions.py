@@ -204,3 +204,21 @@ def test_killed_and_resumed_decides_as_the_continuing_run(name: str, slower: flo
     assert abs(mine - continuing) <= max(hysteresis * continuing, 1), (mine, continuing, killed.policy)
     continued = [s for s in run.checkpoints if s > killed.start_step]
     assert len(killed.checkpoints) <= (1 + hysteresis) * len(continued) + 1, (killed.checkpoints, continued)
+
+
+@pytest.mark.parametrize("name", ["Overhead", "Auto(mtbf)", "YoungDaly", "ConvergenceAware"])
+def test_a_malformed_or_foreign_state_is_refused_and_changes_nothing(name: str) -> None:
+    make, _, (iteration, stall, persist, slowdown), before, _ = RESUMES[name]
+    run = Session(make(), iteration, stall, persist, slowdown, loss=WORKED).run(before)
+    state = run.saved[-1][2]["policy"]
+    inner = "overhead" if name.startswith("Auto") else None
+    broken = {**state, inner: {**state[inner], "interval": -1}} if inner else {**state, "interval": "ten"}
+    foreign = {**state, "params": {**state["params"], "mtbf": 1.0} if "mtbf" in state["params"] else {**state["params"], "p": 0.5}}
+    policy = make()
+    pristine = policy.state_dict()  # type: ignore[attr-defined]
+    for bad in (broken, foreign, {**state, "params": None}):
+        with pytest.raises(ValueError):
+            policy.load_state_dict(bad)  # type: ignore[attr-defined]
+        assert policy.state_dict() == pristine  # type: ignore[attr-defined]
+    policy.load_state_dict(state)  # type: ignore[attr-defined]
+    assert policy.state_dict() == state  # type: ignore[attr-defined]

@@ -562,7 +562,10 @@ class ConvergenceAware:
             raise ValueError(f"'steps' and 'losses' must be lists of equal length <= {self.max_points}")
         if curve is not None and not (isinstance(curve, Mapping) and set(curve) == {"a", "b", "w0", "c"}):
             raise ValueError(f"'curve' must be null or {{a, b, w0, c}}, got {curve!r}")
-        fit = None if curve is None else LossCurve(*(_number(curve, k, low=-math.inf) for k in ("a", "b", "w0", "c")))
+        coefficients = [] if curve is None else [_number(curve, k, low=-math.inf) for k in ("a", "b", "w0", "c")]
+        if any(math.isnan(x) for x in coefficients):
+            raise ValueError(f"'curve' coefficients must be numbers, got {curve!r}")
+        fit = LossCurve(*coefficients) if coefficients else None
         placed = None if plan is None else np.asarray(_numbers(state, "plan"))
         fallback, stride = YoungDaly(self.mtbf), _count(state, "stride")
         if not isinstance(state.get("fallback"), Mapping) or stride < 1:
