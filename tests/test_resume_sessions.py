@@ -68,6 +68,20 @@ def test_the_checkpoint_carries_the_profile_and_the_policy_state_into_the_next_s
     resumed.close()
 
 
+def test_inspect_shortens_the_carried_run_state(tmp_path: Path) -> None:
+    """A convergence-aware policy carries its loss history: ``inspect`` prints its start, ``--json`` all of it."""
+    from typer.testing import CliRunner
+
+    from checkfreq.cli import app
+
+    _run(tmp_path, POLICIES["ConvergenceAware"](), 300, losses=True, settle=True).close()
+    checkpoint = str(sorted(tmp_path.glob("step_*"))[-1])
+    text = CliRunner().invoke(app, ["inspect", checkpoint], terminal_width=400).output
+    assert "characters; --json shows all" in " ".join(text.split())
+    doc = json.loads(CliRunner().invoke(app, ["inspect", checkpoint, "--json"]).output)
+    assert len(doc["objects"]["checkfreq"]["value"]["policy"]["state"]["losses"]) > 100
+
+
 def test_a_state_saved_by_another_policy_or_configuration_is_left_out_loudly(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     _run(tmp_path, Overhead(p=0.2), 40).close()
     with caplog.at_level(logging.WARNING, logger="checkfreq"):
