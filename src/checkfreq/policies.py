@@ -308,15 +308,17 @@ class Overhead:
 
     def _revalidate(self, ctx: DecisionContext) -> None:
         """After a restore's warmup: keep the loaded plan if the iteration time is what it was planned
-        for; otherwise the run landed elsewhere (another node, another load) and the loaded costs are
-        suspect too: plan nothing until a checkpoint of this session has measured them afresh."""
+        for; otherwise the run landed elsewhere (another node, another load), and the loaded costs
+        and the correction learned from them are suspect too: plan nothing until a checkpoint of this
+        session has measured the costs afresh, and plan uncorrected (the budget spent is kept)."""
         self._resumed = False
         before, now = self._planned_iteration, ctx.iteration_time
         if not _measured(before) or abs(math.log(now / before)) <= 0.25:
             return
         self.reason = f"re-profiling after the restore: iteration {now * 1e3:.2f} ms, planned for {before * 1e3:.2f} ms"
         log.info("Overhead: interval %d → 0 steps (%s)", self.interval, self.reason)
-        self.interval, self._planned_iteration = 0, math.nan
+        self.interval, self._planned_iteration, self.correction, self._why = 0, math.nan, 1.0, None
+        self._window.clear()
         self._planned_costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)  # replan once they change
 
     def ready(self, ctx: DecisionContext) -> bool:
