@@ -77,7 +77,7 @@ def test_inspect_shortens_the_carried_run_state(tmp_path: Path) -> None:
 
     _run(tmp_path, POLICIES["ConvergenceAware"](), 300, losses=True, settle=True).close()
     checkpoint = str(sorted(tmp_path.glob("step_*"))[-1])
-    text = CliRunner().invoke(app, ["inspect", checkpoint], terminal_width=400).output
+    text = CliRunner().invoke(app, ["inspect", checkpoint], env={"COLUMNS": "400"}).output
     assert "characters;--jsonshowsall" in "".join(text.replace("│", "").split())  # however the table wraps it
     doc = json.loads(CliRunner().invoke(app, ["inspect", checkpoint, "--json"]).output)
     assert len(doc["objects"]["checkfreq"]["value"]["policy"]["state"]["losses"]) > 100
