@@ -75,7 +75,9 @@ def test_inspect_shortens_the_carried_run_state(tmp_path: Path) -> None:
 
     from checkfreq.cli import app
 
-    _run(tmp_path, POLICIES["ConvergenceAware"](), 300, losses=True, settle=True).close()
+    run = _run(tmp_path, POLICIES["ConvergenceAware"](), 300, losses=True)
+    run.save(blocking=True)
+    run.close()
     checkpoint = str(sorted(tmp_path.glob("step_*"))[-1])
     text = CliRunner().invoke(app, ["inspect", checkpoint], env={"COLUMNS": "400"}).output
     assert "characters;--jsonshowsall" in "".join(text.replace("│", "").split())  # however the table wraps it
