@@ -103,6 +103,25 @@ def test_report_summary_matches_the_event_log(run: Path, reported: tuple[dict, P
     assert f"{100 * expected['overhead']:.2f} %" in text
 
 
+def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, Path]) -> None:
+    doc, _ = reported
+    first, resumed = doc["sessions"]
+    assert (first["restored_step"], first["checkpoints"], first["first_step"], first["last_step"]) == (None, 2, 5, 10)
+    assert (resumed["restored_step"], resumed["checkpoints"], resumed["first_step"], resumed["last_step"]) == (10, 4, 15, 30)
+    assert resumed["seeded"] == ["profile", "policy"] and resumed["interval_median_steps"] == 5
+    assert first["checkpoints_per_step"] == pytest.approx(2 / 10) and resumed["checkpoints_per_step"] == pytest.approx(4 / 20)
+    assert [c["session"] for c in doc["checkpoints"]] == [0, 0, 1, 1, 1, 1]
+    events = read_events(run)
+    second_start = [i for i, e in enumerate(events) if e["event"] == "start"][1]
+    counted = [e for e in events[second_start:] if e["event"] == "snapshot"][1:]  # the first one's window holds the restore
+    clean = {c["step"]: c["baseline_iteration_s"] for c in doc["checkpoints"]}
+    explained = sum(e["interval_steps"] * clean[e["step"]] for e in counted)
+    assert resumed["overhead"] == pytest.approx(1 - explained / sum(e["interval_s"] for e in counted))
+    text = summary_text(load_run(run))
+    assert "session 1: started fresh; 2 checkpoints, steps 5..10, 200 per 1000 steps" in text
+    assert "session 2: restored step 10 (carried: profile, policy); 4 checkpoints, steps 15..30" in text
+
+
 def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path)])
     assert result.exit_code == 0 and summary_text(load_run(run)) in result.output

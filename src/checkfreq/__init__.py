@@ -22,7 +22,17 @@ from checkfreq.errors import (
     TopologyError,
     UnserializableStateError,
 )
-from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, EveryEpoch, Overhead, Policy, YoungDaly
+from checkfreq.policies import (
+    Auto,
+    ConvergenceAware,
+    DecisionContext,
+    Every,
+    EveryEpoch,
+    Overhead,
+    Policy,
+    StatefulPolicy,
+    YoungDaly,
+)
 
 __all__ = [
     "Auto",
@@ -43,6 +53,7 @@ __all__ = [
     "ReplicaMismatchError",
     "ResumableLoader",
     "ResumableSampler",
+    "StatefulPolicy",
     "StateMismatchError",
     "TopologyError",
     "UnserializableStateError",

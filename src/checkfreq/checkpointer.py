@@ -32,7 +32,7 @@ from checkfreq import storage
 from checkfreq.options import check_objects, check_option_types
 from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
 from checkfreq.persist import Writer
-from checkfreq.policies import DecisionContext, Policy, resolve
+from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
@@ -158,6 +158,7 @@ class Checkpointer:
         self._fence_stall = 0.0
 
         self._global_step = 0
+        self._session_start_step = 0  # the global step this session started from (its restore)
         self._last_checkpoint_step = 0
         self._durable_step = -1  # the newest step known committed (set by the writer)
         self._started = time.perf_counter()
@@ -261,13 +262,15 @@ class Checkpointer:
             skeleton, tensors = local_view(manifest, tensors)
         else:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
-        self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
-        self._global_step = self._last_checkpoint_step = self._durable_step = manifest.step
+        state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
+        self._apply(state)
+        self._global_step = self._last_checkpoint_step = self._durable_step = self._session_start_step = manifest.step
         self._foreign_step = None  # this run continues them
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
-        self._last_checkpoint_time = time.perf_counter()
-        self._events.write("restore", step=manifest.step, skipped=skipped, world_size=self._world_size,
+        self._started = self._last_checkpoint_time = time.perf_counter()
+        seeded = self._seed_session(state.get("checkfreq"))
+        self._events.write("restore", step=manifest.step, skipped=skipped, seeded=seeded, world_size=self._world_size,
                            saved_world_size=manifest.world_size)
         log.info("restored %s (step %d)", path.name, manifest.step)
         return manifest.step
@@ -339,6 +342,7 @@ class Checkpointer:
         p = self._profiler
         return DecisionContext(
             step=self._global_step,
+            session_steps=self._global_step - self._session_start_step,
             steps_since_checkpoint=self._global_step - self._last_checkpoint_step,
             elapsed=now - self._started,
             seconds_since_checkpoint=now - self._last_checkpoint_time,
@@ -353,6 +357,48 @@ class Checkpointer:
             epoch_changed=changed,
             loss=loss,
         )
+
+    def _run_state(self, step: int) -> dict[str, Any]:
+        """The reserved ``checkfreq`` entry of a checkpoint (plain JSON): the step, the optimizers'
+        classes (checked on restore) and what the run has learned."""
+        state: dict[str, Any] = {
+            "global_step": step,
+            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
+            "profile": self._profiler.state_dict(),
+        }
+        if isinstance(self._policy, StatefulPolicy):
+            state["policy"] = {"type": type(self._policy).__name__, "state": self._policy.state_dict()}
+        return state
+
+    def _seed_session(self, saved: Any) -> list[str]:
+        """Start the restored session from what the checkpoint's run had learned; returns what was seeded.
+
+        The profiler starts afresh, seeded with the saved estimates, and the policy resumes its
+        saved state; both are re-validated by this session's measurements. A state that does not
+        fit (an older checkpoint, another policy or configuration) is left out with a warning:
+        the session then profiles from scratch, which is slower to settle but never wrong.
+        """
+        self._profiler = Profiler()
+        saved = saved if isinstance(saved, dict) else {}
+        seeded = []
+        if "profile" in saved:
+            try:
+                self._profiler.load_state_dict(saved["profile"])
+                seeded.append("profile")
+            except (ValueError, TypeError, AttributeError) as e:
+                log.warning("not resuming the saved profile (%s); this session profiles afresh", e)
+        policy = saved.get("policy")
+        if isinstance(self._policy, StatefulPolicy) and policy is not None:
+            name = type(self._policy).__name__
+            try:
+                if not isinstance(policy, dict) or policy.get("type") != name:
+                    saved_type = policy.get("type") if isinstance(policy, dict) else policy
+                    raise ValueError(f"it was saved by policy {saved_type!r}, this run uses {name}")
+                self._policy.load_state_dict(policy["state"])
+                seeded.append("policy")
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                log.warning("not resuming the saved state of the %s policy (%s); it plans afresh from this session's measurements", name, e)
+        return seeded
 
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""
@@ -391,10 +437,7 @@ class Checkpointer:
         step, epoch = self._global_step, self._epoch()
         state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
         state.update(self._values)
-        state["checkfreq"] = {
-            "global_step": step,
-            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
-        }
+        state["checkfreq"] = self._run_state(step)
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
         owned, share = self._optimizer_owned(tensors), None
         if self._cluster is not None:  # this rank writes its share only

@@ -15,7 +15,8 @@ Every rank of a distributed job appends to the same log:
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "world_size", "saved_world_size"}``.
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "seeded", "world_size", "saved_world_size"}`` —
+  ``seeded`` lists what the checkpoint carried into the new session (``"profile"``, ``"policy"``).
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 

@@ -4,15 +4,24 @@ A policy answers :meth:`Policy.should_save` from a read-only :class:`DecisionCon
 never touches torch or storage, so it can be unit-tested with plain numbers. Adaptive policies
 expose their current decision as ``interval`` (steps between checkpoints) and ``reason`` (why
 that interval now), and log every change on the ``checkfreq.policies`` logger.
+
+Sessions: a run that is restored starts a new session (a new process, a fresh profiler). A policy
+that needs measurements waits ``warmup`` steps of *this* session and a measured iteration time
+before any checkpoint: a missing measurement means "wait and measure", never "checkpoint now".
+What a policy learned travels in every checkpoint through :meth:`StatefulPolicy.state_dict` (plain
+JSON) and seeds the resumed session's policy, which re-validates it against the fresh
+measurements (docs/policies.md, "Sessions and restarts").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -31,8 +40,11 @@ class DecisionContext:
     """
 
     step: int
-    """Optimizer steps taken so far (including this one)."""
+    """Optimizer steps taken so far (including this one), over every session of the run."""
+    session_steps: int
+    """Steps taken in this session: since the Checkpointer was created or restored (including this one)."""
     steps_since_checkpoint: int
+    """Steps since the last checkpoint, or since the restore if this session has taken none."""
     elapsed: float
     """Seconds since the Checkpointer was created (or restored)."""
     seconds_since_checkpoint: float
@@ -56,13 +68,77 @@ class Policy(Protocol):
     def should_save(self, ctx: DecisionContext) -> bool: ...
 
 
+@runtime_checkable
+class StatefulPolicy(Policy, Protocol):
+    """A policy whose learned state a checkpoint carries into the next session.
+
+    ``state_dict()`` returns plain JSON (numbers, strings, lists, dicts, ``None``);
+    ``load_state_dict()`` raises ``ValueError``, before changing anything, when the state is
+    malformed or was saved by a policy configured differently.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
 def _measured(x: float) -> bool:
     return x > 0 and math.isfinite(x)
 
 
+def _params(policy: Any) -> dict[str, Any]:
+    """The constructor arguments of a dataclass policy: the configuration its state belongs to."""
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
+
+
+def _check_params(policy: Any, state: Mapping[str, Any]) -> None:
+    saved, current = state.get("params"), _params(policy)
+    if saved != current:
+        raise ValueError(f"state saved by {type(policy).__name__}({saved}), this run uses {type(policy).__name__}({current})")
+
+
+def _number(state: Mapping[str, Any], key: str, *, low: float = 0.0) -> float:
+    """A saved finite number >= ``low``; ``None`` (not measured) reads as NaN."""
+    value = state.get(key)
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= low):
+        raise ValueError(f"{key!r} must be a finite number >= {low:g} or null, got {value!r}")
+    return float(value)
+
+
+def _count(state: Mapping[str, Any], key: str) -> int:
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _text(state: Mapping[str, Any], key: str) -> str:
+    value = state.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{key!r} must be a string, got {value!r}")
+    return value
+
+
+def _numbers(state: Mapping[str, Any], key: str) -> list[float]:
+    values = state.get(key)
+    if not isinstance(values, list):
+        raise ValueError(f"{key!r} must be a list of numbers, got {type(values).__name__}")
+    return [_number({key: v}, key, low=-math.inf) for v in values]
+
+
+def _json_number(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
 @dataclass
 class Every:
-    """Checkpoint every ``n`` steps, or every ``seconds`` of wall time (give exactly one)."""
+    """Checkpoint every ``n`` steps, or every ``seconds`` of wall time (give exactly one).
+
+    ``seconds`` count from the last checkpoint or the restore; a checkpoint due while the previous
+    one is still being written waits for it to be durable (it would only block the loop).
+    """
 
     n: int | None = None
     seconds: float | None = None
@@ -78,7 +154,14 @@ class Every:
     def should_save(self, ctx: DecisionContext) -> bool:
         if self.n is not None:
             return ctx.steps_since_checkpoint >= self.n
-        return ctx.seconds_since_checkpoint >= self.seconds  # type: ignore[operator]
+        return not ctx.persist_in_flight and ctx.seconds_since_checkpoint >= self.seconds  # type: ignore[operator]
+
+    def state_dict(self) -> dict[str, Any]:
+        """A fixed cadence learns nothing: only its configuration."""
+        return {"params": _params(self)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_params(self, state)
 
 
 @dataclass
@@ -130,7 +213,7 @@ class Overhead:
 
     p: float = 0.035
     warmup: int = 10
-    """Steps profiled before the first checkpoint."""
+    """Steps profiled at the start of every session (run or restore) before its first checkpoint."""
     target: float = 0.9
     """Plan for ``target·p``, leaving the rest of the bound for noise."""
     low: float = 0.5
@@ -148,6 +231,8 @@ class Overhead:
     _productive: float = field(default=0.0, init=False, repr=False)
     _planned_iteration: float = field(default=math.nan, init=False, repr=False)
     _planned_costs: tuple[float, ...] = field(default=(), init=False, repr=False)
+    _resumed: bool = field(default=False, init=False, repr=False)
+    """A loaded plan not yet checked against this session's iteration time."""
 
     def __post_init__(self) -> None:
         if not 0 < self.p < 1:
@@ -160,6 +245,42 @@ class Overhead:
     def should_save(self, ctx: DecisionContext) -> bool:
         self.observe(ctx)
         return self.ready(ctx) and ctx.steps_since_checkpoint >= max(self.interval, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan, the correction, the whole-run budget and the current verdict window, as JSON.
+
+        The checkpoint-to-checkpoint cycle being measured belongs to the session and is not saved.
+        """
+        return {
+            "params": _params(self),
+            "interval": self.interval,
+            "reason": self.reason,
+            "correction": self.correction,
+            "spent_s": self._spent,
+            "productive_s": self._productive,
+            "window": list(self._window),
+            "why": self._why,
+            "planned_iteration_s": _json_number(self._planned_iteration),
+            "planned_costs_s": [_json_number(c) for c in self._planned_costs],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; the next measurements re-validate the plan (see :meth:`observe`)."""
+        _check_params(self, state)
+        why = state.get("why")
+        if why is not None and not isinstance(why, str):
+            raise ValueError(f"'why' must be a string or null, got {why!r}")
+        costs = state.get("planned_costs_s")
+        if not isinstance(costs, list) or len(costs) not in (0, 3):
+            raise ValueError(f"'planned_costs_s' must be a list of three numbers, got {costs!r}")
+        interval, reason, window = _count(state, "interval"), _text(state, "reason"), _numbers(state, "window")
+        correction, spent, productive = (_number(state, k, low=lo) for k, lo in (("correction", 1.0), ("spent_s", -math.inf), ("productive_s", 0.0)))
+        if any(math.isnan(x) for x in (correction, spent, productive)):
+            raise ValueError("'correction', 'spent_s' and 'productive_s' must be numbers")
+        planned_iteration, planned_costs = _number(state, "planned_iteration_s"), tuple(_number({"cost": c}, "cost") for c in costs)
+        self.interval, self.reason, self.correction, self._spent, self._productive = interval, reason, correction, spent, productive
+        self._planned_iteration, self._planned_costs = planned_iteration, planned_costs
+        self._window, self._why, self._cycles, self._resumed = deque(window), why, _Cycles(), True
 
     def observe(self, ctx: DecisionContext) -> None:
         """Update the measurements and, when warranted, the plan."""
@@ -175,18 +296,37 @@ class Overhead:
                 self._window.clear()
         if not (_measured(t_i) and _measured(ctx.stall) and _measured(ctx.persist_time)):
             return
+        if self._resumed:  # the loaded plan stands, unchanged, until this session's warmup has measured it
+            if ctx.session_steps < self.warmup:
+                return
+            self._revalidate(ctx)
         shifted = _measured(self._planned_iteration) and abs(math.log(t_i / self._planned_iteration)) > 0.25
         costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)
         if shifted or self._why is not None or costs != self._planned_costs:
             self._planned_costs = costs
             self._plan(ctx, "iteration time changed" if shifted else None)
 
+    def _revalidate(self, ctx: DecisionContext) -> None:
+        """After a restore's warmup: keep the loaded plan if the iteration time is what it was planned
+        for; otherwise the run landed elsewhere (another node, another load), and the loaded costs
+        and the correction learned from them are suspect too: plan nothing until a checkpoint of this
+        session has measured the costs afresh, and plan uncorrected (the budget spent is kept)."""
+        self._resumed = False
+        before, now = self._planned_iteration, ctx.iteration_time
+        if not _measured(before) or abs(math.log(now / before)) <= 0.25:
+            return
+        self.reason = f"re-profiling after the restore: iteration {now * 1e3:.2f} ms, planned for {before * 1e3:.2f} ms"
+        log.info("Overhead: interval %d → 0 steps (%s)", self.interval, self.reason)
+        self.interval, self._planned_iteration, self.correction, self._why = 0, math.nan, 1.0, None
+        self._window.clear()
+        self._planned_costs = (ctx.stall, ctx.persist_time, ctx.checkpoint_cost)  # replan once they change
+
     def ready(self, ctx: DecisionContext) -> bool:
-        """Whether the guards allow a checkpoint now: profiled, nothing in flight, within budget."""
-        if ctx.persist_in_flight or ctx.step < self.warmup:
+        """Whether the guards allow a checkpoint now: this session profiled, nothing in flight, within budget."""
+        if ctx.persist_in_flight or ctx.session_steps < self.warmup or not _measured(ctx.iteration_time):
             return False
-        if self.interval == 0:
-            return True  # the first checkpoint measures what checkpoints cost
+        if self.interval == 0:  # a checkpoint measures what checkpoints cost; then the plan waits for it
+            return ctx.steps_since_checkpoint >= self.warmup
         since = ctx.steps_since_checkpoint * ctx.iteration_time
         return self._spent + self.cost(ctx) <= self.p * (self._productive + since)
 
@@ -239,7 +379,8 @@ class YoungDaly:
 
     ``mtbf`` is the *job's* mean time between failures in seconds (``g`` workers of MTBF ``M_1``
     each give ``M_1 / g``). ``method``: ``"daly"`` (default), ``"young"`` or ``"exact"``.
-    The first checkpoint, after ``warmup`` steps, measures the costs.
+    Every session profiles ``warmup`` steps first; until an interval is planned, a checkpoint
+    every ``warmup`` steps measures the costs.
     """
 
     mtbf: float
@@ -258,9 +399,18 @@ class YoungDaly:
 
     def should_save(self, ctx: DecisionContext) -> bool:
         self.observe(ctx)
-        if self.interval == 0:
-            return ctx.step >= self.warmup and not ctx.persist_in_flight
-        return ctx.steps_since_checkpoint >= self.interval and not ctx.persist_in_flight
+        return self.ready(ctx) and ctx.steps_since_checkpoint >= (self.interval or self.warmup)
+
+    def ready(self, ctx: DecisionContext) -> bool:
+        """Whether this session has profiled its iterations and no persist is in flight."""
+        return not ctx.persist_in_flight and ctx.session_steps >= self.warmup and _measured(ctx.iteration_time)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": _params(self), "interval": self.interval, "reason": self.reason}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_params(self, state)
+        self.interval, self.reason = _count(state, "interval"), _text(state, "reason")
 
     def observe(self, ctx: DecisionContext) -> None:
         if not (_measured(ctx.iteration_time) and _measured(ctx.stall)):
@@ -311,6 +461,21 @@ class Auto:
         if self.failures is not None:
             self.failures.observe(ctx)
         return self.overhead.ready(ctx) and ctx.steps_since_checkpoint >= max(self.interval, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        failures = None if self.failures is None else self.failures.state_dict()
+        return {"params": _params(self), "overhead": self.overhead.state_dict(), "failures": failures}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_params(self, state)
+        overhead, failures = state.get("overhead"), state.get("failures")
+        if not isinstance(overhead, Mapping) or (self.failures is not None) != isinstance(failures, Mapping):
+            raise ValueError("Auto's state needs its 'overhead' state (and 'failures' with an mtbf)")
+        fresh = Overhead(self.p)
+        fresh.load_state_dict(overhead)  # validated in full before anything here changes
+        if self.failures is not None:
+            self.failures.load_state_dict(failures)  # type: ignore[arg-type]
+        self.overhead = fresh
 
 
 @dataclass
@@ -363,11 +528,11 @@ class ConvergenceAware:
         if ctx.step >= self._next_fit and _measured(ctx.iteration_time) and _measured(ctx.stall):
             self._next_fit = ctx.step + max(self.refit_every, ctx.step // 10)  # refits get rarer as data accrue
             self._refit(ctx)
-        if ctx.persist_in_flight:
-            return False
         if self.curve is None:
             self.interval, self.reason = self._fallback.interval, f"no loss fit yet: {self._fallback.reason}"
             return self._fallback.should_save(ctx)
+        if not (self._fallback.ready(ctx) and _measured(ctx.stall)):  # this session profiles first
+            return False
         if self._plan is not None:
             last = ctx.step - ctx.steps_since_checkpoint
             due = self._plan[self._plan > last]
@@ -375,6 +540,42 @@ class ConvergenceAware:
         else:
             self.interval = self._closed_form(ctx, ctx.step - ctx.steps_since_checkpoint)
         return ctx.steps_since_checkpoint >= self.interval
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fit, the loss history it is refitted from, the exact plan and the fallback's state, as JSON."""
+        curve = None if self.curve is None else {k: float(v) for k, v in dataclasses.asdict(self.curve).items()}
+        return {
+            "params": _params(self),
+            "interval": self.interval,
+            "reason": self.reason,
+            "curve": curve,
+            "steps": list(self._steps),
+            "losses": list(self._losses),
+            "stride": self._stride,
+            "next_fit": self._next_fit,
+            "plan": None if self._plan is None else [float(x) for x in self._plan],
+            "fallback": self._fallback.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_params(self, state)
+        steps, losses, curve, plan = _numbers(state, "steps"), _numbers(state, "losses"), state.get("curve"), state.get("plan")
+        if len(steps) != len(losses) or len(steps) > self.max_points:
+            raise ValueError(f"'steps' and 'losses' must be lists of equal length <= {self.max_points}")
+        if curve is not None and not (isinstance(curve, Mapping) and set(curve) == {"a", "b", "w0", "c"}):
+            raise ValueError(f"'curve' must be null or {{a, b, w0, c}}, got {curve!r}")
+        coefficients = [] if curve is None else [_number(curve, k, low=-math.inf) for k in ("a", "b", "w0", "c")]
+        if any(math.isnan(x) for x in coefficients):
+            raise ValueError(f"'curve' coefficients must be numbers, got {curve!r}")
+        fit = LossCurve(*coefficients) if coefficients else None
+        placed = None if plan is None else np.asarray(_numbers(state, "plan"))
+        fallback, stride = YoungDaly(self.mtbf), _count(state, "stride")
+        if not isinstance(state.get("fallback"), Mapping) or stride < 1:
+            raise ValueError("ConvergenceAware's state needs 'fallback' and a 'stride' >= 1")
+        fallback.load_state_dict(state["fallback"])
+        self.interval, self.reason, next_fit = _count(state, "interval"), _text(state, "reason"), _count(state, "next_fit")
+        self.curve, self._plan, self._fallback, self._stride, self._next_fit = fit, placed, fallback, stride, next_fit
+        self._steps, self._losses = steps, losses
 
     def _record(self, step: int, loss: float) -> None:
         if step % self._stride:

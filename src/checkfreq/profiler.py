@@ -2,12 +2,17 @@
 
 The Checkpointer feeds it; policies read a :class:`~checkfreq.policies.DecisionContext` built from
 it. Every method is O(1) and allocation-free, so steps without a checkpoint cost nanoseconds.
+A profiler lives for one session (a process, from its start or restore); :meth:`Profiler.state_dict`
+goes into every checkpoint and seeds the next session's profiler, whose fresh samples re-validate
+the seeded estimates.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,6 +66,18 @@ class Smoothed:
         clipped = min(max(x, self.value / self.clip), self.value * self.clip)
         self.value += self.alpha * (clipped - self.value)
         return False
+
+    def seed(self, value: float) -> None:
+        """Start from ``value``, a previous session's estimate, counted as one sample.
+
+        Fresh samples then move it as they would have moved the previous session's estimate: a
+        few nearby ones smooth it, ``shift_after`` in a row beyond the band (another node, another
+        load) replace it by their median, and a costlier sample of a ``jump_up`` estimate at once.
+        """
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"a seeded estimate must be a non-negative number, got {value!r}")
+        self.value, self.count, self._run_side = value, 1, 0
+        self._run.clear()
 
 
 @dataclass
@@ -125,10 +142,40 @@ class Profiler:
         if seconds > 0 and nbytes > 0:
             self.bandwidth.add(nbytes / seconds)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The estimates as JSON-able numbers (``None``: not measured), for the checkpoint."""
+        estimates = {name: _known(getattr(self, name).value) for name in _SEEDED}
+        return {**estimates, "bytes_per_checkpoint": self.bytes_per_checkpoint}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Seed this session's estimates with a previous session's (see :meth:`Smoothed.seed`).
+
+        Raises ``ValueError`` on a malformed state, before changing anything.
+        """
+        values = {name: state.get(name) for name in _SEEDED}
+        for name, value in values.items():
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"profile {name!r} must be a non-negative number or null, got {value!r}")
+        nbytes = state.get("bytes_per_checkpoint", 0)
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"profile 'bytes_per_checkpoint' must be a non-negative integer, got {nbytes!r}")
+        for name, value in values.items():
+            if value is not None:
+                getattr(self, name).seed(float(value))
+        self.bytes_per_checkpoint = nbytes
+
     @property
     def slowdown(self) -> float:
         """Relative slowdown of iterations that overlap a persist (0 when not measured)."""
         return interference(self.iteration.value, self.iteration_while_persisting.value)
+
+
+_SEEDED = ("iteration", "iteration_while_persisting", "stall", "persist", "bandwidth", "checkpoint_cost")
+"""The estimates a checkpoint carries into the next session."""
+
+
+def _known(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _cost_estimate() -> Smoothed:

@@ -16,6 +16,10 @@ includes setup). The run's overhead is the same ratio over the sums of all count
 Under torch.distributed every rank logs its own events into the one log. A checkpoint, a session
 and a restore are counted once, from rank 0's events (the rank that commits); each rank's own
 stalls are kept apart in :attr:`RunReport.rank_stalls`.
+
+A session is one Checkpointer's life in the directory, from its ``start`` event (a process that
+restored after a failure starts a new one); each session is also summarised on its own, so a
+resumed session that checkpoints differently from the first one shows.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class CheckpointRecord:
     clean_iterations: int | None
     clean_iteration_s: float | None
     first_of_session: bool
+    session: int = 0
+    """Index of the session (``start`` event) that took it, from 0."""
     status: str = "unfinished"
     """``committed``, ``failed``, or ``unfinished`` (no outcome logged: the process died or is still writing)."""
     persist_s: float | None = None
@@ -101,6 +107,27 @@ class Summary:
     overhead: float | None
 
 
+@dataclass(frozen=True)
+class SessionSummary:
+    """One session: what it resumed from and how it checkpointed (``None``: nothing to say)."""
+
+    index: int
+    start_time: float
+    policy: str | None
+    restored_step: int | None
+    """The step it restored (``None``: it did not restore)."""
+    seeded: tuple[str, ...]
+    """What the restored checkpoint carried into it (``profile``, ``policy``); see docs/policies.md."""
+    checkpoints: int
+    first_step: int | None
+    last_step: int | None
+    interval_median_steps: float | None
+    checkpoints_per_step: float | None
+    """Checkpoints per step from its first step to its last checkpoint."""
+    overhead: float | None
+    """Its own overhead: the run's ratio over this session's counted windows."""
+
+
 @dataclass
 class RunReport:
     """Everything ``checkfreq report`` shows."""
@@ -110,15 +137,19 @@ class RunReport:
     """Time of the log's first event (seconds since the epoch): the timeline's zero."""
     records: list[CheckpointRecord] = field(default_factory=list)
     restores: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    """Each session's ``start`` event, and its restore (``restored_step``, ``seeded``) if it had one."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
     """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
+    sessions: list[SessionSummary] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "directory": self.directory,
             "start_time": self.start_time,
             "summary": asdict(self.summary) if self.summary else None,
+            "sessions": [asdict(s) for s in self.sessions],
             "checkpoints": [asdict(r) for r in self.records],
             "restores": self.restores,
             "rank_stalls": self.rank_stalls,
@@ -138,11 +169,14 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
         kind = event.get("event")
         if kind == "start":
             new_session, sessions = True, sessions + 1
+            report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": []})
         elif kind == "restore":
             new_session = True
             report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", [])})
+            if report.starts and report.starts[-1]["restored_step"] is None:
+                report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])))
         elif kind == "snapshot":
-            record = _record(event, new_session)
+            record = _record(event, new_session, max(sessions - 1, 0))
             new_session = False
             report.records.append(record)
             open_by_step[record.step] = record
@@ -150,6 +184,7 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
             _apply_outcome(open_by_step[event["step"]], event)
     _estimate_overheads(report.records)
     report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
+    report.sessions = [summarize_session(report, i) for i in range(len(report.starts))]
     return report
 
 
@@ -167,14 +202,14 @@ def _rank_stalls(events: list[dict[str, Any]]) -> dict[int, list[float]]:
     return {rank: [s for _, s in entries if s is not None] for rank, entries in sorted(by_rank.items()) if entries}
 
 
-def _record(event: dict[str, Any], first: bool) -> CheckpointRecord:
+def _record(event: dict[str, Any], first: bool, session: int) -> CheckpointRecord:
     return CheckpointRecord(
         step=event["step"], time=event["time"], stall_s=event.get("stall_s"), bytes=event.get("bytes"),
         reason=event.get("reason"), policy=event.get("policy"), epoch=event.get("epoch"),
         interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
         iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
         clean_iterations=event.get("clean_iterations"), clean_iteration_s=event.get("clean_iteration_s"),
-        first_of_session=first,
+        first_of_session=first, session=session,
     )
 
 
@@ -227,6 +262,30 @@ def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
         clean_iteration_s=_clean_mean(recs),
         iteration_s=_last(r.iteration_s for r in recs),
         iteration_persisting_s=_last(r.iteration_persisting_s for r in recs),
+        overhead=1.0 - explained / window if window > 0 else None,
+    )
+
+
+def summarize_session(report: RunReport, index: int) -> SessionSummary:
+    """Session ``index``'s numbers (see :class:`SessionSummary`)."""
+    start = report.starts[index]
+    recs = [r for r in report.records if r.session == index]
+    counted = [r for r in recs if r.overhead is not None]
+    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
+    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
+    begin = start["restored_step"] or 0
+    span = recs[-1].step - begin if recs else 0
+    return SessionSummary(
+        index=index,
+        start_time=start["time"],
+        policy=start["policy"],
+        restored_step=start["restored_step"],
+        seeded=tuple(start["seeded"]),
+        checkpoints=len(recs),
+        first_step=recs[0].step if recs else None,
+        last_step=recs[-1].step if recs else None,
+        interval_median_steps=_median(_values(r.interval_steps for r in recs if not r.first_of_session)),
+        checkpoints_per_step=len(recs) / span if span > 0 else None,
         overhead=1.0 - explained / window if window > 0 else None,
     )
 
@@ -285,7 +344,23 @@ def summary_text(report: RunReport) -> str:
         f"{human_seconds(s.iteration_persisting_s)} while persisting"
     )
     lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
+    if len(report.sessions) > 1:
+        lines.extend(session_line(session) for session in report.sessions)
     return "\n".join(lines)
+
+
+def session_line(s: SessionSummary) -> str:
+    """One session in a line: where it started, its checkpoints, interval and overhead."""
+    began = "started fresh" if s.restored_step is None else f"restored step {s.restored_step}"
+    if s.seeded:
+        began += f" (carried: {', '.join(s.seeded)})"
+    steps = f", steps {s.first_step}..{s.last_step}" if s.checkpoints else ""
+    return (
+        f"session {s.index + 1}: {began}; {s.checkpoints} checkpoints{steps}, "
+        f"{_num(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, '{:.3g}')} per 1000 steps, "
+        f"interval median {_num(s.interval_median_steps, '{:g}')} steps, "
+        f"overhead {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} %"
+    )
 
 
 def _num(value: float | None, fmt: str) -> str:

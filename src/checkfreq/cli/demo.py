@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from checkfreq.cli import app
 from checkfreq.events import read_events
+from checkfreq.report import SessionSummary, load_run
 
 console = Console()
 
@@ -101,8 +102,7 @@ def _summary(workdir: Path, checkpoints: Path, reference: Segment, first: Segmen
     events = read_events(checkpoints)
     stalls = _stall_per_checkpoint(events)
     commits = [e["step"] for e in events if e["event"] == "commit"]
-    checkpointed = [s for s in (first.seconds_per_step, resumed.seconds_per_step) if s == s]
-    overhead = statistics.mean(checkpointed) / reference.seconds_per_step - 1 if checkpointed else float("nan")
+    sessions = load_run(checkpoints).sessions
     identical = _identical(workdir / "uninterrupted.safetensors", workdir / "resumed.safetensors")
 
     table = Table(show_header=False, box=None)
@@ -111,13 +111,24 @@ def _summary(workdir: Path, checkpoints: Path, reference: Segment, first: Segmen
         table.add_row("stall per checkpoint", f"median {statistics.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms")
     table.add_row("killed at step", f"{first.last_step} (SIGKILL)")
     table.add_row("resumed from step", f"{resumed.resumed_from} (lost {first.last_step - resumed.resumed_from} steps)")
-    table.add_row("time per step", f"{reference.seconds_per_step * 1e3:.1f} ms uninterrupted, "
-                  f"{statistics.mean(checkpointed) * 1e3:.1f} ms with checkpoints")
-    table.add_row("overhead", f"{overhead:+.1%} (one run each on a shared machine: noisy)")
+    table.add_row("time per step", f"{reference.seconds_per_step * 1e3:.1f} ms uninterrupted (no checkpoints)")
+    for label, segment, session in (("first session", first, sessions[0]), ("resumed session", resumed, sessions[-1])):
+        table.add_row(label, _session_row(segment, session, reference))
+    table.add_row("", "overhead by wall time: time per step against the uninterrupted run's (one run each on a "
+                  "shared machine: noisy); by the event log: as `checkfreq report` measures it")
     table.add_row("resumed == uninterrupted", "[green]yes, bit for bit[/]" if identical else "[red]NO[/]")
     console.print(table)
     if not identical:
         raise typer.Exit(1)
+
+
+def _session_row(segment: Segment, session: SessionSummary, reference: Segment) -> str:
+    """A session's steps, checkpoints, time per step and overhead (by wall time and by the event log)."""
+    steps = segment.last_step - segment.resumed_from
+    by_wall = segment.seconds_per_step / reference.seconds_per_step - 1
+    by_log = "n/a" if session.overhead is None else f"{session.overhead:.1%}"
+    return (f"{session.checkpoints} checkpoints in {steps} steps, {segment.seconds_per_step * 1e3:.1f} ms per step, "
+            f"overhead {by_wall:+.1%} by wall time, {by_log} by the event log")
 
 
 def _stall_per_checkpoint(events: list[dict]) -> list[float]:

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 
 
+VALUE_CHARS = 300
+"""How much of a plain value ``inspect`` prints in its table."""
+
+
 @app.command("ls")
 @reports_errors
 def ls_command(
@@ -80,7 +84,9 @@ def inspect_command(
     for column in ("name", "tensors", "bytes", "value"):
         objects.add_column(column, no_wrap=column != "value")
     for name, entry in info.objects.items():
-        value = json.dumps(entry["value"]) if "value" in entry else ""
+        value = json.dumps(entry["value"], ensure_ascii=False) if "value" in entry else ""
+        if len(value) > VALUE_CHARS:  # the run state of a convergence-aware policy holds its loss history
+            value = f"{value[:VALUE_CHARS]}… ({len(value)} characters; --json shows all)"
         objects.add_row(name, str(entry["tensors"]), human_bytes(entry["bytes"]), value)
     out.print(objects)
     tensors = Table(title=f"{len(info.tensors)} tensors, {human_bytes(sum(t.bytes for t in info.tensors))}")
