@@ -71,6 +71,8 @@ class Sessions:
     resumed: list[float] = field(default_factory=list)
     restored_steps: list[int] = field(default_factory=list)
     resumed_checkpoints: list[list[int]] = field(default_factory=list)
+    uninterrupted: list[float] = field(default_factory=list)
+    """Wall seconds of a run never killed over the same steps as the resumed session, timed the same way."""
     uninterrupted_checkpoints: list[list[int]] = field(default_factory=list)
     """The checkpoints a run never killed took over the same steps as the resumed session."""
     reasons: list[str] = field(default_factory=list)
@@ -87,7 +89,8 @@ def resumed_sessions(
     copy of ``killed`` (a checkpoint directory a SIGKILLed run left) for ``steps`` steps, timed
     whole from its first step to its last (the restore before and the wait for the last persist
     after are one-offs a test-sized session cannot amortise, which a real one of minutes does), and
-    an uninterrupted run from step 0 to the end of the resumed one, all under the default policy.
+    an uninterrupted run from step 0 to the end of the resumed one, its last ``steps`` steps timed
+    the same way, all under the default policy.
 
     ``forward`` is the module the loop calls (a DDP wrapper of ``model``); under torch.distributed
     only the ``leader`` copies directories and ``barrier`` waits for it.
@@ -109,7 +112,7 @@ def resumed_sessions(
         out.resumed.append(train(steps, ckpt, net, opt, x, y, started=out.resumed_checkpoints[-1], timed_close=False))
         out.reasons.append(str(getattr(ckpt.policy, "reason", "")))
         started: list[int] = []
-        train(restored + steps, Checkpointer(workdir / f"uninterrupted-{rep}", keep=2, model=model, optimizer=opt),
-              net, opt, x, y, started=started)
+        uninterrupted = Checkpointer(workdir / f"uninterrupted-{rep}", keep=2, model=model, optimizer=opt)
+        out.uninterrupted.append(train(steps, uninterrupted, net, opt, x, y, warmup=restored, started=started, timed_close=False))
         out.uninterrupted_checkpoints.append([s for s in started if s > restored])
     return out
