@@ -33,10 +33,10 @@ def shm_dir(monkeypatch: pytest.MonkeyPatch):
 
 
 def put(region: MemoryRegion, step: int, nbytes: int = 4096) -> int:
-    slot, data = region.begin()
-    data[:nbytes].fill_(step % 251)
-    region.commit(slot, step, nbytes, json.dumps({"step": step}).encode(), SIG)
-    return slot
+    target = region.begin()
+    target.data[:nbytes].fill_(step % 251)
+    region.commit(target, step, nbytes, json.dumps({"step": step}).encode(), SIG)
+    return target.slot
 
 
 def test_two_slots_alternate_and_a_new_process_reads_the_newest(shm_dir: Path, tmp_path: Path) -> None:
@@ -105,14 +105,14 @@ WRITER = textwrap.dedent(
     region.reserve(nbytes, 100)
     chunk = nbytes // 8
     for step in range(1, 10**6):
-        slot, data = region.begin()
+        target = region.begin()
         for i in range(8):
-            data[i * chunk:(i + 1) * chunk].fill_(step % 251)
+            target.data[i * chunk:(i + 1) * chunk].fill_(step % 251)
             if i == 3:
                 print(f"half {step}", flush=True)
                 if step == stop_at:
                     time.sleep(60)  # the parent kills it here, half-way through the copy
-        region.commit(slot, step, nbytes, json.dumps({"step": step}).encode(), layout_signature(("x",)))
+        region.commit(target, step, nbytes, json.dumps({"step": step}).encode(), layout_signature(("x",)))
         print(f"done {step}", flush=True)
     """
 )
@@ -199,9 +199,9 @@ def test_begin_never_touches_the_slot_being_persisted(shm_dir: Path, tmp_path: P
     region.reserve(4096, 100)
     pinned = put(region, 1)
     for step in (2, 3, 4):
-        slot, data = region.begin(keep=pinned)
-        assert slot != pinned
-        data[:4096].fill_(step)
-        region.commit(slot, step, 4096, b"{}", SIG)
+        target = region.begin(keep=pinned)
+        assert target.slot != pinned
+        target.data[:4096].fill_(step)
+        region.commit(target, step, 4096, b"{}", SIG)
     assert sorted(i.step for i in region.snapshots()) == [1, 4]
     region.release(remove=True)

@@ -23,12 +23,14 @@ from checkfreq.events import EventLog
 from checkfreq import storage
 from checkfreq.options import check_objects, check_option_types
 from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
+from checkfreq.memory_cadence import MemoryCadence
+from checkfreq.memory_tier import MemoryState, MemoryTier
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
-from checkfreq.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
@@ -63,6 +65,12 @@ class Checkpointer:
             only records the signal; the next :meth:`step` (or :meth:`close`) takes a blocking
             checkpoint and then lets the signal take its original effect (the default action
             ends the process). Needs the main thread.
+        memory: the memory tier (docs/storage.md): every snapshot lands in a shared-memory
+            region under /dev/shm that outlives the process, and :meth:`restore` takes the newest
+            valid state of memory and disk. ``True`` takes memory snapshots as often as the
+            overhead bound allows (every step when the copy is cheap), an int ``n`` every ``n``
+            steps; the policy still decides when to persist to disk. Falls back to disk only,
+            with one warning, when /dev/shm has no room. Single-process runs only, for now.
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -87,6 +95,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         persist_timeout: float = 3600.0,
         save_on_signal: Iterable[int] = (),
+        memory: bool | int = False,
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
     ) -> None:
@@ -104,6 +113,7 @@ class Checkpointer:
         if both:
             raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
         self._policy = resolve(policy)
+        memory_cadence = _memory_cadence(memory)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._keep = keep
         self._on_error = on_error
@@ -126,8 +136,11 @@ class Checkpointer:
             self._store.remove_staging()
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._store.root
-        newest = self._store.checkpoints()
-        self._foreign_step: int | None = newest[0][0] if newest else None  # until restore() adopts them
+        self._memory = None if memory_cadence is None else self._open_memory_tier(memory_cadence)
+        newest = [s for s, _ in self._store.checkpoints()[:1]]
+        if self._memory is not None:
+            newest += [s for s in [self._memory.newest_step()] if s is not None]
+        self._foreign_step: int | None = max(newest, default=None)  # until restore() adopts them
         self._closed = False
         self._events = EventLog(self._store.events_directory)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
@@ -145,6 +158,7 @@ class Checkpointer:
         ]
         self._fence: PendingSnapshot | None = None
         self._fence_stall = 0.0
+        self._fence_memory = False  # the fenced snapshot is a memory-only one
 
         self._global_step = 0
         self._last_checkpoint_step = 0
@@ -205,6 +219,8 @@ class Checkpointer:
         if self._decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
+        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(self._global_step, ctx.iteration_time):
+            self._snapshot_to_memory()
         return False
 
     def save(self, blocking: bool = False) -> None:
@@ -234,7 +250,7 @@ class Checkpointer:
         self._check_open("restore()")
         self.wait()
         if self._cluster is None:
-            found = self._find(step)
+            found = self._find_across_tiers(step)
         else:  # rank 0 chooses, every rank reads the same checkpoint
             found = self._cluster.find(lambda: self._find(step), read_checkpoint)
         if found is None:
@@ -246,14 +262,41 @@ class Checkpointer:
         else:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
         self._apply(unflatten(skeleton, tensors, allow_pickle=self._allow_pickle))
-        self._global_step = self._last_checkpoint_step = self._durable_step = manifest.step
+        from_memory = isinstance(path, MemoryState)
+        self._global_step = self._last_checkpoint_step = manifest.step
+        self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
         self._last_checkpoint_time = time.perf_counter()
-        self._events.write("restore", step=manifest.step, skipped=skipped)
-        log.info("restored %s (step %d)", path.name, manifest.step)
+        if self._memory is not None:
+            self._memory.forget_newer_than(manifest.step)
+            self._memory.cadence.taken(manifest.step)
+        tier = "memory" if from_memory else getattr(path, "tier", "local")
+        self._events.write("restore", step=manifest.step, skipped=skipped, tier=tier)
+        log.info("restored %s (step %d, %s tier)", path.name, manifest.step, tier)
         return manifest.step
+
+    def _find_across_tiers(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
+        """The newest valid state of the memory tier and the store (or the one at ``step``);
+        memory wins a tie (it reads fastest), disk the rest, memory again if no disk checkpoint is valid."""
+        if self._memory is None:
+            return self._find(step)
+        state, skipped = self._memory.read(step)
+        if state is not None:
+            listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
+            if not listed or state.manifest.step >= listed[0]:
+                return state.manifest, state.tensors, state, skipped
+        try:
+            found = self._find(step)
+        except NoValidCheckpointError:
+            if state is None:
+                raise
+            found = None
+        if found is None:
+            return None if state is None else (state.manifest, state.tensors, state, skipped)
+        manifest, tensors, path, disk_skipped = found
+        return manifest, tensors, path, skipped + disk_skipped
 
     def _find(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]] | None:
         """The newest valid checkpoint (or the one at ``step``) as (manifest, arrays, path, skipped)."""
@@ -289,6 +332,8 @@ class Checkpointer:
             self._cluster.close()
         try:
             self.wait()
+            if self._memory is not None:
+                self._close_memory_tier()
         finally:
             self._finalizer()
 
@@ -352,21 +397,23 @@ class Checkpointer:
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
         self._surface_background_error()
+        if self._memory is not None:
+            self._wait_memory()
         self._finish_fence()
         step, epoch = self._global_step, self._epoch()
-        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
-        state.update(self._values)
-        state["checkfreq"] = {
-            "global_step": step,
-            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
-        }
-        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
-        owned, share = self._optimizer_owned(tensors), None
+        skeleton, tensors, owned = self._capture(step)
+        share = None
         if self._cluster is not None:  # this rank writes its share only
             tensors, owned, share = self._cluster.select(tensors, owned)
         self._profiler.begin_checkpoint()
-        pending = self._snapshotter.take(tensors, owned)
-        self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start, share))
+        layout = layout_of(tensors)
+        target = None if self._memory is None else self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
+        job = lambda: self._persist(pending, skeleton, step, epoch, start, share)  # noqa: E731
+        if target is not None:
+            job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
+            self._memory.cadence.taken(step)  # type: ignore[union-attr]
+        self._writer.submit(job)
         interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
         self._last_checkpoint_step = step
         self._last_checkpoint_time = start
@@ -381,7 +428,7 @@ class Checkpointer:
         )
         self._clean_count, self._clean_seconds = 0, 0.0
         if pending.has_deferred:
-            self._fence, self._fence_stall = pending, stall
+            self._fence, self._fence_stall, self._fence_memory = pending, stall, False
         else:
             self._profiler.record_stall(stall)
         if blocking:
@@ -390,6 +437,77 @@ class Checkpointer:
             error = self._writer.take_error()
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
+
+    def _capture(self, step: int) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
+        """The registered state as (skeleton, tensors, names of the optimizer-owned tensors)."""
+        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
+        state.update(self._values)
+        state["checkfreq"] = {
+            "global_step": step,
+            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
+        }
+        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
+        return skeleton, tensors, self._optimizer_owned(tensors)
+
+    # ------------------------------------------------------------------ memory tier
+
+    def _open_memory_tier(self, cadence: MemoryCadence) -> MemoryTier:
+        if self._cluster is not None:
+            raise ValueError("memory= is not supported under torch.distributed yet; leave it off for multi-process runs")
+        return MemoryTier(self._store.root, cadence, data_file=DATA_FILE)
+
+    def _snapshot_to_memory(self) -> None:
+        """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
+        memory = self._memory
+        assert memory is not None
+        start = time.perf_counter()
+        self._wait_memory()
+        self._finish_fence()
+        step, epoch = self._global_step, self._epoch()
+        skeleton, tensors, owned = self._capture(step)
+        layout = layout_of(tensors)
+        target = memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        if target is None:
+            return
+        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer)
+        memory.submit(target, pending, skeleton, epoch)
+        memory.cadence.taken(step)
+        stall = time.perf_counter() - start
+        self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
+        if pending.has_deferred:
+            self._fence, self._fence_stall, self._fence_memory = pending, stall, True
+        else:
+            memory.cadence.record(stall)
+
+    def _wait_memory(self) -> None:
+        """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""
+        memory = self._memory
+        assert memory is not None
+        memory.writer.wait(self._timeout)
+        error = memory.writer.take_error()
+        if error is None:
+            return
+        memory.newest = None  # never committed: nothing to persist from it
+        if self._on_error == "warn":
+            log.warning("memory snapshot failed, training goes on: %s", error)
+            return
+        raise PersistError(f"memory snapshot failed: {error}") from error
+
+    def _close_memory_tier(self) -> None:
+        """Persist the newest memory snapshot if disk is behind it, then remove the region (a clean close)."""
+        memory = self._memory
+        assert memory is not None
+        self._wait_memory()
+        newest = memory.newest
+        if newest is not None and newest.step > self._durable_step:
+            start = time.perf_counter()
+            self._writer.submit(lambda: self._persist(newest.pending, newest.skeleton, newest.step, newest.epoch, start))
+            self._writer.wait(self._timeout)
+            error = self._writer.take_error()
+            if error is not None:
+                memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
+                raise PersistError(f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}") from error
+        memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
     def _optimizer_owned(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
@@ -410,10 +528,13 @@ class Checkpointer:
             pending.copy_pieces()  # share the copies the writer has not reached yet
             deadline = start + self._timeout
             while not pending.copied.wait(0.5):
-                self._writer.check_alive()
+                (self._memory.writer if self._fence_memory else self._writer).check_alive()  # type: ignore[union-attr]
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"snapshot copy still running after {self._timeout} s")
         wait = time.perf_counter() - start
+        if self._fence_memory:
+            self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
+            return
         self._profiler.record_stall(self._fence_stall + wait)
         self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
 
@@ -503,6 +624,17 @@ class Checkpointer:
             raise
         finally:
             self._trap.honour()  # type: ignore[union-attr]
+
+
+def _memory_cadence(memory: bool | int) -> MemoryCadence | None:
+    """The memory tier's cadence for the ``memory`` option (None: no memory tier)."""
+    if memory is False:
+        return None
+    if memory is True:
+        return MemoryCadence()
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
+        return MemoryCadence(every=memory)
+    raise TypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
 
 
 def _has_int_epoch(obj: object) -> bool:

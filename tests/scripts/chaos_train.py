@@ -65,6 +65,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--keep", type=int, default=2)
+    parser.add_argument("--memory", type=int, default=0, help="memory-tier cadence in steps (0: off)")
     parser.add_argument("--hook", choices=PHASES)
     parser.add_argument("--hook-at", type=int, default=1)
     parser.add_argument("--save-on-signal", type=int, action="append", default=[], help="signal number")
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loader = ResumableLoader(NoisySamples(args.samples), batch_size=args.batch_size, shuffle=True, seed=3)
     signals = tuple(signal.Signals(s) for s in args.save_on_signal)
-    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals,
+    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals, memory=args.memory or False,
                          model=model, optimizer=optimizer, scheduler=scheduler, loader=loader) as ckpt:
         progress("ready", ckpt.restore())
         for _ in range(loader.epoch, args.epochs):

@@ -75,6 +75,16 @@ class SlotInfo:
     checksum: int
 
 
+@dataclass(frozen=True)
+class OpenSlot:
+    """A slot opened by :meth:`MemoryRegion.begin` for one snapshot."""
+
+    slot: int
+    sequence: int
+    data: torch.Tensor
+    """The slot's data area (``uint8``, aligned for direct I/O)."""
+
+
 def shm_directory() -> Path:
     """Where regions live: ``$CHECKFREQ_SHM_DIR`` or ``/dev/shm``."""
     return Path(os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
@@ -262,12 +272,12 @@ class MemoryRegion:
 
     # ------------------------------------------------------------------ write
 
-    def begin(self, keep: int | None = None) -> tuple[int, torch.Tensor]:
+    def begin(self, keep: int | None = None) -> OpenSlot:
         """Open a slot for the next snapshot: its header is invalidated before this returns.
 
         The slot chosen is never ``keep`` (a slot still being persisted to disk) and, when
-        there is a choice, never the newest committed snapshot. Returns the slot and its data
-        area (a ``uint8`` view of ``data_capacity`` bytes, aligned for direct I/O).
+        there is a choice, never the newest committed snapshot. The sequence number is drawn
+        here, so snapshots rank in the order they were taken whichever thread commits them.
         """
         assert self._map is not None and self._bytes is not None
         newest = next(iter(self.snapshots()), None)
@@ -276,25 +286,32 @@ class MemoryRegion:
         slot = (preferred or free)[0]
         at = self._header_at(slot)
         self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
-        start = self._data_at(slot)
-        return slot, self._bytes[start : start + self._data_capacity]
-
-    def commit(self, slot: int, step: int, data_bytes: int, meta: bytes, signature: bytes) -> SlotInfo:
-        """Publish the snapshot copied into ``slot``: metadata, then checksum, then header (last)."""
-        assert self._map is not None
-        if len(meta) > self._meta_capacity or data_bytes > self._data_capacity:
-            raise ValueError("snapshot does not fit the reserved slot")
-        start = self._data_at(slot)
-        meta_at = start + self._data_capacity
-        self._map[meta_at : meta_at + len(meta)] = meta
-        checksum = self._checksum(start, data_bytes, meta_at, len(meta))
         with self._lock:
             self._sequence += 1
             sequence = self._sequence
-        body = _SLOT.pack(_SLOT_MAGIC, sequence, step, data_bytes, len(meta), signature, checksum)
-        at = self._header_at(slot)
+        start = self._data_at(slot)
+        return OpenSlot(slot, sequence, self._bytes[start : start + self._data_capacity])
+
+    def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes) -> SlotInfo:
+        """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last)."""
+        assert self._map is not None
+        if len(meta) > self._meta_capacity or data_bytes > self._data_capacity:
+            raise ValueError("snapshot does not fit the reserved slot")
+        start = self._data_at(target.slot)
+        meta_at = start + self._data_capacity
+        self._map[meta_at : meta_at + len(meta)] = meta
+        checksum = self._checksum(start, data_bytes, meta_at, len(meta))
+        body = _SLOT.pack(_SLOT_MAGIC, target.sequence, step, data_bytes, len(meta), signature, checksum)
+        at = self._header_at(target.slot)
         self._map[at : at + _SLOT.size + _CHECK.size] = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-        return SlotInfo(slot, sequence, step, data_bytes, len(meta), signature, checksum)
+        return SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, checksum)
+
+    def clear(self) -> None:
+        """Invalidate every snapshot (the run went back to an older state: they are another timeline)."""
+        if self._map is not None:
+            for slot in range(SLOTS):
+                at = self._header_at(slot)
+                self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
 
     def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
         view = memoryview(self._map)  # type: ignore[arg-type]
