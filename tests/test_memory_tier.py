@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 import checkfreq as cf
 from checkfreq.events import read_events
+from checkfreq.memory_cadence import MemoryCadence
 from checkfreq.storage.shm import SHM_DIR_ENV, region_path
 from conftest import make_model, train_step
 
@@ -159,3 +161,34 @@ def test_memory_option_is_checked(tmp_path: Path) -> None:
         cf.Checkpointer(tmp_path, memory=0.5, model=make_model())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="memory must be"):
         cf.Checkpointer(tmp_path, memory=-1, model=make_model())
+
+
+def test_memory_cadence_fixed_and_within_the_overhead_bound() -> None:
+    fixed = MemoryCadence(every=3)
+    assert [s for s in range(1, 10) if fixed.due(s, 0.1) and fixed.taken(s) is None] == [3, 6, 9]
+    auto = MemoryCadence()
+    assert auto.interval(float("nan")) == 1  # not measured yet: snapshot, which measures it
+    auto.record(1.0)  # the first snapshot pays one-time costs: left out
+    assert auto.interval(0.1) == 1
+    auto.record(0.01)
+    assert auto.interval(0.1) == 3  # 0.01 s every 3 steps of 0.1 s is within 3.5 %
+    assert auto.interval(1.0) == 1
+    with pytest.raises(ValueError):
+        MemoryCadence(every=0)
+
+
+def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not(shm_dir: Path, tmp_path: Path) -> None:
+    cheap = torch.nn.Linear(4, 4)
+    with cf.Checkpointer(tmp_path / "cheap", policy=1000, memory=True, model=cheap) as ckpt:
+        for _ in range(30):
+            ckpt.step()
+            time.sleep(0.05)  # "compute": far longer than copying 20 floats
+    cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
+    assert cheap_steps[:2] == [1, 2] and len(cheap_steps) >= 25  # every step, but for a rare hiccup of a busy machine
+
+    heavy = torch.nn.Linear(2048, 2048)  # 16 MiB to copy, nothing else per step
+    with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy) as ckpt:
+        for _ in range(30):
+            ckpt.step()
+    heavy_steps = [e["step"] for e in read_events(tmp_path / "heavy") if e["event"] == "memory"]
+    assert heavy_steps[:2] == [1, 2] and len(heavy_steps) <= 6  # the copy is the whole iteration: 3.5 % allows few

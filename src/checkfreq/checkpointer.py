@@ -474,10 +474,11 @@ class Checkpointer:
         memory.cadence.taken(step)
         stall = time.perf_counter() - start
         self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
+        cost = stall - target.setup_s  # creating the region is a one-time cost
         if pending.has_deferred:
-            self._fence, self._fence_stall, self._fence_memory = pending, stall, True
+            self._fence, self._fence_stall, self._fence_memory = pending, cost, True
         else:
-            memory.cadence.record(stall)
+            memory.cadence.record(cost)
 
     def _wait_memory(self) -> None:
         """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""

@@ -31,6 +31,7 @@ class MemoryCadence:
     cost: Smoothed = field(default_factory=lambda: Smoothed(jump_up=True))
     """Seconds the training thread loses per memory snapshot (copy plus fence)."""
     _last_step: int = 0
+    _warm: bool = False
 
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
@@ -56,5 +57,8 @@ class MemoryCadence:
         self._last_step = step
 
     def record(self, seconds: float) -> None:
-        """One memory snapshot cost the training thread ``seconds``."""
-        self.cost.add(seconds)
+        """One memory snapshot cost the training thread ``seconds`` (the first one is not
+        representative: it pays one-time costs such as lazy imports, and is left out)."""
+        if self._warm:
+            self.cost.add(seconds)
+        self._warm = True

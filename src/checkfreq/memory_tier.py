@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class MemoryTarget:
     step: int
     layout: Layout
     meta: bytes
+    setup_s: float
+    """Seconds spent creating the region for this snapshot (a one-time cost, not the cadence's)."""
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -106,13 +109,14 @@ class MemoryTier:
             tensors=tensor_entries(layout, self._data_file), state=skeleton, versions=versions, created=created,
         )
         meta = manifest.to_json()
+        start = time.perf_counter()
         try:
             self.region.reserve(layout.nbytes, len(meta))
         except ShmCapacityError as e:
             log.warning("memory tier off, checkpoints go to disk only: %s", e)
             self.enabled = False
             return None
-        return MemoryTarget(self.region.begin(keep=self._persisting), step, layout, meta)
+        return MemoryTarget(self.region.begin(keep=self._persisting), step, layout, meta, time.perf_counter() - start)
 
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""

@@ -187,7 +187,8 @@ class MemoryRegion:
         return None
 
     def _map_fd(self, fd: int, size: int) -> None:
-        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # map every page now, not at the first copy
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def reserve(self, data_bytes: int, meta_bytes: int) -> None:
