@@ -502,6 +502,8 @@ class Checkpointer:
         newest = memory.newest
         if newest is not None and newest.step > self._durable_step:
             start = time.perf_counter()
+            self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
+                               policy=type(self._policy).__name__, epoch=newest.epoch)
             self._writer.submit(lambda: self._persist(newest.pending, newest.skeleton, newest.step, newest.epoch, start))
             self._writer.wait(self._timeout)
             error = self._writer.take_error()

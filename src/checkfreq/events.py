@@ -11,9 +11,12 @@ taken yet is ``null``; docs/cli.md describes every field):
   ``clean_iterations`` iterations of that interval that neither overlapped a persist nor held a stall;
 - ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
+- ``{"event": "memory", "step", "stall_s", "bytes"}`` — a snapshot into the memory tier only
+  (shared memory, no persist); the training thread blocked for ``stall_s``;
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...]}``.
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier"}`` — ``tier`` is where the
+  state came from: ``"memory"``, ``"local"`` or ``"remote"``.
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 

@@ -28,8 +28,9 @@ class MemoryCadence:
 
     every: int | None = None
     overhead: float = DEFAULT_OVERHEAD
-    cost: Smoothed = field(default_factory=lambda: Smoothed(jump_up=True))
-    """Seconds the training thread loses per memory snapshot (copy plus fence)."""
+    cost: Smoothed = field(default_factory=Smoothed)
+    """Seconds the training thread loses per memory snapshot (copy plus fence); a lone spike
+    (a busy machine) moves it little, a lasting change is adopted after a few snapshots."""
     _last_step: int = 0
     _warm: bool = False
 

@@ -106,6 +106,8 @@ class RunReport:
     """Time of the log's first event (seconds since the epoch): the timeline's zero."""
     records: list[CheckpointRecord] = field(default_factory=list)
     restores: list[dict[str, Any]] = field(default_factory=list)
+    memory_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
     summary: Summary | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +117,7 @@ class RunReport:
             "summary": asdict(self.summary) if self.summary else None,
             "checkpoints": [asdict(r) for r in self.records],
             "restores": self.restores,
+            "memory_snapshots": self.memory_snapshots,
         }
 
 
@@ -133,7 +136,10 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
             new_session, sessions = True, sessions + 1
         elif kind == "restore":
             new_session = True
-            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", [])})
+            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", []),
+                                    "tier": event.get("tier")})
+        elif kind == "memory":
+            report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
         elif kind == "snapshot":
             record = _record(event, new_session)
             new_session = False
@@ -258,6 +264,12 @@ def summary_text(report: RunReport) -> str:
         f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
         f"{human_seconds(s.iteration_persisting_s)} while persisting"
     )
+    if report.memory_snapshots:
+        stalls = _values(m["stall_s"] for m in report.memory_snapshots)
+        lines.append(
+            f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
+            f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
+        )
     lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
     return "\n".join(lines)
 
@@ -304,9 +316,13 @@ def render_figure(report: RunReport) -> Any:
     _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting (smoothed)", 1e3, "s--")
     axes[0].set_ylabel("iteration (ms)")
     axes[0].legend(loc="best", fontsize="small")
-    _series(axes[1], x, [r.stall_s for r in recs], "stall", 1e3, "o")
+    _series(axes[1], x, [r.stall_s for r in recs], "checkpoint (persisted)", 1e3, "o")
     axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
+    memory = report.memory_snapshots
+    _series(axes[1], [m["time"] - t0 for m in memory], [m["stall_s"] for m in memory], "memory snapshot", 1e3, "x", color="C2")
     axes[1].set_ylabel("stall (ms)")
+    if memory:
+        axes[1].legend(loc="best", fontsize="small")
     _series(axes[2], x, [r.persist_s for r in recs], "persist", 1e3, "o-")
     axes[2].set_ylabel("persist (ms)")
     twin = axes[2].twinx()
