@@ -17,7 +17,7 @@ import torch
 
 import checkfreq
 from checkfreq.distributed import Cluster, attach
-from checkfreq.distributed_plan import local_view, storage_ptr
+from checkfreq.distributed_plan import SHARDED, kind_of, local_view, storage_ptr
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, ExistingCheckpointsError, NoValidCheckpointError, PersistError, StateMismatchError
 from checkfreq.events import EventLog
 from checkfreq import storage
@@ -70,7 +70,8 @@ class Checkpointer:
             valid state of memory and disk. ``True`` takes memory snapshots as often as the
             overhead bound allows (every step when the copy is cheap), an int ``n`` every ``n``
             steps; the policy still decides when to persist to disk. Falls back to disk only,
-            with one warning, when /dev/shm has no room. Single-process runs only, for now.
+            with one warning, when /dev/shm has no room. Under torch.distributed it must be a
+            number of steps (every rank snapshots the same steps).
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -138,7 +139,7 @@ class Checkpointer:
         self.directory = self._store.root
         self._memory = None if memory_cadence is None else self._open_memory_tier(memory_cadence)
         newest = [s for s, _ in self._store.checkpoints()[:1]]
-        if self._memory is not None:
+        if self._memory is not None and self._cluster is None:  # ranks must agree: disk decides for them
             newest += [s for s in [self._memory.newest_step()] if s is not None]
         self._foreign_step: int | None = max(newest, default=None)  # until restore() adopts them
         self._closed = False
@@ -236,9 +237,12 @@ class Checkpointer:
             self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint in flight is durable; raise its error if it failed."""
+        """Block until the checkpoint in flight is durable (and the memory snapshot in flight
+        committed); raise its error if it failed."""
         self._writer.wait(self._timeout if timeout is None else timeout)
         self._surface_background_error()
+        if self._memory is not None:
+            self._wait_memory()
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
@@ -251,13 +255,15 @@ class Checkpointer:
         self.wait()
         if self._cluster is None:
             found = self._find_across_tiers(step)
-        else:  # rank 0 chooses, every rank reads the same checkpoint
-            found = self._cluster.find(lambda: self._find(step), read_checkpoint)
+        else:  # every rank restores the same step: from memory if all hold it, else rank 0 picks from disk
+            found = None if self._memory is None else self._agreed_memory_state(step)
+            if found is None:
+                found = self._cluster.find(lambda: self._find(step), read_checkpoint)
         if found is None:
             self._foreign_step = None
             return 0
         manifest, tensors, path, skipped = found
-        if self._cluster is None:
+        if self._cluster is None or isinstance(path, MemoryState):  # a memory snapshot is this rank's whole state
             skeleton, tensors = local_view(manifest, tensors)
         else:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
@@ -276,6 +282,16 @@ class Checkpointer:
         self._events.write("restore", step=manifest.step, skipped=skipped, tier=tier)
         log.info("restored %s (step %d, %s tier)", path.name, manifest.step, tier)
         return manifest.step
+
+    def _agreed_memory_state(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
+        """Under torch.distributed: the memory snapshot of the newest step all ranks hold, unless disk is newer."""
+        listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
+        state, skipped = self._memory.agree(step, listed[0] if listed else None, self._cluster.control_group)  # type: ignore[union-attr]
+        if state is None:
+            if skipped:
+                log.warning("memory tier: not every rank holds a newer valid snapshot; restoring from disk")
+            return None
+        return state.manifest, state.tensors, state, skipped
 
     def _find_across_tiers(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
         """The newest valid state of the memory tier and the store (or the one at ``step``);
@@ -329,6 +345,8 @@ class Checkpointer:
         self._hook_handles = []
         self._fence = None
         if self._cluster is not None:
+            if self._memory is not None:
+                self._persist_newest_state()
             self._cluster.close()
         try:
             self.wait()
@@ -407,7 +425,9 @@ class Checkpointer:
             tensors, owned, share = self._cluster.select(tensors, owned)
         self._profiler.begin_checkpoint()
         layout = layout_of(tensors)
-        target = None if self._memory is None else self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        target = None
+        if self._memory is not None and self._cluster is None:  # several ranks persist shares: their own buffer
+            target = self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
         job = lambda: self._persist(pending, skeleton, step, epoch, start, share)  # noqa: E731
         if target is not None:
@@ -452,9 +472,12 @@ class Checkpointer:
     # ------------------------------------------------------------------ memory tier
 
     def _open_memory_tier(self, cadence: MemoryCadence) -> MemoryTier:
-        if self._cluster is not None:
-            raise ValueError("memory= is not supported under torch.distributed yet; leave it off for multi-process runs")
-        return MemoryTier(self._store.root, cadence, data_file=DATA_FILE)
+        if self._cluster is None:
+            return MemoryTier(self._store.root, cadence, data_file=DATA_FILE)
+        if cadence.every is None:  # ranks measuring different costs would snapshot different steps
+            raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
+                             "every rank snapshots the same steps")
+        return MemoryTier(self._store.root, cadence, data_file=DATA_FILE, rank=self._cluster.rank)
 
     def _snapshot_to_memory(self) -> None:
         """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
@@ -465,6 +488,10 @@ class Checkpointer:
         self._finish_fence()
         step, epoch = self._global_step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
+        if self._cluster is not None and any(kind_of(n, t) == SHARDED for n, t in tensors.items()):
+            log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
+            memory.enabled = False
+            return
         layout = layout_of(tensors)
         target = memory.target(layout, skeleton, step, epoch, _versions(), time.time())
         if target is None:
@@ -494,13 +521,21 @@ class Checkpointer:
             return
         raise PersistError(f"memory snapshot failed: {error}") from error
 
+    def _persist_newest_state(self) -> None:
+        """Under torch.distributed, before a clean close removes the regions: a collective blocking
+        checkpoint if the ranks' newest memory snapshot (the same step on every rank) is newer than disk."""
+        self._wait_memory()
+        newest = self._memory.newest  # type: ignore[union-attr]
+        if newest is not None and newest.step == self._global_step and self._durable_step < self._global_step:
+            self._checkpoint(blocking=True, reason="close")
+
     def _close_memory_tier(self) -> None:
         """Persist the newest memory snapshot if disk is behind it, then remove the region (a clean close)."""
         memory = self._memory
         assert memory is not None
         self._wait_memory()
         newest = memory.newest
-        if newest is not None and newest.step > self._durable_step:
+        if newest is not None and newest.step > self._durable_step and self._cluster is None:
             start = time.perf_counter()
             self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
                                policy=type(self._policy).__name__, epoch=newest.epoch)

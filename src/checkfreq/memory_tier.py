@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from checkfreq.errors import CorruptCheckpointError
+from checkfreq.distributed import all_gather_json
+from checkfreq.errors import CheckfreqError
 from checkfreq.format import Layout, Manifest, entry_view, tensor_entries
 from checkfreq.memory_cadence import MemoryCadence
 from checkfreq.persist import Writer
@@ -147,18 +148,44 @@ class MemoryTier:
 
     def read(self, step: int | None = None) -> tuple[MemoryState | None, list[tuple[str, str]]]:
         """The newest verified snapshot (or the one at ``step``) and the (slot, reason) of those skipped."""
-        found = self.region.newest(step)
-        skipped = list(self.region.skipped)
-        if found is None:
+        states, skipped = self.read_all(step, newest_only=True)
+        return (states[0] if states else None), skipped
+
+    def read_all(self, step: int | None = None, *, newest_only: bool = False) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+        """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those skipped."""
+        states: list[MemoryState] = []
+        skipped: list[tuple[str, str]] = []
+        for info in self.region.snapshots():
+            if step is not None and info.step != step:
+                continue
+            try:
+                meta, data = self.region.read(info)
+                manifest = Manifest.from_json(meta)
+                tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+            except CheckfreqError as e:
+                log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
+                skipped.append((f"memory slot {info.slot}", str(e)))
+                continue
+            states.append(MemoryState(manifest, tensors, info.slot))
+            if newest_only:
+                break
+        return states, skipped
+
+    def agree(self, step: int | None, disk_newest: int | None, group: Any) -> tuple[MemoryState | None, list[tuple[str, str]]]:
+        """Under torch.distributed: the newest step every rank holds verified in memory, if it is
+        not older than the newest disk checkpoint (rank 0's listing); else None (restore from disk).
+
+        A rank whose snapshot is missing or torn makes every rank fall back to an older common
+        step, or to disk. Collective: every rank calls it.
+        """
+        states, skipped = self.read_all(step)
+        by_step = {state.manifest.step: state for state in states}
+        reports = all_gather_json({"steps": sorted(by_step), "disk": disk_newest}, group)
+        common = set.intersection(*(set(r["steps"]) for r in reports))
+        best, disk = max(common, default=None), reports[0]["disk"]
+        if best is None or (disk is not None and best < disk):
             return None, skipped
-        info, meta, data = found
-        try:
-            manifest = Manifest.from_json(meta)
-            tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
-        except CorruptCheckpointError as e:
-            log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
-            return None, [*skipped, (f"memory slot {info.slot}", str(e))]
-        return MemoryState(manifest, tensors, info.slot), skipped
+        return by_step[best], skipped
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""

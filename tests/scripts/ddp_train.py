@@ -8,6 +8,8 @@ BatchNorm, AdamW, an LR schedule) and rank 0 writes the final state to ``--final
   rank RANK SIGKILLs itself after optimizer step STEP: MODE ``step`` once the checkpoint in flight
   is durable, MODE ``persist`` right after the step started a checkpoint, while it is being written.
 * ``--stop-at K``: take a blocking checkpoint at step K and exit cleanly (to resume elsewhere).
+* ``--memory N``: the memory tier, a snapshot every N steps; ``--drop-region LIFE:RANK``: in
+  incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
 
 Each rank appends its batches to ``--batch-log`` as ``rank epoch consumed index index ...``; a batch
 replayed after a restore has the same (rank, epoch, consumed) key and replaces its earlier line.
@@ -25,6 +27,7 @@ from torch import nn
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
+from checkfreq.storage.shm import region_path
 from noisy_points import NoisyPoints  # beside this script
 
 
@@ -48,6 +51,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--die", default="", help="LIFE:RANK:STEP:MODE,... (MODE: step or persist)")
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--memory", type=int, default=0)
+    parser.add_argument("--drop-region", default="")
     return parser.parse_args()
 
 
@@ -70,8 +75,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
     loader = ResumableLoader(NoisyPoints(args.samples), batch_size=args.batch_size, shuffle=True, seed=5)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, model=model, optimizer=optimizer,
-                        scheduler=scheduler, loader=loader)
+    if args.drop_region == f"{life}:{rank}":
+        region_path(args.ckpt_dir, rank).unlink()
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False, model=model,
+                        optimizer=optimizer, scheduler=scheduler, loader=loader)
     step = ckpt.restore()
     state = loader.state_dict()
     print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}", flush=True)
