@@ -159,7 +159,7 @@ class MemoryTier:
             if step is not None and info.step != step:
                 continue
             try:
-                meta, data = self.region.read(info)
+                meta, data = self.region.read(info, private=False)  # restore copies into the live objects
                 manifest = Manifest.from_json(meta)
                 tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
             except CheckfreqError as e:

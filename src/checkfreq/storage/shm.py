@@ -325,14 +325,20 @@ class MemoryRegion:
 
     # ------------------------------------------------------------------ read
 
-    def read(self, info: SlotInfo) -> tuple[bytes, torch.Tensor]:
-        """Copy a committed snapshot into private memory and verify it: (metadata, data).
+    def read(self, info: SlotInfo, *, private: bool = True) -> tuple[bytes, torch.Tensor]:
+        """Verify a committed snapshot and return it: (metadata, data).
 
-        Raises :class:`ShmSnapshotError` if the copy does not match the header's checksum.
+        With ``private`` the data is copied first and the copy verified, so that a snapshot
+        another process is writing can never pass (a look from outside, such as ``checkfreq
+        ls``). Without, the data is a view of the region, verified in place: for the region's
+        owner, which writes nothing while it reads. Raises :class:`ShmSnapshotError` if the
+        checksum does not match.
         """
         assert self._bytes is not None
         start = self._data_at(info.slot)
-        data = self._bytes[start : start + info.data_bytes].clone()
+        data = self._bytes[start : start + info.data_bytes]
+        if private:
+            data = data.clone()
         meta_at = start + self._data_capacity
         meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
         hasher = xxhash.xxh3_64(data.numpy())
