@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -157,6 +156,8 @@ def test_a_run_that_did_not_restore_refuses_to_overwrite_memory_snapshots(shm_di
     assert not list((tmp_path / "run").glob("step_*"))
     model = make_model()
     with cf.Checkpointer(tmp_path / "run", policy=8, memory=True, model=model) as ckpt:
+        with pytest.raises(cf.errors.ExistingCheckpointsError):
+            ckpt.step()  # a memory snapshot would overwrite them
         with pytest.raises(cf.errors.ExistingCheckpointsError):
             ckpt.save()
     assert region_path(tmp_path / "run", 0).exists()  # closing never removes another run's snapshots

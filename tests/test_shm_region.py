@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -15,9 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, ShmCapacityError, layout_signature, region_path
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, layout_signature, region_path
 
 SIG = layout_signature(("x",))
 

@@ -405,13 +405,17 @@ class Checkpointer:
             return
         raise PersistError(f"checkpoint persist failed: {error}") from error
 
-    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+    def _check_not_foreign(self) -> None:
+        """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
         if self._foreign_step is not None:
             raise ExistingCheckpointsError(
                 f"{self.directory} already holds checkpoints (the newest at step {self._foreign_step}) and this run "
                 "did not restore them: its checkpoints would be written beside and over them. Call restore() "
                 "before training to resume from them, or give this run a directory of its own."
             )
+
+    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+        self._check_not_foreign()
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
         self._surface_background_error()
@@ -483,6 +487,7 @@ class Checkpointer:
         """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
         memory = self._memory
         assert memory is not None
+        self._check_not_foreign()
         start = time.perf_counter()
         self._wait_memory()
         self._finish_fence()

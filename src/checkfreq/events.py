@@ -12,7 +12,8 @@ taken yet is ``null``; docs/cli.md describes every field):
 - ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "memory", "step", "stall_s", "bytes"}`` — a snapshot into the memory tier only
-  (shared memory, no persist); the training thread blocked for ``stall_s``;
+  (shared memory, no persist); the training thread blocked for ``stall_s`` (not counting the
+  fence wait for its deferred copies at the next optimizer step);
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
 - ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier"}`` — ``tier`` is where the
