@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, layout_signature, region_path
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, layout_signature, region_path, remove_regions_beyond
 
 SIG = layout_signature(("x",))
 
@@ -190,6 +190,16 @@ def test_a_small_tmpfs_is_refused_up_front(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "refused:" in result.stdout and "needs 8.1 MiB" in result.stdout
     assert "left: []" in result.stdout
+
+
+def test_regions_of_ranks_a_smaller_job_lacks_are_removed(shm_dir: Path, tmp_path: Path) -> None:
+    for rank in range(3):  # an earlier job ran with 3 ranks
+        region = MemoryRegion.for_directory(tmp_path, rank)
+        region.reserve(4096, 100)
+        put(region, 5)
+        region.release(remove=False)
+    assert remove_regions_beyond(tmp_path, 2) == [region_path(tmp_path, 2)]
+    assert sorted(p.name for p in shm_dir.iterdir()) == [region_path(tmp_path, r).name for r in (0, 1)]
 
 
 def test_begin_never_touches_the_slot_being_persisted(shm_dir: Path, tmp_path: Path) -> None:

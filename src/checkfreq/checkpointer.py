@@ -34,6 +34,7 @@ from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
+from checkfreq.storage.shm import remove_regions_beyond
 
 log = logging.getLogger("checkfreq")
 
@@ -481,6 +482,8 @@ class Checkpointer:
         if cadence.every is None:  # ranks measuring different costs would snapshot different steps
             raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
                              "every rank snapshots the same steps")
+        if self._cluster.rank == 0:
+            remove_regions_beyond(self._store.root, self._cluster.world_size)
         return MemoryTier(self._store.root, cadence, data_file=DATA_FILE, rank=self._cluster.rank)
 
     def _snapshot_to_memory(self) -> None:

@@ -368,6 +368,18 @@ class ShmSnapshotError(CheckfreqError):
     """A memory-tier snapshot is torn or damaged (its checksum does not match)."""
 
 
+def remove_regions_beyond(directory: str | os.PathLike[str], world_size: int) -> list[Path]:
+    """Delete the regions of ranks that a job of ``world_size`` ranks no longer has (an earlier
+    job on the directory ran with more); returns what was removed. Rank 0 calls it at start."""
+    removed = []
+    for rank, region in listed_regions(directory):
+        if rank >= world_size:
+            log.info("removing shared-memory region %s: this job has %d ranks", region.path, world_size)
+            region.release(remove=True)
+            removed.append(region.path)
+    return removed
+
+
 def listed_regions(directory: str | os.PathLike[str]) -> list[tuple[int, MemoryRegion]]:
     """The regions of checkpoint ``directory`` on this node, by rank (read-only look, for the CLI)."""
     prefix = region_path(directory, 0).name.rsplit("-rank", 1)[0] + "-rank"
