@@ -8,11 +8,17 @@ a named phase of a checkpoint: ``snapshot``, ``copy``, ``write``, ``fsync``, ``r
 ``retention``. After each kill every visible checkpoint is read back and verified; at the end of
 each run its final state is compared, bit for bit (SHA-256), with an uninterrupted run.
 
+With ``--memory N`` the job also snapshots into the memory tier every N steps, and kills land
+in memory snapshots too (``snapshot`` and ``copy`` hit them mid-copy; ``header`` after the copy,
+before the slot header). After each kill the newest complete state of any tier is noted, and
+the restart must restore exactly that step.
+
 Jobs are forked from this process after torch is imported (a fresh interpreter costs seconds
 of imports on a loaded machine); each is a separate process killed with a real SIGKILL.
 
     python benchmarks/chaos.py                     # full campaign (>= 200 kills), updates docs/reliability.md
     python benchmarks/chaos.py --kills 30 --json out.json --no-report   # the short CI version
+    python benchmarks/chaos.py --memory 1          # the campaign with the memory tier
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from checkfreq.catalog import memory_snapshots  # noqa: E402
 from checkfreq.checkpointer import read_checkpoint  # noqa: E402
 from checkfreq.errors import CheckfreqError  # noqa: E402
+from checkfreq.events import read_events  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "reliability.md"
@@ -50,8 +58,11 @@ chaos_train = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(chaos_train)  # type: ignore[union-attr]
 
 PHASES = ("compute", "compute", *chaos_train.PHASES)  # random instants weigh double
-PER_CHECKPOINT = {"snapshot": 1, "copy": 1, "write": 2, "fsync": 4, "rename": 2, "retention": 1}
+MEMORY_PHASES = (*PHASES, *chaos_train.MEMORY_PHASES)
+PER_CHECKPOINT = {"snapshot": 1, "copy": 1, "write": 2, "fsync": 4, "rename": 2, "retention": 1, "header": 1}
 """About how often each hooked phase occurs per checkpoint (to spread kills over a run)."""
+MEMORY_SCALED = {"snapshot", "copy", "header"}
+"""Phases that every memory snapshot goes through too: with ``--memory 1``, once per step."""
 ATTEMPT_TIMEOUT_S = 180.0
 _COMMITTED = re.compile(r"^step_\d{9,}$")
 
@@ -88,6 +99,11 @@ class Results:
     runs_failed: int = 0
     hangs: int = 0
     lost_steps: list[int] = field(default_factory=list)
+    restores_from_memory: int = 0
+    restores_not_newest: int = 0
+    """Restarts that did not restore the newest complete state of any tier (memory or disk)."""
+    memory: int = 0
+    """The memory tier's cadence in steps (0: off)."""
     interval: int = 0
     steps_per_run: int = 0
     seconds: float = 0.0
@@ -177,25 +193,29 @@ def attempt(train_args: list[str], log: Path, phase: str | None, delay: float | 
     return result
 
 
-def verify_visible(directory: Path, results: Results) -> None:
-    """Read back every committed checkpoint: a kill must never leave a broken one visible."""
+def verify_visible(directory: Path, results: Results) -> int:
+    """Read back every committed checkpoint (a kill must never leave a broken one visible) and
+    the memory tier's snapshots; return the newest complete step of any tier (0: none)."""
     if not directory.exists():
-        return
+        return 0
+    newest = 0
     for path in sorted(directory.iterdir()):
         if not _COMMITTED.match(path.name):
             continue
         try:
-            read_checkpoint(path)
+            manifest, _ = read_checkpoint(path)
             results.visible_checkpoints_verified += 1
+            newest = max(newest, manifest.step)
         except CheckfreqError as e:
             results.visible_checkpoints_corrupt += 1
             results.problems.append(f"{path}: {e}")
+    return max([newest] + [s.step for s in memory_snapshots(directory) if s.valid])
 
 
-def draw(deck: list[str], rng: random.Random) -> str:
+def draw(deck: list[str], rng: random.Random, memory: bool) -> str:
     """The next phase to kill in: every phase comes up once per shuffled deck."""
     if not deck:
-        deck.extend(PHASES)
+        deck.extend(MEMORY_PHASES if memory else PHASES)
         rng.shuffle(deck)
     return deck.pop()
 
@@ -206,9 +226,9 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
     directory, log = workdir / f"run{index:03d}", workdir / f"run{index:03d}.log"
     args = [*base, "--dir", str(directory)]
     killed_last: Attempt | None = None
-    kills = 0
+    kills, newest_complete = 0, 0
     while True:
-        phase = draw(deck, rng) if kills < kills_per_run else None
+        phase = draw(deck, rng, bool(results.memory)) if kills < kills_per_run else None
         extra: list[str] = []
         delay = None
         done = killed_last.last_step if killed_last else 0
@@ -216,7 +236,8 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
             delay = rng.uniform(0.0, compute_span * (1 - done / results.steps_per_run))
         elif phase is not None:
             left = max(1, (results.steps_per_run - done) // results.interval)
-            extra = ["--hook", phase, "--hook-at", str(rng.randint(1, PER_CHECKPOINT[phase] * left))]
+            per_checkpoint = PER_CHECKPOINT[phase] * (results.interval if phase in MEMORY_SCALED and results.memory else 1)
+            extra = ["--hook", phase, "--hook-at", str(rng.randint(1, per_checkpoint * left))]
         a = attempt(args + extra, log, phase, delay)
         if kills:
             results.restarts += 1
@@ -233,12 +254,17 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
             else:
                 results.fresh_starts_after_kill += 1
             results.lost_steps.append(max(0, killed_last.last_step - a.restored))
+            results.restores_from_memory += _restored_from_memory(directory)
+            if a.restored != newest_complete:
+                results.restores_not_newest += 1
+                results.problems.append(f"run {index}: restored step {a.restored}, the newest complete state was "
+                                        f"step {newest_complete}; see {log}")
         if a.killed:
             kills += 1
             results.kills += 1
             results.kills_by_phase[a.reached or "compute"] += 1
             results.kills_during_startup += a.restored is None
-            verify_visible(directory, results)
+            newest_complete = verify_visible(directory, results)
             if a.restored is not None:  # killed while starting: the work at stake is still the previous run's
                 killed_last = a
             continue
@@ -255,6 +281,12 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
         return
 
 
+def _restored_from_memory(directory: Path) -> bool:
+    """Whether the directory's latest restore read the memory tier (from its event log)."""
+    restores = [e for e in read_events(directory) if e.get("event") == "restore"]
+    return bool(restores) and restores[-1].get("tier") == "memory"
+
+
 def warm_up(base: list[str], workdir: Path) -> None:
     """Train once in this process, so that every forked job starts with torch's lazy setup done."""
     with open(os.devnull, "wb") as sink:
@@ -264,15 +296,15 @@ def warm_up(base: list[str], workdir: Path) -> None:
         print(f"warning: {threads} threads before forking; forked jobs may inherit a held lock", file=sys.stderr)
 
 
-def campaign(kills: int, kills_per_run: int, seed: int, workdir: Path, every: int, epochs: int) -> Results:
+def campaign(kills: int, kills_per_run: int, seed: int, workdir: Path, every: int, epochs: int, memory: int = 0) -> Results:
     rng = random.Random(seed)
-    base = ["--every", str(every), "--epochs", str(epochs), "--keep", "2"]
+    base = ["--every", str(every), "--epochs", str(epochs), "--keep", "2", "--memory", str(memory)]
     warm_up(base, workdir)
     started = time.monotonic()
     reference = attempt([*base, "--dir", str(workdir / "reference")], workdir / "reference.log", None, None)
     if reference.final is None:
         raise SystemExit(f"the uninterrupted reference run failed; see {workdir / 'reference.log'}")
-    results = Results(interval=every, steps_per_run=reference.last_step)
+    results = Results(interval=every, steps_per_run=reference.last_step, memory=memory)
     compute_span = reference.seconds  # a random instant anywhere in a run's lifetime
     index, deck = 0, []
     while results.kills < kills:
@@ -301,14 +333,22 @@ def table(doc: dict[str, Any]) -> str:
         ("campaign", f"{doc['runs']} runs of {doc['steps_per_run']} steps, checkpoint every "
          f"{doc['interval']} steps, {doc['seconds']:.0f} s", ""),
     ]
+    if doc["memory"]:
+        rows[-1:-1] = [
+            ("restarts that restored the newest complete state of any tier",
+             f"{doc['restarts'] - doc['restores_not_newest']} of {doc['restarts']} "
+             f"({doc['restores_from_memory']} from the memory tier)", "all"),
+        ]
+        rows[-1] = (rows[-1][0], rows[-1][1] + f", memory snapshot every {doc['memory']} step(s)", "")
     lines = ["| measure | result | goal |", "| --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
 
 
 def write_report(doc: dict[str, Any], path: Path, command: str) -> None:
-    """Replace the table between the chaos markers in ``path``."""
-    begin, end = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+    """Replace the table between the chaos markers in ``path`` (the memory tier's own markers with ``--memory``)."""
+    marker = "chaos-memory" if doc["memory"] else "chaos"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = path.read_text() if path.exists() else f"{begin}\n{end}\n"
     if begin not in text or end not in text:
         text += f"\n{begin}\n{end}\n"
@@ -326,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=4, help="checkpoint interval in steps")
     parser.add_argument("--epochs", type=int, default=12, help="8 steps each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory", type=int, default=0, help="memory-tier cadence in steps (0: off)")
     parser.add_argument("--workdir", type=Path, help="keep the run directories here (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--report", type=Path, default=REPORT, help="Markdown file whose results table is rewritten")
@@ -335,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="checkfreq-chaos-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = campaign(args.kills, args.kills_per_run, args.seed, workdir, args.every, args.epochs)
+        results = campaign(args.kills, args.kills_per_run, args.seed, workdir, args.every, args.epochs, args.memory)
     doc = results.summary()
     print(table(doc))
     for problem in results.problems:
@@ -346,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         command = " ".join(["python benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])
         write_report(doc, args.report, command)
     ok = not (results.unrestorable or results.visible_checkpoints_corrupt or results.runs_different or results.hangs
-              or results.runs_failed or results.max_lost > 2 * results.interval)
+              or results.runs_failed or results.max_lost > 2 * results.interval or results.restores_not_newest)
     return 0 if ok else 1
 
 

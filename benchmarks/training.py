@@ -104,14 +104,15 @@ class NoSave(Saver):
 
 
 class CheckfreqSaver(Saver):
-    """A ``Checkpointer`` with ``policy``; iterations overlapping a persist come from ``events.jsonl``."""
+    """A ``Checkpointer`` with ``policy`` (and ``memory``); iterations overlapping a persist come from ``events.jsonl``."""
 
-    def __init__(self, policy: Any) -> None:
-        self.policy = policy
+    def __init__(self, policy: Any, memory: bool | int = False) -> None:
+        self.policy, self.memory = policy, memory
 
     def start(self, model: nn.Module, opt: torch.optim.Optimizer, run: Run, workdir: Path) -> None:
         super().start(model, opt, run, workdir)
-        self.ckpt = cf.Checkpointer(workdir / "checkfreq", model=model, optimizer=opt, policy=self.policy, keep=2)
+        self.ckpt = cf.Checkpointer(workdir / "checkfreq", model=model, optimizer=opt, policy=self.policy, keep=2,
+                                    memory=self.memory)
         self.pending: float | None = None
 
     def after_step(self, i: int, opt_seconds: list[float]) -> None:

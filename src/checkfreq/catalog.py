@@ -27,6 +27,7 @@ from checkfreq.format import MANIFEST_NAME, Manifest
 from checkfreq.state import unflatten
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.local import LocalStore, checkpoint_name, fsync_directory
+from checkfreq.storage.shm import listed_regions
 
 log = logging.getLogger("checkfreq.catalog")
 
@@ -77,6 +78,8 @@ class CheckpointStatus:
     """Why it is invalid (None when valid)."""
     checksummed: bool
     """Whether validity includes reading every byte against its checksum (else: manifest and sizes)."""
+    tier: str = "disk"
+    """``"disk"`` (the directory or URL) or ``"memory"`` (a snapshot in this node's shared memory)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +136,32 @@ def list_checkpoints(root: str | os.PathLike[str], *, checksums: bool = True) ->
     checked; no data is read.
     """
     return [status for status, _ in _statuses(open_store(root, create=False), checksums=checksums)]
+
+
+def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
+    """The memory tier's snapshots of the run at ``root`` on this node, newest first, with their validity.
+
+    With ``checksums=False`` only the slot headers are checked. Nothing is changed or removed.
+    """
+    found = []
+    for rank, region in listed_regions(root):
+        try:
+            for info in region.snapshots():
+                manifest, valid, reason = None, True, None
+                try:
+                    meta = region.read(info)[0] if checksums else None
+                    manifest = None if meta is None else Manifest.from_json(meta)
+                except CheckfreqError as e:
+                    valid, reason = False, str(e)
+                found.append(CheckpointStatus(
+                    name=f"memory rank {rank} slot {info.slot}", path=str(region.path), step=info.step,
+                    epoch=manifest.epoch if manifest else None, bytes=info.data_bytes,
+                    created=manifest.created if manifest else None, valid=valid, reason=reason,
+                    checksummed=checksums, tier="memory",
+                ))
+        finally:
+            region.release(remove=False)
+    return sorted(found, key=lambda s: -s.step)
 
 
 def _statuses(store: Store, *, checksums: bool) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:

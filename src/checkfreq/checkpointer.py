@@ -17,7 +17,7 @@ import torch
 
 import checkfreq
 from checkfreq.distributed import Cluster, attach
-from checkfreq.distributed_plan import local_view, source_rank, storage_ptr
+from checkfreq.distributed_plan import SHARDED, kind_of, local_view, source_rank, storage_ptr
 from checkfreq.errors import (
     CheckfreqError,
     CorruptCheckpointError,
@@ -31,15 +31,18 @@ from checkfreq.events import EventLog
 from checkfreq import storage
 from checkfreq.options import check_objects, check_option_types
 from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
+from checkfreq.memory_cadence import MemoryCadence
+from checkfreq.memory_tier import MemoryState, MemoryTier
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
-from checkfreq.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
 from checkfreq.storage import Store
 from checkfreq.storage.local import LocalStore
+from checkfreq.storage.shm import remove_regions_beyond
 
 log = logging.getLogger("checkfreq")
 
@@ -71,6 +74,13 @@ class Checkpointer:
             only records the signal; the next :meth:`step` (or :meth:`close`) takes a blocking
             checkpoint and then lets the signal take its original effect (the default action
             ends the process). Needs the main thread.
+        memory: the memory tier (docs/storage.md): every snapshot lands in a shared-memory
+            region under /dev/shm that outlives the process, and :meth:`restore` takes the newest
+            valid state of memory and disk. ``True`` takes memory snapshots as often as the
+            overhead bound allows (every step when the copy is cheap), an int ``n`` every ``n``
+            steps; the policy still decides when to persist to disk. Falls back to disk only,
+            with one warning, when /dev/shm has no room. Under torch.distributed it must be a
+            number of steps (every rank snapshots the same steps).
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -95,6 +105,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         persist_timeout: float = 3600.0,
         save_on_signal: Iterable[int] = (),
+        memory: bool | int = False,
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
     ) -> None:
@@ -114,6 +125,7 @@ class Checkpointer:
         if both:
             raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
         self._policy = resolve(policy)
+        memory_cadence = _memory_cadence(memory)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._keep = keep
         self._on_error = on_error
@@ -136,8 +148,11 @@ class Checkpointer:
             self._store.remove_staging()
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._store.root
-        newest = self._store.checkpoints()
-        self._foreign_step: int | None = newest[0][0] if newest else None  # until restore() adopts them
+        self._memory = None if memory_cadence is None else self._open_memory_tier(memory_cadence)
+        newest = [s for s, _ in self._store.checkpoints()[:1]]
+        if self._memory is not None and self._cluster is None:  # ranks must agree: disk decides for them
+            newest += [s for s in [self._memory.newest_step()] if s is not None]
+        self._foreign_step: int | None = max(newest, default=None)  # until restore() adopts them
         self._closed = False
         self._events = EventLog(self._store.events_directory, rank=0 if self._cluster is None else self._cluster.rank)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
@@ -156,6 +171,7 @@ class Checkpointer:
         ]
         self._fence: PendingSnapshot | None = None
         self._fence_stall = 0.0
+        self._fence_memory = False  # the fenced snapshot is a memory-only one
 
         self._global_step = 0
         self._session_start_step = 0  # the global step this session started from (its restore)
@@ -221,6 +237,8 @@ class Checkpointer:
         if self._decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
+        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(self._global_step, ctx.iteration_time):
+            self._snapshot_to_memory()
         return False
 
     def save(self, blocking: bool = False) -> None:
@@ -236,9 +254,12 @@ class Checkpointer:
             self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint in flight is durable; raise its error if it failed."""
+        """Block until the checkpoint in flight is durable (and the memory snapshot in flight
+        committed); raise its error if it failed."""
         self._writer.wait(self._timeout if timeout is None else timeout)
         self._surface_background_error()
+        if self._memory is not None:
+            self._wait_memory()
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
@@ -250,29 +271,38 @@ class Checkpointer:
         self._check_open("restore()")
         self.wait()
         if self._cluster is None:
-            found = self._find(step)
-        else:  # rank 0 chooses, every rank reads the same checkpoint
-            found = self._cluster.find(lambda: self._find(step), read_checkpoint)
+            found = self._find_across_tiers(step)
+        else:  # every rank restores the same step: from memory if all hold it, else rank 0 picks from disk
+            found = None if self._memory is None else self._agreed_memory_state(step)
+            if found is None:
+                found = self._cluster.find(lambda: self._find(step), read_checkpoint)
         if found is None:
             self._foreign_step = None
             return 0
         manifest, tensors, path, skipped = found
-        self._note_world_size_change(manifest)
-        if self._cluster is None:
+        from_memory = isinstance(path, MemoryState)
+        if not from_memory:  # a memory snapshot is this rank's whole state, taken by this very job
+            self._note_world_size_change(manifest)
+        if from_memory or self._cluster is None:
             skeleton, tensors = local_view(manifest, tensors)
         else:
             skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
-        self._global_step = self._last_checkpoint_step = self._durable_step = self._session_start_step = manifest.step
+        self._global_step = self._last_checkpoint_step = self._session_start_step = manifest.step
+        self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
         self._last_step_time = None
         self._clean_count, self._clean_seconds = 0, 0.0
         self._started = self._last_checkpoint_time = time.perf_counter()
+        if self._memory is not None:
+            self._memory.forget_newer_than(manifest.step)
+            self._memory.cadence.taken(manifest.step)
         seeded = self._seed_session(state.get("checkfreq"))
-        self._events.write("restore", step=manifest.step, skipped=skipped, seeded=seeded, world_size=self._world_size,
-                           saved_world_size=manifest.world_size)
-        log.info("restored %s (step %d)", path.name, manifest.step)
+        tier = "memory" if from_memory else getattr(path, "tier", "local")
+        self._events.write("restore", step=manifest.step, skipped=skipped, tier=tier, seeded=seeded,
+                           world_size=self._world_size, saved_world_size=manifest.world_size)
+        log.info("restored %s (step %d, %s tier)", path.name, manifest.step, tier)
         return manifest.step
 
     def _note_world_size_change(self, manifest: Manifest) -> None:
@@ -289,6 +319,37 @@ class Checkpointer:
             "every rank shared%s (docs/distributed.md)",
             manifest.step, manifest.world_size, world, rank, source_rank(rank, manifest.world_size), dropped,
         )
+
+    def _agreed_memory_state(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
+        """Under torch.distributed: the memory snapshot of the newest step all ranks hold, unless disk is newer."""
+        listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
+        state, skipped = self._memory.agree(step, listed[0] if listed else None, self._cluster.control_group)  # type: ignore[union-attr]
+        if state is None:
+            if skipped:
+                log.warning("memory tier: not every rank holds a newer valid snapshot; restoring from disk")
+            return None
+        return state.manifest, state.tensors, state, skipped
+
+    def _find_across_tiers(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
+        """The newest valid state of the memory tier and the store (or the one at ``step``);
+        memory wins a tie (it reads fastest), disk the rest, memory again if no disk checkpoint is valid."""
+        if self._memory is None:
+            return self._find(step)
+        state, skipped = self._memory.read(step)
+        if state is not None:
+            listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
+            if not listed or state.manifest.step >= listed[0]:
+                return state.manifest, state.tensors, state, skipped
+        try:
+            found = self._find(step)
+        except NoValidCheckpointError:
+            if state is None:
+                raise
+            found = None
+        if found is None:
+            return None if state is None else (state.manifest, state.tensors, state, skipped)
+        manifest, tensors, path, disk_skipped = found
+        return manifest, tensors, path, skipped + disk_skipped
 
     def _find(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]] | None:
         """The newest valid checkpoint (or the one at ``step``) as (manifest, arrays, path, skipped)."""
@@ -321,9 +382,13 @@ class Checkpointer:
         self._hook_handles = []
         self._fence = None
         if self._cluster is not None:
+            if self._memory is not None:
+                self._persist_newest_state()
             self._cluster.close()
         try:
             self.wait()
+            if self._memory is not None:
+                self._close_memory_tier()
         finally:
             self._finalizer()
 
@@ -422,7 +487,8 @@ class Checkpointer:
             return
         raise PersistError(f"checkpoint persist failed: {error}") from error
 
-    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+    def _check_not_foreign(self) -> None:
+        """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
         if self._foreign_step is not None:
             raise ExistingCheckpointsError(
                 f"{self.directory} already holds checkpoints (the newest at step {self._foreign_step}) and this run "
@@ -430,21 +496,31 @@ class Checkpointer:
                 "before training to resume from them (resume=True for CheckFreqCallback, "
                 "resume_from_checkpoint=True for CheckFreqTrainer), or give this run a directory of its own."
             )
+
+    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+        self._check_not_foreign()
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
         self._surface_background_error()
+        if self._memory is not None:
+            self._wait_memory()
         self._finish_fence()
         step, epoch = self._global_step, self._epoch()
-        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
-        state.update(self._values)
-        state["checkfreq"] = self._run_state(step)
-        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
-        owned, share = self._optimizer_owned(tensors), None
+        skeleton, tensors, owned = self._capture(step)
+        share = None
         if self._cluster is not None:  # this rank writes its share only
             tensors, owned, share = self._cluster.select(tensors, owned, self._replicated(tensors))
         self._profiler.begin_checkpoint()
-        pending = self._snapshotter.take(tensors, owned)
-        self._writer.submit(lambda: self._persist(pending, skeleton, step, epoch, start, share))
+        layout = layout_of(tensors)
+        target = None
+        if self._memory is not None and self._cluster is None:  # several ranks persist shares: their own buffer
+            target = self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
+        job = lambda: self._persist(pending, skeleton, step, epoch, start, share)  # noqa: E731
+        if target is not None:
+            job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
+            self._memory.cadence.taken(step)  # type: ignore[union-attr]
+        self._writer.submit(job)
         interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
         self._last_checkpoint_step = step
         self._last_checkpoint_time = start
@@ -459,7 +535,7 @@ class Checkpointer:
         )
         self._clean_count, self._clean_seconds = 0, 0.0
         if pending.has_deferred:
-            self._fence, self._fence_stall = pending, stall
+            self._fence, self._fence_stall, self._fence_memory = pending, stall, False
         else:
             self._profiler.record_stall(stall)
         if blocking:
@@ -470,6 +546,95 @@ class Checkpointer:
                 raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
+
+    def _capture(self, step: int) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
+        """The registered state as (skeleton, tensors, names of the optimizer-owned tensors)."""
+        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
+        state.update(self._values)
+        state["checkfreq"] = self._run_state(step)
+        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
+        return skeleton, tensors, self._optimizer_owned(tensors)
+
+    # ------------------------------------------------------------------ memory tier
+
+    def _open_memory_tier(self, cadence: MemoryCadence) -> MemoryTier:
+        if self._cluster is None:
+            return MemoryTier(self._store.root, cadence, data_file=DATA_FILE)
+        if cadence.every is None:  # ranks measuring different costs would snapshot different steps
+            raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
+                             "every rank snapshots the same steps")
+        if self._cluster.rank == 0:
+            remove_regions_beyond(self._store.root, self._cluster.world_size)
+        return MemoryTier(self._store.root, cadence, data_file=DATA_FILE, rank=self._cluster.rank)
+
+    def _snapshot_to_memory(self) -> None:
+        """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
+        memory = self._memory
+        assert memory is not None
+        self._check_not_foreign()
+        start = time.perf_counter()
+        self._wait_memory()
+        self._finish_fence()
+        step, epoch = self._global_step, self._epoch()
+        skeleton, tensors, owned = self._capture(step)
+        if self._cluster is not None and any(kind_of(n, t) == SHARDED for n, t in tensors.items()):
+            log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
+            memory.enabled = False
+            return
+        layout = layout_of(tensors)
+        target = memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        if target is None:
+            return
+        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer)
+        memory.submit(target, pending, skeleton, epoch)
+        memory.cadence.taken(step)
+        stall = time.perf_counter() - start
+        self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
+        cost = stall - target.setup_s  # creating the region is a one-time cost
+        if pending.has_deferred:
+            self._fence, self._fence_stall, self._fence_memory = pending, cost, True
+        else:
+            memory.cadence.record(cost)
+
+    def _wait_memory(self) -> None:
+        """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""
+        memory = self._memory
+        assert memory is not None
+        memory.writer.wait(self._timeout)
+        error = memory.writer.take_error()
+        if error is None:
+            return
+        memory.newest = None  # never committed: nothing to persist from it
+        if self._on_error == "warn":
+            log.warning("memory snapshot failed, training goes on: %s", error)
+            return
+        raise PersistError(f"memory snapshot failed: {error}") from error
+
+    def _persist_newest_state(self) -> None:
+        """Under torch.distributed, before a clean close removes the regions: a collective blocking
+        checkpoint if the ranks' newest memory snapshot (the same step on every rank) is newer than disk."""
+        self._wait_memory()
+        newest = self._memory.newest  # type: ignore[union-attr]
+        if newest is not None and newest.step == self._global_step and self._durable_step < self._global_step:
+            self._checkpoint(blocking=True, reason="close")
+
+    def _close_memory_tier(self) -> None:
+        """Persist the newest memory snapshot if disk is behind it, then remove the region (a clean close)."""
+        memory = self._memory
+        assert memory is not None
+        self._wait_memory()
+        newest = memory.newest
+        if newest is not None and newest.step > self._durable_step and self._cluster is None:
+            start = time.perf_counter()
+            self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
+                               policy=type(self._policy).__name__, epoch=newest.epoch)
+            self._writer.submit(lambda: self._persist(newest.pending, newest.skeleton, newest.step, newest.epoch, start))
+            self._writer.wait(self._timeout)
+            error = self._writer.take_error()
+            if error is not None:
+                memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
+                raise PersistError(f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}") from error
+        memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
     def _optimizer_owned(self, tensors: dict[str, torch.Tensor]) -> set[str]:
         """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
@@ -507,10 +672,13 @@ class Checkpointer:
             pending.copy_pieces()  # share the copies the writer has not reached yet
             deadline = start + self._timeout
             while not pending.copied.wait(0.5):
-                self._writer.check_alive()
+                (self._memory.writer if self._fence_memory else self._writer).check_alive()  # type: ignore[union-attr]
                 if time.perf_counter() > deadline:
                     raise TimeoutError(f"snapshot copy still running after {self._timeout} s")
         wait = time.perf_counter() - start
+        if self._fence_memory:
+            self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
+            return
         self._profiler.record_stall(self._fence_stall + wait)
         self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
 
@@ -600,6 +768,17 @@ class Checkpointer:
             raise
         finally:
             self._trap.honour()  # type: ignore[union-attr]
+
+
+def _memory_cadence(memory: bool | int) -> MemoryCadence | None:
+    """The memory tier's cadence for the ``memory`` option (None: no memory tier)."""
+    if memory is False:
+        return None
+    if memory is True:
+        return MemoryCadence()
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
+        return MemoryCadence(every=memory)
+    raise TypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
 
 
 def _has_int_epoch(obj: object) -> bool:

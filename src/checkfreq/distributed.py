@@ -139,6 +139,11 @@ class Cluster:
             raise CheckfreqError(f"rank 0 could not open the checkpoint directory: {message['error']}")
         self._token = message["token"]
 
+    @property
+    def control_group(self) -> Any:
+        """The gloo group for small agreements between ranks (decisions, restore choices)."""
+        return self._control
+
     # -------------------------------------------------------------- training thread
 
     def decider(self, policy: Policy) -> Callable[[DecisionContext], bool]:

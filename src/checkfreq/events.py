@@ -13,10 +13,14 @@ Every rank of a distributed job appends to the same log:
   ``clean_iterations`` iterations of that interval that neither overlapped a persist nor held a stall;
 - ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
+- ``{"event": "memory", "step", "stall_s", "bytes"}`` — a snapshot into the memory tier only
+  (shared memory, no persist); the training thread blocked for ``stall_s`` (not counting the
+  fence wait for its deferred copies at the next optimizer step);
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "seeded", "world_size", "saved_world_size"}`` —
-  ``seeded`` lists what the checkpoint carried into the new session (``"profile"``, ``"policy"``).
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier", "seeded", "world_size", "saved_world_size"}`` —
+  ``tier`` is where the state came from: ``"memory"``, ``"local"`` or ``"remote"``; ``seeded`` lists
+  what the checkpoint carried into the new session (``"profile"``, ``"policy"``).
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 

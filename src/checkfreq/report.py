@@ -139,6 +139,8 @@ class RunReport:
     restores: list[dict[str, Any]] = field(default_factory=list)
     starts: list[dict[str, Any]] = field(default_factory=list)
     """Each session's ``start`` event, and its restore (``restored_step``, ``seeded``) if it had one."""
+    memory_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
     """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
@@ -153,6 +155,7 @@ class RunReport:
             "checkpoints": [asdict(r) for r in self.records],
             "restores": self.restores,
             "rank_stalls": self.rank_stalls,
+            "memory_snapshots": self.memory_snapshots,
         }
 
 
@@ -172,9 +175,12 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
             report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": []})
         elif kind == "restore":
             new_session = True
-            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", [])})
+            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", []),
+                                    "tier": event.get("tier")})
             if report.starts and report.starts[-1]["restored_step"] is None:
                 report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])))
+        elif kind == "memory":
+            report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
         elif kind == "snapshot":
             record = _record(event, new_session, max(sessions - 1, 0))
             new_session = False
@@ -343,6 +349,12 @@ def summary_text(report: RunReport) -> str:
         f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
         f"{human_seconds(s.iteration_persisting_s)} while persisting"
     )
+    if report.memory_snapshots:
+        stalls = _values(m["stall_s"] for m in report.memory_snapshots)
+        lines.append(
+            f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
+            f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
+        )
     lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
     if len(report.sessions) > 1:
         lines.extend(session_line(session) for session in report.sessions)
@@ -405,9 +417,13 @@ def render_figure(report: RunReport) -> Any:
     _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting (smoothed)", 1e3, "s--")
     axes[0].set_ylabel("iteration (ms)")
     axes[0].legend(loc="best", fontsize="small")
-    _series(axes[1], x, [r.stall_s for r in recs], "stall", 1e3, "o")
+    _series(axes[1], x, [r.stall_s for r in recs], "checkpoint (persisted)", 1e3, "o")
     axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
+    memory = report.memory_snapshots
+    _series(axes[1], [m["time"] - t0 for m in memory], [m["stall_s"] for m in memory], "memory snapshot", 1e3, "x", color="C2")
     axes[1].set_ylabel("stall (ms)")
+    if memory:
+        axes[1].legend(loc="best", fontsize="small")
     _series(axes[2], x, [r.persist_s for r in recs], "persist", 1e3, "o-")
     axes[2].set_ylabel("persist (ms)")
     twin = axes[2].twinx()

@@ -146,11 +146,21 @@ class Snapshotter:
             self._signature = signature
         return self._buffer, self._views
 
-    def take(self, tensors: Mapping[str, torch.Tensor], deferred: Collection[str]) -> PendingSnapshot:
-        """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced)."""
-        layout = plan_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
-        buffer, views = self._views_for(layout, pin)
+    def take(
+        self, tensors: Mapping[str, torch.Tensor], deferred: Collection[str], *, layout: Layout | None = None, buffer: torch.Tensor | None = None
+    ) -> PendingSnapshot:
+        """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced).
+
+        ``buffer`` (``layout.nbytes`` bytes, e.g. a slot of the memory tier) replaces the
+        snapshotter's own buffer for this snapshot; ``layout`` is ``layout_of(tensors)`` if the
+        caller planned it already.
+        """
+        layout = layout or layout_of(tensors)
+        if buffer is None:
+            pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+            buffer, views = self._views_for(layout, pin)
+        else:
+            views = [slot_view(buffer, slot) for slot in layout.slots]
         now_cpu: CopyPairs = []
         later_cpu: CopyPairs = []
         cuda_now: dict[torch.device, CopyPairs] = {}
@@ -189,6 +199,11 @@ class Snapshotter:
             all_done.record(stream)
         current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
         return all_done
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """Where each of ``tensors`` goes in a snapshot buffer."""
+    return plan_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:

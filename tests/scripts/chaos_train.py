@@ -15,7 +15,8 @@ from outside lands exactly there. They wrap functions of this process only, from
 library carries no test code. Phases: ``snapshot`` (phase 1 copy starting), ``copy`` (the
 deferred copy in the writer), ``write`` (a file of a staging directory half written),
 ``fsync``, ``rename`` (before or after, alternating), ``retention`` (a hidden old checkpoint
-half deleted).
+half deleted), ``header`` (with ``--memory``: a memory snapshot copied, its slot header not yet
+written). With ``--memory``, ``snapshot`` and ``copy`` also stop memory snapshots mid-copy.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from torch import nn
 import checkfreq as cf
 from checkfreq.data import ResumableLoader
 from checkfreq.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.storage.shm import MemoryRegion
 
 HOOK_SLEEP_S = 60.0
 PHASES = ("snapshot", "copy", "write", "fsync", "rename", "retention")
+MEMORY_PHASES = ("header",)
 
 
 class NoisySamples:
@@ -65,7 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--keep", type=int, default=2)
-    parser.add_argument("--hook", choices=PHASES)
+    parser.add_argument("--memory", type=int, default=0, help="memory-tier cadence in steps (0: off)")
+    parser.add_argument("--hook", choices=PHASES + MEMORY_PHASES)
     parser.add_argument("--hook-at", type=int, default=1)
     parser.add_argument("--save-on-signal", type=int, action="append", default=[], help="signal number")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
@@ -121,6 +125,8 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
                 reached()
 
         os.rename = hooked_rename
+    elif phase == "header":
+        MemoryRegion.commit = _before(MemoryRegion.commit, lambda *_: reached())  # type: ignore[method-assign]
     elif phase == "retention":
         rmtree = shutil.rmtree
 
@@ -186,7 +192,7 @@ def run(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loader = ResumableLoader(NoisySamples(args.samples), batch_size=args.batch_size, shuffle=True, seed=3)
     signals = tuple(signal.Signals(s) for s in args.save_on_signal)
-    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals,
+    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals, memory=args.memory or False,
                          model=model, optimizer=optimizer, scheduler=scheduler, loader=loader) as ckpt:
         progress("ready", ckpt.restore())
         for _ in range(loader.epoch, args.epochs):

@@ -17,6 +17,8 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
   rank RANK SIGKILLs itself after optimizer step STEP: MODE ``step`` once the checkpoint in flight
   is durable, MODE ``persist`` right after the step started a checkpoint, while it is being written.
 * ``--stop-at K``: take a blocking checkpoint at step K and exit cleanly (to resume elsewhere).
+* ``--memory N``: the memory tier, a snapshot every N steps; ``--drop-region LIFE:RANK``: in
+  incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
 
 Each rank appends its batches to ``--batch-log`` as ``rank epoch consumed index index ...``; a batch
 replayed after a restore has the same (rank, epoch, consumed) key and replaces its earlier line.
@@ -35,6 +37,7 @@ from torch import nn
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
+from checkfreq.storage.shm import region_path
 from noisy_points import NoisyPoints  # beside this script
 
 
@@ -62,6 +65,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--dump", default=None)
     parser.add_argument("--diverge", action="store_true")
     parser.add_argument("--on-error", default="raise")
+    parser.add_argument("--memory", type=int, default=0)
+    parser.add_argument("--drop-region", default="")
     return parser.parse_args()
 
 
@@ -90,8 +95,10 @@ def main() -> None:
             model[0].weight[0, 0] += 1.0
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, on_error=args.on_error, model=model,
-                        optimizer=optimizer, scheduler=scheduler, loader=loader)
+    if args.drop_region == f"{life}:{rank}":
+        region_path(args.ckpt_dir, rank).unlink()
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, on_error=args.on_error, memory=args.memory or False,
+                        model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5

@@ -36,20 +36,24 @@ def ls_command(
     quick: Annotated[bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason."""
-    from checkfreq.catalog import list_checkpoints
+    """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason.
 
-    statuses = list_checkpoints(directory, checksums=not quick)
+    Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too.
+    """
+    from checkfreq.catalog import list_checkpoints, memory_snapshots
+
+    disk = list_checkpoints(directory, checksums=not quick)
+    statuses = sorted(memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory"))
     if as_json:
         emit_json([s.to_dict() for s in statuses])
         return
     table = Table(title=f"{directory} ({'sizes only' if quick else 'checksums verified'})")
-    for column in ("checkpoint", "step", "epoch", "size", "age", "status"):
+    for column in ("checkpoint", "tier", "step", "epoch", "size", "age", "status"):
         table.add_column(column, no_wrap=column != "status", justify="right" if column in ("step", "size") else "left")
     for s in statuses:
         status = "[green]valid[/green]" if s.valid else f"[red]INVALID[/red]: {s.reason}"
         epoch = "-" if s.epoch is None else str(s.epoch)
-        table.add_row(s.name, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
+        table.add_row(s.name, s.tier, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
     out = console()
     out.print(table)
     out.print(f"{sum(s.valid for s in statuses)} valid, {sum(not s.valid for s in statuses)} invalid")

@@ -1,0 +1,393 @@
+"""The memory tier: snapshots in a named shared-memory region that outlives the process.
+
+One region per checkpoint directory and rank, a file under ``/dev/shm`` (or
+``$CHECKFREQ_SHM_DIR``) named after the directory's absolute path, so a restarted job finds it
+and two jobs never share one. The file is mapped once and reused for every snapshot.
+
+Layout (little-endian)::
+
+    [0, 4096)             region header, then one 128-byte header per slot
+    slot i                HEADER_BYTES + i * slot_bytes: data (data_capacity) | metadata (meta_capacity)
+
+Commit protocol of one snapshot (:meth:`MemoryRegion.begin`, then :meth:`MemoryRegion.commit`):
+the slot's header is zeroed first, the data and metadata are copied in, and only then is the
+header written: magic, sequence number, step, lengths, layout signature, an xxh3-64 checksum of
+data and metadata, and a checksum of the header itself. A process killed anywhere in between
+leaves that slot without a valid header (or with one whose checksum does not match), and the
+other slot, which the protocol never touches meanwhile, still holds the previous complete
+snapshot. Reading copies a slot into private memory and verifies its checksum on the copy, so
+a torn or bit-flipped snapshot is detected and skipped, never loaded.
+
+Shared memory survives the process, not the node (see docs/storage.md). tmpfs allocates pages
+lazily, so the region's pages are reserved with ``posix_fallocate`` up front: a full /dev/shm
+fails at :meth:`MemoryRegion.reserve` with :class:`ShmCapacityError`, never with a SIGBUS in
+the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from checkfreq.errors import CheckfreqError
+from checkfreq.format import BLOCK_BYTES
+
+log = logging.getLogger("checkfreq.shm")
+
+SHM_DIR_ENV = "CHECKFREQ_SHM_DIR"
+DEFAULT_SHM_DIR = "/dev/shm"
+SLOTS = 2
+HEADER_BYTES = 4096
+META_MIN_BYTES = 64 << 10
+VERSION = 1
+_REGION_MAGIC = b"CKFQSHMR"
+_SLOT_MAGIC = b"CKFQSLOT"
+_REGION = struct.Struct("<8sIIQQQQ")  # magic, version, slots, data capacity, meta capacity, directory st_dev, st_ino
+_SLOT = struct.Struct("<8sQqQQ16sQ")  # magic, sequence, step, data bytes, meta bytes, layout signature, checksum
+_CHECK = struct.Struct("<Q")  # xxh3-64 of the packed slot header
+_SLOT_HEADER_AT = 128
+_SLOT_HEADER_STRIDE = 128
+
+
+class ShmCapacityError(CheckfreqError):
+    """The shared-memory filesystem has no room for the memory tier's region."""
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """The header of one committed snapshot in a region."""
+
+    slot: int
+    sequence: int
+    step: int
+    data_bytes: int
+    meta_bytes: int
+    signature: bytes
+    checksum: int
+
+
+@dataclass(frozen=True)
+class OpenSlot:
+    """A slot opened by :meth:`MemoryRegion.begin` for one snapshot."""
+
+    slot: int
+    sequence: int
+    data: torch.Tensor
+    """The slot's data area (``uint8``, aligned for direct I/O)."""
+
+
+def shm_directory() -> Path:
+    """Where regions live: ``$CHECKFREQ_SHM_DIR`` or ``/dev/shm``."""
+    return Path(os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
+
+
+def region_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """The region of checkpoint ``directory`` (a path or URL) for ``rank``."""
+    key = str(directory) if "://" in str(directory) else os.path.abspath(directory)
+    return shm_directory() / f"checkfreq-{xxhash.xxh3_64(key.encode()).hexdigest()}-rank{rank:05d}"
+
+
+def directory_identity(directory: str | os.PathLike[str]) -> tuple[int, int]:
+    """(st_dev, st_ino) of a local directory, (0, 0) for a URL: a region written for a directory
+    that was since deleted and re-created belongs to another run and is never restored."""
+    if "://" in str(directory):
+        return (0, 0)
+    st = os.stat(directory)
+    return (st.st_dev, st.st_ino)
+
+
+def layout_signature(signature: object) -> bytes:
+    """A 16-byte digest of a layout signature (names, dtypes, shapes)."""
+    return xxhash.xxh3_128(repr(signature).encode()).digest()
+
+
+def _align(n: int) -> int:
+    return -(-n // BLOCK_BYTES) * BLOCK_BYTES
+
+
+class MemoryRegion:
+    """One rank's shared-memory region: :data:`SLOTS` snapshot slots and their headers.
+
+    Opening adopts a region left by an earlier process on the same directory (a restart reads
+    it) and removes one that belongs to another directory incarnation or is not a region of
+    this version (unless ``tidy`` is False: a look that changes nothing). Nothing is created
+    until :meth:`reserve`.
+    """
+
+    def __init__(self, path: Path, identity: tuple[int, int], *, tidy: bool = True) -> None:
+        self.path = path
+        self._identity = identity
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._data_capacity = 0
+        self._meta_capacity = 0
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self.skipped: list[tuple[str, str]] = []
+        """(slot, reason) of every snapshot :meth:`newest` found torn or damaged."""
+        if path.exists():
+            self._adopt(tidy)
+
+    @classmethod
+    def for_directory(cls, directory: str | os.PathLike[str], rank: int = 0) -> MemoryRegion:
+        return cls(region_path(directory, rank), directory_identity(directory))
+
+    @property
+    def mapped(self) -> bool:
+        return self._map is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the region file (0 when none is mapped)."""
+        return 0 if self._map is None else len(self._map)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _adopt(self, tidy: bool) -> None:
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as e:
+            log.warning("cannot open shared-memory region %s: %s; it is ignored", self.path, e.strerror)
+            return
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, _REGION.size, 0)
+            reason = self._foreign(raw, size)
+            if reason is not None:
+                if tidy:
+                    log.info("removing shared-memory region %s: %s", self.path, reason)
+                    self.path.unlink(missing_ok=True)
+                return
+            _, _, _, self._data_capacity, self._meta_capacity, _, _ = _REGION.unpack(raw)
+            self._map_fd(fd, size)
+        finally:
+            os.close(fd)
+        self._sequence = max((info.sequence for info in self.snapshots()), default=0)
+
+    def _foreign(self, raw: bytes, size: int) -> str | None:
+        """Why an existing region file cannot be adopted, or None if it can."""
+        if len(raw) < _REGION.size:
+            return "it is truncated"
+        magic, version, slots, data_cap, meta_cap, dev, ino = _REGION.unpack(raw)
+        if magic != _REGION_MAGIC or version != VERSION or slots != SLOTS:
+            return "it is not a region of this checkfreq version"
+        if (dev, ino) != self._identity:
+            return "it was written for an earlier directory of the same name"
+        if size != HEADER_BYTES + SLOTS * (data_cap + meta_cap):
+            return "its size does not match its header"
+        return None
+
+    def _map_fd(self, fd: int, size: int) -> None:
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # map every page now, not at the first copy
+        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def reserve(self, data_bytes: int, meta_bytes: int) -> None:
+        """Make sure every slot holds ``data_bytes`` of data and ``meta_bytes`` of metadata.
+
+        Keeps the mapped region when it is large enough; otherwise replaces it (its snapshots
+        are dropped) by one with room to spare for metadata that grows. Raises
+        :class:`ShmCapacityError` if the shared-memory filesystem has no room (nothing is left
+        behind then).
+        """
+        if self._map is not None and data_bytes <= self._data_capacity and meta_bytes <= self._meta_capacity:
+            return
+        data_cap, meta_cap = _align(data_bytes), _align(max(META_MIN_BYTES, 2 * meta_bytes))
+        size = HEADER_BYTES + SLOTS * (data_cap + meta_cap)
+        self.release(remove=True)
+        directory = self.path.parent
+        try:
+            stats = os.statvfs(directory)
+        except OSError as e:
+            raise ShmCapacityError(f"{directory} is not usable for the memory tier: {e.strerror}") from None
+        free = stats.f_bavail * stats.f_frsize
+        if free < size:
+            raise ShmCapacityError(
+                f"{directory} has {free / 2**20:.1f} MiB free; the memory tier needs {size / 2**20:.1f} MiB "
+                f"({SLOTS} snapshots of {data_bytes / 2**20:.1f} MiB)"
+            )
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # tmpfs reserves the pages now: no SIGBUS later
+            os.pwrite(fd, _REGION.pack(_REGION_MAGIC, VERSION, SLOTS, data_cap, meta_cap, *self._identity), 0)
+            self._data_capacity, self._meta_capacity = data_cap, meta_cap
+            self._map_fd(fd, size)
+        except OSError as e:
+            self.path.unlink(missing_ok=True)
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ShmCapacityError(f"{directory} ran out of space reserving {size / 2**20:.1f} MiB for the memory tier") from None
+            raise
+        finally:
+            os.close(fd)
+        self._sequence = 0
+        log.info("memory tier: %s, %d slots of %.1f MiB", self.path, SLOTS, data_cap / 2**20)
+
+    def release(self, *, remove: bool) -> None:
+        """Unmap the region; with ``remove``, delete its file too (a clean close)."""
+        self._bytes = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a snapshot view is still alive: the mapping goes with it
+                pass
+            self._map = None
+        if remove:
+            self.path.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ headers
+
+    def _header_at(self, slot: int) -> int:
+        return _SLOT_HEADER_AT + slot * _SLOT_HEADER_STRIDE
+
+    def _data_at(self, slot: int) -> int:
+        return HEADER_BYTES + slot * (self._data_capacity + self._meta_capacity)
+
+    def header(self, slot: int) -> SlotInfo | None:
+        """The slot's committed header, or None if it has none or it is damaged."""
+        assert self._map is not None
+        at = self._header_at(slot)
+        raw = self._map[at : at + _SLOT.size + _CHECK.size]
+        body, (check,) = raw[: _SLOT.size], _CHECK.unpack(raw[_SLOT.size :])
+        if xxhash.xxh3_64_intdigest(body) != check:
+            return None
+        magic, sequence, step, data_bytes, meta_bytes, signature, checksum = _SLOT.unpack(body)
+        if magic != _SLOT_MAGIC or data_bytes > self._data_capacity or meta_bytes > self._meta_capacity:
+            return None
+        return SlotInfo(slot, sequence, step, data_bytes, meta_bytes, signature, checksum)
+
+    def snapshots(self) -> list[SlotInfo]:
+        """Slots with a valid header, newest first (their data is not verified here)."""
+        if self._map is None:
+            return []
+        found = [info for slot in range(SLOTS) if (info := self.header(slot)) is not None]
+        return sorted(found, key=lambda info: -info.sequence)
+
+    # ------------------------------------------------------------------ write
+
+    def begin(self, keep: int | None = None) -> OpenSlot:
+        """Open a slot for the next snapshot: its header is invalidated before this returns.
+
+        The slot chosen is never ``keep`` (a slot still being persisted to disk) and, when
+        there is a choice, never the newest committed snapshot. The sequence number is drawn
+        here, so snapshots rank in the order they were taken whichever thread commits them.
+        """
+        assert self._map is not None and self._bytes is not None
+        newest = next(iter(self.snapshots()), None)
+        free = [s for s in range(SLOTS) if s != keep]
+        preferred = [s for s in free if newest is None or s != newest.slot]
+        slot = (preferred or free)[0]
+        at = self._header_at(slot)
+        self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
+        with self._lock:
+            self._sequence += 1
+            sequence = self._sequence
+        start = self._data_at(slot)
+        return OpenSlot(slot, sequence, self._bytes[start : start + self._data_capacity])
+
+    def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes) -> SlotInfo:
+        """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last)."""
+        assert self._map is not None
+        if len(meta) > self._meta_capacity or data_bytes > self._data_capacity:
+            raise ValueError("snapshot does not fit the reserved slot")
+        start = self._data_at(target.slot)
+        meta_at = start + self._data_capacity
+        self._map[meta_at : meta_at + len(meta)] = meta
+        checksum = self._checksum(start, data_bytes, meta_at, len(meta))
+        body = _SLOT.pack(_SLOT_MAGIC, target.sequence, step, data_bytes, len(meta), signature, checksum)
+        at = self._header_at(target.slot)
+        self._map[at : at + _SLOT.size + _CHECK.size] = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+        return SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, checksum)
+
+    def clear(self) -> None:
+        """Invalidate every snapshot (the run went back to an older state: they are another timeline)."""
+        if self._map is not None:
+            for slot in range(SLOTS):
+                at = self._header_at(slot)
+                self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
+
+    def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
+        view = memoryview(self._map)  # type: ignore[arg-type]
+        try:
+            hasher = xxhash.xxh3_64(view[data_at : data_at + data_bytes])
+            hasher.update(view[meta_at : meta_at + meta_bytes])
+            return hasher.intdigest()
+        finally:
+            view.release()
+
+    # ------------------------------------------------------------------ read
+
+    def read(self, info: SlotInfo, *, private: bool = True) -> tuple[bytes, torch.Tensor]:
+        """Verify a committed snapshot and return it: (metadata, data).
+
+        With ``private`` the data is copied first and the copy verified, so that a snapshot
+        another process is writing can never pass (a look from outside, such as ``checkfreq
+        ls``). Without, the data is a view of the region, verified in place: for the region's
+        owner, which writes nothing while it reads. Raises :class:`ShmSnapshotError` if the
+        checksum does not match.
+        """
+        assert self._bytes is not None
+        start = self._data_at(info.slot)
+        data = self._bytes[start : start + info.data_bytes]
+        if private:
+            data = data.clone()
+        meta_at = start + self._data_capacity
+        meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
+        hasher = xxhash.xxh3_64(data.numpy())
+        hasher.update(meta)
+        if hasher.intdigest() != info.checksum or self.header(info.slot) != info:
+            raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")
+        return meta, data
+
+    def newest(self, step: int | None = None) -> tuple[SlotInfo, bytes, torch.Tensor] | None:
+        """The newest snapshot (or the one at ``step``) that verifies; damaged ones are skipped
+        with a warning and listed in :attr:`skipped`."""
+        self.skipped = []
+        for info in self.snapshots():
+            if step is not None and info.step != step:
+                continue
+            try:
+                meta, data = self.read(info)
+            except ShmSnapshotError as e:
+                log.warning("skipping memory snapshot: %s", e)
+                self.skipped.append((f"memory slot {info.slot}", str(e)))
+                continue
+            return info, meta, data
+        return None
+
+
+class ShmSnapshotError(CheckfreqError):
+    """A memory-tier snapshot is torn or damaged (its checksum does not match)."""
+
+
+def remove_regions_beyond(directory: str | os.PathLike[str], world_size: int) -> list[Path]:
+    """Delete the regions of ranks that a job of ``world_size`` ranks no longer has (an earlier
+    job on the directory ran with more); returns what was removed. Rank 0 calls it at start."""
+    removed = []
+    for rank, region in listed_regions(directory):
+        if rank >= world_size:
+            log.info("removing shared-memory region %s: this job has %d ranks", region.path, world_size)
+            region.release(remove=True)
+            removed.append(region.path)
+    return removed
+
+
+def listed_regions(directory: str | os.PathLike[str]) -> list[tuple[int, MemoryRegion]]:
+    """The regions of checkpoint ``directory`` on this node, by rank (read-only look, for the CLI)."""
+    prefix = region_path(directory, 0).name.rsplit("-rank", 1)[0] + "-rank"
+    found = []
+    for path in sorted(shm_directory().glob(prefix + "*")):
+        try:
+            rank = int(path.name[len(prefix) :])
+        except ValueError:
+            continue
+        found.append((rank, MemoryRegion(path, directory_identity(directory), tidy=False)))
+    return found

@@ -1,0 +1,218 @@
+"""The memory tier in the Checkpointer: a killed process restarts from shared memory, exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from typer.testing import CliRunner
+
+import checkfreq as cf
+from checkfreq.cli import app
+from checkfreq.events import read_events
+from checkfreq.memory_cadence import MemoryCadence
+from checkfreq.storage.shm import SHM_DIR_ENV, region_path
+from conftest import make_model, train_step
+
+SCRIPT = Path(__file__).parent / "scripts" / "chaos_train.py"
+ARGS = ["--epochs", "3", "--every", "8"]  # 8 steps an epoch: 24 steps, persists at 8, 16, 24
+
+
+@pytest.fixture
+def shm_dir(monkeypatch: pytest.MonkeyPatch):
+    """A private directory on the real /dev/shm tmpfs for this test's regions."""
+    path = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def train(directory: Path, *extra: str, kill_after: int | None = None) -> dict[str, str]:
+    """Run the training script; SIGKILL it once step ``kill_after + 2`` has begun (the memory
+    snapshot of step ``kill_after`` is complete by then). Returns the last line of each kind."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dir", str(directory), *ARGS, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: dict[str, str] = {}
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            kind, _, value = line.strip().partition(" ")
+            lines[kind] = value
+            if kill_after is not None and kind == "optimizer" and int(value) == kill_after + 2:
+                proc.send_signal(signal.SIGKILL)
+                break
+    finally:
+        proc.wait(timeout=120)
+        stderr = proc.stderr.read()  # type: ignore[union-attr]
+        proc.stdout.close(), proc.stderr.close()  # type: ignore[union-attr]
+    if kill_after is None:
+        assert proc.returncode == 0, stderr[-3000:]
+    lines["stderr"] = stderr
+    return lines
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The final state digest of the run, uninterrupted and without the memory tier."""
+    return train(tmp_path_factory.mktemp("reference"))["final"]
+
+
+def test_a_killed_run_restarts_from_memory_and_ends_bit_identical(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+
+    run = tmp_path / "run"
+    train(run, "--memory", "1", kill_after=13)
+    assert region_path(run, 0).exists()  # the killed process left its snapshots behind
+    resumed = train(run, "--memory", "1")
+    restored = int(resumed["ready"])
+    assert restored >= 13 > 8  # the newest disk checkpoint is step 8: memory lost at most 1 step
+    assert resumed["final"] == reference
+    restore = [e for e in read_events(run) if e["event"] == "restore"][-1]
+    assert restore["tier"] == "memory" and restore["step"] == restored
+    assert not region_path(run, 0).exists()  # a clean close removes the region
+
+
+def test_without_the_region_both_restart_from_disk_and_end_bit_identical(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+    run = tmp_path / "run"
+    train(run, "--memory", "1", kill_after=13)
+    region_path(run, 0).unlink()  # e.g. the node rebooted
+    on_disk = max((int(p.name[5:]) for p in run.glob("step_*") if p.name[5:].isdigit()), default=0)  # 8 unless still persisting
+    resumed = train(run, "--memory", "1")
+    assert int(resumed["ready"]) == on_disk and resumed["final"] == reference
+
+
+def test_a_torn_newest_snapshot_falls_back_to_the_previous_one(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+    run = tmp_path / "run"
+    train(run, "--memory", "1", kill_after=13)
+    path = region_path(run, 0)
+    from checkfreq.storage.shm import MemoryRegion
+
+    region = MemoryRegion.for_directory(run)
+    newest, older = region.snapshots()
+    at = 4096 + newest.slot * (region._data_capacity + region._meta_capacity) + 100
+    region.release(remove=False)
+    with open(path, "r+b") as f:  # flip a byte of the newest snapshot's data
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+    listing = json.loads(CliRunner().invoke(app, ["ls", str(run), "--json"]).output)
+    memory = [(e["step"], e["valid"], e["reason"] or "") for e in listing if e["tier"] == "memory"]
+    assert memory[0][:2] == (newest.step, False) and "checksum" in memory[0][2] and memory[1] == (older.step, True, "")
+    resumed = train(run, "--memory", "1")
+    assert int(resumed["ready"]) == older.step and resumed["final"] == reference
+    restore = [e for e in read_events(run) if e["event"] == "restore"][-1]
+    assert restore["tier"] == "memory" and "checksum" in restore["skipped"][0][1]
+
+
+def test_a_small_tmpfs_means_disk_only_with_one_warning(tmp_path: Path, reference: str) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a private tmpfs")
+    mount = tmp_path / "tinyshm"
+    mount.mkdir()
+    run = tmp_path / "run"
+    script = f'mount -t tmpfs -o size=64k tmpfs {mount} && {SHM_DIR_ENV}={mount} exec "$@"'
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, str(SCRIPT), "--dir", str(run), *ARGS, "--memory", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    if result.returncode != 0 and "mount" in result.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("memory tier off, checkpoints go to disk only") == 1
+    assert result.stdout.strip().splitlines()[-1] == f"final {reference}"
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_000000016", "step_000000024"]
+
+
+def test_memory_stays_flat_over_thousands_of_snapshots(shm_dir: Path, tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    process = psutil.Process()
+    with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model, optimizer=optimizer) as ckpt:
+        for step in range(1, 2001):
+            train_step(model, optimizer, batch=4)
+            ckpt.step()
+            if step == 200:
+                rss, size = process.memory_info().rss, region_path(tmp_path, 0).stat().st_size
+        assert process.memory_info().rss - rss < 8 << 20
+        assert region_path(tmp_path, 0).stat().st_size == size
+        assert [p.name for p in shm_dir.iterdir()] == [region_path(tmp_path, 0).name]
+    memory = [e for e in read_events(tmp_path) if e["event"] == "memory"]
+    assert len(memory) == 2000 - 2  # every step but the two persists
+    assert not any(shm_dir.iterdir())
+
+
+def test_a_run_that_did_not_restore_refuses_to_overwrite_memory_snapshots(shm_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", "--memory", "1", kill_after=5)  # killed before its first persist
+    assert not list((tmp_path / "run").glob("step_*"))
+    model = make_model()
+    with cf.Checkpointer(tmp_path / "run", policy=8, memory=True, model=model) as ckpt:
+        with pytest.raises(cf.errors.ExistingCheckpointsError):
+            ckpt.step()  # a memory snapshot would overwrite them
+        with pytest.raises(cf.errors.ExistingCheckpointsError):
+            ckpt.save()
+    assert region_path(tmp_path / "run", 0).exists()  # closing never removes another run's snapshots
+
+
+def test_memory_option_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="memory must be"):
+        cf.Checkpointer(tmp_path, memory=0.5, model=make_model())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="memory must be"):
+        cf.Checkpointer(tmp_path, memory=-1, model=make_model())
+
+
+def test_memory_cadence_fixed_and_within_the_overhead_bound() -> None:
+    fixed = MemoryCadence(every=3)
+    assert [s for s in range(1, 10) if fixed.due(s, 0.1) and fixed.taken(s) is None] == [3, 6, 9]
+    auto = MemoryCadence()
+    assert auto.interval(float("nan")) == 1  # not measured yet: snapshot, which measures it
+    auto.record(1.0)  # the first snapshot pays one-time costs: left out
+    assert auto.interval(0.1) == 1
+    auto.record(0.01)
+    assert auto.interval(0.1) == 3  # 0.01 s every 3 steps of 0.1 s is within 3.5 %
+    assert auto.interval(1.0) == 1
+    with pytest.raises(ValueError):
+        MemoryCadence(every=0)
+
+
+def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not(shm_dir: Path, tmp_path: Path) -> None:
+    cheap = torch.nn.Linear(4, 4)
+    with cf.Checkpointer(tmp_path / "cheap", policy=1000, memory=True, model=cheap) as ckpt:
+        for _ in range(20):
+            ckpt.step()
+            time.sleep(0.25)  # "compute": far longer than copying 20 floats
+    cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
+    assert cheap_steps[:2] == [1, 2] and len(cheap_steps) >= 16  # every step, but for a hiccup of a busy machine
+
+    heavy = torch.nn.Linear(2048, 2048)  # 16 MiB to copy, nothing else per step
+    with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy) as ckpt:
+        for _ in range(30):
+            ckpt.step()
+    heavy_steps = [e["step"] for e in read_events(tmp_path / "heavy") if e["event"] == "memory"]
+    assert heavy_steps[:2] == [1, 2] and len(heavy_steps) <= 6  # the copy is the whole iteration: 3.5 % allows few
+
+
+def test_report_shows_memory_snapshots_apart_from_persists(shm_dir: Path, tmp_path: Path) -> None:
+    from checkfreq.report import load_run, render_figure, summary_text
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with cf.Checkpointer(tmp_path, policy=5, memory=1, model=model, optimizer=optimizer) as ckpt:
+        for _ in range(12):
+            train_step(model, optimizer)
+            ckpt.step()
+    report = load_run(tmp_path)
+    assert [r.step for r in report.records] == [5, 10, 12]  # 12: the newest memory snapshot, persisted at close
+    assert [m["step"] for m in report.memory_snapshots] == [1, 2, 3, 4, 6, 7, 8, 9, 11, 12]
+    assert "memory tier: 10 snapshots besides the checkpoints" in summary_text(report)
+    labels = [line.get_label() for line in render_figure(report).axes[1].get_lines()]
+    assert "memory snapshot" in labels and "checkpoint (persisted)" in labels
