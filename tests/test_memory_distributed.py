@@ -41,9 +41,10 @@ def test_torchrun_restarts_from_memory_or_falls_back_to_disk_together(tmp_path: 
         restored = _restored(outs["memory"], life=1)
         assert len(restored) == 1 and restored <= {5, 6}, outs["memory"][-3000:]
         assert _restored(outs["dropped"], life=1) == {4}, outs["dropped"][-3000:]  # rank 1's region is gone: disk
-        expected = torch.load(reference / "final.pt")
-        for run in (memory, dropped):
-            assert_state_equal(torch.load(run / "final.pt"), expected)
+        for rank in (0, 1):  # every rank's model, buffers, optimizer and values
+            expected = torch.load(reference / f"final.rank{rank}.pt")
+            for run in (memory, dropped):
+                assert_state_equal(torch.load(run / f"final.rank{rank}.pt"), expected)
         assert not any(shm.iterdir())  # a clean close removes every rank's region
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -17,7 +17,7 @@ import torch
 
 import checkfreq
 from checkfreq.distributed import Cluster, attach
-from checkfreq.distributed_plan import SHARDED, kind_of, local_view, source_rank, storage_ptr
+from checkfreq.distributed_plan import is_dtensor, local_view, source_rank, storage_ptr
 from checkfreq.errors import (
     CheckfreqError,
     CorruptCheckpointError,
@@ -577,7 +577,7 @@ class Checkpointer:
         self._finish_fence()
         step, epoch = self._global_step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
-        if self._cluster is not None and any(kind_of(n, t) == SHARDED for n, t in tensors.items()):
+        if self._cluster is not None and any(is_dtensor(t) for t in tensors.values()):
             log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
             memory.enabled = False
             return
