@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -52,3 +56,29 @@ def assert_state_equal(a: dict, b: dict) -> None:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+def run_job(command: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
+    """Run a job in a session of its own and return (exit status, output); nothing of it outlives it."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out
+
+
+@pytest.fixture
+def shm_dir(monkeypatch: pytest.MonkeyPatch):
+    """A private directory on the real /dev/shm tmpfs for this test's memory-tier regions."""
+    from checkfreq.storage.shm import SHM_DIR_ENV
+
+    path = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -9,14 +9,12 @@ finishes. Skipped when ``accelerate`` is not installed.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal
+from conftest import SCRIPTS, assert_state_equal, run_job
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow
@@ -30,16 +28,8 @@ def launch(workdir: Path, *args: str, killed: bool = False) -> str:
                "--batch-log", str(workdir / "batches.log"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(workdir / "hf"), "PYTHONPATH": str(SCRIPTS),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert (proc.returncode != 0) == killed, f"exit {proc.returncode}\n{out[-4000:]}"
+    returncode, out = run_job(command, env)
+    assert (returncode != 0) == killed, f"exit {returncode}\n{out[-4000:]}"
     return out
 
 

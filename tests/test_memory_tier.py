@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,6 @@ from conftest import make_model, train_step
 
 SCRIPT = Path(__file__).parent / "scripts" / "chaos_train.py"
 ARGS = ["--epochs", "3", "--every", "8"]  # 8 steps an epoch: 24 steps, persists at 8, 16, 24
-
-
-@pytest.fixture
-def shm_dir(monkeypatch: pytest.MonkeyPatch):
-    """A private directory on the real /dev/shm tmpfs for this test's regions."""
-    path = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    monkeypatch.setenv(SHM_DIR_ENV, str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def train(directory: Path, *extra: str, kill_after: int | None = None) -> dict[str, str]:

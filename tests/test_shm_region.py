@@ -10,24 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, layout_signature, region_path, remove_regions_beyond
+from checkfreq.storage.shm import MemoryRegion, layout_signature, region_path, remove_regions_beyond
 
 SIG = layout_signature(("x",))
-
-
-@pytest.fixture
-def shm_dir(monkeypatch: pytest.MonkeyPatch):
-    """A private directory on the real /dev/shm tmpfs for this test's regions."""
-    path = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    monkeypatch.setenv(SHM_DIR_ENV, str(path))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def put(region: MemoryRegion, step: int, nbytes: int = 4096) -> int:

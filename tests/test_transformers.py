@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal
+from conftest import SCRIPTS, assert_state_equal, run_job
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -32,17 +31,9 @@ def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int =
               "--read-log", str(workdir / f"{name}.log"), *args]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(launcher + script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    returncode, out = run_job(launcher + script, env)
     expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
-    assert proc.returncode == expected, f"{name}: exit {proc.returncode}\n{out[-4000:]}"
+    assert returncode == expected, f"{name}: exit {returncode}\n{out[-4000:]}"
     return out
 
 
