@@ -1,10 +1,15 @@
 """When to snapshot into the memory tier: a cadence of its own, beside the disk policy.
 
-A memory snapshot costs only the fenced host copy (no disk write), so it can be taken far
-more often than the disk policy persists. By default it is taken as often as the overhead
-bound allows: every ``k`` steps with ``k`` the smallest interval at which the measured cost of
-one memory snapshot stays within ``overhead`` of the iteration time (every step when the copy
-is cheap enough). A persist is a memory snapshot too, so it restarts the count.
+A memory snapshot costs no disk write, so it can be taken far more often than the disk policy
+persists. By default it is taken as often as the overhead bound allows: every ``k`` steps with
+``k`` the smallest interval at which the measured cost of one memory snapshot stays within
+``overhead`` of the iteration time (every step when it is cheap enough). A persist is a memory
+snapshot too, so it restarts the count.
+
+A snapshot's cost is what the training thread waits (the copy now, the fence) plus what the
+memory tier's thread works in the background (the deferred copies and the checksum): on a host
+whose cores the training loop keeps busy, that work slows the next iterations by about its own
+length. Counting it in full errs on the side of the bound where spare cores would absorb it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class MemoryCadence:
     cost: Smoothed = field(default_factory=Smoothed)
     """Seconds the training thread loses per memory snapshot (copy plus fence); a lone spike
     (a busy machine) moves it little, a lasting change is adopted after a few snapshots."""
+    background: Smoothed = field(default_factory=Smoothed)
+    """Seconds the memory tier's thread works per memory-only snapshot (written by that thread)."""
     _last_step: int = 0
     _warm: bool = False
 
@@ -44,7 +51,7 @@ class MemoryCadence:
         """Steps between memory snapshots for the current measurements."""
         if self.every is not None:
             return self.every
-        cost = self.cost.value
+        cost = self.cost.value + (self.background.value if self.background.count else 0.0)
         if not (cost > 0 and iteration_time > 0):
             return 1  # not measured yet: snapshot, which measures it
         return max(1, math.ceil(cost / (self.overhead * iteration_time)))
@@ -56,6 +63,10 @@ class MemoryCadence:
     def taken(self, step: int) -> None:
         """A snapshot (memory or persist) was taken at ``step``."""
         self._last_step = step
+
+    def record_background(self, seconds: float) -> None:
+        """The memory tier's thread worked ``seconds`` on one memory-only snapshot."""
+        self.background.add(seconds)
 
     def record(self, seconds: float) -> None:
         """One memory snapshot cost the training thread ``seconds`` (the first one is not

@@ -127,7 +127,13 @@ class MemoryTier:
     def submit(self, target: MemoryTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
         """Commit a memory-only snapshot in the background (the previous one must be committed)."""
         self.newest = MemorySnapshot(pending, skeleton, target.step, epoch)
-        self.writer.submit(lambda: self.commit(target, pending))
+
+        def job() -> None:
+            start = time.perf_counter()
+            self.commit(target, pending)
+            self.cadence.record_background(time.perf_counter() - start)
+
+        self.writer.submit(job)
 
     def around_persist(self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], None]) -> Callable[[], None]:
         """The writer job of a persist: commit the slot, then write it to disk; the slot stays
