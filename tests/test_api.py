@@ -15,7 +15,7 @@ import torch
 from packaging.requirements import Requirement
 
 import checkfreq as cf
-from checkfreq.compat import UnsupportedTorchError, dtensor_class
+from checkfreq.compat import dtensor_class
 from conftest import SCRIPTS, make_model, train_step
 
 
@@ -124,7 +124,7 @@ def test_the_core_package_does_not_depend_on_cli_or_plotting() -> None:
 
 def test_a_missing_torch_api_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.distributed.tensor", None)  # as on a torch without it
-    with pytest.raises(UnsupportedTorchError, match=r"DTensor is not available in torch .*needs torch >= 2\.6"):
+    with pytest.raises(cf.UnsupportedTorchError, match=r"DTensor is not available in torch .*needs torch >= 2\.6"):
         dtensor_class()
 
 

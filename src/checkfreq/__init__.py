@@ -21,6 +21,7 @@ from checkfreq.errors import (
     StateMismatchError,
     TopologyError,
     UnserializableStateError,
+    UnsupportedTorchError,
 )
 from checkfreq.policies import (
     Auto,
@@ -57,5 +58,6 @@ __all__ = [
     "StateMismatchError",
     "TopologyError",
     "UnserializableStateError",
+    "UnsupportedTorchError",
     "YoungDaly",
 ]

@@ -12,19 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkfreq.errors import CheckfreqError
+from checkfreq.errors import UnsupportedTorchError
 
 MINIMUM_TORCH = (2, 6)
-
-
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the running torch."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-class UnsupportedTorchError(CheckfreqError):
-    """The running torch lacks an API that checkfreq needs for what was asked of it."""
 
 
 def _missing(what: str, error: Exception) -> UnsupportedTorchError:

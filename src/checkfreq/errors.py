@@ -41,3 +41,7 @@ class ReplicaMismatchError(CheckfreqError):
 
 class TopologyError(CheckfreqError):
     """A data loader's partition over the ranks does not match the job's rank and world size."""
+
+
+class UnsupportedTorchError(CheckfreqError):
+    """The running torch lacks an API that checkfreq needs for what was asked of it."""
