@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,3 +86,38 @@ def shm_dir(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(SHM_DIR_ENV, str(path))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3-protocol server (moto's standalone server) on a free loopback port, for the session."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    port = free_port()
+    log = (tmp_path_factory.mktemp("moto") / "server.log").open("w")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"moto server did not start (exit {proc.poll()})")
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    log.close()

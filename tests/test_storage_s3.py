@@ -1,8 +1,8 @@
 """Checkpoints on a real S3-protocol server (moto's standalone server on loopback, via s3fs).
 
-The tests start the server themselves as a subprocess on a free port. A writer is SIGKILLed in
-the middle of a multipart upload, or between its data file and its manifest; restore must then
-pick the last complete checkpoint, from the remote tier alone or from either tier.
+The server is conftest's ``s3_endpoint`` (a subprocess on a free loopback port). A writer is
+SIGKILLed in the middle of a multipart upload, or between its data file and its manifest;
+restore must then pick the last complete checkpoint, from the remote tier alone or from either tier.
 """
 
 from __future__ import annotations
@@ -10,13 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,39 +28,6 @@ pytest.importorskip("moto.server")
 
 KEY = {"key": "testing", "secret": "testing"}
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server on a free loopback port for this module's tests."""
-    port = _free_port()
-    log = (tmp_path_factory.mktemp("moto") / "server.log").open("w")
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto server did not start (exit {proc.poll()})")
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    log.close()
 
 
 @pytest.fixture
@@ -94,16 +58,16 @@ def restore_from(store: object, **kwargs: object) -> tuple[int, dict, dict]:
     return step, model.state_dict(), optimizer.state_dict()
 
 
-def run_child(endpoint: str, url: str, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, str(SCRIPTS / "s3_train.py"), "--url", url, "--endpoint", endpoint,
+def run_child(s3_endpoint: str, url: str, *args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, str(SCRIPTS / "s3_train.py"), "--url", url, "--endpoint", s3_endpoint,
                "--steps", str(STEPS), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def kill_during_multipart_upload(proc: subprocess.Popen[str], endpoint: str, url: str, step: int) -> None:
+def kill_during_multipart_upload(proc: subprocess.Popen[str], s3_endpoint: str, url: str, step: int) -> None:
     """SIGKILL ``proc`` once step ``step``'s data file is a multipart upload with parts on the server."""
-    fs = FsspecStore(url, endpoint_url=endpoint, **KEY).fs
+    fs = FsspecStore(url, endpoint_url=s3_endpoint, **KEY).fs
     bucket, prefix = url.removeprefix("s3://").split("/", 1)
     key = f"{prefix}/step_{step:09d}/rank00000.safetensors"
     deadline = time.monotonic() + 60
@@ -121,9 +85,9 @@ def kill_during_multipart_upload(proc: subprocess.Popen[str], endpoint: str, url
     pytest.fail(f"never saw the upload of step {step} in progress (exit {proc.returncode})\n{out}{err}")
 
 
-def test_s3_round_trip_and_layout(endpoint: str, bucket_url: str) -> None:
+def test_s3_round_trip_and_layout(s3_endpoint: str, bucket_url: str) -> None:
     model, optimizer = _script().build()
-    store = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+    store = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     with cf.Checkpointer(store, policy=2, keep=2, model=model, optimizer=optimizer) as ckpt:
         for step in range(1, 7):
             _script().train_step(model, optimizer, step)
@@ -131,18 +95,18 @@ def test_s3_round_trip_and_layout(endpoint: str, bucket_url: str) -> None:
     assert [step for step, _ in store.checkpoints()] == [6, 4]  # keep=2 deleted step 2
     names = sorted(p.rsplit("/", 1)[1] for p in store.fs.find(bucket_url))
     assert names == ["manifest.json", "manifest.json", "rank00000.safetensors", "rank00000.safetensors"]
-    step, model_state, optimizer_state = restore_from(FsspecStore(bucket_url, endpoint_url=endpoint, **KEY))
+    step, model_state, optimizer_state = restore_from(FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY))
     expected_model, expected_optimizer = expected_after(6)
     assert step == 6
     assert_state_equal(model_state, expected_model)
     assert_state_equal(optimizer_state, expected_optimizer)
 
 
-def test_kill_mid_upload_restores_last_complete(endpoint: str, bucket_url: str) -> None:
-    proc = run_child(endpoint, bucket_url, "--slow-step", str(STEPS))
-    kill_during_multipart_upload(proc, endpoint, bucket_url, STEPS)
+def test_kill_mid_upload_restores_last_complete(s3_endpoint: str, bucket_url: str) -> None:
+    proc = run_child(s3_endpoint, bucket_url, "--slow-step", str(STEPS))
+    kill_during_multipart_upload(proc, s3_endpoint, bucket_url, STEPS)
     assert proc.returncode == -signal.SIGKILL
-    store = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+    store = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     assert [step for step, _ in store.checkpoints()] == [2, 1]
     step, model_state, optimizer_state = restore_from(store)
     expected_model, expected_optimizer = expected_after(STEPS - 1)
@@ -151,12 +115,12 @@ def test_kill_mid_upload_restores_last_complete(endpoint: str, bucket_url: str) 
     assert_state_equal(optimizer_state, expected_optimizer)
 
 
-def test_kill_before_manifest_leaves_an_ignored_partial(endpoint: str, bucket_url: str) -> None:
-    proc = run_child(endpoint, bucket_url, "--die-before-manifest", "3")
+def test_kill_before_manifest_leaves_an_ignored_partial(s3_endpoint: str, bucket_url: str) -> None:
+    proc = run_child(s3_endpoint, bucket_url, "--die-before-manifest", "3")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, out + err
     assert out.split() == ["committed", "1", "committed", "2"]
-    store = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+    store = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     partial = f"{bucket_url}/step_000000003"
     assert store.fs.exists(f"{partial}/rank00000.safetensors")  # the data arrived, the manifest did not
     assert [step for step, _ in store.checkpoints()] == [2, 1]
@@ -166,14 +130,14 @@ def test_kill_before_manifest_leaves_an_ignored_partial(endpoint: str, bucket_ur
     assert not store.fs.exists(partial)  # the next writer removed the uncommitted directory
 
 
-def test_two_tiers_kill_mid_upload(endpoint: str, bucket_url: str, tmp_path: Path) -> None:
+def test_two_tiers_kill_mid_upload(s3_endpoint: str, bucket_url: str, tmp_path: Path) -> None:
     local = tmp_path / "fast"
-    proc = run_child(endpoint, bucket_url, "--local", str(local), "--slow-step", str(STEPS))
-    kill_during_multipart_upload(proc, endpoint, bucket_url, STEPS)
+    proc = run_child(s3_endpoint, bucket_url, "--local", str(local), "--slow-step", str(STEPS))
+    kill_during_multipart_upload(proc, s3_endpoint, bucket_url, STEPS)
     assert proc.returncode == -signal.SIGKILL
 
     def remote() -> FsspecStore:
-        return FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+        return FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
 
     # Same machine: the local tier holds the newest checkpoint, committed before its upload began.
     step, model_state, _ = restore_from(local, remote=remote())
@@ -187,8 +151,8 @@ def test_two_tiers_kill_mid_upload(endpoint: str, bucket_url: str, tmp_path: Pat
     assert_state_equal(optimizer_state, expected_optimizer)
 
 
-def test_two_tiers_upload_and_keep_per_tier(endpoint: str, bucket_url: str, tmp_path: Path) -> None:
-    remote = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+def test_two_tiers_upload_and_keep_per_tier(s3_endpoint: str, bucket_url: str, tmp_path: Path) -> None:
+    remote = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     model, optimizer = _script().build()
     with cf.Checkpointer(tmp_path, remote=remote, policy=1, keep=1, remote_keep=3,
                          model=model, optimizer=optimizer) as ckpt:
@@ -205,8 +169,8 @@ def test_two_tiers_upload_and_keep_per_tier(endpoint: str, bucket_url: str, tmp_
     assert_state_equal(model_state, expected_after(5)[0])
 
 
-def test_failed_upload_is_reported_not_silent(endpoint: str, bucket_url: str, tmp_path: Path) -> None:
-    remote = FsspecStore(bucket_url, endpoint_url=endpoint, **KEY)
+def test_failed_upload_is_reported_not_silent(s3_endpoint: str, bucket_url: str, tmp_path: Path) -> None:
+    remote = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     model, optimizer = _script().build()
     ckpt = cf.Checkpointer(tmp_path, remote=remote, policy=1, model=model, optimizer=optimizer)
     bucket = bucket_url.removeprefix("s3://").split("/", 1)[0]
