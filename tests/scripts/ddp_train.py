@@ -19,6 +19,15 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
 * ``--stop-at K``: take a blocking checkpoint at step K and exit cleanly (to resume elsewhere).
 * ``--memory N``: the memory tier, a snapshot every N steps; ``--drop-region LIFE:RANK``: in
   incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
+* ``--remote URL|PATH``: a second tier (``--endpoint``: an S3-protocol server for ``s3://`` URLs),
+  ``--keep``/``--remote-keep`` its retention. ``--ckpt-dir`` is then the node's local tier: two
+  torchrun agents ("nodes") may each pass their own.
+* ``--kill-write RANK:N``: in the first incarnation, rank RANK writes part of its N-th data file
+  into the local tier, then SIGKILLs itself (mid-persist).
+* ``--kill-upload RANK:STEP``: in the first incarnation, rank RANK SIGKILLs itself when asked to
+  upload its data file of checkpoint STEP to the remote tier (after the local commit).
+  Each kill happens once: it leaves ``--kill-marker`` behind (a node whose agent did not see the
+  failure restarts its workers with the same incarnation number).
 
 Each rank appends its batches to ``--batch-log`` as ``rank epoch consumed index index ...``; a batch
 replayed after a restore has the same (rank, epoch, consumed) key and replaces its earlier line.
@@ -29,7 +38,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path, PurePath
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +48,9 @@ from torch import nn
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
+from checkfreq.format import MANIFEST_NAME
+from checkfreq.storage import FsspecStore, LocalStore, Store
+from checkfreq.storage.local import checkpoint_name
 from checkfreq.storage.shm import region_path
 from noisy_points import NoisyPoints  # beside this script
 
@@ -67,7 +81,72 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--on-error", default="raise")
     parser.add_argument("--memory", type=int, default=0)
     parser.add_argument("--drop-region", default="")
+    parser.add_argument("--keep", type=int, default=2)
+    parser.add_argument("--remote", default=None)
+    parser.add_argument("--endpoint", default=None)
+    parser.add_argument("--remote-keep", type=int, default=None)
+    parser.add_argument("--kill-write", default="", help="RANK:N")
+    parser.add_argument("--kill-upload", default="", help="RANK:STEP")
+    parser.add_argument("--kill-marker", default=None)
     return parser.parse_args()
+
+
+def open_remote(args: argparse.Namespace) -> Store | None:
+    if args.remote is None:
+        return None
+    if args.endpoint:
+        return FsspecStore(args.remote, endpoint_url=args.endpoint, key="testing", secret="testing")
+    return LocalStore(args.remote)
+
+
+def first_kill(args: argparse.Namespace, spec: str, rank: int) -> Callable[[], bool] | None:
+    """For this rank's ``RANK:X`` kill spec, a check that says "kill now" at most once; else None."""
+    if not spec or int(spec.split(":")[0]) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    marker = Path(args.kill_marker)
+
+    def once() -> bool:
+        if marker.exists():
+            return False
+        marker.write_text(f"rank {rank} pid {os.getpid()}\n")
+        return True
+
+    return once
+
+
+def kill_mid_local_write(local_dir: str, n: int, once: Callable[[], bool]) -> None:
+    """SIGKILL this process in the middle of its ``n``-th data-file write into ``local_dir``."""
+    original, root, seen = LocalStore.write_file, Path(local_dir).resolve(), 0
+
+    def write_file(self: LocalStore, staging: Path, name: str, chunks: Iterable[bytes | memoryview]) -> None:
+        nonlocal seen
+        if name != MANIFEST_NAME and Path(staging).resolve().is_relative_to(root):
+            seen += 1
+            if seen == n and once():
+                chunks = die_after_first(chunks)
+        original(self, staging, name, chunks)
+
+    LocalStore.write_file = write_file  # type: ignore[method-assign]
+
+
+def die_after_first(chunks: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    """The first chunk, then a SIGKILL when the writer asks for more: a file half written."""
+    for chunk in chunks:
+        yield chunk
+        break
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_before_upload(remote: Any, step: int, once: Callable[[], bool]) -> None:
+    """SIGKILL this process when ``remote`` is asked to store this rank's data file of checkpoint ``step``."""
+    original = remote.write_file
+
+    def write_file(staging: Any, name: str, chunks: Iterable[bytes | memoryview]) -> None:
+        if name != MANIFEST_NAME and PurePath(str(staging)).name.startswith(checkpoint_name(step)) and once():
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(staging, name, chunks)
+
+    remote.write_file = write_file
 
 
 def main() -> None:
@@ -97,7 +176,13 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
     if args.drop_region == f"{life}:{rank}":
         region_path(args.ckpt_dir, rank).unlink()
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, on_error=args.on_error, memory=args.memory or False,
+    remote = open_remote(args)
+    if once := first_kill(args, args.kill_write, rank):
+        kill_mid_local_write(args.ckpt_dir, int(args.kill_write.split(":")[1]), once)
+    if once := first_kill(args, args.kill_upload, rank):
+        kill_before_upload(remote, int(args.kill_upload.split(":")[1]), once)
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=args.keep, remote=remote, remote_keep=args.remote_keep,
+                        on_error=args.on_error, memory=args.memory or False,
                         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0

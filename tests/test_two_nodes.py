@@ -1,0 +1,213 @@
+"""Two "nodes" on one machine: node-local checkpoint directories and one shared remote tier.
+
+Each test runs two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1, one rank per
+agent, CPU, gloo) of ``scripts/ddp_train.py``; each agent ("node") gets its own local directory
+and both share a remote tier: a real S3-protocol server on loopback, or a plain directory.
+Ranks SIGKILL themselves at chosen points (hooks in the script), nodes lose their local disk
+between runs, and every job must end bit-identical to one uninterrupted run, having used every
+sample once per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import SCRIPTS, assert_state_equal, free_port
+
+from checkfreq.events import read_events
+from checkfreq.format import MANIFEST_NAME
+from checkfreq.storage import FsspecStore, LocalStore
+
+SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all
+HALF = 6  # the first run of a job that is stopped and resumed elsewhere ends here
+RANKS = (0, 1)
+
+
+@dataclass
+class Remote:
+    """The shared remote tier of one job, as the script's options and as a store to inspect."""
+
+    args: tuple[str, ...]
+    url: str
+    endpoint: str | None
+
+    def steps(self) -> list[int]:
+        """The checkpoints the remote tier lists (committed: their manifest exists), newest first."""
+        if self.endpoint is None:
+            return [step for step, _ in LocalStore(self.url, create=False).checkpoints()]
+        store = FsspecStore(self.url, endpoint_url=self.endpoint, key="testing", secret="testing")
+        store.fs.invalidate_cache()
+        return [step for step, _ in store.checkpoints()]
+
+
+@pytest.fixture(params=["s3", "directory"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        url = f"s3://ckpt-{uuid.uuid4().hex[:12]}/job"
+        return Remote(("--remote", url, "--endpoint", endpoint), url, endpoint)
+    path = tmp_path / "remote"
+    return Remote(("--remote", str(path)), str(path), None)
+
+
+def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: int = 0,
+              expect_success: bool = True) -> str:
+    """One job of ``ddp_train.py`` on two torchrun agents, node ``i`` with ``local_dirs[i]``; its output."""
+    port = free_port()
+    # The c10d rendezvous ranks the agents by address (it ignores --node-rank): node i, at
+    # 127.0.0.<i+1>, runs rank i in every job and every restart.
+    # As in test_distributed, the workers get their own store (pytorch/pytorch#135712, docs/distributed.md).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = []
+    for node, local_dir in enumerate(local_dirs):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
+                   "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPTS / "ddp_train.py"),
+                   "--ckpt-dir", str(local_dir), "--final", str(work / "final"), "--batch-log", str(work / "batches.log"),
+                   "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
+                   "--every", str(EVERY), "--kill-marker", str(work / "killed"), *extra]
+        procs.append(subprocess.Popen(command, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, start_new_session=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:  # the workers of a torchrun agent run in sessions of their own
+            kill_tree(proc.pid)
+    out = "".join(f"---- node {node}\n{text}" for node, text in enumerate(outs))
+    codes = [proc.returncode for proc in procs]
+    assert (codes == [0, 0]) == expect_success, f"exit codes {codes}\n{out[-6000:]}"
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def restored(out: str) -> dict[int, list[int]]:
+    """The step each incarnation of each rank restored, in order."""
+    steps: dict[int, list[int]] = {}
+    for rank, step in re.findall(r"rank=(\d+) restored step=(\d+)", out):
+        steps.setdefault(int(rank), []).append(int(step))
+    return steps
+
+
+def restore_tiers(local_dir: Path) -> dict[int, list[tuple[int, str]]]:
+    """(step, tier) of every restore the ranks of a node logged, per rank."""
+    tiers: dict[int, list[tuple[int, str]]] = {}
+    for record in read_events(local_dir):
+        if record["event"] == "restore":
+            tiers.setdefault(record["rank"], []).append((record["step"], record["tier"]))
+    return tiers
+
+
+def assert_each_sample_once_per_epoch(log: Path) -> None:
+    """The last line for each (rank, epoch, position) is what training used: a replay replaces its line."""
+    batches: dict[tuple[str, str, str], list[int]] = {}
+    for line in log.read_text().splitlines():
+        rank, epoch, consumed, *indices = line.split()
+        batches[(rank, epoch, consumed)] = [int(i) for i in indices]
+    for epoch in range(EPOCHS):
+        seen = Counter(i for (_, e, _), idx in batches.items() if int(e) == epoch for i in idx)
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch}: {seen}"
+
+
+def assert_same_final_state(work: Path, reference: Path) -> None:
+    """Weights, BatchNorm buffers, optimizer, scheduler, RNG and per-rank values, rank by rank."""
+    for rank in RANKS:
+        assert_state_equal(torch.load(work / f"final.rank{rank}.pt"), torch.load(reference / f"final.rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted job at the same world size: its final state is every test's expectation
+    (where checkpoints go does not change the training)."""
+    work = tmp_path_factory.mktemp("reference")
+    run_nodes(work, (work / "ckpt", work / "ckpt"))
+    return work
+
+
+def node_dirs(work: Path) -> tuple[Path, Path]:
+    return work / "node0", work / "node1"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared_local", [False, True], ids=["node-local", "shared-local"])
+def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remote: Remote, tmp_path: Path,
+                                                          shared_local: bool) -> None:
+    """Rank 1 dies half-way through writing its file of checkpoint 6; torchrun restarts both nodes,
+    which resume from checkpoint 3 in their local tier."""
+    local_dirs = (tmp_path / "local",) * 2 if shared_local else node_dirs(tmp_path)
+    out = run_nodes(tmp_path, local_dirs, *remote.args, "--kill-write", "1:2", restarts=1)
+    assert (tmp_path / "killed").exists(), out[-4000:]  # the kill happened
+    assert restored(out) == {0: [0, 3], 1: [0, 3]}, out[-4000:]
+    for local_dir in set(local_dirs):
+        for rank, tiers in restore_tiers(local_dir).items():
+            assert tiers == [(3, "local")], (local_dir.name, rank)
+    assert sorted({rank for d in set(local_dirs) for rank in restore_tiers(d)}) == list(RANKS)
+    assert remote.steps()[0] == 12  # close() waited for the last upload
+    assert_same_final_state(tmp_path, reference)
+    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+
+
+@pytest.mark.slow
+def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote, tmp_path: Path) -> None:
+    """The job stops at step 6; node 1 is replaced (its local directory is gone); the next job
+    resumes at step 6, node 1's rank from the remote tier."""
+    node0, node1 = node_dirs(tmp_path)
+    out = run_nodes(tmp_path, (node0, node1), *remote.args, "--stop-at", str(HALF))
+    assert restored(out) == {0: [0], 1: [0]}
+    assert remote.steps()[0] == HALF  # close() waited for the uploads
+    shutil.rmtree(node1)
+    out = run_nodes(tmp_path, (node0, node1), *remote.args)
+    assert restored(out) == {0: [HALF], 1: [HALF]}, out[-4000:]
+    replaced = restore_tiers(node1)
+    assert replaced and all(tiers == [(HALF, "remote")] for tiers in replaced.values()), replaced
+    kept = restore_tiers(node0)
+    assert kept and all(tiers[-1] == (HALF, "local") for tiers in kept.values()), kept
+    assert_same_final_state(tmp_path, reference)
+    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+
+
+@pytest.mark.slow
+def test_checkpoint_not_uploaded_by_every_rank_is_never_restored_from_remote(
+        reference: Path, remote: Remote, tmp_path: Path) -> None:
+    """Rank 1 dies after checkpoint 6 is committed in the local tiers, before it uploads its file:
+    the remote tier never lists 6, and a replaced cluster (both local directories gone) resumes
+    from the newest checkpoint every rank uploaded."""
+    killed_step = 2 * EVERY
+    local_dirs = node_dirs(tmp_path)
+    out = run_nodes(tmp_path, local_dirs, *remote.args, "--kill-upload", f"1:{killed_step}", expect_success=False)
+    assert (tmp_path / "killed").exists(), out[-4000:]
+    for local_dir in local_dirs:  # the kill came after the local commit
+        assert (local_dir / f"step_{killed_step:09d}" / MANIFEST_NAME).exists(), sorted(os.listdir(local_dir))
+    listed = remote.steps()
+    assert listed and killed_step not in listed and listed[0] < killed_step, listed
+    for local_dir in local_dirs:
+        shutil.rmtree(local_dir)
+    out = run_nodes(tmp_path, local_dirs, *remote.args)
+    assert restored(out) == {0: [listed[0]], 1: [listed[0]]}, out[-4000:]
+    for local_dir in local_dirs:
+        assert all(tiers == [(listed[0], "remote")] for tiers in restore_tiers(local_dir).values())
+    assert_same_final_state(tmp_path, reference)
+    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
