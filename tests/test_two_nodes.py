@@ -16,20 +16,20 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from conftest import SCRIPTS, assert_state_equal, free_port
+from test_distributed import BATCH, EPOCHS, EVERY, SAMPLES, _assert_each_sample_once_per_epoch, _kill_tree
 
 from checkfreq.events import read_events
 from checkfreq.format import MANIFEST_NAME
 from checkfreq.storage import FsspecStore, LocalStore
 
-SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all
+# test_distributed's job (64 samples, batches of 8, 3 epochs, a checkpoint every 3 steps): at world
+# size 2, 4 steps per epoch, 12 in all, checkpoints 3, 6, 9, 12
 HALF = 6  # the first run of a job that is stopped and resumed elsewhere ends here
 RANKS = (0, 1)
 
@@ -85,23 +85,13 @@ def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: 
             outs.append(proc.communicate(timeout=240)[0])
     finally:
         for proc in procs:  # the workers of a torchrun agent run in sessions of their own
-            kill_tree(proc.pid)
+            _kill_tree(proc.pid)
     out = "".join(f"---- node {node}\n{text}" for node, text in enumerate(outs))
     codes = [proc.returncode for proc in procs]
     assert (codes == [0, 0]) == expect_success, f"exit codes {codes}\n{out[-6000:]}"
+    for node, text in enumerate(outs):
+        assert set(restored(text)) <= {node}, f"node {node} ran ranks {sorted(restored(text))}"
     return out
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def restored(out: str) -> dict[int, list[int]]:
@@ -119,17 +109,6 @@ def restore_tiers(local_dir: Path) -> dict[int, list[tuple[int, str]]]:
         if record["event"] == "restore":
             tiers.setdefault(record["rank"], []).append((record["step"], record["tier"]))
     return tiers
-
-
-def assert_each_sample_once_per_epoch(log: Path) -> None:
-    """The last line for each (rank, epoch, position) is what training used: a replay replaces its line."""
-    batches: dict[tuple[str, str, str], list[int]] = {}
-    for line in log.read_text().splitlines():
-        rank, epoch, consumed, *indices = line.split()
-        batches[(rank, epoch, consumed)] = [int(i) for i in indices]
-    for epoch in range(EPOCHS):
-        seen = Counter(i for (_, e, _), idx in batches.items() if int(e) == epoch for i in idx)
-        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch}: {seen}"
 
 
 def assert_same_final_state(work: Path, reference: Path) -> None:
@@ -152,22 +131,24 @@ def node_dirs(work: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shared_local", [False, True], ids=["node-local", "shared-local"])
+@pytest.mark.parametrize(("remote", "shared_local"), [("s3", False), ("directory", True)], indirect=["remote"],
+                         ids=["s3-node-local", "directory-shared-local"])
 def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remote: Remote, tmp_path: Path,
                                                           shared_local: bool) -> None:
     """Rank 1 dies half-way through writing its file of checkpoint 6; torchrun restarts both nodes,
-    which resume from checkpoint 3 in their local tier."""
+    which resume from checkpoint 3 in their local tier (node-local directories, or one directory
+    both nodes share)."""
     local_dirs = (tmp_path / "local",) * 2 if shared_local else node_dirs(tmp_path)
     out = run_nodes(tmp_path, local_dirs, *remote.args, "--kill-write", "1:2", restarts=1)
     assert (tmp_path / "killed").exists(), out[-4000:]  # the kill happened
     assert restored(out) == {0: [0, 3], 1: [0, 3]}, out[-4000:]
-    for local_dir in set(local_dirs):
-        for rank, tiers in restore_tiers(local_dir).items():
-            assert tiers == [(3, "local")], (local_dir.name, rank)
-    assert sorted({rank for d in set(local_dirs) for rank in restore_tiers(d)}) == list(RANKS)
+    if shared_local:
+        assert restore_tiers(local_dirs[0]) == {0: [(3, "local")], 1: [(3, "local")]}
+    else:  # each node holds its own rank's file
+        assert [restore_tiers(d) for d in local_dirs] == [{0: [(3, "local")]}, {1: [(3, "local")]}]
     assert remote.steps()[0] == 12  # close() waited for the last upload
     assert_same_final_state(tmp_path, reference)
-    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+    _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 
 
 @pytest.mark.slow
@@ -181,12 +162,10 @@ def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote,
     shutil.rmtree(node1)
     out = run_nodes(tmp_path, (node0, node1), *remote.args)
     assert restored(out) == {0: [HALF], 1: [HALF]}, out[-4000:]
-    replaced = restore_tiers(node1)
-    assert replaced and all(tiers == [(HALF, "remote")] for tiers in replaced.values()), replaced
-    kept = restore_tiers(node0)
-    assert kept and all(tiers[-1] == (HALF, "local") for tiers in kept.values()), kept
+    assert restore_tiers(node1) == {1: [(HALF, "remote")]}  # a fresh machine: only the remote tier has its file
+    assert restore_tiers(node0) == {0: [(HALF, "local")]}
     assert_same_final_state(tmp_path, reference)
-    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+    _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 
 
 @pytest.mark.slow
@@ -207,7 +186,6 @@ def test_checkpoint_not_uploaded_by_every_rank_is_never_restored_from_remote(
         shutil.rmtree(local_dir)
     out = run_nodes(tmp_path, local_dirs, *remote.args)
     assert restored(out) == {0: [listed[0]], 1: [listed[0]]}, out[-4000:]
-    for local_dir in local_dirs:
-        assert all(tiers == [(listed[0], "remote")] for tiers in restore_tiers(local_dir).values())
+    assert [restore_tiers(d) for d in local_dirs] == [{0: [(listed[0], "remote")]}, {1: [(listed[0], "remote")]}]
     assert_same_final_state(tmp_path, reference)
-    assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+    _assert_each_sample_once_per_epoch(tmp_path / "batches.log")

@@ -91,12 +91,12 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def open_remote(args: argparse.Namespace) -> Store | None:
-    if args.remote is None:
-        return None
-    if args.endpoint:
+def open_remote(args: argparse.Namespace) -> Store | str | None:
+    """The remote tier: an S3 store with the test server's options, else the path as users pass it
+    (a store object where a kill hook wraps its writes)."""
+    if args.remote and args.endpoint:
         return FsspecStore(args.remote, endpoint_url=args.endpoint, key="testing", secret="testing")
-    return LocalStore(args.remote)
+    return LocalStore(args.remote) if args.remote and args.kill_upload else args.remote
 
 
 def first_kill(args: argparse.Namespace, spec: str, rank: int) -> Callable[[], bool] | None:
