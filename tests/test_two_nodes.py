@@ -32,6 +32,8 @@ from checkfreq.storage import FsspecStore, LocalStore
 # size 2, 4 steps per epoch, 12 in all, checkpoints 3, 6, 9, 12
 HALF = 6  # the first run of a job that is stopped and resumed elsewhere ends here
 RANKS = (0, 1)
+# until the engine commits through the Store under torch.distributed (issue 13, items 2-3)
+pytestmark = pytest.mark.xfail(strict=True, reason="remote tiers under torch.distributed are not built yet (issue 13)")
 
 
 @dataclass
