@@ -47,7 +47,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from checkfreq.catalog import memory_snapshots  # noqa: E402
-from checkfreq.checkpointer import read_checkpoint  # noqa: E402
+from checkfreq.restore import read_checkpoint  # noqa: E402
 from checkfreq.errors import CheckfreqError  # noqa: E402
 from checkfreq.events import read_events  # noqa: E402
 

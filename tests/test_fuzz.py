@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkfreq as cf
-from checkfreq.checkpointer import read_checkpoint
+from checkfreq.restore import read_checkpoint
 from checkfreq.format import MANIFEST_NAME, Manifest, read_data_file, read_manifest
 from checkfreq.state import unflatten
 

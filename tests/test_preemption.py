@@ -19,7 +19,7 @@ import torch
 from conftest import SCRIPTS, assert_state_equal, make_model, train_step
 
 import checkfreq as cf
-from checkfreq.checkpointer import read_checkpoint
+from checkfreq.restore import read_checkpoint
 
 sys.path.insert(0, str(SCRIPTS))
 import chaos_train  # noqa: E402

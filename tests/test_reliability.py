@@ -31,7 +31,7 @@ from conftest import make_model, train_step
 
 import checkfreq as cf
 import checkfreq.format
-from checkfreq.checkpointer import read_checkpoint
+from checkfreq.restore import read_checkpoint
 from checkfreq.format import MANIFEST_NAME
 
 

@@ -21,7 +21,7 @@ from overhead_loop import Sessions, judge, resumed_sessions, setup
 from test_distributed import _finish, _launch
 
 from checkfreq import Checkpointer
-from checkfreq.checkpointer import read_checkpoint
+from checkfreq.restore import read_checkpoint
 from checkfreq.events import read_events
 from checkfreq.policies import Auto, ConvergenceAware, Every, Overhead, YoungDaly
 

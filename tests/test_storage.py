@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path, PurePosixPath
 
@@ -12,7 +13,8 @@ from conftest import assert_state_equal, make_model, train_step
 
 import checkfreq as cf
 from checkfreq.format import MANIFEST_NAME
-from checkfreq.storage import FsspecStore, TieredStore, open_store
+from checkfreq.retention import Retention
+from checkfreq.storage import FsspecStore, open_store
 from checkfreq.storage.local import LocalStore
 
 
@@ -32,10 +34,8 @@ def test_urls_choose_the_store(tmp_path: Path, memory_url: str) -> None:
     local = open_store(f"file://{tmp_path}/b")
     assert isinstance(local, LocalStore) and local.root == tmp_path / "b"
     assert isinstance(open_store(memory_url), FsspecStore)
-    tiered = open_store(tmp_path / "c", remote=memory_url, remote_keep=5)
-    assert isinstance(tiered, TieredStore) and isinstance(tiered.remote, FsspecStore)
     with pytest.raises(ValueError, match="first tier must be a local directory"):
-        open_store(memory_url, remote=tmp_path / "d")
+        cf.Checkpointer(memory_url, remote=tmp_path / "d", model=make_model())
 
 
 def test_memory_round_trip_is_bit_identical(memory_url: str) -> None:
@@ -62,7 +62,7 @@ def test_directory_without_manifest_is_never_listed_and_is_cleaned(memory_url: s
     with cf.Checkpointer(memory_url, model=model) as ckpt:
         ckpt.save(blocking=True)
     store = FsspecStore(memory_url)
-    staging = store.staging_dir(5)
+    staging = store.staging_dir(5, "killed-job")
     store.write_file(staging, "rank00000.safetensors", [b"half of a checkpoint"])
     assert [step for step, _ in store.checkpoints()] == [0]
     with cf.Checkpointer(memory_url, model=make_model()) as ckpt:
@@ -89,11 +89,13 @@ def test_corrupt_remote_checkpoint_falls_back(memory_url: str, caplog: pytest.Lo
 def test_retention_deletes_manifest_first(memory_url: str) -> None:
     store = FsspecStore(memory_url)
     for step in (1, 2, 3):
-        staging = store.staging_dir(step)
+        staging = store.staging_dir(step, "job")
         store.write_file(staging, "data", [b"x"])
         store.write_file(staging, MANIFEST_NAME, [b"{}"])
         store.commit(staging, step)
-    store.retain(1, protect=store.checkpoints()[0][1])
+    listed = dict(store.checkpoints())
+    for step in Retention(1).doomed(listed):
+        store.delete(listed[step])
     assert [step for step, _ in store.checkpoints()] == [3]
     assert sorted(PurePosixPath(p).parent.name for p in store.fs.find(str(store._base))) == ["step_000000003"] * 2
 
@@ -108,13 +110,10 @@ def test_tiers_restore_newest_of_either(tmp_path: Path, memory_url: str) -> None
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     states = {}
-    tiers = open_store(tmp_path / "fast", remote=memory_url, remote_keep=2)
-    assert isinstance(tiers, TieredStore)
-    with cf.Checkpointer(tiers, policy=1, keep=2, model=model, optimizer=opt) as ckpt:
+    with cf.Checkpointer(tmp_path / "fast", remote=memory_url, remote_keep=2, policy=1, keep=2, model=model, optimizer=opt) as ckpt:
         for step in (1, 2, 3):
             _train(ckpt, model, opt, 1)
-            ckpt.wait()
-            tiers.flush()  # each upload done before the next commit: none is superseded
+            ckpt.wait(remote=True)  # each upload done before the next commit: none is skipped
             states[step] = {k: v.clone() for k, v in model.state_dict().items()}
     remote = FsspecStore(memory_url, create=False)
     assert [step for step, _ in remote.checkpoints()] == [3, 2]
@@ -127,3 +126,45 @@ def test_tiers_restore_newest_of_either(tmp_path: Path, memory_url: str) -> None
     step, state = _restored_step(tmp_path / "elsewhere", memory_url)
     assert step == 2
     assert_state_equal(state, states[2])
+
+
+def _restore_event(directory: Path) -> dict:
+    events = [json.loads(line) for line in (directory / "events.jsonl").read_text().splitlines()]
+    return [e for e in events if e["event"] == "restore"][-1]
+
+
+def test_damaged_local_file_is_read_from_the_remote_copy(tmp_path: Path, memory_url: str) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(tmp_path, remote=memory_url, policy=1, model=model, optimizer=opt) as ckpt:
+        _train(ckpt, model, opt, 2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    data = tmp_path / "step_000000002" / "rank00000.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    step, state = _restored_step(tmp_path, memory_url)
+    assert step == 2  # not step 1: only the local copy of one file is damaged
+    assert_state_equal(state, expected)
+    assert _restore_event(tmp_path)["tier"] == "remote"
+
+
+class Unreachable(FsspecStore):
+    """A remote store that accepts no file."""
+
+    def write_file(self, staging: PurePosixPath, name: str, chunks: object) -> None:
+        raise OSError("remote unreachable")
+
+
+def test_failed_upload_leaves_the_local_commit_durable_and_retained(tmp_path: Path, memory_url: str) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = cf.Checkpointer(tmp_path, remote=Unreachable(memory_url), policy=1, keep=1, on_error="warn", model=model, optimizer=opt)
+    for _ in range(3):
+        _train(ckpt, model, opt, 1)
+        ckpt.wait()
+    with pytest.raises(cf.PersistError, match="copying a checkpoint to memory://"):
+        ckpt.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "commit"] == [1, 2, 3]  # every local commit counted as durable
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_000000003"]  # and local retention ran

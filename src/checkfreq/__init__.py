@@ -8,7 +8,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from checkfreq.checkpointer import Checkpointer, read_checkpoint
+from checkfreq.checkpointer import Checkpointer
+from checkfreq.restore import read_checkpoint
 from checkfreq.data import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
     CheckfreqError,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkfreq.checkpointer import read_checkpoint
+from checkfreq.restore import read_checkpoint
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import MANIFEST_NAME, Manifest
 from checkfreq.state import unflatten

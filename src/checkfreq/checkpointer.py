@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
 import platform
 import time
+import uuid
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,38 +18,39 @@ from typing import Any
 import torch
 
 import checkfreq
-from checkfreq.distributed import Cluster, attach
+from checkfreq.collectives import Peers, Solo
+from checkfreq.commit import CommitJob, CommitResult, Committer, Retainer
+from checkfreq.distributed import Cluster, attach, open_directories
 from checkfreq.distributed_plan import is_dtensor, local_view, source_rank, storage_ptr
 from checkfreq.errors import (
     CheckfreqError,
-    CorruptCheckpointError,
     ExistingCheckpointsError,
-    NoValidCheckpointError,
     PersistError,
     ReplicaMismatchError,
     StateMismatchError,
 )
 from checkfreq.events import EventLog
-from checkfreq import storage
-from checkfreq.options import check_objects, check_option_types
-from checkfreq.format import Manifest, encode_header, entry_view, tensor_entries
+from checkfreq.format import Manifest, data_file_name
 from checkfreq.memory_cadence import MemoryCadence
-from checkfreq.memory_tier import MemoryState, MemoryTier
+from checkfreq.memory_tier import MemoryTier
+from checkfreq.options import check_objects, check_option_types
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
 from checkfreq.profiler import Profiler
+from checkfreq.restore import Restorer
+from checkfreq.retention import Retention
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
-from checkfreq.storage import Store
+from checkfreq.storage import Store, open_store
 from checkfreq.storage.local import LocalStore
 from checkfreq.storage.shm import remove_regions_beyond
+from checkfreq.upload import Uploader
 
 log = logging.getLogger("checkfreq")
 
 RESERVED_NAMES = frozenset({"rng", "checkfreq"})
-DATA_FILE = "rank00000.safetensors"
 
 
 class Checkpointer:
@@ -127,7 +130,6 @@ class Checkpointer:
         self._policy = resolve(policy)
         memory_cadence = _memory_cadence(memory)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
-        self._keep = keep
         self._on_error = on_error
         self._allow_pickle = allow_pickle
         self._timeout = persist_timeout
@@ -138,28 +140,43 @@ class Checkpointer:
         if rng:
             self._objects["rng"] = RNGState()
 
-        self._store = storage.open_store(directory, remote=remote, remote_keep=keep if remote_keep is None else remote_keep)
-        if not isinstance(self._store, LocalStore) and torch.distributed.is_available() and torch.distributed.is_initialized():
-            raise ValueError("under torch.distributed, checkpoints go to a shared local directory; remote stores are single-process")
-        self._store.check_writable()
-        self._cluster: Cluster | None = attach(self._store, persist_timeout)  # under torch.distributed
+        self._local = open_store(directory)
+        self._remote = None if remote is None else open_store(remote)
+        if self._remote is not None and not isinstance(self._local, LocalStore):
+            raise ValueError(f"with remote=..., the first tier must be a local directory, not {directory!r}")
+        self._local.check_writable()
+        if self._remote is not None:
+            self._remote.check_writable()
+        self._cluster: Cluster | None = attach(self._local, self._remote, persist_timeout)  # under torch.distributed
+        control, commit, upload = self._peers()
         if self._cluster is None:
-            self._store.lock()
-            self._store.remove_staging()
+            open_directories(self._local, self._remote, control, leader=True)
+        token = uuid.uuid4().hex[:12] if self._cluster is None else self._cluster.token
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
-        self.directory = self._store.root
+        self.directory = self._local.root
         self._memory = None if memory_cadence is None else self._open_memory_tier(memory_cadence)
-        newest = [s for s, _ in self._store.checkpoints()[:1]]
-        if self._memory is not None and self._cluster is None:  # ranks must agree: disk decides for them
+        self._restorer = Restorer(self._local, self._remote, control, self._memory)
+        retainer = Retainer(self._local, Retention(keep), leader=self._cluster is None or self._cluster.leader)
+        self._uploader = None if self._remote is None else Uploader(
+            self._local, self._remote, upload, token=token,  # type: ignore[arg-type]
+            retention=Retention(keep if remote_keep is None else remote_keep), local_retainer=retainer,
+        )
+        self._committer = Committer(self._local, commit, leader=retainer.leader, token=token, retainer=retainer, uploader=self._uploader)
+        newest = self._restorer.listed()[:1]
+        if self._memory is not None:
             newest += [s for s in [self._memory.newest_step()] if s is not None]
-        self._foreign_step: int | None = max(newest, default=None)  # until restore() adopts them
+        self._foreign_step: int | None = max(  # until restore() adopts them; every rank sees them
+            (s for s in control.all_gather(max(newest, default=None)) if s is not None), default=None
+        )
         self._closed = False
-        self._events = EventLog(self._store.events_directory, rank=0 if self._cluster is None else self._cluster.rank)
+        self._events = EventLog(self._local.events_directory, rank=control.rank)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()
-        self._finalizer = weakref.finalize(self, _shutdown, self._writer, self._store, persist_timeout, self._trap)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._writer, self._uploader, [self._local, self._remote], persist_timeout, self._trap
+        )
         if self._trap is not None:
             self._trap.install()
 
@@ -176,7 +193,8 @@ class Checkpointer:
         self._global_step = 0
         self._session_start_step = 0  # the global step this session started from (its restore)
         self._last_checkpoint_step = 0
-        self._durable_step = -1  # the newest step known committed (set by the writer)
+        self._durable_step = -1  # the newest step known committed (a result of the writer)
+        self._committed = -1  # the newest step this session committed
         self._started = time.perf_counter()
         self._last_step_time: float | None = None
         self._transitions_seen = 0  # the writer's job transitions at the previous step()
@@ -194,6 +212,13 @@ class Checkpointer:
     @property
     def _world_size(self) -> int:
         return 1 if self._cluster is None else self._cluster.world_size
+
+    def _peers(self) -> tuple[Peers, Peers, Peers]:
+        """The ranks this Checkpointer agrees with on decisions and restores, commits, and uploads."""
+        if self._cluster is None:
+            return Solo(), Solo(), Solo()
+        upload = self._cluster.upload if self._cluster.upload is not None else self._cluster.commit
+        return self._cluster.control, self._cluster.commit, upload
 
     @property
     def policy(self) -> Policy:
@@ -220,7 +245,7 @@ class Checkpointer:
         """
         now = time.perf_counter()
         self._check_open("step()")
-        self._surface_background_error()
+        self._collect_background()
         self._global_step += 1
         transitions = self._writer.transitions
         if self._last_step_time is not None:
@@ -247,19 +272,27 @@ class Checkpointer:
         With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
         self._check_open("save()")
-        self._surface_background_error()
+        self._collect_background()
         if blocking:
             self._ensure_durable("save()")
         elif self._last_checkpoint_step != self._global_step or self._global_step == 0:
             self._checkpoint(blocking=False, reason="save()")
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight
-        committed); raise its error if it failed."""
-        self._writer.wait(self._timeout if timeout is None else timeout)
-        self._surface_background_error()
+        committed); raise its error if it failed.
+
+        With ``remote=True`` (and a remote tier), also until the newest checkpoint committed is
+        in the remote tier, copying it now if a busy uploader skipped it. Under torch.distributed
+        every rank must then call it at the same step.
+        """
+        timeout = self._timeout if timeout is None else timeout
+        self._writer.wait(timeout)
+        self._collect_background()
         if self._memory is not None:
             self._wait_memory()
+        if remote and self._uploader is not None:
+            self._uploader.flush(self._committed if self._committed >= 0 else None, timeout)
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
@@ -270,23 +303,18 @@ class Checkpointer:
         """
         self._check_open("restore()")
         self.wait()
-        if self._cluster is None:
-            found = self._find_across_tiers(step)
-        else:  # every rank restores the same step: from memory if all hold it, else rank 0 picks from disk
-            found = None if self._memory is None else self._agreed_memory_state(step)
-            if found is None:
-                found = self._cluster.find(lambda: self._find(step), read_checkpoint)
+        found = self._restorer.find(step)
         if found is None:
             self._foreign_step = None
             return 0
-        manifest, tensors, path, skipped = found
-        from_memory = isinstance(path, MemoryState)
+        manifest = found.manifest
+        from_memory = found.tier == "memory"
         if not from_memory:  # a memory snapshot is this rank's whole state, taken by this very job
             self._note_world_size_change(manifest)
         if from_memory or self._cluster is None:
-            skeleton, tensors = local_view(manifest, tensors)
+            skeleton, tensors = local_view(manifest, found.tensors)
         else:
-            skeleton, tensors = self._cluster.view(manifest, tensors, self._objects)
+            skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
         self._global_step = self._last_checkpoint_step = self._session_start_step = manifest.step
@@ -299,10 +327,9 @@ class Checkpointer:
             self._memory.forget_newer_than(manifest.step)
             self._memory.cadence.taken(manifest.step)
         seeded = self._seed_session(state.get("checkfreq"))
-        tier = "memory" if from_memory else getattr(path, "tier", "local")
-        self._events.write("restore", step=manifest.step, skipped=skipped, tier=tier, seeded=seeded,
+        self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
                            world_size=self._world_size, saved_world_size=manifest.world_size)
-        log.info("restored %s (step %d, %s tier)", path.name, manifest.step, tier)
+        log.info("restored %s (step %d, %s tier)", found.name, manifest.step, found.tier)
         return manifest.step
 
     def _note_world_size_change(self, manifest: Manifest) -> None:
@@ -319,55 +346,6 @@ class Checkpointer:
             "every rank shared%s (docs/distributed.md)",
             manifest.step, manifest.world_size, world, rank, source_rank(rank, manifest.world_size), dropped,
         )
-
-    def _agreed_memory_state(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
-        """Under torch.distributed: the memory snapshot of the newest step all ranks hold, unless disk is newer."""
-        listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
-        state, skipped = self._memory.agree(step, listed[0] if listed else None, self._cluster.control_group)  # type: ignore[union-attr]
-        if state is None:
-            if skipped:
-                log.warning("memory tier: not every rank holds a newer valid snapshot; restoring from disk")
-            return None
-        return state.manifest, state.tensors, state, skipped
-
-    def _find_across_tiers(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Any, list[tuple[str, str]]] | None:
-        """The newest valid state of the memory tier and the store (or the one at ``step``);
-        memory wins a tie (it reads fastest), disk the rest, memory again if no disk checkpoint is valid."""
-        if self._memory is None:
-            return self._find(step)
-        state, skipped = self._memory.read(step)
-        if state is not None:
-            listed = [s for s, _ in self._store.checkpoints() if step is None or s == step]
-            if not listed or state.manifest.step >= listed[0]:
-                return state.manifest, state.tensors, state, skipped
-        try:
-            found = self._find(step)
-        except NoValidCheckpointError:
-            if state is None:
-                raise
-            found = None
-        if found is None:
-            return None if state is None else (state.manifest, state.tensors, state, skipped)
-        manifest, tensors, path, disk_skipped = found
-        return manifest, tensors, path, skipped + disk_skipped
-
-    def _find(self, step: int | None) -> tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]] | None:
-        """The newest valid checkpoint (or the one at ``step``) as (manifest, arrays, path, skipped)."""
-        candidates = [(s, p) for s, p in self._store.checkpoints() if step is None or s == step]
-        if not candidates:
-            if step is not None:
-                raise NoValidCheckpointError(f"no checkpoint for step {step} in {self.directory}")
-            return None
-        skipped: list[tuple[str, str]] = []
-        for _, path in candidates:
-            try:
-                manifest, tensors = read_checkpoint(path, self._store)
-                return manifest, tensors, path, skipped
-            except CorruptCheckpointError as e:
-                log.warning("skipping checkpoint %s: %s", path.name, e)
-                skipped.append((path.name, str(e)))
-        reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
-        raise NoValidCheckpointError(f"no valid checkpoint in {self.directory} ({reasons})")
 
     def close(self) -> None:
         """Wait for the checkpoint in flight, stop the writer and release the directory (idempotent)."""
@@ -389,6 +367,8 @@ class Checkpointer:
             self.wait()
             if self._memory is not None:
                 self._close_memory_tier()
+            if self._uploader is not None:  # the newest checkpoint of this session reaches the remote tier
+                self._uploader.flush(self._committed if self._committed >= 0 else None, self._timeout)
         finally:
             self._finalizer()
 
@@ -476,16 +456,34 @@ class Checkpointer:
         if self._closed:
             raise CheckfreqError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
 
-    def _surface_background_error(self) -> None:
+    def _collect_background(self) -> None:
+        """Apply what the writer committed; raise (or log) what failed in the background."""
+        for result in self._writer.take_results():
+            self._apply_commit(result)
         error = self._writer.take_error()
-        if error is None:
-            return
-        if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
-            raise error
+        if error is not None:
+            self._events.write("error", step=self._last_checkpoint_step, message=str(error))
+            if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
+                raise error
+            self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
+        upload_error = None if self._uploader is None else self._uploader.take_error()
+        if upload_error is not None:
+            self._events.write("error", step=self._committed, message=str(upload_error))
+            message = f"copying a checkpoint to {self._remote.root} failed: {upload_error}"  # type: ignore[union-attr]
+            self._report_failure(PersistError(message), upload_error)
+
+    def _report_failure(self, error: PersistError, cause: BaseException) -> None:
         if self._on_error == "warn":
-            log.warning("checkpoint persist failed, training goes on: %s", error)
+            log.warning("%s; training goes on", error)
             return
-        raise PersistError(f"checkpoint persist failed: {error}") from error
+        raise error from cause
+
+    def _apply_commit(self, result: CommitResult) -> None:
+        """A checkpoint the writer committed: it is durable, and the profiler learns what it cost."""
+        self._durable_step = self._committed = result.step
+        self._profiler.record_persist(result.seconds, result.bytes)
+        self._events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
+                           bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
 
     def _check_not_foreign(self) -> None:
         """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
@@ -501,7 +499,7 @@ class Checkpointer:
         self._check_not_foreign()
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
-        self._surface_background_error()
+        self._collect_background()
         if self._memory is not None:
             self._wait_memory()
         self._finish_fence()
@@ -516,7 +514,7 @@ class Checkpointer:
         if self._memory is not None and self._cluster is None:  # several ranks persist shares: their own buffer
             target = self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
-        job = lambda: self._persist(pending, skeleton, step, epoch, start, share)  # noqa: E731
+        job = functools.partial(self._committer.run, CommitJob(step, epoch, pending, skeleton, share, _versions(), start))
         if target is not None:
             job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
             self._memory.cadence.taken(step)  # type: ignore[union-attr]
@@ -541,7 +539,11 @@ class Checkpointer:
         if blocking:
             self._writer.wait(self._timeout)
             self._finish_fence()
+            for result in self._writer.take_results():
+                self._apply_commit(result)
             error = self._writer.take_error()
+            if error is not None:
+                self._events.write("error", step=step, message=str(error))
             if isinstance(error, ReplicaMismatchError):
                 raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
@@ -559,13 +561,13 @@ class Checkpointer:
 
     def _open_memory_tier(self, cadence: MemoryCadence) -> MemoryTier:
         if self._cluster is None:
-            return MemoryTier(self._store.root, cadence, data_file=DATA_FILE)
+            return MemoryTier(self._local.root, cadence, data_file=data_file_name(0))
         if cadence.every is None:  # ranks measuring different costs would snapshot different steps
             raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
                              "every rank snapshots the same steps")
         if self._cluster.rank == 0:
-            remove_regions_beyond(self._store.root, self._cluster.world_size)
-        return MemoryTier(self._store.root, cadence, data_file=DATA_FILE, rank=self._cluster.rank)
+            remove_regions_beyond(self._local.root, self._cluster.world_size)
+        return MemoryTier(self._local.root, cadence, data_file=data_file_name(0), rank=self._cluster.rank)
 
     def _snapshot_to_memory(self) -> None:
         """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
@@ -628,8 +630,12 @@ class Checkpointer:
             start = time.perf_counter()
             self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
                                policy=type(self._policy).__name__, epoch=newest.epoch)
-            self._writer.submit(lambda: self._persist(newest.pending, newest.skeleton, newest.step, newest.epoch, start))
+            self._writer.submit(functools.partial(
+                self._committer.run, CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, _versions(), start)
+            ))
             self._writer.wait(self._timeout)
+            for result in self._writer.take_results():
+                self._apply_commit(result)
             error = self._writer.take_error()
             if error is not None:
                 memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
@@ -681,56 +687,6 @@ class Checkpointer:
             return
         self._profiler.record_stall(self._fence_stall + wait)
         self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
-
-    def _persist(
-        self, pending: PendingSnapshot, skeleton: Any, step: int, epoch: int | None, start: float, share: dict[str, Any] | None = None
-    ) -> None:
-        if share is not None:
-            self._persist_shared(pending, share, skeleton, step, epoch, start)
-            return
-        staging = None
-        try:
-            pending.finish_copy()
-            staging = self._store.staging_dir(step)
-            size, digest = storage.write_data(self._store, staging, DATA_FILE, encode_header(pending.layout), pending.buffer)
-            manifest = Manifest(
-                step=step,
-                epoch=epoch,
-                world_size=1,
-                files={DATA_FILE: {"size": size, "xxh3_64": digest}},
-                tensors=tensor_entries(pending.layout, DATA_FILE),
-                state=skeleton,
-                versions=_versions(),
-                created=time.time(),
-            )
-            storage.write_manifest(self._store, staging, manifest)
-            final = self._store.commit(staging, step)
-        except BaseException as e:
-            if staging is not None:
-                self._store.discard(staging)
-            self._events.write("error", step=step, message=str(e))
-            raise
-        finally:
-            pending.copied.set()
-        self._store.retain(self._keep, final)
-        self._record_commit(step, size, start)
-
-    def _persist_shared(self, pending: PendingSnapshot, share: dict[str, Any], skeleton: Any, step: int, epoch: int | None, start: float) -> None:
-        """Several ranks: write this rank's file; rank 0 commits once every rank's file is durable."""
-        try:
-            final, size = self._cluster.persist(pending, share, skeleton, step, epoch, _versions())  # type: ignore[union-attr]
-        except BaseException as e:
-            self._events.write("error", step=step, message=str(e))
-            raise
-        if final is not None:
-            self._store.retain(self._keep, final)
-        self._record_commit(step, size, start)
-
-    def _record_commit(self, step: int, size: int, start: float) -> None:
-        self._durable_step = step
-        seconds = time.perf_counter() - start
-        self._profiler.record_persist(seconds, size)
-        self._events.write("commit", step=step, persist_s=seconds, bytes=size, bandwidth_gbps=size / seconds / 1e9)
 
     def _apply(self, state: dict[str, Any]) -> None:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
@@ -808,39 +764,21 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._finish_fence()
 
 
-def _shutdown(writer: Writer, store: Store, timeout: float, trap: SignalTrap | None) -> None:
+def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], timeout: float, trap: SignalTrap | None) -> None:
     try:
         if trap is not None:
             trap.uninstall()
         writer.close(timeout)
+        if uploader is not None:
+            uploader.wait(timeout)
     finally:
-        store.unlock()
+        for store in stores:
+            if store is not None:
+                store.unlock()
 
 
 def _versions() -> dict[str, str]:
     return {"checkfreq": checkfreq.__version__, "torch": torch.__version__, "python": platform.python_version()}
-
-
-def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Read and verify one checkpoint; return its manifest and tensors (CPU).
-
-    ``path`` is a local checkpoint directory or, with ``store``, a location that ``store`` listed.
-    Every file's checksum is verified before this returns. Tensors of a local checkpoint are
-    views of a private, copy-on-write mapping of its files: nothing is copied until they are
-    used, and writing to them never changes the checkpoint.
-    """
-    if store is None:
-        path = Path(path)
-        store = LocalStore(path.parent, create=False)
-    manifest = store.read_manifest(path)
-    sections = {}
-    for name, entry in manifest.files.items():
-        sections[name], _ = store.read_data(path, name, entry["size"], entry["xxh3_64"])
-    try:
-        tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
-    except RuntimeError as e:
-        raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
-    return manifest, tensors
 
 
 CHECKPOINTER_OPTIONS = tuple(
@@ -850,4 +788,4 @@ CHECKPOINTER_OPTIONS = tuple(
 """The option keywords of :class:`Checkpointer` (every other keyword registers an object)."""
 
 
-__all__ = ["Checkpointer", "CheckfreqError", "read_checkpoint"]
+__all__ = ["Checkpointer", "CheckfreqError"]

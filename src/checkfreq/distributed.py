@@ -1,39 +1,36 @@
-"""Checkpointing under ``torch.distributed``: every rank writes its share, rank 0 commits.
+"""Checkpointing under ``torch.distributed``: what each rank writes, and the groups it talks on.
 
 A :class:`Cluster` is attached by the Checkpointer when a default process group is initialised
-(``torchrun``); users write no extra code. It creates two dedicated gloo groups and never uses
-the training process group after that:
+(``torchrun``); users write no extra code. It creates dedicated gloo groups and never uses the
+training process group after that:
 
 * the **control** group, used only from the training thread: agreeing on *when* to checkpoint
   (for policies whose answer may differ between ranks) and on *which* checkpoint to restore;
-* the **commit** group, used only from each rank's background writer: after a rank's data file
-  is fsynced it sends a small JSON report; rank 0 writes ``manifest.json`` and renames the
-  staging directory only if every rank reported a durable file and the same replicated state
-  (:mod:`checkfreq.replicas`), then tells everyone the outcome.
+* the **commit** group, used only from each rank's background writer (:mod:`checkfreq.commit`);
+* the **upload** group, with a remote tier, used only from each rank's uploader (:mod:`checkfreq.upload`).
 
-A rank that dies before reporting leaves the staging directory uncommitted (never listed, never
-restored, removed by rank 0 at the next start). See docs/distributed.md.
+Parameters and optimizer state, the same on every rank, are split over the ranks and verified
+at each commit (:mod:`checkfreq.replicas`); everything else each rank writes for itself. See
+docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkfreq import replicas
+from checkfreq.collectives import GroupPeers, Peers
 from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
     PRIVATE,
@@ -50,24 +47,20 @@ from checkfreq.distributed_plan import (
     restore_targets,
     stream_range,
 )
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
-from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
+from checkfreq.errors import CheckfreqError
+from checkfreq.format import Manifest
 from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
-from checkfreq.storage.local import LocalStore, checkpoint_name
+from checkfreq.storage.base import Store
+from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
 
-Found = tuple[Manifest, dict[str, torch.Tensor], Path, list[tuple[str, str]]]
-"""A checkpoint read for restore: manifest, stored arrays, its directory, the ones skipped before it."""
-
-
-def attach(store: LocalStore, timeout: float) -> Cluster | None:
+def attach(local: Store, remote: Store | None, timeout: float) -> Cluster | None:
     """A :class:`Cluster` if a default process group is initialised, else ``None`` (one process)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return Cluster(store, timeout)
+    return Cluster(local, remote, timeout)
 
 
 JOIN_TIMEOUT = 600.0
@@ -100,49 +93,28 @@ def wait_for_every_rank(world_size: int, timeout: float) -> None:
         arrived = store.add(key, 0)
 
 
-def rank_file(rank: int) -> str:
-    """The data file rank ``rank`` writes."""
-    return f"rank{rank:05d}.safetensors"
-
-
 class Cluster:
-    """This rank's part in checkpointing: its share of the state, the commit protocol, restore.
+    """This rank's part in checkpointing: its share of the state, its directory, its groups.
 
-    Created collectively (every rank must construct its Checkpointer at the same point). Rank 0
-    takes the directory lock and clears leftovers of uncommitted checkpoints before any rank
-    goes on.
+    Created collectively (every rank must construct its Checkpointer at the same point). The
+    ranks agree on a token naming this job's staging locations and find out which of them share
+    a local directory (one per node with node-local disks, one for all on a shared file system):
+    the lowest rank of each takes its lock and clears its uncommitted leftovers, rank 0 those of
+    the remote tier, before any rank goes on.
     """
 
-    def __init__(self, store: LocalStore, timeout: float) -> None:
+    def __init__(self, local: Store, remote: Store | None, timeout: float) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
-        self._store = store
         wait = timedelta(seconds=timeout)
-        self._control = dist.new_group(backend="gloo", timeout=wait)
-        self._commit = dist.new_group(backend="gloo", timeout=wait)
+        self.control = GroupPeers(dist.new_group(backend="gloo", timeout=wait))
+        self.commit = GroupPeers(dist.new_group(backend="gloo", timeout=wait))
+        self.upload = None if remote is None else GroupPeers(dist.new_group(backend="gloo", timeout=wait))
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
-        message: dict[str, Any] | None = {"error": "rank 0 failed while opening the directory"}
-        if self.rank == 0:
-            try:
-                store.lock()
-                store.remove_staging()
-                message = {"token": uuid.uuid4().hex[:12]}
-            except (OSError, CheckfreqError) as e:
-                message = {"error": str(e)}
-                raise
-            finally:
-                message = broadcast_json(message, self._control)
-        else:
-            message = broadcast_json(None, self._control)
-        if "error" in message:
-            raise CheckfreqError(f"rank 0 could not open the checkpoint directory: {message['error']}")
-        self._token = message["token"]
-
-    @property
-    def control_group(self) -> Any:
-        """The gloo group for small agreements between ranks (decisions, restore choices)."""
-        return self._control
+        self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.leader = shares_directory_as_leader(local, self.token, self.control)
+        open_directories(local, remote, self.control, leader=self.leader)
 
     # -------------------------------------------------------------- training thread
 
@@ -150,7 +122,7 @@ class Cluster:
         """``policy.should_save``, agreed by all ranks (a step-count policy needs no messages)."""
         if isinstance(policy, Every) and policy.n is not None:
             return policy.should_save
-        self._decider = AgreedPolicy(policy, self._control)
+        self._decider = AgreedPolicy(policy, self.control.group)
         return self._decider.should_save
 
     def select(
@@ -192,38 +164,6 @@ class Cluster:
         fenced = {stored for stored, name in _origins(index) if name in owned}
         return arrays, fenced, {"tensors": index, "replicas": claim}
 
-    def find(self, find_local: Callable[[], Found | None], read: Callable[[Path], tuple[Manifest, dict[str, torch.Tensor]]]) -> Found | None:
-        """The checkpoint every rank restores: rank 0 picks the newest valid one, all read it."""
-        found: Found | None = None
-        choice: dict[str, Any] = {"error": "rank 0 failed while looking for a checkpoint"}
-        if self.rank == 0:
-            try:
-                found = find_local()
-                choice = {"name": None if found is None else found[2].name}
-            except NoValidCheckpointError as e:
-                choice = {"error": str(e)}
-                raise
-            finally:
-                choice = broadcast_json(choice, self._control)
-        else:
-            choice = broadcast_json(None, self._control)
-        if "error" in choice:
-            raise NoValidCheckpointError(choice["error"])
-        if choice["name"] is None:
-            return None
-        problem = None
-        if found is None:
-            path = self._store.root / choice["name"]
-            try:
-                manifest, tensors = read(path)
-                found = (manifest, tensors, path, [])
-            except CorruptCheckpointError as e:
-                problem = f"rank {self.rank}: {e}"
-        problems = [p for p in all_gather_json(problem, self._control) if p]
-        if problems:
-            raise CorruptCheckpointError(f"not every rank can read {choice['name']}: {'; '.join(problems)}")
-        return found
-
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
         _, live = flatten({n: o.state_dict() for n, o in objects.items()}, allow_pickle=True)
@@ -236,51 +176,6 @@ class Cluster:
         """Finish the decision exchange in flight (every rank has started the same number)."""
         if self._decider is not None:
             self._decider.close()
-
-    # -------------------------------------------------------------- writer thread
-
-    def persist(
-        self, pending: PendingSnapshot, share: dict[str, Any], skeleton: Any, step: int, epoch: int | None, versions: dict[str, str]
-    ) -> tuple[Path | None, int]:
-        """Write this rank's file, then commit with the others; returns (checkpoint on rank 0, bytes written)."""
-        staging = self._store.root / f"{checkpoint_name(step)}.tmp-{self._token}"
-        name = rank_file(self.rank)
-        report: dict[str, Any] = {"rank": self.rank}
-        failure: BaseException | None = None
-        size = 0
-        try:
-            pending.finish_copy()
-            staging.mkdir(exist_ok=True)
-            size, digest = write_data_file(staging / name, encode_header(pending.layout), pending.buffer)
-            report.update(ok=True, file=name, size=size, xxh3_64=digest, index=tensor_entries(pending.layout, name), state=skeleton, **share)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised here
-            failure = e
-            report.update(ok=False, error=f"rank {self.rank}: {type(e).__name__}: {e}")
-        finally:
-            pending.copied.set()
-        reports = all_gather_json(report, self._commit)
-        outcome = self._commit_all(reports, staging, step, epoch, versions) if self.rank == 0 else None
-        outcome = broadcast_json(outcome, self._commit)
-        if outcome["error"] is not None:
-            error = ReplicaMismatchError if outcome.get("replicas") else PersistError
-            raise error(f"checkpoint {step} not committed: {outcome['error']}") from failure
-        return (Path(outcome["path"]) if self.rank == 0 else None), size
-
-    def _commit_all(self, reports: list[dict[str, Any]], staging: Path, step: int, epoch: int | None, versions: dict[str, str]) -> dict[str, Any]:
-        """Rank 0: write the manifest and publish the checkpoint if every rank's file is durable."""
-        try:
-            errors = [r["error"] for r in reports if not r.get("ok")]
-            if errors:
-                raise PersistError("; ".join(errors))
-            problem = replicas.disagreement([r["replicas"] for r in reports])
-            if problem is not None:
-                raise ReplicaMismatchError(problem)
-            write_manifest(staging, _merge(reports, step, epoch, versions))
-            return {"error": None, "path": str(self._store.commit(staging, step))}
-        except Exception as e:  # noqa: BLE001 - every rank must hear the outcome
-            shutil.rmtree(staging, ignore_errors=True)
-            log.warning("checkpoint %d not committed: %s", step, e)
-            return {"error": str(e), "replicas": isinstance(e, ReplicaMismatchError)}
 
 
 @dataclass
@@ -362,64 +257,49 @@ def _origins(index: Mapping[str, Any]) -> list[tuple[str, str]]:
     return pairs
 
 
-def _merge(reports: list[dict[str, Any]], step: int, epoch: int | None, versions: dict[str, str]) -> Manifest:
-    """One manifest from every rank's report: files, array index, per-rank skeletons, tensor parts."""
-    world = len(reports)
-    files, index, merged = {}, {}, {}
-    for report in sorted(reports, key=lambda r: r["rank"]):
-        rank = report["rank"]
-        files[report["file"]] = {"size": report["size"], "xxh3_64": report["xxh3_64"]}
-        index.update(report["index"])
-        for name, entry in report["tensors"].items():
-            into = merged.setdefault(name, {**entry, "parts": [None] * world if entry["kind"] == PRIVATE else []})
-            part = entry["parts"][0]
-            if entry["kind"] == PRIVATE:
-                into["parts"][rank] = part
-            elif entry["kind"] == SHARDED:
-                box = (tuple(part[1]), tuple(report["index"][part[0]]["shape"]))
-                if box not in {(tuple(p[1]), tuple(index[p[0]]["shape"])) for p in into["parts"]}:
-                    into["parts"].append(part)  # a replicated placement is saved once
-            else:
-                into["parts"].append(part)
-    return Manifest(
-        step=step, epoch=epoch, world_size=world, files=files, tensors=index, state=reports[0]["state"],
-        versions=versions, created=time.time(),
-        distributed={"ranks": [r["state"] for r in sorted(reports, key=lambda r: r["rank"])], "tensors": merged},
-    )
+def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:
+    """Whether this rank leads the ranks that see the same local directory (the lowest of them).
+
+    Every rank drops a probe file into its directory; each then lists whose probes it sees. Ranks
+    on one node with a node-local disk see each other's; on a shared file system all ranks do.
+    An object store is shared by every rank. Views that do not agree raise, rather than let two
+    ranks commit into one directory.
+    """
+    if not isinstance(local, LocalStore):
+        return peers.rank == 0
+    prefix = f".checkfreq-probe-{token}-"
+    probe = local.root / f"{prefix}{peers.rank:05d}"
+    probe.write_bytes(b"")
+    try:
+        peers.all_gather(None)  # every probe is written
+        seen = sorted(int(p.name[len(prefix):]) for p in local.root.glob(f"{prefix}*"))
+        views = peers.all_gather(seen)
+    finally:
+        probe.unlink(missing_ok=True)
+    for rank, view in enumerate(views):
+        if rank not in view or any(views[other] != view for other in view):
+            raise CheckfreqError(
+                f"the ranks disagree on who shares a checkpoint directory (rank {rank} sees the files of ranks {view}); "
+                "give every node its own local directory, or one directory every rank sees at once"
+            )
+    return seen[0] == peers.rank
 
 
-# ------------------------------------------------------------------ small JSON collectives
-
-
-def broadcast_json(value: Any, group: Any) -> Any:
-    """Rank 0's JSON-able ``value`` on every rank of ``group`` (no pickling)."""
-    is_source = dist.get_rank() == dist.get_global_rank(group, 0)
-    payload = _encode(value) if is_source else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    dist.broadcast(length, group=group, group_src=0)
-    if not is_source:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(payload, group=group, group_src=0)
-    return _decode(payload)
-
-
-def all_gather_json(value: Any, group: Any) -> list[Any]:
-    """Every rank's JSON-able ``value``, in rank order (no pickling)."""
-    payload = _encode(value)
-    size = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
-    longest = max(int(n.item()) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths)]
-
-
-def _encode(value: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-
-
-def _decode(payload: torch.Tensor) -> Any:
-    return json.loads(bytes(payload.numpy()))
+def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:
+    """Lock each directory once and clear its uncommitted leftovers: ``local`` on its leader,
+    ``remote`` on rank 0. Every rank hears of a failure. Collective."""
+    own: BaseException | None = None
+    try:
+        if leader:
+            local.lock()
+            local.remove_staging()
+        if remote is not None and peers.rank == 0:
+            remote.lock()
+            remote.remove_staging()
+    except (OSError, CheckfreqError) as e:
+        own = e
+    failed = [f for f in peers.all_gather(None if own is None else f"rank {peers.rank}: {own}") if f]
+    if own is not None:
+        raise own
+    if failed:
+        raise CheckfreqError(f"another rank could not open its checkpoint directory: {'; '.join(failed)}")

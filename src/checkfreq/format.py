@@ -39,6 +39,12 @@ MAX_HEADER_BYTES = 100 << 20
 MAX_MANIFEST_BYTES = 256 << 20
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
+
+def data_file_name(rank: int) -> str:
+    """The data file rank ``rank`` writes into each checkpoint (``rank00000.safetensors`` for one process)."""
+    return f"rank{rank:05d}.safetensors"
+
+
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",

@@ -18,11 +18,10 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from checkfreq.distributed import all_gather_json
 from checkfreq.errors import CheckfreqError
 from checkfreq.format import Layout, Manifest, entry_view, tensor_entries
 from checkfreq.memory_cadence import MemoryCadence
@@ -31,6 +30,7 @@ from checkfreq.snapshot import PendingSnapshot
 from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature
 
 log = logging.getLogger("checkfreq.memory")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,16 +135,16 @@ class MemoryTier:
 
         self.writer.submit(job)
 
-    def around_persist(self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], None]) -> Callable[[], None]:
+    def around_persist(self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], T]) -> Callable[[], T]:
         """The writer job of a persist: commit the slot, then write it to disk; the slot stays
         untouched by memory snapshots until the write is done."""
         self._persisting = target.slot.slot
         self.newest = None  # the persist supersedes any memory-only snapshot
 
-        def job() -> None:
+        def job() -> T:
             try:
                 self.commit(target, pending)
-                persist()
+                return persist()
             finally:
                 self._persisting = None
 
@@ -176,22 +176,6 @@ class MemoryTier:
             if newest_only:
                 break
         return states, skipped
-
-    def agree(self, step: int | None, disk_newest: int | None, group: Any) -> tuple[MemoryState | None, list[tuple[str, str]]]:
-        """Under torch.distributed: the newest step every rank holds verified in memory, if it is
-        not older than the newest disk checkpoint (rank 0's listing); else None (restore from disk).
-
-        A rank whose snapshot is missing or torn makes every rank fall back to an older common
-        step, or to disk. Collective: every rank calls it.
-        """
-        states, skipped = self.read_all(step)
-        by_step = {state.manifest.step: state for state in states}
-        reports = all_gather_json({"steps": sorted(by_step), "disk": disk_newest}, group)
-        common = set.intersection(*(set(r["steps"]) for r in reports))
-        best, disk = max(common, default=None), reports[0]["disk"]
-        if best is None or (disk is not None and best < disk):
-            return None, skipped
-        return by_step[best], skipped
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""

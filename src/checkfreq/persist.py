@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from checkfreq.errors import PersistError
 
@@ -22,13 +23,15 @@ POLL_SECONDS = 0.5
 
 
 class Writer:
-    """Runs persist jobs one at a time in a daemon thread and keeps the first error for the caller."""
+    """Runs persist jobs one at a time in a daemon thread; keeps their results and the first error
+    for the training thread, which applies them (a job never calls back into its submitter)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._error: BaseException | None = None
+        self._results: list[Any] = []
         self.transitions = 0
         """Jobs submitted plus jobs finished: a change between two looks means a job ran in between."""
         self._thread = threading.Thread(target=self._run, name="checkfreq-writer", daemon=True)
@@ -38,7 +41,7 @@ class Writer:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], Any]) -> None:
         """Queue ``job``; the caller must have waited for the previous one."""
         if self.busy:
             raise RuntimeError("a persist is already in flight")
@@ -54,6 +57,11 @@ class Writer:
             self.check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint persist still running after {timeout} s")
+
+    def take_results(self) -> list[Any]:
+        """What the jobs finished since the last call returned (None results are left out), in order."""
+        results, self._results = self._results, []
+        return results
 
     def take_error(self) -> BaseException | None:
         """The error of a failed job, or of a thread that died with a job in flight (cleared by this call)."""
@@ -79,7 +87,9 @@ class Writer:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                job()
+                result = job()
+                if result is not None:
+                    self._results.append(result)
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self._error = e
             finally:

@@ -20,8 +20,8 @@ import torch
 
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.format import MANIFEST_NAME
-from checkfreq.storage import FsspecStore, TieredStore
-from checkfreq.storage.local import LocalStore, checkpoint_name
+from checkfreq.storage import FsspecStore
+from checkfreq.storage.local import checkpoint_name
 
 PIECE = 1 << 20
 
@@ -80,15 +80,13 @@ def main() -> None:
         args.url, args.slow_step, args.die_before_manifest,
         endpoint_url=args.endpoint, key="testing", secret="testing", default_block_size=5 * PIECE,
     )
-    store = TieredStore(LocalStore(args.local), remote, remote_keep=10) if args.local else remote
+    tiers = {"directory": args.local, "remote": remote, "remote_keep": 10} if args.local else {"directory": remote}
     model, optimizer = build()
-    with Checkpointer(store, policy=1, keep=10, model=model, optimizer=optimizer) as ckpt:
+    with Checkpointer(**tiers, policy=1, keep=10, model=model, optimizer=optimizer) as ckpt:
         for step in range(1, args.steps + 1):
             train_step(model, optimizer, step)
             ckpt.step()
-            ckpt.wait()
-            if isinstance(store, TieredStore):
-                store.flush()
+            ckpt.wait(remote=True)
             print(f"committed {step}", flush=True)
 
 

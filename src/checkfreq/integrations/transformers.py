@@ -33,7 +33,8 @@ from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
-from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer, read_checkpoint
+from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
+from checkfreq.restore import read_checkpoint
 from checkfreq.data import ResumableSampler
 from checkfreq.distributed_plan import local_view
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError

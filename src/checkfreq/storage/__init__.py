@@ -3,8 +3,9 @@
 - a plain path or ``file://`` URL: :class:`~checkfreq.storage.local.LocalStore` (fsync, atomic rename);
 - any other fsspec URL (``s3://``, ``gs://``, ``memory://``, ...): :class:`FsspecStore`, where
   the manifest written last is the commit marker;
-- a local path plus ``remote=``: :class:`TieredStore`, local commit first, remote copy in the
-  background.
+
+A remote tier (``Checkpointer(..., remote=...)``) is a second store; copying checkpoints to it
+is the engine's business (:mod:`checkfreq.upload`).
 
 See docs/storage.md.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from checkfreq.storage.base import Location, Store, open_store, write_data, write_manifest
 from checkfreq.storage.remote import FsspecStore
-from checkfreq.storage.tiers import TieredStore, TierLocation
 from checkfreq.storage.local import LocalStore
 
 __all__ = [
@@ -21,8 +21,6 @@ __all__ = [
     "LocalStore",
     "Location",
     "Store",
-    "TierLocation",
-    "TieredStore",
     "open_store",
     "write_data",
     "write_manifest",

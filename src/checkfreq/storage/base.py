@@ -2,7 +2,7 @@
 
 The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
 staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
-lists committed checkpoints, reads them back and applies retention. How a commit is made
+lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.retention` says which). How a commit is made
 atomic is the store's business: a local directory renames a fully fsynced staging directory;
 an object store has no atomic rename, so the manifest, written last, is the commit marker and a
 checkpoint without one is never listed.
@@ -32,7 +32,7 @@ class Location(Protocol):
 
 
 class Store(Protocol):
-    """Where checkpoints live: staging, atomic commit, listing, reading, retention.
+    """Where checkpoints live: staging, atomic commit, listing, reading, deleting.
 
     Locations are opaque to callers: a location returned by a store is only ever handed back
     to the same store.
@@ -58,8 +58,16 @@ class Store(Protocol):
     def remove_staging(self) -> None:
         """Delete leftovers of writes that never committed (only while holding the store)."""
 
-    def staging_dir(self, step: int) -> Any:
-        """A fresh location to write checkpoint ``step`` into."""
+    def staging_dir(self, step: int, token: str, *, create: bool = True) -> Any:
+        """The location the job named ``token`` writes checkpoint ``step`` into; ``create`` prepares
+        it (called once, by one rank, before any rank writes there)."""
+
+    def location(self, step: int) -> Location:
+        """Where committed checkpoint ``step`` lives (whether or not it exists)."""
+        ...
+
+    def file_size(self, location: Any, name: str) -> int | None:
+        """The size of one file of a checkpoint, or None if it is missing."""
 
     def write_file(self, staging: Any, name: str, chunks: Iterable[bytes | memoryview]) -> None:
         """Write one file from ``chunks`` into ``staging``; it is durable when this returns."""
@@ -83,9 +91,6 @@ class Store(Protocol):
         """Read and verify one data file: its data section (flat ``uint8``) and parsed header."""
         ...
 
-    def retain(self, keep: int, protect: Any) -> None:
-        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
-
     def delete(self, location: Any) -> None:
         """Remove a committed checkpoint so that a kill never leaves half of it listed."""
 
@@ -102,32 +107,13 @@ def write_manifest(store: Store, staging: Any, manifest: Manifest) -> None:
     store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
 
 
-def open_store(
-    target: str | os.PathLike[str] | Store,
-    *,
-    remote: str | os.PathLike[str] | Store | None = None,
-    remote_keep: int = 3,
-    create: bool = True,
-) -> Store:
+def open_store(target: str | os.PathLike[str] | Store, *, create: bool = True) -> Store:
     """The store for ``target``: a local path, a ``file://`` URL, any fsspec URL, or a ready store.
 
     Plain paths and ``file://`` URLs give a :class:`~checkfreq.storage.local.LocalStore` (fsync and
     atomic rename); other URLs (``s3://``, ``gs://``, ``memory://``, ...) an
-    :class:`~checkfreq.storage.FsspecStore`. With ``remote``, ``target`` must be local: it
-    becomes the fast tier of a :class:`~checkfreq.storage.TieredStore` that copies each
-    checkpoint to ``remote`` in the background and keeps ``remote_keep`` there.
+    :class:`~checkfreq.storage.FsspecStore`.
     """
-    store = _single(target, create)
-    if remote is None:
-        return store
-    if not isinstance(store, LocalStore):
-        raise ValueError(f"with remote=..., the first tier must be a local directory, not {target!r}")
-    from checkfreq.storage.tiers import TieredStore
-
-    return TieredStore(store, _single(remote, create), remote_keep=remote_keep)
-
-
-def _single(target: str | os.PathLike[str] | Store, create: bool) -> Store:
     if not isinstance(target, (str, os.PathLike)):
         return target  # a store built by the caller, e.g. FsspecStore(url, **storage_options)
     text = os.fspath(target)

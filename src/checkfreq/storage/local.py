@@ -110,10 +110,24 @@ class LocalStore:
             log.info("removing uncommitted checkpoint %s", path.name)
             shutil.rmtree(path, ignore_errors=True)
 
-    def staging_dir(self, step: int) -> Path:
-        path = self.root / f"{checkpoint_name(step)}.tmp-{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+    def staging_dir(self, step: int, token: str, *, create: bool = True) -> Path:
+        """Where checkpoint ``step`` of the job named ``token`` is written (every rank sharing
+        this directory writes its file there); ``create`` makes it."""
+        path = self.root / f"{checkpoint_name(step)}.tmp-{token}"
+        if create:
+            path.mkdir(exist_ok=True)
         return path
+
+    def location(self, step: int) -> Path:
+        """Where committed checkpoint ``step`` lives."""
+        return self.root / checkpoint_name(step)
+
+    def file_size(self, location: Path, name: str) -> int | None:
+        """The size of one file of a checkpoint, or None if it is missing."""
+        try:
+            return (location / name).stat().st_size
+        except OSError:
+            return None
 
     @property
     def events_directory(self) -> Path:
@@ -121,7 +135,10 @@ class LocalStore:
         return self.root
 
     def write_file(self, staging: Path, name: str, chunks: Iterable[bytes | memoryview]) -> None:
-        """Write ``staging/name`` straight from ``chunks`` (no copy; direct I/O where aligned) and fsync it."""
+        """Write ``staging/name`` straight from ``chunks`` (no copy; direct I/O where aligned) and fsync it.
+
+        A file of that name left by an earlier failed attempt at the same step is replaced."""
+        (staging / name).unlink(missing_ok=True)
         write_chunks(staging / name, chunks)
 
     def discard(self, staging: Path) -> None:
@@ -158,12 +175,6 @@ class LocalStore:
             if match and entry.is_dir(follow_symlinks=False):
                 found.append((int(match.group(1)), Path(entry.path)))
         return sorted(found, reverse=True)
-
-    def retain(self, keep: int, protect: Path) -> None:
-        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
-        for _, path in self.checkpoints()[keep:]:
-            if path != protect:
-                self.delete(path)
 
     def delete(self, path: Path) -> None:
         """Remove a committed checkpoint: hide it with one rename first, so a kill never leaves half of it visible."""

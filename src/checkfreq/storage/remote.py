@@ -86,14 +86,25 @@ class FsspecStore:
                 log.info("removing uncommitted checkpoint %s/%s", self.root, location.name)
                 self._remove(location)
 
-    def staging_dir(self, step: int) -> PurePosixPath:
-        """The checkpoint's final location; a checkpoint already there is deleted first."""
-        location = self._base / checkpoint_name(step)
-        if self.fs.exists(str(location)):
-            self._remove(location)
-        if self.fs.exists(str(self._base)):  # never re-create a bucket deleted under a running job
-            self.fs.makedirs(str(location), exist_ok=True)
+    def staging_dir(self, step: int, token: str, *, create: bool = True) -> PurePosixPath:
+        """The checkpoint's final location (objects cannot be renamed; ``token`` is not needed);
+        ``create`` first deletes a checkpoint already there."""
+        location = self.location(step)
+        if create:
+            if self.fs.exists(str(location)):
+                self._remove(location)
+            if self.fs.exists(str(self._base)):  # never re-create a bucket deleted under a running job
+                self.fs.makedirs(str(location), exist_ok=True)
         return location
+
+    def location(self, step: int) -> PurePosixPath:
+        return self._base / checkpoint_name(step)
+
+    def file_size(self, location: PurePosixPath, name: str) -> int | None:
+        try:
+            return int(self.fs.size(str(location / name)))
+        except (FileNotFoundError, OSError):
+            return None
 
     def write_file(self, staging: PurePosixPath, name: str, chunks: Iterable[bytes | memoryview]) -> None:
         f = self.fs.open(str(staging / name), "wb")
@@ -148,11 +159,6 @@ class FsspecStore:
         except OSError as e:
             raise CorruptCheckpointError(f"data file {name} cannot be opened: {e}") from None
         return read_data_stream(f, name, actual, size, checksum)
-
-    def retain(self, keep: int, protect: PurePosixPath) -> None:
-        for _, location in self.checkpoints()[keep:]:
-            if location != protect:
-                self.delete(location)
 
     def delete(self, location: PurePosixPath) -> None:
         self._remove(location)

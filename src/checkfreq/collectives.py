@@ -1,0 +1,91 @@
+"""Small JSON messages between ranks, and the same calls for a world of one.
+
+The commit, upload and restore protocols are written once against :class:`Peers`: under
+``torch.distributed`` a :class:`GroupPeers` carries the messages over a dedicated gloo group; a
+single process is a :class:`Solo` world, where every collective returns at once. Messages are
+JSON, never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Peers(Protocol):
+    """The ranks taking part in one protocol, seen from one of them."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's JSON-able ``value``, in rank order."""
+        ...
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's JSON-able ``value`` on every rank (other ranks pass anything)."""
+        ...
+
+
+class Solo:
+    """A world of one process: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return [json.loads(json.dumps(value))]
+
+    def broadcast(self, value: Any) -> Any:
+        return json.loads(json.dumps(value))
+
+
+class GroupPeers:
+    """The ranks of a gloo process group (the group's rank 0 is the sender of broadcasts)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        return all_gather_json(value, self.group)
+
+    def broadcast(self, value: Any) -> Any:
+        return broadcast_json(value, self.group)
+
+
+def broadcast_json(value: Any, group: Any) -> Any:
+    """Rank 0's JSON-able ``value`` on every rank of ``group`` (no pickling)."""
+    is_source = dist.get_rank() == dist.get_global_rank(group, 0)
+    payload = _encode(value) if is_source else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    dist.broadcast(length, group=group, group_src=0)
+    if not is_source:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(payload, group=group, group_src=0)
+    return _decode(payload)
+
+
+def all_gather_json(value: Any, group: Any) -> list[Any]:
+    """Every rank's JSON-able ``value``, in rank order (no pickling)."""
+    payload = _encode(value)
+    size = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(gathered, padded, group=group)
+    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths)]
+
+
+def _encode(value: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor) -> Any:
+    return json.loads(bytes(payload.numpy()))

@@ -1,0 +1,216 @@
+"""Phase 2's commit protocol: the same code for one process and for N ranks.
+
+A checkpoint is committed in three rounds of small messages between the ranks (a world of one
+passes them to itself, :class:`~checkfreq.collectives.Solo`):
+
+1. *prepare*: the leader of each local directory (the lowest rank that sees it; every rank when
+   directories are node-local) creates the checkpoint's staging location in its store;
+2. *report*: every rank writes its own data file (``rankNNNNN.safetensors``) through the store,
+   fsynced, and reports its name, size, checksum and tensor index; every rank then judges the
+   same reports the same way (a rank failed, or the replicated state differs);
+3. *outcome*: each leader writes ``manifest.json`` last, through the store, and commits it
+   (an atomic rename on a local disk; the manifest itself on an object store); the ranks hear
+   whether every leader committed.
+
+The job is a value (:class:`CommitJob`) and the answer too (:class:`CommitResult`): the writer
+thread runs :meth:`Committer.run` and the training thread applies its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from checkfreq import replicas
+from checkfreq.collectives import Peers
+from checkfreq.distributed_plan import PRIVATE, SHARDED
+from checkfreq.errors import PersistError, ReplicaMismatchError
+from checkfreq.format import MANIFEST_NAME, Manifest, data_file_name, encode_header, tensor_entries
+from checkfreq.retention import Retention
+from checkfreq.snapshot import PendingSnapshot
+from checkfreq.storage.base import Store, write_data
+
+if TYPE_CHECKING:
+    from checkfreq.upload import Uploader
+
+log = logging.getLogger("checkfreq.commit")
+
+
+@dataclass(frozen=True)
+class CommitJob:
+    """What to write: one snapshot of this rank, taken at ``step``."""
+
+    step: int
+    epoch: int | None
+    pending: PendingSnapshot
+    skeleton: Any
+    share: dict[str, Any] | None
+    """Under torch.distributed: this rank's tensor index and replica claim (``Cluster.select``)."""
+    versions: dict[str, str]
+    started: float
+    """``time.perf_counter()`` when the snapshot began."""
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What was committed: the step, this rank's bytes, the seconds from snapshot to commit."""
+
+    step: int
+    bytes: int
+    seconds: float
+    upload: bool
+    """The checkpoint was handed to the uploader (every rank decided the same)."""
+
+
+class Retainer:
+    """Deletes a directory's checkpoints that its :class:`Retention` dooms, on the directory's leader only.
+
+    Called by the writer after a commit and by the uploader after an upload; never deletes the
+    checkpoint an upload is reading.
+    """
+
+    def __init__(self, store: Store, retention: Retention, *, leader: bool) -> None:
+        self.store, self.retention, self.leader = store, retention, leader
+        self._lock = threading.Lock()
+        self.uploading: int | None = None
+
+    def run(self, protect: int | None = None) -> None:
+        if not self.leader:
+            return
+        with self._lock:
+            listed = dict(self.store.checkpoints())
+            keep = {s for s in (protect, self.uploading) if s is not None}
+            for step in self.retention.doomed(listed, keep):
+                self.store.delete(listed[step])
+
+
+class Committer:
+    """Runs the commit protocol for one store (see the module docstring).
+
+    Args:
+        store: where checkpoints are committed (a local directory, or an object store).
+        peers: the ranks committing together (their commit group).
+        leader: this rank prepares and commits its directory (others share it).
+        token: names this job's staging locations (agreed by every rank at start).
+        retainer: retention of ``store``, run after each commit.
+        uploader: with a remote tier, this rank's uploader: a committed checkpoint is handed to it
+            if every rank's uploader was idle when the ranks reported.
+    """
+
+    def __init__(
+        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None
+    ) -> None:
+        self.store, self.peers, self.leader, self.token = store, peers, leader, token
+        self.retainer = retainer
+        self._uploader = uploader
+
+    def run(self, job: CommitJob) -> CommitResult:
+        try:
+            return self._run(job)
+        finally:
+            job.pending.copied.set()  # a fence never waits on a failed persist
+
+    def _run(self, job: CommitJob) -> CommitResult:
+        rank, step = self.peers.rank, job.step
+        staging = self._prepare(step)
+        name = data_file_name(rank)
+        report: dict[str, Any] = {"rank": rank, "created": time.time()}
+        size = 0
+        failure: Exception | None = None  # this rank's own, raised as the cause
+        try:
+            job.pending.finish_copy()
+            size, digest = write_data(self.store, staging, name, encode_header(job.pending.layout), job.pending.buffer)
+            report.update(ok=True, file=name, size=size, xxh3_64=digest, index=tensor_entries(job.pending.layout, name),
+                          state=job.skeleton, share=job.share,
+                          upload_idle=self._uploader is not None and self._uploader.idle)
+        except Exception as e:  # noqa: BLE001 - every rank hears it, then it is raised here
+            failure = e
+            report.update(ok=False, error=f"rank {rank}: {type(e).__name__}: {e}")
+        reports = self.peers.all_gather(report)
+        problem = _judge(reports)
+        outcome: dict[str, Any] = {"rank": rank, "ok": True}
+        if problem is not None:
+            if self.leader:
+                self.store.discard(staging)
+            error = ReplicaMismatchError if isinstance(problem, ReplicaMismatchError) else PersistError
+            raise error(f"checkpoint {step} not committed: {problem}") from failure
+        if self.leader:
+            try:
+                manifest = merge(reports, step, job.epoch, job.versions)
+                self.store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
+                self.store.commit(staging, step)
+            except Exception as e:  # noqa: BLE001 - every rank hears it
+                failure = e
+                self.store.discard(staging)
+                outcome = {"rank": rank, "ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        failed = [o["error"] for o in self.peers.all_gather(outcome) if not o["ok"]]
+        if failed:
+            raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
+        seconds = time.perf_counter() - job.started
+        upload = self._uploader is not None and all(r["upload_idle"] for r in reports)
+        if upload:
+            self._uploader.start(step)  # type: ignore[union-attr]
+        self.retainer.run(protect=step)
+        return CommitResult(step, size, seconds, upload)
+
+    def _prepare(self, step: int) -> Any:
+        """Round 1: each directory's leader creates the staging location; every rank learns it is ready."""
+        status: dict[str, Any] = {"ok": True}
+        staging, failure = None, None
+        if self.leader:
+            try:
+                staging = self.store.staging_dir(step, self.token)
+            except Exception as e:  # noqa: BLE001 - every rank hears it
+                failure = e
+                status = {"ok": False, "error": f"rank {self.peers.rank}: {type(e).__name__}: {e}"}
+        failed = [s["error"] for s in self.peers.all_gather(status) if not s["ok"]]
+        if failed:
+            raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
+        return staging if staging is not None else self.store.staging_dir(step, self.token, create=False)
+
+
+def _judge(reports: list[dict[str, Any]]) -> Exception | None:
+    """Why these reports cannot be committed (the same answer on every rank), or None."""
+    errors = [r["error"] for r in reports if not r.get("ok")]
+    if errors:
+        return PersistError("; ".join(errors))
+    claims = [r["share"]["replicas"] for r in reports if r["share"] is not None]
+    if claims:
+        problem = replicas.disagreement(claims)
+        if problem is not None:
+            return ReplicaMismatchError(problem)
+    return None
+
+
+def merge(reports: list[dict[str, Any]], step: int, epoch: int | None, versions: dict[str, str]) -> Manifest:
+    """One manifest from every rank's report: files, array index, and (written by a job under
+    torch.distributed) the per-rank skeletons and how each tensor is split."""
+    reports = sorted(reports, key=lambda r: r["rank"])
+    files = {r["file"]: {"size": r["size"], "xxh3_64": r["xxh3_64"]} for r in reports}
+    index = {name: entry for r in reports for name, entry in r["index"].items()}
+    created = max(r["created"] for r in reports)
+    if reports[0]["share"] is None:  # one process
+        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=index, state=reports[0]["state"],
+                        versions=versions, created=created)
+    world = len(reports)
+    merged: dict[str, Any] = {}
+    for report in reports:
+        rank = report["rank"]
+        for name, entry in report["share"]["tensors"].items():
+            into = merged.setdefault(name, {**entry, "parts": [None] * world if entry["kind"] == PRIVATE else []})
+            part = entry["parts"][0]
+            if entry["kind"] == PRIVATE:
+                into["parts"][rank] = part
+            elif entry["kind"] == SHARDED:
+                box = (tuple(part[1]), tuple(report["index"][part[0]]["shape"]))
+                if box not in {(tuple(p[1]), tuple(index[p[0]]["shape"])) for p in into["parts"]}:
+                    into["parts"].append(part)  # a replicated placement is saved once
+            else:
+                into["parts"].append(part)
+    return Manifest(
+        step=step, epoch=epoch, world_size=world, files=files, tensors=index, state=reports[0]["state"],
+        versions=versions, created=created, distributed={"ranks": [r["state"] for r in reports], "tensors": merged},
+    )

@@ -1,0 +1,249 @@
+"""Restore: the newest checkpoint every rank can read, found in any tier, read and verified.
+
+The same code for one process and for N ranks (:mod:`checkfreq.collectives`). Each rank lists
+the checkpoints it could read: a checkpoint counts if its manifest is readable and each of its
+data files is in this rank's local directory (at the size the manifest says) or the remote tier
+lists the checkpoint. The ranks take the newest step that every rank can read; each rank then
+reads every file from its local directory, or from the remote tier where the local copy is
+missing or damaged, and verifies each against the manifest's checksum. If any rank fails, every
+rank moves on to the next older common step.
+
+With a memory tier, its newest snapshot every rank holds wins when it is not older than the
+newest checkpoint listed on disk (it reads fastest); it is also the fallback when no checkpoint
+on disk is valid.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkfreq.collectives import Peers
+from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.format import Manifest, entry_view
+from checkfreq.memory_tier import MemoryTier
+from checkfreq.storage.base import Store
+from checkfreq.storage.local import LocalStore, checkpoint_name
+
+log = logging.getLogger("checkfreq.restore")
+
+Skipped = list[tuple[str, str]]
+"""(checkpoint or memory slot, why it was not restored)."""
+
+
+@dataclass
+class Found:
+    """A checkpoint read for restore."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    name: str
+    tier: str
+    """``"local"``, ``"remote"``, ``"local+remote"`` (files read from each) or ``"memory"``."""
+    skipped: Skipped = field(default_factory=list)
+
+
+@dataclass
+class _Readable:
+    """How this rank would read one checkpoint: its manifest, and the tier of each data file."""
+
+    step: int
+    manifest: Manifest
+    sources: dict[str, str]
+    """data file name → ``"local"`` or ``"remote"``."""
+
+
+class Restorer:
+    """Finds and reads the checkpoint to restore, agreed by every rank.
+
+    Args:
+        local: this rank's directory (the only tier without ``remote``).
+        remote: the durable tier, if any.
+        peers: the ranks restoring together.
+        memory: this rank's memory tier, if any.
+    """
+
+    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None) -> None:
+        self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
+        self._locations: dict[str, dict[int, Any]] = {}
+
+    def listed(self) -> list[int]:
+        """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
+        steps = {s for s, _ in self.local.checkpoints()}
+        if self.remote is not None:
+            steps |= {s for s, _ in self.remote.checkpoints()}
+        return sorted(steps, reverse=True)
+
+    def find(self, step: int | None = None) -> Found | None:
+        """The newest valid checkpoint (or the one at ``step``) every rank can read; None if no
+        rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid."""
+        listed = [s for s in self.listed() if step is None or s == step]
+        if self.memory is not None:
+            found = self._from_memory(step, listed)
+            if found is not None:
+                return found
+        try:
+            return self._from_disk(step, listed)
+        except NoValidCheckpointError:
+            if self.memory is None:
+                raise
+            log.warning("no valid checkpoint on disk; trying older memory snapshots")
+            found = self._from_memory(step, [])
+            if found is None:
+                raise
+            return found
+
+    # ------------------------------------------------------------------ memory
+
+    def _from_memory(self, step: int | None, listed: list[int]) -> Found | None:
+        """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
+        assert self.memory is not None
+        states, skipped = self.memory.read_all(step)
+        by_step = {state.manifest.step: state for state in states}
+        reports = self.peers.all_gather({"steps": sorted(by_step), "disk": listed[0] if listed else None})
+        common = set.intersection(*(set(r["steps"]) for r in reports))
+        disk = max((r["disk"] for r in reports if r["disk"] is not None), default=None)
+        best = max(common, default=None)
+        if best is None or (disk is not None and best < disk):
+            if by_step and best is None:
+                log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
+            return None
+        state = by_step[best]
+        return Found(state.manifest, state.tensors, state.name, "memory", skipped)
+
+    # ------------------------------------------------------------------ disk
+
+    def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
+        self._locations = {"local": dict(self.local.checkpoints())}
+        if self.remote is not None:
+            self._locations["remote"] = dict(self.remote.checkpoints())
+        mine: dict[int, _Readable] = {}
+        problems: dict[int, str] = {}  # why this rank cannot read a listed step
+        for s in listed:
+            readable = self._readable(s)
+            if isinstance(readable, str):
+                problems[s] = readable
+            else:
+                mine[s] = readable
+        reports = self.peers.all_gather({"steps": sorted(mine), "listed": len(listed)})
+        common = set.intersection(*(set(r["steps"]) for r in reports))
+        for s in set(mine) - common:
+            problems[s] = "not every rank can read it (another rank lacks its files, and the remote tier does not list it)"
+        skipped: Skipped = []
+        for s in sorted(common, reverse=True):
+            skipped += self._skip_newer_than(s, problems)
+            problem = None
+            try:
+                found = self._read(mine[s])
+            except CorruptCheckpointError as e:
+                problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
+            failed = [p for p in self.peers.all_gather(problem) if p]
+            if not failed:
+                found.skipped = skipped
+                return found
+            problems[s] = "; ".join(failed)
+        skipped += self._skip_newer_than(-1, problems)
+        if step is not None:
+            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self._where()}" + _reasons(skipped))
+        if any(r["listed"] for r in reports):
+            raise NoValidCheckpointError(f"no valid checkpoint in {self._where()}" + _reasons(skipped))
+        return None
+
+    @staticmethod
+    def _skip_newer_than(step: int, problems: dict[int, str]) -> Skipped:
+        """Log and take out the problems of the steps newer than ``step`` (those passed over to reach it)."""
+        skipped = []
+        for s in sorted((s for s in problems if s > step), reverse=True):
+            why = problems.pop(s)
+            log.warning("skipping checkpoint %s: %s", checkpoint_name(s), why)
+            skipped.append((checkpoint_name(s), why))
+        return skipped
+
+    def _readable(self, step: int) -> _Readable | str:
+        """How this rank can read checkpoint ``step``, or why it cannot."""
+        local = self._locations["local"].get(step)
+        remote = self._locations.get("remote", {}).get(step)
+        manifest, problem = None, "no manifest"
+        for store, location in ((self.local, local), (self.remote, remote)):
+            if location is None or manifest is not None:
+                continue
+            try:
+                manifest = store.read_manifest(location)  # type: ignore[union-attr]
+            except CorruptCheckpointError as e:
+                problem = str(e)
+        if manifest is None:
+            return problem
+        sources = {}
+        for name, entry in manifest.files.items():
+            size = None if local is None else self.local.file_size(local, name)
+            if size == entry["size"]:
+                sources[name] = "local"
+            elif remote is not None:
+                sources[name] = "remote"
+            elif size is not None:
+                sources[name] = "local"  # reading it says what is wrong with it
+            elif self.remote is not None:
+                return f"data file {name} is neither in {self.local.root} nor in the remote tier"
+            else:
+                return f"data file {name} is missing"
+        return _Readable(step, manifest, sources)
+
+    def _read(self, readable: _Readable) -> Found:
+        """Read and verify every data file of a checkpoint, falling back to the remote copy of a damaged local one."""
+        step, manifest = readable.step, readable.manifest
+        locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
+        sections, used = {}, set()
+        for name, entry in manifest.files.items():
+            tier = readable.sources[name]
+            try:
+                sections[name] = self._read_file(tier, locations[tier], name, entry)
+            except CorruptCheckpointError as e:
+                if tier != "local" or locations.get("remote") is None:
+                    raise
+                log.warning("checkpoint %s: local %s is damaged (%s); reading the remote copy", checkpoint_name(step), name, e)
+                tier = "remote"
+                sections[name] = self._read_file(tier, locations[tier], name, entry)
+            used.add(tier)
+        try:
+            tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
+        except RuntimeError as e:
+            raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
+        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "remote") if t in used) or "local")
+
+    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> torch.Tensor:
+        if location is None:
+            raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
+        store = self.local if tier == "local" else self.remote
+        section, _ = store.read_data(location, name, entry["size"], entry["xxh3_64"])  # type: ignore[union-attr]
+        return section
+
+    def _where(self) -> str:
+        return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
+
+
+def _reasons(skipped: Skipped) -> str:
+    return f" ({'; '.join(f'{name}: {why}' for name, why in skipped)})" if skipped else ""
+
+
+def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read and verify one checkpoint; return its manifest and tensors (CPU).
+
+    ``path`` is a local checkpoint directory or, with ``store``, a location that ``store`` listed.
+    Every file's checksum is verified before this returns. Tensors of a local checkpoint are
+    views of a private, copy-on-write mapping of its files: nothing is copied until they are
+    used, and writing to them never changes the checkpoint.
+    """
+    if store is None:
+        path = Path(path)
+        store = LocalStore(path.parent, create=False)
+    manifest = store.read_manifest(path)
+    sections = {name: store.read_data(path, name, entry["size"], entry["xxh3_64"])[0] for name, entry in manifest.files.items()}
+    try:
+        tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
+    except RuntimeError as e:
+        raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
+    return manifest, tensors
