@@ -76,7 +76,7 @@ def wait_for_every_rank(world_size: int, timeout: float) -> None:
     collective creation of the Cluster's groups, with no word of why.
     """
     store = default_store()
-    key = f"checkfreq/join/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_joins)}"
+    key = f"checkfreq/join/{_incarnation()}/{next(_joins)}"
     arrived = store.add(key, 1)
     start = warned = time.monotonic()
     while arrived < world_size:
@@ -91,6 +91,20 @@ def wait_for_every_rank(world_size: int, timeout: float) -> None:
             warned = now
         time.sleep(0.02)
         arrived = store.add(key, 0)
+
+
+def _incarnation() -> str:
+    """What tells this incarnation's keys from an earlier one's in a store that outlives it.
+
+    torchrun's workers share the agent's store across restarts (``TORCHELASTIC_USE_AGENT_STORE``):
+    keys are told apart by the restart count. Otherwise (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+    as docs/distributed.md advises) each incarnation gets a fresh store, and the restart count must
+    not be used: it counts one agent's own failures, so after a rank dies on one node the workers
+    that another node's agent restarts keep the old count.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "fresh-store"
 
 
 class Cluster:
