@@ -21,7 +21,8 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
   incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
 * ``--remote URL|PATH``: a second tier (``--endpoint``: an S3-protocol server for ``s3://`` URLs),
   ``--keep``/``--remote-keep`` its retention. ``--ckpt-dir`` is then the node's local tier: two
-  torchrun agents ("nodes") may each pass their own.
+  torchrun agents ("nodes") may each pass their own. ``--wait-remote``: after each checkpoint, wait
+  until it is in the remote tier (no upload is skipped: the kills below land on known steps).
 * ``--kill-write RANK:N``: in the first incarnation, rank RANK writes part of its N-th data file
   into the local tier, then SIGKILLs itself (mid-persist).
 * ``--kill-upload RANK:STEP``: in the first incarnation, rank RANK SIGKILLs itself when asked to
@@ -85,6 +86,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--remote", default=None)
     parser.add_argument("--endpoint", default=None)
     parser.add_argument("--remote-keep", type=int, default=None)
+    parser.add_argument("--wait-remote", action="store_true")
     parser.add_argument("--kill-write", default="", help="RANK:N")
     parser.add_argument("--kill-upload", default="", help="RANK:STEP")
     parser.add_argument("--kill-marker", default=None)
@@ -207,6 +209,8 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 started = ckpt.step()
+                if started and args.wait_remote:
+                    ckpt.wait(remote=True)
                 if ckpt.global_step == die_at:
                     if die_mode == "step":
                         ckpt.wait()
