@@ -11,7 +11,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -30,18 +29,18 @@ from checkfreq.errors import (
     StateMismatchError,
 )
 from checkfreq.events import EventLog
-from checkfreq.format import Manifest, data_file_name
 from checkfreq.memory_cadence import MemoryCadence
 from checkfreq.memory_tier import MemoryTier
 from checkfreq.options import check_objects, check_option_types, check_registration
 from checkfreq.persist import Writer
-from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
+from checkfreq.policies import Policy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.restore import Restorer
 from checkfreq.retention import Retention
 from checkfreq.rng import RNGState
 from checkfreq.session import run_state, seed_session
 from checkfreq.signals import SignalTrap
+from checkfreq.timeline import Timeline
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, replicated, unflatten
 from checkfreq.storage import Store, open_tiers
@@ -177,24 +176,16 @@ class Checkpointer:
         self._fence_stall = 0.0
         self._fence_memory = False  # the fenced snapshot is a memory-only one
 
-        self._global_step = 0
-        self._session_start_step = 0  # the global step this session started from (its restore)
-        self._last_checkpoint_step = 0
+        self._timeline = Timeline()
         self._durable_step = -1  # the newest step known committed (a result of the writer)
         self._committed = -1  # the newest step this session committed
-        self._started = time.perf_counter()
-        self._last_step_time: float | None = None
-        self._transitions_seen = 0  # the writer's job transitions at the previous step()
-        self._clean_count, self._clean_seconds = 0, 0.0  # this window's iterations without a stall or persist
-        self._last_checkpoint_time = self._started
-        self._last_epoch: int | None = None
 
     # ------------------------------------------------------------------ user API
 
     @property
     def global_step(self) -> int:
         """Optimizer steps counted by :meth:`step` (restored by :meth:`restore`)."""
-        return self._global_step
+        return self._timeline.step
 
     @property
     def _world_size(self) -> int:
@@ -233,23 +224,16 @@ class Checkpointer:
         now = time.perf_counter()
         self._check_open("step()")
         self._collect_background()
-        self._global_step += 1
-        transitions = self._writer.transitions
-        if self._last_step_time is not None:
-            seconds = now - self._last_step_time
-            # persisting: a persist overlapped any part of this iteration, even one that ended within it
-            persisting = self._writer.busy or transitions != self._transitions_seen
-            self._profiler.record_iteration(seconds, persisting=persisting)
-            if not persisting and self._global_step - self._last_checkpoint_step > 1:  # the first one holds the stall
-                self._clean_count, self._clean_seconds = self._clean_count + 1, self._clean_seconds + seconds
-        self._last_step_time, self._transitions_seen = now, transitions
+        measured = self._timeline.advance(now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions)
+        if measured is not None:
+            self._profiler.record_iteration(measured[0], persisting=measured[1])
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
-        ctx = self._context(now, loss)
+        ctx = self._timeline.context(now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss)
         if self._decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
-        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(self._global_step, ctx.iteration_time):
+        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(ctx.step, ctx.iteration_time):
             self._snapshot_to_memory()
         return False
 
@@ -262,7 +246,7 @@ class Checkpointer:
         self._collect_background()
         if blocking:
             self._ensure_durable("save()")
-        elif self._last_checkpoint_step != self._global_step or self._global_step == 0:
+        elif self._timeline.last_checkpoint != self._timeline.step or self._timeline.step == 0:
             self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
@@ -304,12 +288,9 @@ class Checkpointer:
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
-        self._global_step = self._last_checkpoint_step = self._session_start_step = manifest.step
+        self._timeline = Timeline.restored(manifest.step)
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
-        self._last_step_time = None
-        self._clean_count, self._clean_seconds = 0, 0.0
-        self._started = self._last_checkpoint_time = time.perf_counter()
         if self._memory is not None:
             self._memory.forget_newer_than(manifest.step)
             self._memory.cadence.taken(manifest.step)
@@ -352,29 +333,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _context(self, now: float, loss: float | None) -> DecisionContext:
-        epoch = self._epoch()
-        changed = self._last_epoch is not None and epoch != self._last_epoch
-        self._last_epoch = epoch
-        p = self._profiler
-        return DecisionContext(
-            step=self._global_step,
-            session_steps=self._global_step - self._session_start_step,
-            steps_since_checkpoint=self._global_step - self._last_checkpoint_step,
-            elapsed=now - self._started,
-            seconds_since_checkpoint=now - self._last_checkpoint_time,
-            iteration_time=p.iteration.value,
-            iteration_time_while_persisting=p.iteration_while_persisting.value,
-            stall=p.stall.value,
-            persist_time=p.persist.value,
-            checkpoint_cost=p.checkpoint_cost.value,
-            bytes_per_checkpoint=p.bytes_per_checkpoint,
-            persist_in_flight=self._writer.busy,
-            epoch=epoch,
-            epoch_changed=changed,
-            loss=loss,
-        )
-
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""
         if self._epoch_source is None:
@@ -392,7 +350,7 @@ class Checkpointer:
             self._apply_commit(result)
         error = self._writer.take_error()
         if error is not None:
-            self._events.write("error", step=self._last_checkpoint_step, message=str(error))
+            self._events.write("error", step=self._timeline.last_checkpoint, message=str(error))
             if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
                 raise error
             self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
@@ -433,7 +391,7 @@ class Checkpointer:
         if self._memory is not None:
             self._wait_memory()
         self._finish_fence()
-        step, epoch = self._global_step, self._epoch()
+        step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         share = None
         if self._cluster is not None:  # this rank writes its share only
@@ -449,19 +407,13 @@ class Checkpointer:
             job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
             self._memory.cadence.taken(step)  # type: ignore[union-attr]
         self._writer.submit(job)
-        interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
-        self._last_checkpoint_step = step
-        self._last_checkpoint_time = start
+        window = self._timeline.checkpointed(start)
         stall = time.perf_counter() - start
         self._events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=type(self._policy).__name__, epoch=epoch, interval_steps=interval_steps, interval_s=interval_s,
-            iteration_s=self._profiler.iteration.value,
+            policy=type(self._policy).__name__, epoch=epoch, **window, iteration_s=self._profiler.iteration.value,
             iteration_persisting_s=self._profiler.iteration_while_persisting.value,
-            clean_iterations=self._clean_count,
-            clean_iteration_s=self._clean_seconds / self._clean_count if self._clean_count else None,
         )
-        self._clean_count, self._clean_seconds = 0, 0.0
         if pending.has_deferred:
             self._fence, self._fence_stall, self._fence_memory = pending, stall, False
         else:
@@ -497,7 +449,7 @@ class Checkpointer:
         start = time.perf_counter()
         self._wait_memory()
         self._finish_fence()
-        step, epoch = self._global_step, self._epoch()
+        step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         if self._cluster is not None and any(is_dtensor(t) for t in tensors.values()):
             log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
@@ -529,7 +481,7 @@ class Checkpointer:
         checkpoint if the ranks' newest memory snapshot (the same step on every rank) is newer than disk."""
         self._wait_memory()
         newest = self._memory.newest  # type: ignore[union-attr]
-        if newest is not None and newest.step == self._global_step and self._durable_step < self._global_step:
+        if newest is not None and newest.step == self._timeline.step and self._durable_step < self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
 
     def _close_memory_tier(self) -> None:
@@ -573,7 +525,7 @@ class Checkpointer:
             self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
             return
         self._profiler.record_stall(self._fence_stall + wait)
-        self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
+        self._events.write("fence", step=self._timeline.last_checkpoint, wait_s=wait, stall_s=self._fence_stall + wait)
 
     def _apply(self, state: dict[str, Any]) -> None:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
@@ -593,17 +545,17 @@ class Checkpointer:
 
     def _ensure_durable(self, reason: str) -> None:
         """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
-        if self._last_checkpoint_step == self._global_step and self._global_step != 0:
+        if self._timeline.last_checkpoint == self._timeline.step and self._timeline.step != 0:
             self.wait()
-            if self._durable_step == self._global_step:
+            if self._durable_step == self._timeline.step:
                 return
         self._checkpoint(blocking=True, reason=reason)
 
     def _save_for_signal(self) -> None:
         """Preempted: make the current state durable, then let the signal act as it would have."""
         signum = self._trap.received  # type: ignore[union-attr]
-        self._events.write("signal", step=self._global_step, signal=signum)
-        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._global_step)
+        self._events.write("signal", step=self._timeline.step, signal=signum)
+        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._timeline.step)
         try:
             self._ensure_durable("signal")
         except BaseException:
