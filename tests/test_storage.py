@@ -6,7 +6,6 @@ import json
 import uuid
 from pathlib import Path, PurePosixPath
 
-import fsspec
 import pytest
 import torch
 from conftest import assert_state_equal, make_model, train_step

@@ -11,7 +11,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -21,7 +20,7 @@ import checkfreq
 from checkfreq.collectives import Peers, Solo
 from checkfreq.commit import CommitJob, CommitResult, Committer, Retainer
 from checkfreq.distributed import Cluster, attach, open_directories
-from checkfreq.distributed_plan import is_dtensor, local_view, source_rank, storage_ptr
+from checkfreq.distributed_plan import is_dtensor, local_view, note_world_size_change
 from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
@@ -30,22 +29,21 @@ from checkfreq.errors import (
     StateMismatchError,
 )
 from checkfreq.events import EventLog
-from checkfreq.format import Manifest, data_file_name
 from checkfreq.memory_cadence import MemoryCadence
 from checkfreq.memory_tier import MemoryTier
-from checkfreq.options import check_objects, check_option_types
+from checkfreq.options import check_objects, check_option_types, check_registration
 from checkfreq.persist import Writer
-from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
+from checkfreq.policies import Policy, resolve
 from checkfreq.profiler import Profiler
 from checkfreq.restore import Restorer
 from checkfreq.retention import Retention
 from checkfreq.rng import RNGState
+from checkfreq.session import run_state, seed_session
 from checkfreq.signals import SignalTrap
+from checkfreq.timeline import Timeline
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
-from checkfreq.state import Stateful, check_fits, flatten, load_into, own_storage, type_name, unflatten
-from checkfreq.storage import Store, open_store
-from checkfreq.storage.local import LocalStore
-from checkfreq.storage.shm import remove_regions_beyond
+from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, replicated, unflatten
+from checkfreq.storage import Store, open_tiers
 from checkfreq.upload import Uploader
 
 log = logging.getLogger("checkfreq")
@@ -117,18 +115,9 @@ class Checkpointer:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         values = dict(values or {})
-        if not objects and not values:
-            raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
-        for name in [*objects, *values]:
-            if name in RESERVED_NAMES:
-                raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
-        for name, obj in objects.items():
-            _refuse_positionless_loader(name, obj)
-        both = sorted(set(objects) & set(values))
-        if both:
-            raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
+        check_registration(objects, values, RESERVED_NAMES)
         self._policy = resolve(policy)
-        memory_cadence = _memory_cadence(memory)
+        memory_cadence = MemoryCadence.for_option(memory)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._on_error = on_error
         self._allow_pickle = allow_pickle
@@ -140,21 +129,18 @@ class Checkpointer:
         if rng:
             self._objects["rng"] = RNGState()
 
-        self._local = open_store(directory)
-        self._remote = None if remote is None else open_store(remote)
-        if self._remote is not None and not isinstance(self._local, LocalStore):
-            raise ValueError(f"with remote=..., the first tier must be a local directory, not {directory!r}")
-        self._local.check_writable()
-        if self._remote is not None:
-            self._remote.check_writable()
+        self._local, self._remote = open_tiers(directory, remote)
         self._cluster: Cluster | None = attach(self._local, self._remote, persist_timeout)  # under torch.distributed
         control, commit, upload = self._peers()
+        self._control = control
         if self._cluster is None:
             open_directories(self._local, self._remote, control, leader=True)
         token = uuid.uuid4().hex[:12] if self._cluster is None else self._cluster.token
         self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
         self.directory = self._local.root
-        self._memory = None if memory_cadence is None else self._open_memory_tier(memory_cadence)
+        self._memory = None if memory_cadence is None else MemoryTier.open(
+            self._local.root, memory_cadence, control, distributed=self._cluster is not None
+        )
         self._restorer = Restorer(self._local, self._remote, control, self._memory)
         retainer = Retainer(self._local, Retention(keep), leader=self._cluster is None or self._cluster.leader)
         self._uploader = None if self._remote is None else Uploader(
@@ -190,24 +176,16 @@ class Checkpointer:
         self._fence_stall = 0.0
         self._fence_memory = False  # the fenced snapshot is a memory-only one
 
-        self._global_step = 0
-        self._session_start_step = 0  # the global step this session started from (its restore)
-        self._last_checkpoint_step = 0
+        self._timeline = Timeline()
         self._durable_step = -1  # the newest step known committed (a result of the writer)
         self._committed = -1  # the newest step this session committed
-        self._started = time.perf_counter()
-        self._last_step_time: float | None = None
-        self._transitions_seen = 0  # the writer's job transitions at the previous step()
-        self._clean_count, self._clean_seconds = 0, 0.0  # this window's iterations without a stall or persist
-        self._last_checkpoint_time = self._started
-        self._last_epoch: int | None = None
 
     # ------------------------------------------------------------------ user API
 
     @property
     def global_step(self) -> int:
         """Optimizer steps counted by :meth:`step` (restored by :meth:`restore`)."""
-        return self._global_step
+        return self._timeline.step
 
     @property
     def _world_size(self) -> int:
@@ -246,23 +224,16 @@ class Checkpointer:
         now = time.perf_counter()
         self._check_open("step()")
         self._collect_background()
-        self._global_step += 1
-        transitions = self._writer.transitions
-        if self._last_step_time is not None:
-            seconds = now - self._last_step_time
-            # persisting: a persist overlapped any part of this iteration, even one that ended within it
-            persisting = self._writer.busy or transitions != self._transitions_seen
-            self._profiler.record_iteration(seconds, persisting=persisting)
-            if not persisting and self._global_step - self._last_checkpoint_step > 1:  # the first one holds the stall
-                self._clean_count, self._clean_seconds = self._clean_count + 1, self._clean_seconds + seconds
-        self._last_step_time, self._transitions_seen = now, transitions
+        measured = self._timeline.advance(now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions)
+        if measured is not None:
+            self._profiler.record_iteration(measured[0], persisting=measured[1])
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
-        ctx = self._context(now, loss)
+        ctx = self._timeline.context(now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss)
         if self._decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
-        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(self._global_step, ctx.iteration_time):
+        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(ctx.step, ctx.iteration_time):
             self._snapshot_to_memory()
         return False
 
@@ -275,7 +246,7 @@ class Checkpointer:
         self._collect_background()
         if blocking:
             self._ensure_durable("save()")
-        elif self._last_checkpoint_step != self._global_step or self._global_step == 0:
+        elif self._timeline.last_checkpoint != self._timeline.step or self._timeline.step == 0:
             self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
@@ -310,42 +281,24 @@ class Checkpointer:
         manifest = found.manifest
         from_memory = found.tier == "memory"
         if not from_memory:  # a memory snapshot is this rank's whole state, taken by this very job
-            self._note_world_size_change(manifest)
+            note_world_size_change(manifest, self._control.rank, self._world_size)
         if from_memory or self._cluster is None:
             skeleton, tensors = local_view(manifest, found.tensors)
         else:
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
-        self._global_step = self._last_checkpoint_step = self._session_start_step = manifest.step
+        self._timeline = Timeline.restored(manifest.step)
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
-        self._last_step_time = None
-        self._clean_count, self._clean_seconds = 0, 0.0
-        self._started = self._last_checkpoint_time = time.perf_counter()
         if self._memory is not None:
             self._memory.forget_newer_than(manifest.step)
             self._memory.cadence.taken(manifest.step)
-        seeded = self._seed_session(state.get("checkfreq"))
+        self._profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
                            world_size=self._world_size, saved_world_size=manifest.world_size)
         log.info("restored %s (step %d, %s tier)", found.name, manifest.step, found.tier)
         return manifest.step
-
-    def _note_world_size_change(self, manifest: Manifest) -> None:
-        """Say whose per-rank state this rank takes when the checkpoint was written by another number of ranks."""
-        rank, world = (0 if self._cluster is None else self._cluster.rank), self._world_size
-        if manifest.world_size == world:
-            return
-        dropped = ""
-        if world < manifest.world_size and rank == 0:
-            dropped = f"; the per-rank state of saved ranks {world}..{manifest.world_size - 1} is not restored"
-        log.warning(
-            "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
-            "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
-            "every rank shared%s (docs/distributed.md)",
-            manifest.step, manifest.world_size, world, rank, source_rank(rank, manifest.world_size), dropped,
-        )
 
     def close(self) -> None:
         """Wait for the checkpoint in flight, stop the writer and release the directory (idempotent)."""
@@ -380,71 +333,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _context(self, now: float, loss: float | None) -> DecisionContext:
-        epoch = self._epoch()
-        changed = self._last_epoch is not None and epoch != self._last_epoch
-        self._last_epoch = epoch
-        p = self._profiler
-        return DecisionContext(
-            step=self._global_step,
-            session_steps=self._global_step - self._session_start_step,
-            steps_since_checkpoint=self._global_step - self._last_checkpoint_step,
-            elapsed=now - self._started,
-            seconds_since_checkpoint=now - self._last_checkpoint_time,
-            iteration_time=p.iteration.value,
-            iteration_time_while_persisting=p.iteration_while_persisting.value,
-            stall=p.stall.value,
-            persist_time=p.persist.value,
-            checkpoint_cost=p.checkpoint_cost.value,
-            bytes_per_checkpoint=p.bytes_per_checkpoint,
-            persist_in_flight=self._writer.busy,
-            epoch=epoch,
-            epoch_changed=changed,
-            loss=loss,
-        )
-
-    def _run_state(self, step: int) -> dict[str, Any]:
-        """The reserved ``checkfreq`` entry of a checkpoint (plain JSON): the step, the optimizers'
-        classes (checked on restore) and what the run has learned."""
-        state: dict[str, Any] = {
-            "global_step": step,
-            "optimizer_types": {name: type_name(opt) for name, opt in self._optimizers.items()},
-            "profile": self._profiler.state_dict(),
-        }
-        if isinstance(self._policy, StatefulPolicy):
-            state["policy"] = {"type": type(self._policy).__name__, "state": self._policy.state_dict()}
-        return state
-
-    def _seed_session(self, saved: Any) -> list[str]:
-        """Start the restored session from what the checkpoint's run had learned; returns what was seeded.
-
-        The profiler starts afresh, seeded with the saved estimates, and the policy resumes its
-        saved state; both are re-validated by this session's measurements. A state that does not
-        fit (an older checkpoint, another policy or configuration) is left out with a warning:
-        the session then profiles from scratch, which is slower to settle but never wrong.
-        """
-        self._profiler = Profiler()
-        saved = saved if isinstance(saved, dict) else {}
-        seeded = []
-        if "profile" in saved:
-            try:
-                self._profiler.load_state_dict(saved["profile"])
-                seeded.append("profile")
-            except (ValueError, TypeError, AttributeError) as e:
-                log.warning("not resuming the saved profile (%s); this session profiles afresh", e)
-        policy = saved.get("policy")
-        if isinstance(self._policy, StatefulPolicy) and policy is not None:
-            name = type(self._policy).__name__
-            try:
-                if not isinstance(policy, dict) or policy.get("type") != name:
-                    saved_type = policy.get("type") if isinstance(policy, dict) else policy
-                    raise ValueError(f"it was saved by policy {saved_type!r}, this run uses {name}")
-                self._policy.load_state_dict(policy["state"])
-                seeded.append("policy")
-            except (ValueError, TypeError, KeyError, AttributeError) as e:
-                log.warning("not resuming the saved state of the %s policy (%s); it plans afresh from this session's measurements", name, e)
-        return seeded
-
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""
         if self._epoch_source is None:
@@ -462,7 +350,7 @@ class Checkpointer:
             self._apply_commit(result)
         error = self._writer.take_error()
         if error is not None:
-            self._events.write("error", step=self._last_checkpoint_step, message=str(error))
+            self._events.write("error", step=self._timeline.last_checkpoint, message=str(error))
             if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
                 raise error
             self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
@@ -503,11 +391,11 @@ class Checkpointer:
         if self._memory is not None:
             self._wait_memory()
         self._finish_fence()
-        step, epoch = self._global_step, self._epoch()
+        step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         share = None
         if self._cluster is not None:  # this rank writes its share only
-            tensors, owned, share = self._cluster.select(tensors, owned, self._replicated(tensors))
+            tensors, owned, share = self._cluster.select(tensors, owned, replicated(tensors, self._objects))
         self._profiler.begin_checkpoint()
         layout = layout_of(tensors)
         target = None
@@ -519,19 +407,13 @@ class Checkpointer:
             job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
             self._memory.cadence.taken(step)  # type: ignore[union-attr]
         self._writer.submit(job)
-        interval_steps, interval_s = step - self._last_checkpoint_step, start - self._last_checkpoint_time
-        self._last_checkpoint_step = step
-        self._last_checkpoint_time = start
+        window = self._timeline.checkpointed(start)
         stall = time.perf_counter() - start
         self._events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=type(self._policy).__name__, epoch=epoch, interval_steps=interval_steps, interval_s=interval_s,
-            iteration_s=self._profiler.iteration.value,
+            policy=type(self._policy).__name__, epoch=epoch, **window, iteration_s=self._profiler.iteration.value,
             iteration_persisting_s=self._profiler.iteration_while_persisting.value,
-            clean_iterations=self._clean_count,
-            clean_iteration_s=self._clean_seconds / self._clean_count if self._clean_count else None,
         )
-        self._clean_count, self._clean_seconds = 0, 0.0
         if pending.has_deferred:
             self._fence, self._fence_stall, self._fence_memory = pending, stall, False
         else:
@@ -553,21 +435,11 @@ class Checkpointer:
         """The registered state as (skeleton, tensors, names of the optimizer-owned tensors)."""
         state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
         state.update(self._values)
-        state["checkfreq"] = self._run_state(step)
+        state["checkfreq"] = run_state(step, self._optimizers, self._profiler, self._policy)
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
-        return skeleton, tensors, self._optimizer_owned(tensors)
+        return skeleton, tensors, optimizer_owned(tensors, self._optimizers)
 
     # ------------------------------------------------------------------ memory tier
-
-    def _open_memory_tier(self, cadence: MemoryCadence) -> MemoryTier:
-        if self._cluster is None:
-            return MemoryTier(self._local.root, cadence, data_file=data_file_name(0))
-        if cadence.every is None:  # ranks measuring different costs would snapshot different steps
-            raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
-                             "every rank snapshots the same steps")
-        if self._cluster.rank == 0:
-            remove_regions_beyond(self._local.root, self._cluster.world_size)
-        return MemoryTier(self._local.root, cadence, data_file=data_file_name(0), rank=self._cluster.rank)
 
     def _snapshot_to_memory(self) -> None:
         """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
@@ -577,7 +449,7 @@ class Checkpointer:
         start = time.perf_counter()
         self._wait_memory()
         self._finish_fence()
-        step, epoch = self._global_step, self._epoch()
+        step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         if self._cluster is not None and any(is_dtensor(t) for t in tensors.values()):
             log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
@@ -600,24 +472,16 @@ class Checkpointer:
 
     def _wait_memory(self) -> None:
         """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""
-        memory = self._memory
-        assert memory is not None
-        memory.writer.wait(self._timeout)
-        error = memory.writer.take_error()
-        if error is None:
-            return
-        memory.newest = None  # never committed: nothing to persist from it
-        if self._on_error == "warn":
-            log.warning("memory snapshot failed, training goes on: %s", error)
-            return
-        raise PersistError(f"memory snapshot failed: {error}") from error
+        error = self._memory.wait(self._timeout)  # type: ignore[union-attr]
+        if error is not None:
+            self._report_failure(PersistError(f"memory snapshot failed: {error}"), error)
 
     def _persist_newest_state(self) -> None:
         """Under torch.distributed, before a clean close removes the regions: a collective blocking
         checkpoint if the ranks' newest memory snapshot (the same step on every rank) is newer than disk."""
         self._wait_memory()
         newest = self._memory.newest  # type: ignore[union-attr]
-        if newest is not None and newest.step == self._global_step and self._durable_step < self._global_step:
+        if newest is not None and newest.step == self._timeline.step and self._durable_step < self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
 
     def _close_memory_tier(self) -> None:
@@ -642,31 +506,6 @@ class Checkpointer:
                 raise PersistError(f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}") from error
         memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
-    def _optimizer_owned(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        """Names of tensors only a registered optimizer's step changes: safe to copy behind a fence."""
-        if not self._optimizers:
-            return set()
-        params = [p for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]]
-        return self._state_of(tensors, params, self._optimizers)
-
-    def _replicated(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        """Names of tensors data parallelism keeps the same on every rank: parameters and optimizer state.
-
-        The parameters of registered modules and optimizers and the optimizer state; buffers
-        (BatchNorm statistics), plain values and other objects' tensors may differ between ranks.
-        """
-        modules = [o for o in self._objects.values() if isinstance(o, torch.nn.Module)]
-        params = [p for m in modules for p in m.parameters()]
-        params += [p for opt in self._optimizers.values() for g in opt.param_groups for p in g["params"]]
-        return self._state_of(tensors, params, self._optimizers)
-
-    @staticmethod
-    def _state_of(tensors: dict[str, torch.Tensor], params: list[torch.Tensor], optimizers: dict[str, Any]) -> set[str]:
-        """Names of ``tensors`` that are one of ``params`` or under an optimizer's ``state``."""
-        param_ptrs = {storage_ptr(p) for p in params}
-        prefixes = tuple(f"{name}/state/" for name in optimizers)
-        return {n for n, t in tensors.items() if n.startswith(prefixes) or storage_ptr(t) in param_ptrs}
-
     def _finish_fence(self) -> None:
         """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
         pending, self._fence = self._fence, None
@@ -686,7 +525,7 @@ class Checkpointer:
             self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
             return
         self._profiler.record_stall(self._fence_stall + wait)
-        self._events.write("fence", step=self._last_checkpoint_step, wait_s=wait, stall_s=self._fence_stall + wait)
+        self._events.write("fence", step=self._timeline.last_checkpoint, wait_s=wait, stall_s=self._fence_stall + wait)
 
     def _apply(self, state: dict[str, Any]) -> None:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
@@ -706,17 +545,17 @@ class Checkpointer:
 
     def _ensure_durable(self, reason: str) -> None:
         """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
-        if self._last_checkpoint_step == self._global_step and self._global_step != 0:
+        if self._timeline.last_checkpoint == self._timeline.step and self._timeline.step != 0:
             self.wait()
-            if self._durable_step == self._global_step:
+            if self._durable_step == self._timeline.step:
                 return
         self._checkpoint(blocking=True, reason=reason)
 
     def _save_for_signal(self) -> None:
         """Preempted: make the current state durable, then let the signal act as it would have."""
         signum = self._trap.received  # type: ignore[union-attr]
-        self._events.write("signal", step=self._global_step, signal=signum)
-        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._global_step)
+        self._events.write("signal", step=self._timeline.step, signal=signum)
+        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._timeline.step)
         try:
             self._ensure_durable("signal")
         except BaseException:
@@ -726,29 +565,9 @@ class Checkpointer:
             self._trap.honour()  # type: ignore[union-attr]
 
 
-def _memory_cadence(memory: bool | int) -> MemoryCadence | None:
-    """The memory tier's cadence for the ``memory`` option (None: no memory tier)."""
-    if memory is False:
-        return None
-    if memory is True:
-        return MemoryCadence()
-    if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
-        return MemoryCadence(every=memory)
-    raise TypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
-
-
 def _has_int_epoch(obj: object) -> bool:
     epoch = getattr(obj, "epoch", None)
     return isinstance(epoch, int) and not isinstance(epoch, bool)
-
-
-def _refuse_positionless_loader(name: str, obj: object) -> None:
-    """Refuse an Accelerate-prepared DataLoader: it has ``state_dict()`` but no position to give."""
-    if getattr(obj, "use_stateful_dataloader", None) is False:
-        raise ValueError(
-            f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
-            "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
-        )
 
 
 def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

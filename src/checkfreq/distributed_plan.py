@@ -20,6 +20,8 @@ Three kinds of tensors, by where they come from:
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,8 @@ import torch
 from checkfreq.compat import dtensor_class, dtensor_local_box
 from checkfreq.errors import CorruptCheckpointError
 from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest
+
+log = logging.getLogger("checkfreq")
 
 REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"
 SMALL_FRACTION = 16
@@ -299,3 +303,18 @@ def restore_targets(live: Mapping[str, torch.Tensor], optimizers: Mapping[str, t
 def dtype_entry(tensor: torch.Tensor) -> str:
     """The dtype code a tensor is indexed with."""
     return DTYPE_CODES[tensor.dtype]
+
+
+def note_world_size_change(manifest: Manifest, rank: int, world_size: int) -> None:
+    """Say whose per-rank state ``rank`` takes when the checkpoint was written by another number of ranks."""
+    if manifest.world_size == world_size:
+        return
+    dropped = ""
+    if world_size < manifest.world_size and rank == 0:
+        dropped = f"; the per-rank state of saved ranks {world_size}..{manifest.world_size - 1} is not restored"
+    log.warning(
+        "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
+        "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
+        "every rank shared%s (docs/distributed.md)",
+        manifest.step, manifest.world_size, world_size, rank, source_rank(rank, manifest.world_size), dropped,
+    )

@@ -47,6 +47,17 @@ class MemoryCadence:
         if not 0 < self.overhead < 1:
             raise ValueError(f"overhead must lie in (0, 1), got {self.overhead}")
 
+    @classmethod
+    def for_option(cls, memory: bool | int) -> MemoryCadence | None:
+        """The cadence for ``Checkpointer(memory=...)``: None (no memory tier), adaptive, or every ``n`` steps."""
+        if memory is False:
+            return None
+        if memory is True:
+            return cls()
+        if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
+            return cls(every=memory)
+        raise TypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
+
     def interval(self, iteration_time: float) -> int:
         """Steps between memory snapshots for the current measurements."""
         if self.every is not None:

@@ -23,11 +23,12 @@ from typing import Any, TypeVar
 import torch
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.format import Layout, Manifest, entry_view, tensor_entries
+from checkfreq.collectives import Peers
+from checkfreq.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.memory_cadence import MemoryCadence
 from checkfreq.persist import Writer
 from checkfreq.snapshot import PendingSnapshot
-from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature
+from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature, remove_regions_beyond
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
@@ -93,6 +94,19 @@ class MemoryTier:
         self.enabled = True
         self.newest: MemorySnapshot | None = None
 
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, distributed: bool) -> MemoryTier:
+        """This rank's memory tier for ``directory``; under torch.distributed rank 0 first removes
+        the regions of ranks this job does not have."""
+        if not distributed:
+            return cls(directory, cadence, data_file=data_file_name(0))
+        if cadence.every is None:  # ranks measuring different costs would snapshot different steps
+            raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
+                             "every rank snapshots the same steps")
+        if peers.rank == 0:
+            remove_regions_beyond(directory, peers.size)
+        return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank)
+
     def newest_step(self) -> int | None:
         """The step of the newest snapshot with a valid header (not verified), if any."""
         found = self.region.snapshots()
@@ -123,6 +137,14 @@ class MemoryTier:
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
         self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta, layout_signature(target.layout.signature))
+
+    def wait(self, timeout: float) -> BaseException | None:
+        """Wait for the memory snapshot being committed; return its error if it failed."""
+        self.writer.wait(timeout)
+        error = self.writer.take_error()
+        if error is not None:
+            self.newest = None  # never committed: nothing to persist from it
+        return error
 
     def submit(self, target: MemoryTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
         """Commit a memory-only snapshot in the background (the previous one must be committed)."""

@@ -72,3 +72,21 @@ def check_option_types(
             raise TypeError(f"{name} must be True or False, got {type(value).__qualname__}")
     if isinstance(persist_timeout, bool) or not isinstance(persist_timeout, (int, float)) or persist_timeout <= 0:
         raise TypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
+
+
+def check_registration(objects: Mapping[str, Any], values: Mapping[str, Any], reserved: Iterable[str]) -> None:
+    """Refuse a registration that could not be checkpointed as the user means it (``ValueError``)."""
+    if not objects and not values:
+        raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
+    for name in [*objects, *values]:
+        if name in reserved:
+            raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+    for name, obj in objects.items():
+        if getattr(obj, "use_stateful_dataloader", None) is False:  # has state_dict(), but no position to give
+            raise ValueError(
+                f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
+                "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
+            )
+    both = sorted(set(objects) & set(values))
+    if both:
+        raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")

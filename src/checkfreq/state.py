@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from checkfreq.distributed_plan import storage_ptr
 from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__pickle__")
@@ -253,3 +254,33 @@ def load_into(name: str, obj: Any, state: Any) -> None:
         obj.load_state_dict(own)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e
+
+
+def optimizer_owned(tensors: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer]) -> set[str]:
+    """Names of ``tensors`` only a registered optimizer's step changes (its parameters and
+    state): safe to copy behind the optimizer-step fence."""
+    if not optimizers:
+        return set()
+    return _parameters_and_state(tensors, _optimized(optimizers), optimizers)
+
+
+def replicated(tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> set[str]:
+    """Names of ``tensors`` data parallelism keeps the same on every rank: the parameters of
+    registered modules and optimizers and the optimizer state. Buffers (BatchNorm statistics),
+    plain values and other objects' tensors may differ between ranks."""
+    optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+    params = [p for o in objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters()]
+    return _parameters_and_state(tensors, params + _optimized(optimizers), optimizers)
+
+
+def _optimized(optimizers: Mapping[str, torch.optim.Optimizer]) -> list[torch.Tensor]:
+    return [p for opt in optimizers.values() for g in opt.param_groups for p in g["params"]]
+
+
+def _parameters_and_state(
+    tensors: Mapping[str, torch.Tensor], params: list[torch.Tensor], optimizers: Mapping[str, Any]
+) -> set[str]:
+    """Names of ``tensors`` that are one of ``params`` or under an optimizer's ``state``."""
+    param_ptrs = {storage_ptr(p) for p in params}
+    prefixes = tuple(f"{name}/state/" for name in optimizers)
+    return {n for n, t in tensors.items() if n.startswith(prefixes) or storage_ptr(t) in param_ptrs}

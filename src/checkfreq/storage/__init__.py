@@ -2,7 +2,7 @@
 
 - a plain path or ``file://`` URL: :class:`~checkfreq.storage.local.LocalStore` (fsync, atomic rename);
 - any other fsspec URL (``s3://``, ``gs://``, ``memory://``, ...): :class:`FsspecStore`, where
-  the manifest written last is the commit marker;
+  the manifest written last is the commit marker.
 
 A remote tier (``Checkpointer(..., remote=...)``) is a second store; copying checkpoints to it
 is the engine's business (:mod:`checkfreq.upload`).
@@ -12,7 +12,7 @@ See docs/storage.md.
 
 from __future__ import annotations
 
-from checkfreq.storage.base import Location, Store, open_store, write_data, write_manifest
+from checkfreq.storage.base import Location, Store, open_store, open_tiers, write_data, write_manifest
 from checkfreq.storage.remote import FsspecStore
 from checkfreq.storage.local import LocalStore
 
@@ -22,6 +22,7 @@ __all__ = [
     "Location",
     "Store",
     "open_store",
+    "open_tiers",
     "write_data",
     "write_manifest",
 ]

@@ -124,3 +124,16 @@ def open_store(target: str | os.PathLike[str] | Store, *, create: bool = True) -
     from checkfreq.storage.remote import FsspecStore
 
     return FsspecStore(text, create=create)
+
+
+def open_tiers(directory: str | os.PathLike[str] | Store, remote: str | os.PathLike[str] | Store | None) -> tuple[Store, Store | None]:
+    """The stores of a Checkpointer: its directory and, if given, the remote tier behind it
+    (which needs a local directory in front); both checked writable now."""
+    local = open_store(directory)
+    far = None if remote is None else open_store(remote)
+    if far is not None and not isinstance(local, LocalStore):
+        raise ValueError(f"with remote=..., the first tier must be a local directory, not {directory!r}")
+    for store in (local, far):
+        if store is not None:
+            store.check_writable()
+    return local, far
