@@ -57,13 +57,17 @@ class Checkpointer:
     Args:
         directory: where checkpoints go (created if missing; must be writable): a local path,
             an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``; ``file://`` is a
-            local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md.
+            local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md. Under
+            torch.distributed, one directory every rank sees, or one per node on a node-local
+            disk (docs/distributed.md).
         policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted).
         remote: a second, durable tier (URL, path or store): checkpoints are committed to the
-            local ``directory`` first, then copied to ``remote`` in the background; restore
-            takes the newest valid checkpoint of either tier. ``close()`` waits for the uploads.
+            local ``directory`` first, then copied to ``remote`` in the background (each rank
+            its own file); restore takes the newest valid checkpoint of either tier, each file
+            from the local directory when it is there. ``close()`` uploads the newest checkpoint
+            and waits for it.
         remote_keep: how many checkpoints to keep in ``remote`` (default: ``keep``).
         rng: capture and restore the Python, NumPy, torch and CUDA random generators.
         on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
