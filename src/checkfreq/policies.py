@@ -27,7 +27,7 @@ import numpy as np
 
 from checkfreq.losscurve import LossCurve, fit_power_law
 from checkfreq.profiler import interference
-from checkfreq.schedule import convergence_interval, overhead_steps, place_optimal, two_phase_interval
+from checkfreq.intervals import convergence_interval, overhead_steps, place_optimal, two_phase_interval
 
 log = logging.getLogger("checkfreq.policies")
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from checkfreq.losscurve import LossCurve, fit_exponential
 from checkfreq.policies import Overhead
-from checkfreq.schedule import convergence_interval, overhead_steps, place, place_optimal, two_phase_interval
+from checkfreq.intervals import convergence_interval, overhead_steps, place, place_optimal, two_phase_interval
 from checkfreq.simulate import Schedule, Workload
 
 
