@@ -11,17 +11,25 @@ __version__ = "0.1.0"
 from checkfreq.checkpointer import Checkpointer, read_checkpoint
 from checkfreq.data import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
+    ArgumentTypeError,
     CheckfreqError,
+    CheckpointDirectoryError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     DirectoryLockedError,
+    DirectoryNotWritableError,
     ExistingCheckpointsError,
+    InvalidArgumentError,
     NoValidCheckpointError,
     PersistError,
     ReplicaMismatchError,
     StateMismatchError,
     TopologyError,
+    UnknownObjectError,
     UnserializableStateError,
+    UnsupportedDtypeError,
     UnsupportedTorchError,
+    UsageError,
 )
 from checkfreq.policies import (
     Auto,
@@ -36,16 +44,21 @@ from checkfreq.policies import (
 )
 
 __all__ = [
+    "ArgumentTypeError",
     "Auto",
     "CheckfreqError",
+    "CheckpointDirectoryError",
     "Checkpointer",
+    "CheckpointNotFoundError",
     "ConvergenceAware",
     "CorruptCheckpointError",
     "DecisionContext",
     "DirectoryLockedError",
+    "DirectoryNotWritableError",
     "Every",
-    "ExistingCheckpointsError",
     "EveryEpoch",
+    "ExistingCheckpointsError",
+    "InvalidArgumentError",
     "NoValidCheckpointError",
     "Overhead",
     "PersistError",
@@ -57,7 +70,10 @@ __all__ = [
     "StatefulPolicy",
     "StateMismatchError",
     "TopologyError",
+    "UnknownObjectError",
     "UnserializableStateError",
+    "UnsupportedDtypeError",
     "UnsupportedTorchError",
+    "UsageError",
     "YoungDaly",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from checkfreq.errors import CorruptCheckpointError
+from checkfreq.errors import CorruptCheckpointError, UnsupportedDtypeError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -88,7 +88,7 @@ def dtype_code(name: str, dtype: torch.dtype) -> str:
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        raise TypeError(f"tensor {name!r} has dtype {dtype}, which checkfreq cannot store") from None
+        raise UnsupportedDtypeError(f"tensor {name!r} has dtype {dtype}, which checkfreq cannot store") from None
 
 
 def plan_layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Layout:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.profiler import Smoothed
 
 DEFAULT_OVERHEAD = 0.035
@@ -43,9 +44,9 @@ class MemoryCadence:
 
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
-            raise ValueError(f"the memory cadence must be a positive number of steps, got {self.every!r}")
+            raise InvalidArgumentError(f"the memory cadence must be a positive number of steps, got {self.every!r}")
         if not 0 < self.overhead < 1:
-            raise ValueError(f"overhead must lie in (0, 1), got {self.overhead}")
+            raise InvalidArgumentError(f"overhead must lie in (0, 1), got {self.overhead}")
 
     def interval(self, iteration_time: float) -> int:
         """Steps between memory snapshots for the current measurements."""

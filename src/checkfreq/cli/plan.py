@@ -12,9 +12,9 @@ from rich.table import Table
 from checkfreq import policy_schedules
 from checkfreq.cli import app
 from checkfreq.cli._output import JSON_HELP, console, emit_json, reports_errors
+from checkfreq.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.losscurve import LossCurve
 from checkfreq.policies import Overhead
-from checkfreq.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.simulate import Result, Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0

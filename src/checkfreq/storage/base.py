@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
 from checkfreq.storage.local import LocalStore
 
@@ -121,7 +122,7 @@ def open_store(
     if remote is None:
         return store
     if not isinstance(store, LocalStore):
-        raise ValueError(f"with remote=..., the first tier must be a local directory, not {target!r}")
+        raise InvalidArgumentError(f"with remote=..., the first tier must be a local directory, not {target!r}")
     from checkfreq.storage.tiers import TieredStore
 
     return TieredStore(store, _single(remote, create), remote_keep=remote_keep)
