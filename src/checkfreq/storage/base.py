@@ -1,4 +1,4 @@
-"""The narrow interface every checkpoint store implements, and the choice of store by URL.
+"""The narrow interface every checkpoint store implements, and the helpers that write through it.
 
 The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
 staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
@@ -10,7 +10,6 @@ checkpoint without one is never listed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,9 +17,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from checkfreq.errors import InvalidArgumentError
 from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
-from checkfreq.storage.local import LocalStore
 
 
 class Location(Protocol):
@@ -102,40 +99,3 @@ def write_manifest(store: Store, staging: Any, manifest: Manifest) -> None:
     """Write ``manifest.json`` into ``staging``: the last file of a checkpoint, its commit record."""
     store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
 
-
-def open_store(
-    target: str | os.PathLike[str] | Store,
-    *,
-    remote: str | os.PathLike[str] | Store | None = None,
-    remote_keep: int = 3,
-    create: bool = True,
-) -> Store:
-    """The store for ``target``: a local path, a ``file://`` URL, any fsspec URL, or a ready store.
-
-    Plain paths and ``file://`` URLs give a :class:`~checkfreq.storage.local.LocalStore` (fsync and
-    atomic rename); other URLs (``s3://``, ``gs://``, ``memory://``, ...) an
-    :class:`~checkfreq.storage.FsspecStore`. With ``remote``, ``target`` must be local: it
-    becomes the fast tier of a :class:`~checkfreq.storage.TieredStore` that copies each
-    checkpoint to ``remote`` in the background and keeps ``remote_keep`` there.
-    """
-    store = _single(target, create)
-    if remote is None:
-        return store
-    if not isinstance(store, LocalStore):
-        raise InvalidArgumentError(f"with remote=..., the first tier must be a local directory, not {target!r}")
-    from checkfreq.storage.tiers import TieredStore
-
-    return TieredStore(store, _single(remote, create), remote_keep=remote_keep)
-
-
-def _single(target: str | os.PathLike[str] | Store, create: bool) -> Store:
-    if not isinstance(target, (str, os.PathLike)):
-        return target  # a store built by the caller, e.g. FsspecStore(url, **storage_options)
-    text = os.fspath(target)
-    if "://" not in text:
-        return LocalStore(text, create=create)
-    if text.startswith("file://"):
-        return LocalStore(text[len("file://") :], create=create)
-    from checkfreq.storage.remote import FsspecStore
-
-    return FsspecStore(text, create=create)
