@@ -51,11 +51,12 @@ from checkfreq.distributed_plan import (
     stream_range,
 )
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
-from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
+from checkfreq.format import Manifest, encode_header, tensor_entries
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
 from checkfreq.storage.local import LocalStore, checkpoint_name
+from checkfreq.storage.posix import write_data_file, write_manifest
 
 log = logging.getLogger("checkfreq.distributed")
 

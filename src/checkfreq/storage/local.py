@@ -26,7 +26,8 @@ from checkfreq.errors import (
     DirectoryLockedError,
     DirectoryNotWritableError,
 )
-from checkfreq.format import Manifest, read_data_file, read_manifest, write_chunks
+from checkfreq.format import Manifest
+from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")
 
