@@ -13,6 +13,7 @@ from conftest import assert_state_equal, make_model, train_step
 
 import checkfreq as cf
 from checkfreq.format import MANIFEST_NAME
+from checkfreq.retention import Retention
 from checkfreq.storage import FsspecStore, TieredStore, open_store
 from checkfreq.storage.local import LocalStore
 
@@ -112,7 +113,7 @@ def test_retention_deletes_manifest_first(memory_url: str) -> None:
         store.write_file(staging, "data", [b"x"])
         store.write_file(staging, MANIFEST_NAME, [b"{}"])
         store.commit(staging, step)
-    store.retain(1, protect=store.checkpoints()[0][1])
+    store.retain(Retention(keep=1), protect=store.checkpoints()[0][1])
     assert [step for step, _ in store.checkpoints()] == [3]
     assert sorted(PurePosixPath(p).parent.name for p in store.fs.find(str(store._base))) == ["step_000000003"] * 2
 

@@ -36,6 +36,7 @@ from checkfreq.memory_tier import MemoryState, MemoryTier
 from checkfreq.persist import Writer
 from checkfreq.policies import DecisionContext, Policy, StatefulPolicy, resolve
 from checkfreq.profiler import Profiler
+from checkfreq.retention import Retention
 from checkfreq.rng import RNGState
 from checkfreq.signals import SignalTrap
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
@@ -127,7 +128,7 @@ class Checkpointer:
         self._policy = resolve(policy)
         memory_cadence = _memory_cadence(memory)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
-        self._keep = keep
+        self._retention = Retention(keep)
         self._on_error = on_error
         self._allow_pickle = allow_pickle
         self._timeout = persist_timeout
@@ -712,7 +713,7 @@ class Checkpointer:
             raise
         finally:
             pending.copied.set()
-        self._store.retain(self._keep, final)
+        self._store.retain(self._retention, final)
         self._record_commit(step, size, start)
 
     def _persist_shared(self, pending: PendingSnapshot, share: dict[str, Any], skeleton: Any, step: int, epoch: int | None, start: float) -> None:
@@ -723,7 +724,7 @@ class Checkpointer:
             self._events.write("error", step=step, message=str(e))
             raise
         if final is not None:
-            self._store.retain(self._keep, final)
+            self._store.retain(self._retention, final)
         self._record_commit(step, size, start)
 
     def _record_commit(self, step: int, size: int, start: float) -> None:

@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
+from checkfreq.retention import Retention
 
 
 class Location(Protocol):
@@ -81,8 +82,8 @@ class Store(Protocol):
         """Read and verify one data file: its data section (flat ``uint8``) and parsed header."""
         ...
 
-    def retain(self, keep: int, protect: Any) -> None:
-        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
+    def retain(self, retention: Retention, protect: Any) -> None:
+        """Delete the committed checkpoints ``retention`` dooms; never ``protect``."""
 
     def delete(self, location: Any) -> None:
         """Remove a committed checkpoint so that a kill never leaves half of it listed."""

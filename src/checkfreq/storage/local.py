@@ -27,6 +27,7 @@ from checkfreq.errors import (
     DirectoryNotWritableError,
 )
 from checkfreq.format import Manifest
+from checkfreq.retention import Retention
 from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")
@@ -165,11 +166,10 @@ class LocalStore:
                 found.append((int(match.group(1)), Path(entry.path)))
         return sorted(found, reverse=True)
 
-    def retain(self, keep: int, protect: Path) -> None:
-        """Delete committed checkpoints beyond the newest ``keep``; never ``protect``."""
-        for _, path in self.checkpoints()[keep:]:
-            if path != protect:
-                self.delete(path)
+    def retain(self, retention: Retention, protect: Path) -> None:
+        """Delete the committed checkpoints ``retention`` dooms, oldest first; never ``protect``."""
+        for path in retention.doomed_locations(self.checkpoints(), {protect}):
+            self.delete(path)
 
     def delete(self, path: Path) -> None:
         """Remove a committed checkpoint: hide it with one rename first, so a kill never leaves half of it visible."""

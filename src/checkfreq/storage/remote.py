@@ -25,6 +25,7 @@ import torch
 
 from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
 from checkfreq.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from checkfreq.retention import Retention
 from checkfreq.storage.local import checkpoint_name
 from checkfreq.storage.posix import read_data_stream
 
@@ -150,10 +151,9 @@ class FsspecStore:
             raise CorruptCheckpointError(f"data file {name} cannot be opened: {e}") from None
         return read_data_stream(f, name, actual, size, checksum)
 
-    def retain(self, keep: int, protect: PurePosixPath) -> None:
-        for _, location in self.checkpoints()[keep:]:
-            if location != protect:
-                self.delete(location)
+    def retain(self, retention: Retention, protect: PurePosixPath) -> None:
+        for location in retention.doomed_locations(self.checkpoints(), {protect}):
+            self.delete(location)
 
     def delete(self, location: PurePosixPath) -> None:
         self._remove(location)

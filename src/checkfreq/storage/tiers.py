@@ -27,6 +27,7 @@ import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, PersistError
 from checkfreq.format import CHUNK_BYTES, MANIFEST_NAME, Manifest
+from checkfreq.retention import Retention
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
@@ -72,7 +73,7 @@ class TieredStore:
         self._error: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._keep: int | None = None
+        self._keep: Retention | None = None
         self._timeout = timeout  # the longest unlock() waits for an upload: a hung remote never hangs close()
 
     @property
@@ -131,20 +132,19 @@ class TieredStore:
     def read_data(self, location: TierLocation, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
         return self._tier(location).read_data(location.path, name, size, checksum)
 
-    def retain(self, keep: int, protect: TierLocation) -> None:
+    def retain(self, retention: Retention, protect: TierLocation) -> None:
         """Local retention (again after each upload); the remote tier keeps ``remote_keep``."""
         with self._cond:
-            self._keep = keep
+            self._keep = retention
             self._retain_local(protect.path)
 
     def _retain_local(self, protect: Path | None) -> None:
-        """Delete local checkpoints beyond ``keep`` except ``protect`` and those queued or in upload."""
+        """Delete the local checkpoints retention dooms, except ``protect`` and those queued or in upload."""
         if self._keep is None:
             return
         busy = {protect, self._uploading, self._waiting[1] if self._waiting else None}
-        for _, path in self.local.checkpoints()[self._keep :]:
-            if path not in busy:
-                self.local.delete(path)
+        for path in self._keep.doomed_locations(self.local.checkpoints(), busy):
+            self.local.delete(path)
 
     def delete(self, location: TierLocation) -> None:
         self._tier(location).delete(location.path)
@@ -227,7 +227,7 @@ class TieredStore:
         except BaseException:
             self.remote.discard(staging)
             raise
-        self.remote.retain(self._remote_keep, final)
+        self.remote.retain(Retention(self._remote_keep), final)
         log.info("copied %s to %s in %.2f s", path.name, self.remote.root, time.perf_counter() - start)
 
 

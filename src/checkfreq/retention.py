@@ -1,0 +1,46 @@
+"""Which committed checkpoints to delete: a pure policy over step numbers.
+
+A store lists its checkpoints; :class:`Retention` says which of them go. It keeps the newest
+``keep`` checkpoints and, with ``every``, each checkpoint whose step is a multiple of ``every``
+(milestones for later evaluation or for going back past a divergence). It never dooms a
+protected checkpoint (the one just committed, one still being uploaded) nor the newest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from checkfreq.errors import InvalidArgumentError
+
+L = TypeVar("L")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep the newest ``keep`` checkpoints, plus every checkpoint whose step is a multiple of ``every``."""
+
+    keep: int
+    every: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("keep", self.keep), ("every", self.every)):
+            if value is None and name == "every":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"Retention: {name} must be an int >= 1, got {value!r}")
+
+    def doomed(self, steps: Iterable[int], protect: Collection[int] = ()) -> list[int]:
+        """The steps to delete, oldest first: never one in ``protect``, never the newest."""
+        newest_first = sorted(set(steps), reverse=True)
+        kept = set(newest_first[: self.keep]).union(protect)
+        if self.every is not None:
+            kept.update(step for step in newest_first if step % self.every == 0)
+        return sorted(step for step in newest_first if step not in kept)
+
+    def doomed_locations(self, checkpoints: Iterable[tuple[int, L]], protect: Collection[L]) -> list[L]:
+        """:meth:`doomed` for a store's listing of (step, location); ``protect`` holds locations."""
+        by_step = dict(checkpoints)
+        protected = [step for step, location in by_step.items() if location in protect]
+        return [by_step[step] for step in self.doomed(by_step, protected)]
