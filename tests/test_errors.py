@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def _model() -> torch.nn.Module:
     return torch.nn.Linear(2, 2)
 
 
-def _raised(call) -> BaseException:  # noqa: ANN001
+def _raised(call: Callable[[], object]) -> BaseException:
     with pytest.raises(cf.CheckfreqError) as info:
         call()
     return info.value
