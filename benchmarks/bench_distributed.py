@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
 
     from checkfreq import Checkpointer
-    from checkfreq.format import read_data_file, read_manifest
+    from checkfreq.storage.posix import read_data_file, read_manifest
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

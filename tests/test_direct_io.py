@@ -13,8 +13,9 @@ import pytest
 import torch
 import xxhash
 
-import checkfreq.format
-from checkfreq.format import BLOCK_BYTES, data_chunks, write_chunks, write_data_file
+import checkfreq.storage.posix
+from checkfreq.format import BLOCK_BYTES, data_chunks
+from checkfreq.storage.posix import write_chunks, write_data_file
 from checkfreq.snapshot import aligned_empty
 
 PAGE = mmap.PAGESIZE
@@ -93,14 +94,14 @@ def test_an_aligned_data_section_bypasses_the_page_cache(tmp_path: Path) -> None
 @direct_io
 def test_a_filesystem_that_refuses_direct_io_gets_normal_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where setting O_DIRECT fails (EINVAL), every byte is written through the page cache."""
-    real_fcntl = checkfreq.format.fcntl.fcntl
+    real_fcntl = checkfreq.storage.posix.fcntl.fcntl
 
     def refusing(fd: int, command: int, arg: int = 0) -> int:
-        if command == checkfreq.format.fcntl.F_SETFL and arg & os.O_DIRECT:
+        if command == checkfreq.storage.posix.fcntl.F_SETFL and arg & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_fcntl(fd, command, arg)
 
-    monkeypatch.setattr(checkfreq.format.fcntl, "fcntl", refusing)
+    monkeypatch.setattr(checkfreq.storage.posix.fcntl, "fcntl", refusing)
     data = _payload(16 * BLOCK_BYTES, aligned=True)
     header = b"h" * BLOCK_BYTES
     size, _ = write_data_file(tmp_path / "f", header, data)

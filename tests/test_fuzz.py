@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 import checkfreq as cf
 from checkfreq.restore import read_checkpoint
-from checkfreq.format import MANIFEST_NAME, Manifest, read_data_file, read_manifest
+from checkfreq.format import MANIFEST_NAME, Manifest
+from checkfreq.storage.posix import read_data_file, read_manifest
 from checkfreq.state import unflatten
 
 FUZZ = settings(

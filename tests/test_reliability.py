@@ -30,7 +30,7 @@ import torch
 from conftest import make_model, train_step
 
 import checkfreq as cf
-import checkfreq.format
+import checkfreq.storage.posix
 from checkfreq.restore import read_checkpoint
 from checkfreq.format import MANIFEST_NAME
 
@@ -134,7 +134,7 @@ def test_disk_full_with_warn_logs_and_training_goes_on(tmp_path: Path, caplog: p
 
 def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No device-mapper here to make a disk fail: the error is injected at the write call."""
-    real_write_all = checkfreq.format._write_all
+    real_write_all = checkfreq.storage.posix._write_all
     failing = {"on": False}
 
     def write_all(fd: int, chunk: memoryview, offset: int) -> None:
@@ -143,7 +143,7 @@ def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(tmp_path: 
             raise OSError(errno.EIO, "Input/output error")
         real_write_all(fd, chunk, offset)
 
-    monkeypatch.setattr(checkfreq.format, "_write_all", write_all)
+    monkeypatch.setattr(checkfreq.storage.posix, "_write_all", write_all)
     model, opt = _stack()
     with cf.Checkpointer(tmp_path, policy=1000, keep=2, model=model, optimizer=opt) as ckpt:
         train_step(model, opt)
@@ -175,7 +175,7 @@ def test_a_filesystem_that_cannot_map_files_is_read_instead(tmp_path: Path, monk
     def no_mapping(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENODEV, "No such device")
 
-    monkeypatch.setattr(checkfreq.format.mmap, "mmap", no_mapping)
+    monkeypatch.setattr(checkfreq.storage.posix.mmap, "mmap", no_mapping)
     restored = make_model(seed=1)
     with cf.Checkpointer(tmp_path, model=restored, optimizer=torch.optim.Adam(restored.parameters())) as ckpt:
         assert ckpt.restore() == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from pathlib import Path, PurePosixPath
@@ -35,6 +36,24 @@ def test_urls_choose_the_store(tmp_path: Path, memory_url: str) -> None:
     assert isinstance(open_store(memory_url), FsspecStore)
     with pytest.raises(ValueError, match="first tier must be a local directory"):
         cf.Checkpointer(memory_url, remote=tmp_path / "d", model=make_model())
+
+
+def test_storage_modules_import_each_other_only_at_the_top() -> None:
+    """No import cycle hidden in a function: ``base`` holds the protocol, the package chooses the store."""
+    package = Path(cf.__file__).parent / "storage"
+    for module in package.glob("*.py"):
+        tree = ast.parse(module.read_text())
+        functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for function in functions:
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("checkfreq"):
+                    pytest.fail(f"{module.name}: {function.name}() imports {node.module} lazily")
+    base = ast.parse((package / "base.py").read_text())
+    imported = {node.module for node in ast.walk(base) if isinstance(node, ast.ImportFrom)}
+    assert not any((name or "").startswith("checkfreq.storage") for name in imported), imported
+    schema = ast.parse((package.parent / "format.py").read_text())  # the on-disk schema does no I/O itself
+    modules = {alias.name for node in ast.walk(schema) if isinstance(node, ast.Import) for alias in node.names}
+    assert not modules & {"os", "mmap", "fcntl", "stat"}, modules
 
 
 def test_memory_round_trip_is_bit_identical(memory_url: str) -> None:

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from checkfreq.restore import read_checkpoint
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.errors import (
+    CheckfreqError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NoValidCheckpointError,
+    UnknownObjectError,
+)
 from checkfreq.format import MANIFEST_NAME, Manifest
 from checkfreq.state import unflatten
 from checkfreq.storage import Store, open_store
@@ -120,7 +127,7 @@ def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
         if not path.exists() and match:
             path = path.with_name(checkpoint_name(int(match.group(1))))
         if not path.is_dir():
-            raise FileNotFoundError(f"{target} is neither a checkpoint nor a run directory")
+            raise CheckpointNotFoundError(f"{target} is neither a checkpoint nor a run directory")
         return CheckpointRef(LocalStore(path.parent, create=False), path)
     store = open_store(parent, create=False)
     for step, location in store.checkpoints():
@@ -293,7 +300,7 @@ def load_state(ref: CheckpointRef, only: str | None = None) -> tuple[Manifest, A
     state = unflatten(manifest.state, tensors, allow_pickle=False)
     if only is not None:
         if only not in state:
-            raise KeyError(f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}")
+            raise UnknownObjectError(f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}")
         state = state[only]
     return manifest, _plain(state)
 
@@ -323,7 +330,7 @@ def export(
     """
     destination = Path(destination)
     if destination.suffix not in EXPORT_SUFFIXES:
-        raise ValueError(f"export to {destination.name}: the name must end in {', '.join(EXPORT_SUFFIXES)}")
+        raise InvalidArgumentError(f"export to {destination.name}: the name must end in {', '.join(EXPORT_SUFFIXES)}")
     ref = resolve_checkpoint(source)
     manifest, state = load_state(ref, only)
     flat, dropped = flatten_tensors(state)

@@ -24,6 +24,10 @@ from checkfreq.distributed_plan import is_dtensor, local_view, note_world_size_c
 from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
+    InvalidArgumentError,
+    PersistTimeoutError,
+    UnknownObjectError,
+    UsageError,
     PersistError,
     ReplicaMismatchError,
     StateMismatchError,
@@ -57,13 +61,17 @@ class Checkpointer:
     Args:
         directory: where checkpoints go (created if missing; must be writable): a local path,
             an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``; ``file://`` is a
-            local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md.
+            local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md. Under
+            torch.distributed, one directory every rank sees, or one per node on a node-local
+            disk (docs/distributed.md).
         policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted).
         remote: a second, durable tier (URL, path or store): checkpoints are committed to the
-            local ``directory`` first, then copied to ``remote`` in the background; restore
-            takes the newest valid checkpoint of either tier. ``close()`` waits for the uploads.
+            local ``directory`` first, then copied to ``remote`` in the background (each rank
+            its own file); restore takes the newest valid checkpoint of either tier, each file
+            from the local directory when it is there. ``close()`` uploads the newest checkpoint
+            and waits for it.
         remote_keep: how many checkpoints to keep in ``remote`` (default: ``keep``).
         rng: capture and restore the Python, NumPy, torch and CUDA random generators.
         on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
@@ -113,7 +121,7 @@ class Checkpointer:
         check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
         check_option_types(keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout)
         if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+            raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         values = dict(values or {})
         check_registration(objects, values, RESERVED_NAMES)
         self._policy = resolve(policy)
@@ -211,7 +219,7 @@ class Checkpointer:
 
     def __setitem__(self, name: str, value: Any) -> None:
         if name in self._objects or name in RESERVED_NAMES:
-            raise KeyError(f"{name!r} is a registered object, not a plain value")
+            raise UnknownObjectError(f"{name!r} is a registered object, not a plain value")
         flatten({name: value}, allow_pickle=self._allow_pickle)
         self._values[name] = value
 
@@ -342,7 +350,7 @@ class Checkpointer:
 
     def _check_open(self, call: str) -> None:
         if self._closed:
-            raise CheckfreqError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
+            raise UsageError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
 
     def _collect_background(self) -> None:
         """Apply what the writer committed; raise (or log) what failed in the background."""
@@ -519,7 +527,7 @@ class Checkpointer:
             while not pending.copied.wait(0.5):
                 (self._memory.writer if self._fence_memory else self._writer).check_alive()  # type: ignore[union-attr]
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(f"snapshot copy still running after {self._timeout} s")
+                    raise PersistTimeoutError(f"snapshot copy still running after {self._timeout} s")
         wait = time.perf_counter() - start
         if self._fence_memory:
             self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]

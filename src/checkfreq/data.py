@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from checkfreq.errors import TopologyError
+from checkfreq.errors import ArgumentTypeError, InvalidArgumentError, TopologyError, UsageError
 
 __all__ = ["ResumableLoader", "ResumableSampler", "sample_seed"]
 
@@ -79,7 +79,7 @@ def _job_topology() -> tuple[int, int] | None:
 
 def _check_topology(rank: int, world_size: int) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        raise InvalidArgumentError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     return rank, world_size
 
 
@@ -115,7 +115,7 @@ class ResumableSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         if length < 0:
-            raise ValueError(f"dataset length must be >= 0, got {length}")
+            raise InvalidArgumentError(f"dataset length must be >= 0, got {length}")
         self.length = length
         self.shuffle = shuffle
         self.seed = seed
@@ -212,7 +212,7 @@ class ResumableSampler(Sampler[int]):
         ``set_epoch(epoch)`` at the top of each epoch safe after a mid-epoch restore.
         """
         if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+            raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 
@@ -236,18 +236,18 @@ class ResumableSampler(Sampler[int]):
         """
         missing = [k for k in ("epoch", "consumed", *_FINGERPRINT_KEYS) if k not in state]
         if missing:
-            raise ValueError(f"data loader state lacks {missing}; got keys {sorted(state)}")
+            raise InvalidArgumentError(f"data loader state lacks {missing}; got keys {sorted(state)}")
         mine = self.state_dict()
         for key in _FINGERPRINT_KEYS:
             if _plain(state[key]) != mine[key]:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"data loader state was saved with {key}={_plain(state[key])!r} but this loader "
                     f"has {key}={mine[key]!r}; resuming would visit other samples. Build the loader "
                     "as in the saved run, or start this epoch afresh without loading its state."
                 )
         epoch, consumed = operator.index(state["epoch"]), operator.index(state["consumed"])
         if epoch < 0 or not 0 <= consumed <= self.length:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"data loader state has epoch={epoch}, consumed={consumed}; need epoch >= 0 and "
                 f"0 <= consumed <= {self.length}"
             )
@@ -429,7 +429,7 @@ class ResumableLoader:
 
     def _check_current(self, generation: int) -> None:
         if generation != self._generation:
-            raise RuntimeError(
+            raise UsageError(
                 "this ResumableLoader iterator is stale: the loader was iterated again, restored "
                 "or moved to another epoch since it was created"
             )
@@ -451,13 +451,13 @@ class ResumableLoader:
 
 def _check_loader_args(dataset: Any, batch_size: int, extra: Mapping[str, Any]) -> None:
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise TypeError(
+        raise ArgumentTypeError(
             "ResumableLoader needs a map-style dataset (with __len__ and __getitem__); for an "
             "iterable dataset register a loader with its own state_dict(), such as torchdata's "
             "StatefulDataLoader"
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     reserved = sorted(_RESERVED_LOADER_ARGS.intersection(extra))
     if reserved:
-        raise TypeError(f"ResumableLoader sets {reserved} itself; they cannot be passed")
+        raise ArgumentTypeError(f"ResumableLoader sets {reserved} itself; they cannot be passed")

@@ -1,4 +1,9 @@
-"""The exceptions checkfreq raises. Every one derives from :class:`CheckfreqError`."""
+"""The exceptions checkfreq raises. Every one derives from :class:`CheckfreqError`.
+
+Where callers expect a builtin type, the error is that type too: a bad argument is a
+``ValueError`` (:class:`InvalidArgumentError`), a misspelled option a ``TypeError``
+(:class:`ArgumentTypeError`), a missing checkpoint directory a ``FileNotFoundError``, and so on.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ class PersistError(CheckfreqError):
     """The background writer failed to persist a checkpoint (the cause is chained)."""
 
 
+class PersistTimeoutError(PersistError, TimeoutError):
+    """A wait on a background copy, persist or upload took longer than ``persist_timeout``."""
+
+
 class DirectoryLockedError(CheckfreqError):
     """Another live process is already checkpointing into the same directory."""
 
@@ -45,3 +54,35 @@ class TopologyError(CheckfreqError):
 
 class UnsupportedTorchError(CheckfreqError):
     """The running torch lacks an API that checkfreq needs for what was asked of it."""
+
+
+class InvalidArgumentError(CheckfreqError, ValueError):
+    """An argument or option has a value checkfreq cannot use; the message names it and what it takes."""
+
+
+class ArgumentTypeError(CheckfreqError, TypeError):
+    """An argument has the wrong type, or a keyword is not one the call takes (the message names the closest)."""
+
+
+class UnsupportedDtypeError(UnserializableStateError, TypeError):
+    """A registered tensor has a dtype that checkpoint files cannot hold (complex numbers, for one)."""
+
+
+class UnknownObjectError(CheckfreqError, KeyError):
+    """A checkpoint holds no object of the name asked for; the message lists the names it holds."""
+
+
+class UsageError(CheckfreqError, RuntimeError):
+    """An object is used when it cannot serve: a stale loader iterator, a callback's checkpointer outside a fit."""
+
+
+class CheckpointDirectoryError(CheckfreqError, OSError):
+    """A checkpoint directory cannot be created, found or written; the message gives the path and the reason."""
+
+
+class CheckpointNotFoundError(CheckpointDirectoryError, FileNotFoundError):
+    """A checkpoint directory, or a checkpoint named on the command line, does not exist."""
+
+
+class DirectoryNotWritableError(CheckpointDirectoryError, PermissionError):
+    """Checkpoints could not be written into a directory (read-only filesystem, permissions, a refusing store)."""

@@ -1,40 +1,32 @@
-"""The bytes on disk: safetensors data files and the ``manifest.json`` that commits them.
+"""The on-disk schema: safetensors data files and the ``manifest.json`` that commits them.
 
 A data file is a standard safetensors file (readable by ``safetensors.safe_open``). Its tensors
 are laid out largest element size first, so every tensor starts at an offset aligned to its
-element size and one flat host buffer can hold the whole data section. The file is written
-straight from that buffer and checksummed (xxh3-64) while it streams.
+element size and one flat host buffer can hold the whole data section. This module plans that
+layout, encodes and decodes headers, and builds and validates manifests; reading and writing
+the files themselves is the stores' business (``storage.posix`` for local files).
 
 Nothing here unpickles: headers and manifests are JSON, validated before any allocation.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
-import mmap
-import os
 import re
-import stat
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 
-from checkfreq.errors import CorruptCheckpointError
+from checkfreq.errors import CorruptCheckpointError, UnsupportedDtypeError
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CHUNK_BYTES = 64 << 20
 BLOCK_BYTES = 4096
 """Alignment of data sections, in files and in snapshot buffers, for direct I/O."""
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write goes through the page cache
 MAX_HEADER_BYTES = 100 << 20
 MAX_MANIFEST_BYTES = 256 << 20
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -94,7 +86,7 @@ def dtype_code(name: str, dtype: torch.dtype) -> str:
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        raise TypeError(f"tensor {name!r} has dtype {dtype}, which checkfreq cannot store") from None
+        raise UnsupportedDtypeError(f"tensor {name!r} has dtype {dtype}, which checkfreq cannot store") from None
 
 
 def plan_layout(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> Layout:
@@ -138,17 +130,6 @@ def encode_header(layout: Layout) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_data_file(path: Path, header: bytes, data: torch.Tensor) -> tuple[int, str]:
-    """Write ``header`` then the flat ``uint8`` CPU buffer ``data`` to ``path`` and fsync it.
-
-    Writes straight from the buffer in large chunks (no copy), hashing each chunk as it goes.
-    Returns (file size, xxh3-64 hex digest of the whole file).
-    """
-    hasher = xxhash.xxh3_64()
-    size = write_chunks(path, data_chunks(header, data, hasher))
-    return size, hasher.hexdigest()
-
-
 def data_chunks(header: bytes, data: torch.Tensor, hasher: Any) -> Iterator[memoryview]:
     """The bytes of a data file in order: ``header``, then views of ``data`` (no copy).
 
@@ -164,127 +145,16 @@ def data_chunks(header: bytes, data: torch.Tensor, hasher: Any) -> Iterator[memo
         yield chunk
 
 
-def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
-    """Create ``path`` (it must not exist), write ``chunks`` and fsync; return the size.
-
-    Whole blocks of a chunk that lies at a :data:`BLOCK_BYTES`-aligned address and file offset
-    (a data section in a snapshot buffer) are written with ``O_DIRECT``: the device reads them
-    from the buffer, and the kernel neither copies them into the page cache nor flushes them
-    later. Everything else, and every filesystem that refuses direct I/O, is written normally.
-    """
-    offset = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for chunk in chunks:
-            chunk = memoryview(chunk).cast("B")
-            direct = _direct_length(chunk, offset)
-            if direct and _write_direct(fd, chunk[:direct], offset):
-                _write_all(fd, chunk[direct:], offset + direct)
-            else:
-                _write_all(fd, chunk, offset)
-            offset += len(chunk)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return offset
-
-
-def _direct_length(chunk: memoryview, offset: int) -> int:
-    """How many leading bytes of ``chunk`` may be written with ``O_DIRECT`` at file ``offset``."""
-    if not _O_DIRECT or offset % BLOCK_BYTES or len(chunk) < BLOCK_BYTES:
-        return 0
-    if np.frombuffer(chunk, dtype=np.uint8).ctypes.data % BLOCK_BYTES:
-        return 0
-    return len(chunk) - len(chunk) % BLOCK_BYTES
-
-
-def _write_direct(fd: int, chunk: memoryview, offset: int) -> bool:
-    """Write ``chunk`` at ``offset`` bypassing the page cache; False if the filesystem refuses."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
-    except OSError:
-        return False
-    try:
-        _write_all(fd, chunk, offset)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: an alignment this device does not accept
-            raise
-        return False
-    finally:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-    return True
-
-
-def _write_all(fd: int, chunk: memoryview, offset: int) -> None:
-    while chunk:
-        written = os.pwrite(fd, chunk, offset)
-        chunk, offset = chunk[written:], offset + written
-
-
-def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Verify a data file; return its data section (flat ``uint8``) and parsed header.
-
-    The section is a private, copy-on-write memory mapping of the file: the checksum is computed
-    straight from the page cache and nothing is copied until the caller copies tensors out
-    (writes to the section never reach the file). Where a file cannot be mapped, it is read
-    into memory instead. Raises :class:`CorruptCheckpointError` if the size, checksum or
-    header is wrong.
-    """
-    f = _open_regular(path, f"data file {path.name}")
-    actual = os.fstat(f.fileno()).st_size
-    if actual != size or size < 8:
-        return read_data_stream(f, path.name, actual, size, checksum)  # raises the size error
-    try:
-        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    except OSError:  # a filesystem that cannot map files
-        return read_data_stream(f, path.name, actual, size, checksum)
-    f.close()  # the mapping keeps the file
-    return _verified_mapping(mapping, path.name, checksum)
-
-
-def _verified_mapping(mapping: mmap.mmap, name: str, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Hash a mapped data file, then parse it; the data section is a view of the mapping."""
-    if hasattr(mapping, "madvise"):
-        mapping.madvise(mmap.MADV_SEQUENTIAL)  # aggressive readahead when cold (measured best)
-    hasher = xxhash.xxh3_64()
-    with memoryview(mapping) as view:
-        try:
-            for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
-                hasher.update(view[start : start + CHUNK_BYTES])
-        except OSError as e:
-            raise CorruptCheckpointError(f"data file {name} cannot be read: {e.strerror or e}") from None
-    if hasher.hexdigest() != checksum:
-        raise CorruptCheckpointError(f"data file {name} fails its checksum (content changed or torn)")
-    (header_len,) = struct.unpack("<Q", mapping[:8])
-    if header_len > min(MAX_HEADER_BYTES, len(mapping) - 8):
+def decode_header_length(prefix: bytes, size: int, name: str) -> int:
+    """The header length a data file of ``size`` bytes declares in its 8-byte ``prefix``, checked."""
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
         raise CorruptCheckpointError(f"data file {name} declares an impossible header of {header_len} bytes")
-    header = _parse_header(mapping[8 : 8 + header_len], name)
-    begin = 8 + header_len
-    if begin == len(mapping):
-        return torch.empty(0, dtype=torch.uint8), header
-    return torch.frombuffer(mapping, dtype=torch.uint8, offset=begin, count=len(mapping) - begin), header
+    return header_len
 
 
-def read_data_stream(f: Any, name: str, actual: int, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """:func:`read_data_file` for an open binary file object ``f`` of ``actual`` bytes (closed here).
-
-    ``name`` is the file's name for error messages. Stores that are not local directories
-    (fsspec) read through this.
-    """
-    with f:
-        if actual != size:
-            raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {size}")
-        try:
-            data, header_bytes, digest = _read_sections(f, size, name)
-        except OSError as e:
-            raise CorruptCheckpointError(f"data file {name} cannot be read: {e.strerror or e}") from None
-    if digest != checksum:
-        raise CorruptCheckpointError(f"data file {name} fails its checksum (content changed or torn)")
-    return data, _parse_header(header_bytes, name)
-
-
-def _parse_header(raw: bytes, name: str) -> dict[str, Any]:
+def decode_header(raw: bytes, name: str) -> dict[str, Any]:
+    """Parse a data file's JSON header (``name`` is the file's name for error messages)."""
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -292,50 +162,6 @@ def _parse_header(raw: bytes, name: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"data file {name} header is not a JSON object")
     return header
-
-
-def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, str]:
-    """Read a data file's header and data section, hashing as it goes."""
-    hasher = xxhash.xxh3_64()
-    prefix = _read_exact(f, 8, name)
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > min(MAX_HEADER_BYTES, size - 8):
-        raise CorruptCheckpointError(f"data file {name} declares an impossible header of {header_len} bytes")
-    header_bytes = _read_exact(f, header_len, name)
-    hasher.update(prefix)
-    hasher.update(header_bytes)
-    data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
-    view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
-    for start in range(0, len(view), CHUNK_BYTES):
-        chunk = view[start : start + CHUNK_BYTES]
-        if f.readinto(chunk) != len(chunk):
-            raise CorruptCheckpointError(f"data file {name} is shorter than its size")
-        hasher.update(chunk)
-    return data, header_bytes, hasher.hexdigest()
-
-
-def _open_regular(path: Path, what: str) -> Any:
-    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever).
-
-    Any OS error (missing, unreadable, I/O error) becomes :class:`CorruptCheckpointError`.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what} is missing") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{what} cannot be opened: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{what} is not a regular file")
-    return open(fd, "rb", buffering=0)
-
-
-def _read_exact(f: Any, n: int, name: str) -> bytes:
-    raw = f.read(n)
-    if len(raw) != n:
-        raise CorruptCheckpointError(f"data file {name} is truncated")
-    return raw
 
 
 @dataclass(frozen=True)
@@ -449,23 +275,3 @@ def entry_view(data: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:
         return data[begin:end].view(DTYPES_BY_CODE[entry["dtype"]]).view(tuple(entry["shape"]))
     except (RuntimeError, OverflowError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"a tensor entry does not fit its data section: {e}") from None
-
-
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` into ``directory`` and fsync it."""
-    write_chunks(directory / MANIFEST_NAME, [manifest.to_json()])
-
-
-def read_manifest(directory: Path) -> Manifest:
-    """Read and validate ``directory/manifest.json``."""
-    path = directory / MANIFEST_NAME
-    if not path.exists():
-        raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)")
-    with _open_regular(path, MANIFEST_NAME) as f:
-        if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError("manifest is implausibly large")
-        try:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-        except OSError as e:
-            raise CorruptCheckpointError(f"{MANIFEST_NAME} cannot be read: {e.strerror}") from None
-    return Manifest.from_json(raw)

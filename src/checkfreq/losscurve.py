@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from checkfreq.errors import InvalidArgumentError
+
 _EXPONENTS = np.geomspace(0.05, 4.0, 48)
 _OFFSETS = np.geomspace(1e-4, 1.0, 33)  # as fractions of the observed span of w
 
@@ -22,7 +24,7 @@ class LossCurve:
 
     def __post_init__(self) -> None:
         if not (self.b > 0 and self.w0 > 0 and self.c > 0):
-            raise ValueError(f"LossCurve needs b, w0, c > 0, got b={self.b}, w0={self.w0}, c={self.c}")
+            raise InvalidArgumentError(f"LossCurve needs b, w0, c > 0, got b={self.b}, w0={self.w0}, c={self.c}")
 
     def value(self, w: float | np.ndarray) -> float | np.ndarray:
         return self.a + self.b * (np.asarray(w) + self.w0) ** (-self.c)
@@ -34,7 +36,7 @@ class LossCurve:
     def mean_rate(self, horizon: float) -> float:
         """``r̄ = (L(0) − L(T)) / T``."""
         if not horizon > 0:
-            raise ValueError(f"horizon must be positive, got {horizon!r}")
+            raise InvalidArgumentError(f"horizon must be positive, got {horizon!r}")
         return float(self.value(0.0) - self.value(horizon)) / horizon
 
     def weight(self, w: float | np.ndarray, horizon: float) -> float | np.ndarray:
@@ -105,6 +107,6 @@ def fit_exponential(w: np.ndarray, loss: np.ndarray) -> tuple[float, float]:
     w = np.asarray(w, dtype=float)
     loss = np.asarray(loss, dtype=float)
     if len(w) < 2 or np.any(loss <= 0):
-        raise ValueError("fit_exponential needs at least two points with positive loss")
+        raise InvalidArgumentError("fit_exponential needs at least two points with positive loss")
     theta1, theta2 = np.polyfit(w, np.log(loss), 1)
     return float(theta1), float(theta2)

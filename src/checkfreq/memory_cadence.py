@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
 from checkfreq.profiler import Smoothed
 
 DEFAULT_OVERHEAD = 0.035
@@ -43,9 +44,9 @@ class MemoryCadence:
 
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
-            raise ValueError(f"the memory cadence must be a positive number of steps, got {self.every!r}")
+            raise InvalidArgumentError(f"the memory cadence must be a positive number of steps, got {self.every!r}")
         if not 0 < self.overhead < 1:
-            raise ValueError(f"overhead must lie in (0, 1), got {self.overhead}")
+            raise InvalidArgumentError(f"overhead must lie in (0, 1), got {self.overhead}")
 
     @classmethod
     def for_option(cls, memory: bool | int) -> MemoryCadence | None:
@@ -56,7 +57,7 @@ class MemoryCadence:
             return cls()
         if isinstance(memory, int) and not isinstance(memory, bool) and memory >= 1:
             return cls(every=memory)
-        raise TypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
+        raise ArgumentTypeError(f"memory must be True, False or a positive number of steps, got {memory!r}")
 
     def interval(self, iteration_time: float) -> int:
         """Steps between memory snapshots for the current measurements."""

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from checkfreq.errors import CheckfreqError
+from checkfreq.errors import CheckfreqError, InvalidArgumentError
 from checkfreq.collectives import Peers
 from checkfreq.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.memory_cadence import MemoryCadence
@@ -101,7 +101,7 @@ class MemoryTier:
         if not distributed:
             return cls(directory, cadence, data_file=data_file_name(0))
         if cadence.every is None:  # ranks measuring different costs would snapshot different steps
-            raise ValueError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
+            raise InvalidArgumentError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
                              "every rank snapshots the same steps")
         if peers.rank == 0:
             remove_regions_beyond(directory, peers.size)

@@ -12,6 +12,7 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
 from checkfreq.state import Stateful
 
 PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
@@ -23,7 +24,7 @@ def closest(name: str, valid: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
-def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "") -> TypeError:
+def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "") -> ArgumentTypeError:
     """The error for an unexpected keyword ``name`` of ``caller``, with a did-you-mean if one is close."""
     message = f"{caller}() got an unexpected keyword argument {name!r}"
     guess = closest(name, valid)
@@ -31,7 +32,7 @@ def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "")
         message += f"; did you mean {guess!r}?"
     if hint:
         message += f" ({hint})"
-    return TypeError(message)
+    return ArgumentTypeError(message)
 
 
 def check_objects(caller: str, objects: Mapping[str, Any], options: Iterable[str], option_types: tuple[type, ...] = ()) -> None:
@@ -64,29 +65,29 @@ def check_option_types(
     counts = {"keep": keep} if remote_keep is None else {"keep": keep, "remote_keep": remote_keep}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int (checkpoints to keep), got {type(value).__qualname__}")
+            raise ArgumentTypeError(f"{name} must be an int (checkpoints to keep), got {type(value).__qualname__}")
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
     for name, value in {"rng": rng, "allow_pickle": allow_pickle}.items():
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {type(value).__qualname__}")
+            raise ArgumentTypeError(f"{name} must be True or False, got {type(value).__qualname__}")
     if isinstance(persist_timeout, bool) or not isinstance(persist_timeout, (int, float)) or persist_timeout <= 0:
-        raise TypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
+        raise ArgumentTypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
 
 
 def check_registration(objects: Mapping[str, Any], values: Mapping[str, Any], reserved: Iterable[str]) -> None:
     """Refuse a registration that could not be checkpointed as the user means it (``ValueError``)."""
     if not objects and not values:
-        raise ValueError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
+        raise InvalidArgumentError("register at least one object to checkpoint, e.g. Checkpointer(dir, model=model)")
     for name in [*objects, *values]:
         if name in reserved:
-            raise ValueError(f"{name!r} is reserved by checkfreq; register it under another name")
+            raise InvalidArgumentError(f"{name!r} is reserved by checkfreq; register it under another name")
     for name, obj in objects.items():
         if getattr(obj, "use_stateful_dataloader", None) is False:  # has state_dict(), but no position to give
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
                 "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
             )
     both = sorted(set(objects) & set(values))
     if both:
-        raise ValueError(f"{', '.join(map(repr, both))} registered both as an object and in values=")
+        raise InvalidArgumentError(f"{', '.join(map(repr, both))} registered both as an object and in values=")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from checkfreq.errors import PersistError
+from checkfreq.errors import PersistError, PersistTimeoutError
 
 log = logging.getLogger("checkfreq.persist")
 
@@ -56,7 +56,7 @@ class Writer:
         while not self._idle.wait(POLL_SECONDS):
             self.check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint persist still running after {timeout} s")
+                raise PersistTimeoutError(f"checkpoint persist still running after {timeout} s")
 
     def take_results(self) -> list[Any]:
         """What the jobs finished since the last call returned (None results are left out), in order."""

@@ -25,9 +25,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
+from checkfreq.intervals import convergence_interval, overhead_steps, place_optimal, two_phase_interval
 from checkfreq.losscurve import LossCurve, fit_power_law
 from checkfreq.profiler import interference
-from checkfreq.schedule import convergence_interval, overhead_steps, place_optimal, two_phase_interval
 
 log = logging.getLogger("checkfreq.policies")
 
@@ -94,7 +95,7 @@ def _params(policy: Any) -> dict[str, Any]:
 def _check_params(policy: Any, state: Mapping[str, Any]) -> None:
     saved, current = state.get("params"), _params(policy)
     if saved != current:
-        raise ValueError(f"state saved by {type(policy).__name__}({saved}), this run uses {type(policy).__name__}({current})")
+        raise InvalidArgumentError(f"state saved by {type(policy).__name__}({saved}), this run uses {type(policy).__name__}({current})")
 
 
 def _number(state: Mapping[str, Any], key: str, *, low: float = 0.0) -> float:
@@ -103,28 +104,28 @@ def _number(state: Mapping[str, Any], key: str, *, low: float = 0.0) -> float:
     if value is None:
         return math.nan
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= low):
-        raise ValueError(f"{key!r} must be a finite number >= {low:g} or null, got {value!r}")
+        raise InvalidArgumentError(f"{key!r} must be a finite number >= {low:g} or null, got {value!r}")
     return float(value)
 
 
 def _count(state: Mapping[str, Any], key: str) -> int:
     value = state.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key!r} must be a non-negative integer, got {value!r}")
+        raise InvalidArgumentError(f"{key!r} must be a non-negative integer, got {value!r}")
     return value
 
 
 def _text(state: Mapping[str, Any], key: str) -> str:
     value = state.get(key)
     if not isinstance(value, str):
-        raise ValueError(f"{key!r} must be a string, got {value!r}")
+        raise InvalidArgumentError(f"{key!r} must be a string, got {value!r}")
     return value
 
 
 def _numbers(state: Mapping[str, Any], key: str) -> list[float]:
     values = state.get(key)
     if not isinstance(values, list):
-        raise ValueError(f"{key!r} must be a list of numbers, got {type(values).__name__}")
+        raise InvalidArgumentError(f"{key!r} must be a list of numbers, got {type(values).__name__}")
     return [_number({key: v}, key, low=-math.inf) for v in values]
 
 
@@ -145,11 +146,11 @@ class Every:
 
     def __post_init__(self) -> None:
         if (self.n is None) == (self.seconds is None):
-            raise ValueError("Every: give exactly one of n= or seconds=")
+            raise InvalidArgumentError("Every: give exactly one of n= or seconds=")
         if self.n is not None and self.n < 1:
-            raise ValueError(f"Every: n must be >= 1, got {self.n}")
+            raise InvalidArgumentError(f"Every: n must be >= 1, got {self.n}")
         if self.seconds is not None and not (self.seconds > 0 and math.isfinite(self.seconds)):
-            raise ValueError(f"Every: seconds must be a positive number, got {self.seconds}")
+            raise InvalidArgumentError(f"Every: seconds must be a positive number, got {self.seconds}")
 
     def should_save(self, ctx: DecisionContext) -> bool:
         if self.n is not None:
@@ -236,11 +237,11 @@ class Overhead:
 
     def __post_init__(self) -> None:
         if not 0 < self.p < 1:
-            raise ValueError(f"Overhead: p must lie in (0, 1), got {self.p}")
+            raise InvalidArgumentError(f"Overhead: p must lie in (0, 1), got {self.p}")
         if self.warmup < 1 or self.window < 1:
-            raise ValueError("Overhead: warmup and window must be >= 1")
+            raise InvalidArgumentError("Overhead: warmup and window must be >= 1")
         if not (0 < self.low < 1 and 0 < self.target <= 1 and self.hysteresis >= 0):
-            raise ValueError("Overhead: need 0 < low < 1, 0 < target <= 1, hysteresis >= 0")
+            raise InvalidArgumentError("Overhead: need 0 < low < 1, 0 < target <= 1, hysteresis >= 0")
 
     def should_save(self, ctx: DecisionContext) -> bool:
         self.observe(ctx)
@@ -269,14 +270,14 @@ class Overhead:
         _check_params(self, state)
         why = state.get("why")
         if why is not None and not isinstance(why, str):
-            raise ValueError(f"'why' must be a string or null, got {why!r}")
+            raise InvalidArgumentError(f"'why' must be a string or null, got {why!r}")
         costs = state.get("planned_costs_s")
         if not isinstance(costs, list) or len(costs) not in (0, 3):
-            raise ValueError(f"'planned_costs_s' must be a list of three numbers, got {costs!r}")
+            raise InvalidArgumentError(f"'planned_costs_s' must be a list of three numbers, got {costs!r}")
         interval, reason, window = _count(state, "interval"), _text(state, "reason"), _numbers(state, "window")
         correction, spent, productive = (_number(state, k, low=lo) for k, lo in (("correction", 1.0), ("spent_s", -math.inf), ("productive_s", 0.0)))
         if any(math.isnan(x) for x in (correction, spent, productive)):
-            raise ValueError("'correction', 'spent_s' and 'productive_s' must be numbers")
+            raise InvalidArgumentError("'correction', 'spent_s' and 'productive_s' must be numbers")
         planned_iteration, planned_costs = _number(state, "planned_iteration_s"), tuple(_number({"cost": c}, "cost") for c in costs)
         self.interval, self.reason, self.correction, self._spent, self._productive = interval, reason, correction, spent, productive
         self._planned_iteration, self._planned_costs = planned_iteration, planned_costs
@@ -392,10 +393,10 @@ class YoungDaly:
 
     def __post_init__(self) -> None:
         if not (self.mtbf > 0 and math.isfinite(self.mtbf)):
-            raise ValueError(f"YoungDaly: mtbf must be a positive number of seconds, got {self.mtbf}")
+            raise InvalidArgumentError(f"YoungDaly: mtbf must be a positive number of seconds, got {self.mtbf}")
         two_phase_interval(1.0, 0.0, 1.0, method=self.method)  # validates the method name
         if self.warmup < 1 or self.hysteresis < 0:
-            raise ValueError("YoungDaly: warmup must be >= 1 and hysteresis >= 0")
+            raise InvalidArgumentError("YoungDaly: warmup must be >= 1 and hysteresis >= 0")
 
     def should_save(self, ctx: DecisionContext) -> bool:
         self.observe(ctx)
@@ -470,7 +471,7 @@ class Auto:
         _check_params(self, state)
         overhead, failures = state.get("overhead"), state.get("failures")
         if not isinstance(overhead, Mapping) or (self.failures is not None) != isinstance(failures, Mapping):
-            raise ValueError("Auto's state needs its 'overhead' state (and 'failures' with an mtbf)")
+            raise InvalidArgumentError("Auto's state needs its 'overhead' state (and 'failures' with an mtbf)")
         fresh = Overhead(self.p)
         fresh.load_state_dict(overhead)  # validated in full before anything here changes
         if self.failures is not None:
@@ -514,11 +515,11 @@ class ConvergenceAware:
         for name in ("mtbf", "horizon"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"ConvergenceAware: {name} must be a positive number of seconds, got {value}")
+                raise InvalidArgumentError(f"ConvergenceAware: {name} must be a positive number of seconds, got {value}")
         if not (self.beta >= 0 and math.isfinite(self.beta)):
-            raise ValueError(f"ConvergenceAware: beta must be >= 0, got {self.beta}")
+            raise InvalidArgumentError(f"ConvergenceAware: beta must be >= 0, got {self.beta}")
         if self.refit_every < 1 or self.max_points < 16 or not self.replan_tolerance > 0:
-            raise ValueError("ConvergenceAware: need refit_every >= 1, max_points >= 16, replan_tolerance > 0")
+            raise InvalidArgumentError("ConvergenceAware: need refit_every >= 1, max_points >= 16, replan_tolerance > 0")
         self._fallback = YoungDaly(self.mtbf)
 
     def should_save(self, ctx: DecisionContext) -> bool:
@@ -561,17 +562,17 @@ class ConvergenceAware:
         _check_params(self, state)
         steps, losses, curve, plan = _numbers(state, "steps"), _numbers(state, "losses"), state.get("curve"), state.get("plan")
         if len(steps) != len(losses) or len(steps) > self.max_points:
-            raise ValueError(f"'steps' and 'losses' must be lists of equal length <= {self.max_points}")
+            raise InvalidArgumentError(f"'steps' and 'losses' must be lists of equal length <= {self.max_points}")
         if curve is not None and not (isinstance(curve, Mapping) and set(curve) == {"a", "b", "w0", "c"}):
-            raise ValueError(f"'curve' must be null or {{a, b, w0, c}}, got {curve!r}")
+            raise InvalidArgumentError(f"'curve' must be null or {{a, b, w0, c}}, got {curve!r}")
         coefficients = [] if curve is None else [_number(curve, k, low=-math.inf) for k in ("a", "b", "w0", "c")]
         if any(math.isnan(x) for x in coefficients):
-            raise ValueError(f"'curve' coefficients must be numbers, got {curve!r}")
+            raise InvalidArgumentError(f"'curve' coefficients must be numbers, got {curve!r}")
         fit = LossCurve(*coefficients) if coefficients else None
         placed = None if plan is None else np.asarray(_numbers(state, "plan"))
         fallback, stride = YoungDaly(self.mtbf), _count(state, "stride")
         if not isinstance(state.get("fallback"), Mapping) or stride < 1:
-            raise ValueError("ConvergenceAware's state needs 'fallback' and a 'stride' >= 1")
+            raise InvalidArgumentError("ConvergenceAware's state needs 'fallback' and a 'stride' >= 1")
         fallback.load_state_dict(state["fallback"])
         self.interval, self.reason, next_fit = _count(state, "interval"), _text(state, "reason"), _count(state, "next_fit")
         self.curve, self._plan, self._fallback, self._stride, self._next_fit = fit, placed, fallback, stride, next_fit
@@ -647,4 +648,4 @@ def resolve(policy: Policy | str | int) -> Policy:
         return Auto()
     if isinstance(policy, Policy):
         return policy
-    raise TypeError(f"policy must be a Policy, an int (every n steps) or 'auto', got {policy!r}")
+    raise ArgumentTypeError(f"policy must be a Policy, an int (every n steps) or 'auto', got {policy!r}")

@@ -1,28 +1,37 @@
-"""Which committed checkpoints to delete: a small pure policy shared by every tier."""
+"""Which committed checkpoints to delete: a pure policy over step numbers.
+
+A store lists its checkpoints; :class:`Retention` says which of them go. It keeps the newest
+``keep`` checkpoints and, with ``every``, each checkpoint whose step is a multiple of ``every``
+(milestones for later evaluation or for going back past a divergence). It never dooms a
+protected checkpoint (the one just committed, one still being uploaded) nor the newest one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from checkfreq.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True)
 class Retention:
-    """Keep the newest ``keep`` checkpoints, and every checkpoint whose step is a multiple of ``every``."""
+    """Keep the newest ``keep`` checkpoints, plus every checkpoint whose step is a multiple of ``every``."""
 
     keep: int
     every: int | None = None
 
     def __post_init__(self) -> None:
-        if self.keep < 1:
-            raise ValueError(f"keep must be at least 1, got {self.keep}")
-        if self.every is not None and self.every < 1:
-            raise ValueError(f"keep_every must be at least 1, got {self.every}")
+        for name, value in (("keep", self.keep), ("every", self.every)):
+            if value is None and name == "every":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"Retention: {name} must be an int >= 1, got {value!r}")
 
     def doomed(self, steps: Iterable[int], protect: Collection[int] = ()) -> list[int]:
-        """The steps to delete, newest first: never the newest ``keep``, a kept multiple, or a protected step."""
-        ordered = sorted(set(steps), reverse=True)
-        return [
-            step for step in ordered[self.keep :]
-            if step not in protect and not (self.every is not None and step % self.every == 0)
-        ]
+        """The steps to delete, oldest first: never one in ``protect``, never the newest."""
+        newest_first = sorted(set(steps), reverse=True)
+        kept = set(newest_first[: self.keep]).union(protect)
+        if self.every is not None:
+            kept.update(step for step in newest_first if step % self.every == 0)
+        return sorted(step for step in newest_first if step not in kept)

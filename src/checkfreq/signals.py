@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from checkfreq.errors import InvalidArgumentError
+
 log = logging.getLogger("checkfreq.signals")
 
 
@@ -35,13 +37,13 @@ class SignalTrap:
         try:
             self.signals = tuple(signal.Signals(s) for s in signals)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"save_on_signal must be signal numbers, e.g. (signal.SIGTERM,): {e}") from None
+            raise InvalidArgumentError(f"save_on_signal must be signal numbers, e.g. (signal.SIGTERM,): {e}") from None
         if not self.signals:
-            raise ValueError("save_on_signal needs at least one signal, e.g. (signal.SIGTERM,)")
+            raise InvalidArgumentError("save_on_signal needs at least one signal, e.g. (signal.SIGTERM,)")
         if UNCATCHABLE.intersection(self.signals):
-            raise ValueError("SIGKILL and SIGSTOP cannot be caught; use SIGTERM, SIGINT or SIGUSR1")
+            raise InvalidArgumentError("SIGKILL and SIGSTOP cannot be caught; use SIGTERM, SIGINT or SIGUSR1")
         if threading.current_thread() is not threading.main_thread():
-            raise ValueError("save_on_signal needs the Checkpointer to be created in the main thread")
+            raise InvalidArgumentError("save_on_signal needs the Checkpointer to be created in the main thread")
         self.received: int | None = None
         """The signal that arrived and has not been honoured yet, or None."""
         self._previous: dict[int, Any] = {}
@@ -53,7 +55,7 @@ class SignalTrap:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except (OSError, ValueError) as e:
                 self.uninstall()
-                raise ValueError(f"cannot catch {signum.name}: {e}") from None
+                raise InvalidArgumentError(f"cannot catch {signum.name}: {e}") from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.losscurve import LossCurve
 
 
@@ -46,17 +47,17 @@ class Workload:
         for name in ("work", "iteration", "mtbf", "epoch"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"Workload.{name} must be a positive number, got {value!r}")
+                raise InvalidArgumentError(f"Workload.{name} must be a positive number, got {value!r}")
         for name in ("stall", "persist", "restart"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"Workload.{name} must be a non-negative number, got {value!r}")
+                raise InvalidArgumentError(f"Workload.{name} must be a non-negative number, got {value!r}")
         if self.gpus < 1:
-            raise ValueError(f"Workload.gpus must be >= 1, got {self.gpus}")
+            raise InvalidArgumentError(f"Workload.gpus must be >= 1, got {self.gpus}")
         if not 0.0 <= self.stop_probability <= 1.0:
-            raise ValueError(f"Workload.stop_probability must lie in [0, 1], got {self.stop_probability}")
+            raise InvalidArgumentError(f"Workload.stop_probability must lie in [0, 1], got {self.stop_probability}")
         if any(m <= 0 for _, m in self.rate_changes):
-            raise ValueError("Workload.rate_changes multipliers must be positive")
+            raise InvalidArgumentError("Workload.rate_changes multipliers must be positive")
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def simulate(
 ) -> list[Result]:
     """Simulate ``runs`` paired runs of each schedule; results in the order given."""
     if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
+        raise InvalidArgumentError(f"runs must be >= 1, got {runs}")
     stops = np.random.default_rng([seed, 0]).random((runs, 2))
     end = np.where(stops[:, 0] < workload.stop_probability, (0.4 + 0.2 * stops[:, 1]) * workload.work, workload.work)
     failures = _Failures(runs, seed)
@@ -266,5 +267,5 @@ def relative_change(results: Sequence[Result], reference: str) -> dict[str, tupl
     """Per policy, the relative change of (time overhead, value-weighted J) against ``reference``."""
     ref = next((r for r in results if r.name == reference), None)
     if ref is None:
-        raise ValueError(f"no result named {reference!r}")
+        raise InvalidArgumentError(f"no result named {reference!r}")
     return {r.name: (r.overhead / ref.overhead - 1.0, r.value_weighted / ref.value_weighted - 1.0) for r in results}

@@ -24,7 +24,7 @@ import xxhash
 
 from checkfreq.collectives import Peers
 from checkfreq.commit import Retainer
-from checkfreq.errors import CorruptCheckpointError, PersistError
+from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
 from checkfreq.retention import Retention
 from checkfreq.storage.base import Store
@@ -73,7 +73,7 @@ class Uploader:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise TimeoutError(f"upload to {self.remote.root} still running after {timeout} s")
+                raise PersistTimeoutError(f"upload to {self.remote.root} still running after {timeout} s")
 
     def flush(self, newest: int | None, timeout: float | None = None) -> None:
         """Wait for the upload in flight, then copy ``newest`` (the newest committed step) if it was

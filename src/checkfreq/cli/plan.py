@@ -9,12 +9,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from checkfreq import baselines
+from checkfreq import policy_schedules
 from checkfreq.cli import app
 from checkfreq.cli._output import JSON_HELP, console, emit_json, reports_errors
+from checkfreq.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.losscurve import LossCurve
 from checkfreq.policies import Overhead
-from checkfreq.schedule import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.simulate import Result, Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0
@@ -143,16 +143,16 @@ def _loss(spec: str) -> LossCurve:
 
 def _schedules(wl: Workload, p: float) -> dict[str, Schedule]:
     return {
-        "epoch-level": baselines.epoch_level(wl),
-        "CheckFreq (published)": baselines.checkfreq_published(wl, p),
-        "Young": baselines.young_daly(wl, "young"),
-        "Daly": baselines.young_daly(wl, "daly"),
-        f"Overhead({p:g})": baselines.overhead(wl, p),
-        "Auto (MTBF known)": baselines.auto(wl, p, wl.mtbf),
-        "COCI (published, min)": baselines.coci_published(wl),
-        "convergence β=0.5": baselines.convergence_aware(wl, 0.5),
-        "convergence β=1": baselines.convergence_aware(wl, 1.0),
-        "convergence exact (DP)": baselines.convergence_optimal(wl),
+        "epoch-level": policy_schedules.epoch_level(wl),
+        "CheckFreq (published)": policy_schedules.checkfreq_published(wl, p),
+        "Young": policy_schedules.young_daly(wl, "young"),
+        "Daly": policy_schedules.young_daly(wl, "daly"),
+        f"Overhead({p:g})": policy_schedules.overhead(wl, p),
+        "Auto (MTBF known)": policy_schedules.auto(wl, p, wl.mtbf),
+        "COCI (published, min)": policy_schedules.coci_published(wl),
+        "convergence β=0.5": policy_schedules.convergence_aware(wl, 0.5),
+        "convergence β=1": policy_schedules.convergence_aware(wl, 1.0),
+        "convergence exact (DP)": policy_schedules.convergence_optimal(wl),
     }
 
 

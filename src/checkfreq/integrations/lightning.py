@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
+from checkfreq.errors import UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.options import check_names
 from checkfreq.policies import Policy
@@ -97,7 +98,7 @@ class CheckFreqCallback(pl.Callback):
     def checkpointer(self) -> Checkpointer:
         """The :class:`~checkfreq.Checkpointer` of the running fit."""
         if self._checkpointer is None:
-            raise RuntimeError("CheckFreqCallback has no checkpointer outside Trainer.fit()")
+            raise UsageError("CheckFreqCallback has no checkpointer outside Trainer.fit()")
         return self._checkpointer
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -37,7 +37,7 @@ from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.restore import read_checkpoint
 from checkfreq.data import ResumableSampler
 from checkfreq.distributed_plan import local_view
-from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.options import check_names
 from checkfreq.policies import Policy
@@ -134,7 +134,7 @@ class CheckFreqTrainer(Trainer):
     def checkpointer(self) -> Checkpointer:
         """The :class:`~checkfreq.Checkpointer` of the running ``train()``."""
         if self._checkpointer is None:
-            raise RuntimeError("CheckFreqTrainer has no checkpointer outside train()")
+            raise UsageError("CheckFreqTrainer has no checkpointer outside train()")
         return self._checkpointer
 
     # ------------------------------------------------------------------ Trainer hooks
@@ -162,12 +162,12 @@ class CheckFreqTrainer(Trainer):
         """The training data in an order that is a pure function of (seed, epoch), split over the ranks."""
         dataset, collator = self.train_dataset, self.data_collator
         if self.args.train_sampling_strategy not in ("random", "sequential"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CheckFreqTrainer draws batches in a resumable order; train_sampling_strategy="
                 f"{self.args.train_sampling_strategy!r} is not supported (use 'random' or 'sequential')"
             )
         if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
-            raise ValueError("CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)")
+            raise InvalidArgumentError("CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)")
         if hasattr(dataset, "column_names"):  # a datasets.Dataset
             dataset = self._remove_unused_columns(dataset, description="training")
         else:

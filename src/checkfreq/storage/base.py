@@ -1,4 +1,4 @@
-"""The narrow interface every checkpoint store implements, and the choice of store by URL.
+"""The narrow interface every checkpoint store implements, and the helpers that write through it.
 
 The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
 staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
@@ -10,7 +10,6 @@ checkpoint without one is never listed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,7 +18,6 @@ import torch
 import xxhash
 
 from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
-from checkfreq.storage.local import LocalStore
 
 
 class Location(Protocol):
@@ -106,34 +104,3 @@ def write_manifest(store: Store, staging: Any, manifest: Manifest) -> None:
     """Write ``manifest.json`` into ``staging``: the last file of a checkpoint, its commit record."""
     store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
 
-
-def open_store(target: str | os.PathLike[str] | Store, *, create: bool = True) -> Store:
-    """The store for ``target``: a local path, a ``file://`` URL, any fsspec URL, or a ready store.
-
-    Plain paths and ``file://`` URLs give a :class:`~checkfreq.storage.local.LocalStore` (fsync and
-    atomic rename); other URLs (``s3://``, ``gs://``, ``memory://``, ...) an
-    :class:`~checkfreq.storage.FsspecStore`.
-    """
-    if not isinstance(target, (str, os.PathLike)):
-        return target  # a store built by the caller, e.g. FsspecStore(url, **storage_options)
-    text = os.fspath(target)
-    if "://" not in text:
-        return LocalStore(text, create=create)
-    if text.startswith("file://"):
-        return LocalStore(text[len("file://") :], create=create)
-    from checkfreq.storage.remote import FsspecStore
-
-    return FsspecStore(text, create=create)
-
-
-def open_tiers(directory: str | os.PathLike[str] | Store, remote: str | os.PathLike[str] | Store | None) -> tuple[Store, Store | None]:
-    """The stores of a Checkpointer: its directory and, if given, the remote tier behind it
-    (which needs a local directory in front); both checked writable now."""
-    local = open_store(directory)
-    far = None if remote is None else open_store(remote)
-    if far is not None and not isinstance(local, LocalStore):
-        raise ValueError(f"with remote=..., the first tier must be a local directory, not {directory!r}")
-    for store in (local, far):
-        if store is not None:
-            store.check_writable()
-    return local, far

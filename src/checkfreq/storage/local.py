@@ -20,8 +20,14 @@ from typing import Any
 
 import torch
 
-from checkfreq.errors import DirectoryLockedError
-from checkfreq.format import Manifest, read_data_file, read_manifest, write_chunks
+from checkfreq.errors import (
+    CheckpointDirectoryError,
+    CheckpointNotFoundError,
+    DirectoryLockedError,
+    DirectoryNotWritableError,
+)
+from checkfreq.format import Manifest
+from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")
 
@@ -61,9 +67,9 @@ class LocalStore:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise OSError(e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}") from None
+                raise CheckpointDirectoryError(e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}") from None
         if not self.root.is_dir():
-            raise FileNotFoundError(f"checkpoint directory {self.root} does not exist")
+            raise CheckpointNotFoundError(f"checkpoint directory {self.root} does not exist")
         self._lock_fd: int | None = None
 
     def check_writable(self) -> None:
@@ -73,7 +79,7 @@ class LocalStore:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
-            raise PermissionError(f"checkpoint directory {self.root} is not writable: {e.strerror}") from None
+            raise DirectoryNotWritableError(f"checkpoint directory {self.root} is not writable: {e.strerror}") from None
 
     def lock(self) -> None:
         """Take the directory's writer lock (released by the OS if this process dies).

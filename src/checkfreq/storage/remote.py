@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from checkfreq.errors import CorruptCheckpointError
-from checkfreq.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, read_data_stream
+from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
+from checkfreq.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from checkfreq.storage.local import checkpoint_name
+from checkfreq.storage.posix import read_data_stream
 
 log = logging.getLogger("checkfreq.storage")
 
@@ -52,7 +53,7 @@ class FsspecStore:
         if create:
             self.fs.makedirs(str(self._base), exist_ok=True)
         elif not self.fs.exists(str(self._base)):
-            raise FileNotFoundError(f"checkpoint directory {url} does not exist")
+            raise CheckpointNotFoundError(f"checkpoint directory {url} does not exist")
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.root!r})"
@@ -71,7 +72,7 @@ class FsspecStore:
             self.fs.pipe_file(probe, b"")
             self.fs.rm_file(probe)
         except OSError as e:
-            raise PermissionError(f"checkpoint directory {self.root} is not writable: {e}") from None
+            raise DirectoryNotWritableError(f"checkpoint directory {self.root} is not writable: {e}") from None
 
     def lock(self) -> None:
         log.debug("%s: object stores have no lock; one writer per directory is up to the user", self.root)

@@ -10,16 +10,17 @@ import math
 
 import numpy as np
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.losscurve import LossCurve, fit_exponential
 from checkfreq.policies import Overhead
-from checkfreq.schedule import convergence_interval, overhead_steps, place, place_optimal, two_phase_interval
+from checkfreq.intervals import convergence_interval, overhead_steps, place, place_optimal, two_phase_interval
 from checkfreq.simulate import Schedule, Workload
 
 
 def every(wl: Workload, interval: float) -> Schedule:
     """A checkpoint every ``interval`` seconds of work, rounded to whole iterations."""
     if not interval > 0:
-        raise ValueError(f"interval must be positive, got {interval!r}")
+        raise InvalidArgumentError(f"interval must be positive, got {interval!r}")
     step = max(round(interval / wl.iteration), 1) * wl.iteration
     return Schedule(np.arange(step, wl.work, step))
 
@@ -124,7 +125,7 @@ def coci_published(wl: Workload, unit: float = 60.0) -> Schedule:
 
 def _curve(wl: Workload) -> LossCurve:
     if wl.loss is None:
-        raise ValueError("this policy needs a workload with a loss curve")
+        raise InvalidArgumentError("this policy needs a workload with a loss curve")
     return wl.loss
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.losscurve import LossCurve
 
 
@@ -19,14 +20,14 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
     if not (ok and math.isfinite(value)):
         bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be a {bound} finite number, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a {bound} finite number, got {value!r}")
 
 
 def lambert_w0(x: float) -> float:
     """Principal branch of the Lambert W function, ``W0(x)`` for ``x >= -1/e`` (Halley's method)."""
     branch_point = -1.0 / math.e
     if not math.isfinite(x) or x < branch_point - 1e-15:
-        raise ValueError(f"lambert_w0 is defined for x >= -1/e, got {x!r}")
+        raise InvalidArgumentError(f"lambert_w0 is defined for x >= -1/e, got {x!r}")
     if x <= branch_point:
         return -1.0
     if x < -0.25:  # series around the branch point
@@ -102,7 +103,7 @@ def two_phase_interval(stall: float, persist: float, mtbf: float, *, method: str
         "exact": exact_optimum,
     }
     if method not in formulas:
-        raise ValueError(f"method must be one of {sorted(formulas)}, got {method!r}")
+        raise InvalidArgumentError(f"method must be one of {sorted(formulas)}, got {method!r}")
     _positive("persist", persist, allow_zero=True)
     return max(formulas[method](stall, mtbf), persist)
 
@@ -117,7 +118,7 @@ def overhead_steps(iteration: float, cost: float, persist: float, p: float) -> i
     _positive("cost", cost, allow_zero=True)
     _positive("persist", persist, allow_zero=True)
     if not 0 < p < 1:
-        raise ValueError(f"p must lie in (0, 1), got {p!r}")
+        raise InvalidArgumentError(f"p must lie in (0, 1), got {p!r}")
     eps = 1e-9  # keep exact ratios (60/1) from rounding up to the next step
     return max(math.ceil(persist / iteration - eps), math.ceil(cost / (p * iteration) - eps), 1)
 
@@ -140,7 +141,7 @@ def convergence_interval(
     """
     _positive("iteration", iteration)
     if not (beta >= 0 and math.isfinite(beta)):
-        raise ValueError(f"beta must be a non-negative number, got {beta!r}")
+        raise InvalidArgumentError(f"beta must be a non-negative number, got {beta!r}")
     weight = max(curve.weight(position, horizon), 1e-300)
     raw = math.sqrt(2.0 * stall * mtbf / weight**beta)
     lo = max(iteration, persist)
@@ -156,7 +157,7 @@ def place(interval_at: Callable[[float], float], horizon: float) -> np.ndarray:
     while True:
         step = interval_at(t)
         if not step > 0:
-            raise ValueError(f"interval must be positive, got {step!r} at {t}")
+            raise InvalidArgumentError(f"interval must be positive, got {step!r} at {t}")
         t += step
         if t >= horizon:
             return np.asarray(points, dtype=float)
@@ -223,9 +224,9 @@ def place_optimal(
     grid = np.asarray(grid, dtype=float)
     n = len(grid)
     if n < 2 or np.any(np.diff(grid) <= 0) or grid[0] != 0.0:
-        raise ValueError("grid must start at 0 and increase strictly, with at least two points")
+        raise InvalidArgumentError("grid must start at 0 and increase strictly, with at least two points")
     if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+        raise InvalidArgumentError(f"window must be >= 1, got {window}")
     a, b, d = _prefix_integrals(grid, rate, weight, survival)
     best = np.full(n, np.inf)
     best[0] = 0.0

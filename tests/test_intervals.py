@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from checkfreq.losscurve import LossCurve, fit_power_law
-from checkfreq.schedule import (
+from checkfreq.intervals import (
     convergence_interval,
     daly,
     daly_waste,

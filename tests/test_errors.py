@@ -1,0 +1,91 @@
+"""Every error a user can meet is a CheckfreqError, and also the builtin type callers expect."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkfreq as cf
+from checkfreq import catalog, errors
+from checkfreq.storage.local import LocalStore
+from checkfreq.storage.remote import FsspecStore
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _error_classes() -> list[type[BaseException]]:
+    return [obj for _, obj in inspect.getmembers(errors, inspect.isclass) if issubclass(obj, BaseException)]
+
+
+def test_every_error_is_a_checkfreq_error_exported_and_documented() -> None:
+    documented = (DOCS / "reliability.md").read_text().split("## Errors", 1)[1]
+    for error in _error_classes():
+        assert issubclass(error, cf.CheckfreqError), error
+        assert error.__name__ in cf.__all__ and getattr(cf, error.__name__) is error, error
+        assert f"`{error.__name__}`" in documented, f"{error.__name__} is missing from docs/reliability.md"
+    exported = [getattr(cf, name) for name in cf.__all__]
+    assert {e for e in exported if isinstance(e, type) and issubclass(e, BaseException)} == set(_error_classes())
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Linear(2, 2)
+
+
+def _raised(call: Callable[[], object]) -> BaseException:
+    with pytest.raises(cf.CheckfreqError) as info:
+        call()
+    return info.value
+
+
+def test_argument_errors_are_checkfreq_errors_and_builtins(tmp_path: Path) -> None:
+    misspelled = _raised(lambda: cf.Checkpointer(tmp_path / "a", model=_model(), polcy=10))
+    assert isinstance(misspelled, cf.ArgumentTypeError) and isinstance(misspelled, TypeError)
+    assert "'policy'" in str(misspelled)
+    keep = _raised(lambda: cf.Checkpointer(tmp_path / "b", model=_model(), keep=0))
+    assert isinstance(keep, cf.InvalidArgumentError) and isinstance(keep, ValueError)
+    for bad in (lambda: cf.Every(n=0), lambda: cf.Overhead(p=2.0), lambda: cf.ResumableSampler(4, rank=2, world_size=2)):
+        assert isinstance(_raised(bad), ValueError)
+    loader = cf.ResumableLoader(list(range(8)), batch_size=2)
+    first = iter(loader)
+    next(first)
+    iter(loader)  # iterating again makes the first iterator stale
+    stale = _raised(lambda: next(first))
+    assert isinstance(stale, cf.UsageError) and isinstance(stale, RuntimeError)
+
+
+def test_unstorable_dtype_is_an_unserializable_state_error(tmp_path: Path) -> None:
+    model = _model()
+    model.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+    ckpt = cf.Checkpointer(tmp_path, model=model, policy=1)
+    try:
+        error = _raised(lambda: ckpt.save(blocking=True))
+    finally:
+        ckpt.close()
+    assert isinstance(error, cf.UnsupportedDtypeError)
+    assert isinstance(error, cf.UnserializableStateError) and isinstance(error, TypeError)
+
+
+def test_directory_errors_are_os_errors(tmp_path: Path) -> None:
+    missing = _raised(lambda: LocalStore(tmp_path / "absent", create=False))
+    assert isinstance(missing, cf.CheckpointNotFoundError) and isinstance(missing, FileNotFoundError)
+    absent_url = _raised(lambda: FsspecStore("memory://checkfreq-test-errors/absent", create=False))
+    assert isinstance(absent_url, FileNotFoundError)
+    (tmp_path / "file").write_text("in the way")
+    blocked = _raised(lambda: cf.Checkpointer(tmp_path / "file" / "run", model=_model()))
+    assert isinstance(blocked, cf.CheckpointDirectoryError) and isinstance(blocked, OSError) and blocked.errno
+    unwritable = _raised(lambda: LocalStore("/proc").check_writable())  # procfs takes no new files, not even root's
+    assert isinstance(unwritable, cf.DirectoryNotWritableError) and isinstance(unwritable, PermissionError)
+
+
+def test_catalog_errors(tmp_path: Path) -> None:
+    with cf.Checkpointer(tmp_path, model=_model(), policy=1) as ckpt:
+        ckpt.save(blocking=True)
+    ref = catalog.resolve_checkpoint(tmp_path)
+    unknown = _raised(lambda: catalog.load_state(ref, only="optimizer"))
+    assert isinstance(unknown, cf.UnknownObjectError) and isinstance(unknown, KeyError)
+    assert isinstance(_raised(lambda: catalog.resolve_checkpoint(tmp_path / "nothing")), FileNotFoundError)
+    assert isinstance(_raised(lambda: catalog.export(tmp_path, tmp_path / "out.txt")), ValueError)
