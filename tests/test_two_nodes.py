@@ -31,7 +31,7 @@ from checkfreq.storage import FsspecStore, LocalStore
 
 # test_distributed's job (64 samples, batches of 8, 3 epochs, a checkpoint every 3 steps): at world
 # size 2, 4 steps per epoch, 12 in all, checkpoints 3, 6, 9, 12
-HALF = 6  # the first run of a job that is stopped and resumed elsewhere ends here
+HALF, LAST = 6, 12  # HALF: where the first run of a job that is stopped and resumed elsewhere ends
 RANKS = (0, 1)
 TIMEOUT_S = 240  # a job takes 10 to 20 s
 
@@ -149,12 +149,12 @@ def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remot
     local_dirs = (tmp_path / "local",) * 2 if shared_local else node_dirs(tmp_path)
     out = run_nodes(tmp_path, local_dirs, *remote.args, "--wait-remote", "--kill-write", "1:2", restarts=1)
     assert (tmp_path / "killed").exists(), out[-4000:]  # the kill happened
-    assert restored(out) == {0: [0, 3], 1: [0, 3]}, out[-4000:]
+    assert restored(out) == {0: [0, EVERY], 1: [0, EVERY]}, out[-4000:]
     if shared_local:  # every file of checkpoint 3 is in the shared directory
-        assert restore_tiers(local_dirs[0]) == {0: [(3, "local")], 1: [(3, "local")]}
+        assert restore_tiers(local_dirs[0]) == {0: [(EVERY, "local")], 1: [(EVERY, "local")]}
     else:  # each node holds its own rank's file; a rank reads every file (each holds a share of the model)
-        assert [restore_tiers(d) for d in local_dirs] == [{0: [(3, "local+remote")]}, {1: [(3, "local+remote")]}]
-    assert remote.steps()[0] == 12  # close() waited for the last upload
+        assert [restore_tiers(d) for d in local_dirs] == [{0: [(EVERY, "local+remote")]}, {1: [(EVERY, "local+remote")]}]
+    assert remote.steps()[0] == LAST  # close() waited for the last upload
     assert_same_final_state(tmp_path, reference)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 

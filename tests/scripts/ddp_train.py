@@ -20,7 +20,7 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
 * ``--memory N``: the memory tier, a snapshot every N steps; ``--drop-region LIFE:RANK``: in
   incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
 * ``--remote URL|PATH``: a second tier (``--endpoint``: an S3-protocol server for ``s3://`` URLs),
-  ``--keep``/``--remote-keep`` its retention. ``--ckpt-dir`` is then the node's local tier: two
+  keeping as many checkpoints as the local one. ``--ckpt-dir`` is then the node's local tier: two
   torchrun agents ("nodes") may each pass their own. ``--wait-remote``: after each checkpoint, wait
   until it is in the remote tier (no upload is skipped: the kills below land on known steps).
 * ``--kill-write RANK:N``: in the first incarnation, rank RANK writes part of its N-th data file
@@ -82,10 +82,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--on-error", default="raise")
     parser.add_argument("--memory", type=int, default=0)
     parser.add_argument("--drop-region", default="")
-    parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--remote", default=None)
     parser.add_argument("--endpoint", default=None)
-    parser.add_argument("--remote-keep", type=int, default=None)
     parser.add_argument("--wait-remote", action="store_true")
     parser.add_argument("--kill-write", default="", help="RANK:N")
     parser.add_argument("--kill-upload", default="", help="RANK:STEP")
@@ -183,9 +181,8 @@ def main() -> None:
         kill_mid_local_write(args.ckpt_dir, int(args.kill_write.split(":")[1]), once)
     if once := first_kill(args, args.kill_upload, rank):
         kill_before_upload(remote, int(args.kill_upload.split(":")[1]), once)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=args.keep, remote=remote, remote_keep=args.remote_keep,
-                        on_error=args.on_error, memory=args.memory or False,
-                        model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=remote, on_error=args.on_error,
+                        memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
