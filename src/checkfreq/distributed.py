@@ -52,6 +52,7 @@ from checkfreq.distributed_plan import (
 )
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError, PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, encode_header, tensor_entries, write_data_file, write_manifest
+from checkfreq.groups import new_gloo_group
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.snapshot import PendingSnapshot
 from checkfreq.state import flatten
@@ -118,8 +119,8 @@ class Cluster:
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         self._store = store
         wait = timedelta(seconds=timeout)
-        self._control = dist.new_group(backend="gloo", timeout=wait)
-        self._commit = dist.new_group(backend="gloo", timeout=wait)
+        self._control = new_gloo_group("control", wait)
+        self._commit = new_gloo_group("commit", wait)
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         message: dict[str, Any] | None = {"error": "rank 0 failed while opening the directory"}
