@@ -14,12 +14,17 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import SCRIPTS, assert_state_equal
+
+from checkfreq.errors import CheckfreqError
+from checkfreq.groups import agree_on_token
 
 SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all, checkpoints every 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -133,3 +138,29 @@ def test_checkfreq_groups_ignore_a_dead_attempts_keys(reference: Path, tmp_path:
     for final, expected in zip(_finals(tmp_path), _finals(reference)):
         assert_state_equal(final, expected)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
+
+
+def test_the_token_is_fresh_whatever_earlier_processes_left_in_the_store() -> None:
+    store, keys = dist.HashStore(), "checkfreq/groups/control"
+
+    def agree() -> set[str]:
+        with ThreadPoolExecutor(4) as pool:
+            return set(pool.map(lambda r: agree_on_token(store, keys, r, 4, timedelta(seconds=10)), range(4)))
+
+    earlier = agree()
+    assert len(earlier) == 1
+    store.set(f"{keys}/ask/2", "a-dead-rank's-nonce")  # a rank killed after asking, before any answer
+    store.set(f"{keys}/token", earlier.pop())  # what a protocol with one fixed key would read
+    tokens = agree()
+    assert len(tokens) == 1 and store.get(f"{keys}/token").decode() not in tokens
+
+
+def test_a_missing_rank_is_named_after_the_timeout() -> None:
+    store, keys, wait = dist.HashStore(), "checkfreq/groups/commit", timedelta(seconds=0.5)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(agree_on_token, store, keys, 0, 3, wait)
+        agree_on_token(store, keys, 1, 3, wait)
+        with pytest.raises(CheckfreqError, match=r"ranks \[2\] did not join"):
+            first.result()
+    with pytest.raises(CheckfreqError, match="rank 1 got no answer from rank 0 within"):
+        agree_on_token(dist.HashStore(), keys, 1, 2, wait)

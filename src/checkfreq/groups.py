@@ -39,13 +39,13 @@ def new_gloo_group(purpose: str, timeout: timedelta) -> dist.ProcessGroup:
     is the group's collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
     """
     store = default_store()
-    token = _agree_on_token(store, f"{_KEYS}/{purpose}", timeout)
+    token = agree_on_token(store, f"{_KEYS}/{purpose}", dist.get_rank(), dist.get_world_size(), timeout)
     return gloo_group_on_store(dist.PrefixStore(f"{_KEYS}/{purpose}/{token}", store), timeout, f"checkfreq:{purpose}")
 
 
-def _agree_on_token(store: dist.Store, keys: str, timeout: timedelta) -> str:
-    """A token drawn by rank 0 for this call, known to every rank once it returns."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A token drawn by rank 0 for this call, returned on every rank; keys left in ``store`` under
+    ``keys`` by earlier calls or dead processes cannot change it. Collective over ``world_size`` ranks."""
     if rank != 0:
         nonce = uuid.uuid4().hex
         answer = f"{keys}/answer/{nonce}"
@@ -76,6 +76,8 @@ def _agree_on_token(store: dist.Store, keys: str, timeout: timedelta) -> str:
             if store.check([ask]):
                 nonce = store.get(ask)
                 if answered.get(peer) != nonce:  # a fresh ask, or one an earlier process left
+                    if peer in answered:  # the one answered before was left by an earlier process
+                        store.delete_key(f"{keys}/answer/{answered[peer].decode()}")
                     store.set(f"{keys}/answer/{nonce.decode()}", token)
                     answered[peer] = nonce
         if waiting and time.monotonic() > deadline:
