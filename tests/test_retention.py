@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import checkfreq as cf
 from checkfreq.commit import Retainer
@@ -50,3 +51,23 @@ def test_a_directorys_leader_applies_a_retention(tmp_path: Path) -> None:
     Retainer(store, Retention(keep=1, every=100), leader=True).run(protect=150)
     assert [step for step, _ in store.checkpoints()] == [300, 200, 150, 100]
     assert not list(tmp_path.glob("step_*.tmp-*"))  # deleted, not left hidden
+
+
+def test_checkpointer_keeps_milestones_locally_and_remotely(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    remote = tmp_path / "remote"
+    with cf.Checkpointer(tmp_path / "local", remote=remote, policy=1, keep=Retention(2, every=5),
+                         remote_keep=Retention(1, every=4), model=model, optimizer=opt) as ckpt:
+        for _ in range(12):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            ckpt.step()
+            ckpt.wait(remote=True)
+    assert [s for s, _ in LocalStore(tmp_path / "local").checkpoints()] == [12, 11, 10, 5]
+    assert [s for s, _ in LocalStore(remote).checkpoints()] == [12, 8, 4]
+
+
+def test_keep_takes_a_count_or_a_retention(tmp_path: Path) -> None:
+    with pytest.raises(cf.ArgumentTypeError, match="int .* or a checkfreq.Retention"):
+        cf.Checkpointer(tmp_path, keep="3", model=torch.nn.Linear(1, 1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.restore import read_checkpoint
 from checkfreq.data import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
     ArgumentTypeError,
@@ -44,6 +43,8 @@ from checkfreq.policies import (
     StatefulPolicy,
     YoungDaly,
 )
+from checkfreq.restore import read_checkpoint
+from checkfreq.retention import Retention
 
 __all__ = [
     "ArgumentTypeError",
@@ -69,6 +70,7 @@ __all__ = [
     "read_checkpoint",
     "ReplicaMismatchError",
     "ResumableLoader",
+    "Retention",
     "ResumableSampler",
     "StatefulPolicy",
     "StateMismatchError",

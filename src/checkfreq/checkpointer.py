@@ -66,13 +66,15 @@ class Checkpointer:
             disk (docs/distributed.md).
         policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
-        keep: how many committed checkpoints to keep (the newest one is never deleted).
+        keep: how many committed checkpoints to keep (the newest one is never deleted), or a
+            :class:`~checkfreq.Retention` (e.g. ``Retention(3, every=1000)`` also keeps every
+            checkpoint whose step is a multiple of 1000).
         remote: a second, durable tier (URL, path or store): checkpoints are committed to the
             local ``directory`` first, then copied to ``remote`` in the background (each rank
             its own file); restore takes the newest valid checkpoint of either tier, each file
             from the local directory when it is there. ``close()`` uploads the newest checkpoint
             and waits for it.
-        remote_keep: how many checkpoints to keep in ``remote`` (default: ``keep``).
+        remote_keep: how many checkpoints to keep in ``remote``, or a Retention (default: ``keep``).
         rng: capture and restore the Python, NumPy, torch and CUDA random generators.
         on_error: ``"raise"`` re-raises a background persist failure at the next ``step()``;
             ``"warn"`` logs it and training goes on. A blocking :meth:`save` always raises.
@@ -106,9 +108,9 @@ class Checkpointer:
         directory: str | os.PathLike[str] | Store,
         *,
         policy: Policy | str | int = "auto",
-        keep: int = 3,
+        keep: int | Retention = 3,
         remote: str | os.PathLike[str] | Store | None = None,
-        remote_keep: int | None = None,
+        remote_keep: int | Retention | None = None,
         rng: bool = True,
         on_error: str = "raise",
         allow_pickle: bool = False,
@@ -150,10 +152,11 @@ class Checkpointer:
             self._local.root, memory_cadence, control, distributed=self._cluster is not None
         )
         self._restorer = Restorer(self._local, self._remote, control, self._memory)
-        retainer = Retainer(self._local, Retention(keep), leader=self._cluster is None or self._cluster.leader)
+        retention = Retention.of(keep)
+        retainer = Retainer(self._local, retention, leader=self._cluster is None or self._cluster.leader)
         self._uploader = None if self._remote is None else Uploader(
             self._local, self._remote, upload, token=token,  # type: ignore[arg-type]
-            retention=Retention(keep if remote_keep is None else remote_keep), local_retainer=retainer,
+            retention=retention if remote_keep is None else Retention.of(remote_keep), local_retainer=retainer,
         )
         self._committer = Committer(self._local, commit, leader=retainer.leader, token=token, retainer=retainer, uploader=self._uploader)
         newest = self._restorer.listed()[:1]
@@ -164,7 +167,7 @@ class Checkpointer:
         )
         self._closed = False
         self._events = EventLog(self._local.events_directory, rank=control.rank)
-        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=keep)
+        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep, keep_every=retention.every)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()

@@ -7,6 +7,7 @@ private APIs used are reached only here, each with an error that names what is m
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,3 +51,25 @@ def default_store() -> dist.Store:
     except ImportError as e:
         raise _missing("the default process group's store", e) from e
     return _get_default_store()
+
+
+def gloo_group_on_store(store: dist.Store, timeout: timedelta, description: str) -> dist.ProcessGroup:
+    """A gloo group of every rank that meets its peers through ``store``.
+
+    ``dist.new_group`` always rendezvouses in the default group's store, under a name of its own
+    choosing; this is the same creation with the store given (see :mod:`checkfreq.groups`).
+    """
+    try:
+        from torch.distributed.distributed_c10d import _new_process_group_helper, _process_group_name, _world
+    except ImportError as e:
+        raise _missing("process group creation on a given store", e) from e
+    ranks = list(range(dist.get_world_size()))
+    name = _process_group_name(ranks, use_hashed_name=False)
+    try:
+        group, _ = _new_process_group_helper(
+            len(ranks), dist.get_rank(), ranks, dist.Backend.GLOO, store, name, timeout=timeout, group_desc=description
+        )
+    except TypeError as e:  # another signature
+        raise _missing("process group creation on a given store", e) from e
+    _world.pg_group_ranks[group] = {rank: rank for rank in ranks}
+    return group

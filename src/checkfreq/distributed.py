@@ -49,6 +49,7 @@ from checkfreq.distributed_plan import (
 )
 from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
+from checkfreq.groups import new_gloo_group
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.state import flatten
 from checkfreq.storage.base import Store
@@ -121,9 +122,9 @@ class Cluster:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         wait = timedelta(seconds=timeout)
-        self.control = GroupPeers(dist.new_group(backend="gloo", timeout=wait))
-        self.commit = GroupPeers(dist.new_group(backend="gloo", timeout=wait))
-        self.upload = None if remote is None else GroupPeers(dist.new_group(backend="gloo", timeout=wait))
+        self.control = GroupPeers(new_gloo_group("control", wait))
+        self.commit = GroupPeers(new_gloo_group("commit", wait))
+        self.upload = None if remote is None else GroupPeers(new_gloo_group("upload", wait))
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
+from checkfreq.retention import Retention
 from checkfreq.state import Stateful
 
 PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
@@ -64,8 +65,12 @@ def check_option_types(
     """Refuse option values of the wrong type, such as an object registered under an option's name."""
     counts = {"keep": keep} if remote_keep is None else {"keep": keep, "remote_keep": remote_keep}
     for name, value in counts.items():
+        if isinstance(value, Retention):
+            continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ArgumentTypeError(f"{name} must be an int (checkpoints to keep), got {type(value).__qualname__}")
+            raise ArgumentTypeError(
+                f"{name} must be an int (checkpoints to keep) or a checkfreq.Retention, got {type(value).__qualname__}"
+            )
         if value < 1:
             raise InvalidArgumentError(f"{name} must be at least 1, got {value}")
     for name, value in {"rng": rng, "allow_pickle": allow_pickle}.items():

@@ -28,6 +28,11 @@ class Retention:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"Retention: {name} must be an int >= 1, got {value!r}")
 
+    @classmethod
+    def of(cls, keep: int | Retention) -> Retention:
+        """``keep`` as a Checkpointer option takes it: a count of checkpoints, or a Retention."""
+        return keep if isinstance(keep, Retention) else cls(keep)
+
     def doomed(self, steps: Iterable[int], protect: Collection[int] = ()) -> list[int]:
         """The steps to delete, oldest first: never one in ``protect``, never the newest."""
         newest_first = sorted(set(steps), reverse=True)

@@ -17,6 +17,8 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
   rank RANK SIGKILLs itself after optimizer step STEP: MODE ``step`` once the checkpoint in flight
   is durable, MODE ``persist`` right after the step started a checkpoint, while it is being written.
 * ``--stop-at K``: take a blocking checkpoint at step K and exit cleanly (to resume elsewhere).
+* ``--attempt-store``: initialise the default process group on keys of its own for each restart attempt,
+  as docs/distributed.md shows for torchrun's static launch form.
 * ``--memory N``: the memory tier, a snapshot every N steps; ``--drop-region LIFE:RANK``: in
   incarnation LIFE, rank RANK deletes its memory-tier region before restoring (its node lost it).
 * ``--remote URL|PATH``: a second tier (``--endpoint``: an S3-protocol server for ``s3://`` URLs),
@@ -88,6 +90,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--kill-write", default="", help="RANK:N")
     parser.add_argument("--kill-upload", default="", help="RANK:STEP")
     parser.add_argument("--kill-marker", default=None)
+    parser.add_argument("--attempt-store", action="store_true")
     return parser.parse_args()
 
 
@@ -155,7 +158,9 @@ def main() -> None:
     # built before the process group exists, as Lightning does: it must still partition by rank
     loader = ResumableLoader(NoisyPoints(args.samples), batch_size=args.batch_size, shuffle=True, seed=5)
     distributed = "RANK" in os.environ
-    if distributed:
+    if distributed and args.attempt_store:
+        init_for_this_attempt()
+    elif distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -224,6 +229,14 @@ def main() -> None:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": torch.get_rng_state(), **per_rank_state(model, ckpt)["values"]},
                Path(args.final).with_suffix(f".rank{rank}.pt"))
+
+
+def init_for_this_attempt() -> None:
+    """The default process group, its rendezvous keys apart from any earlier attempt's (docs/distributed.md)."""
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def per_rank_state(model: nn.Module, ckpt: Checkpointer) -> dict:

@@ -26,6 +26,7 @@ from checkfreq.errors import UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.options import check_names
 from checkfreq.policies import Policy
+from checkfreq.retention import Retention
 from checkfreq.storage import Store
 
 log = logging.getLogger("checkfreq.integrations.lightning")
@@ -73,9 +74,9 @@ class CheckFreqCallback(pl.Callback):
         directory: str | os.PathLike[str] | Store,
         *,
         policy: Policy | str | int = "auto",
-        keep: int = 3,
+        keep: int | Retention = 3,
         remote: str | os.PathLike[str] | Store | None = None,
-        remote_keep: int | None = None,
+        remote_keep: int | Retention | None = None,
         resume: bool = True,
         save_on_train_end: bool = True,
         monitor: str | None = None,

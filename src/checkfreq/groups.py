@@ -1,0 +1,90 @@
+"""The gloo process groups checkfreq creates for its own messages, safe across torchrun restarts.
+
+A group's members find each other through the job's key-value store: each rank writes its
+address under a key and reads its peers'. ``dist.new_group`` names those keys after a counter
+that restarts at the same value in every process, and since torch 2.5 torchrun no longer gives
+each restart attempt a store prefix of its own. Wherever the store outlives the workers (the
+static launch form always; the c10d form unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), a
+restarted rank can therefore read the address its dead predecessor published and fail with
+"Gloo connectFullMesh failed ... Connection refused", or wait for a peer that is not listening.
+
+:func:`new_gloo_group` puts each group's keys under a token that rank 0 draws for this one call
+and hands every rank through the store, in a way no key left by an earlier process can fool:
+each rank asks with a fresh random nonce and waits for the answer under a key named after its
+nonce; rank 0 answers every nonce it sees until every rank has confirmed under a key named
+after the token. Neither the restart count (local to each torchrun agent) nor any other value
+the ranks would have to agree on beforehand is needed. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from checkfreq.compat import default_store, gloo_group_on_store
+from checkfreq.errors import CheckfreqError
+
+_KEYS = "checkfreq/groups"
+_POLL_S = 0.005
+
+
+def new_gloo_group(purpose: str, timeout: timedelta) -> dist.ProcessGroup:
+    """A new gloo group of every rank, whose rendezvous no dead predecessor's keys can disturb.
+
+    Collective: every rank calls it at the same point with the same ``purpose`` (a short name,
+    part of the store keys and of the group's description). ``timeout`` bounds the agreement and
+    is the group's collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
+    """
+    store = default_store()
+    token = agree_on_token(store, f"{_KEYS}/{purpose}", dist.get_rank(), dist.get_world_size(), timeout)
+    return gloo_group_on_store(dist.PrefixStore(f"{_KEYS}/{purpose}/{token}", store), timeout, f"checkfreq:{purpose}")
+
+
+def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A token drawn by rank 0 for this call, returned on every rank; keys left in ``store`` under
+    ``keys`` by earlier calls or dead processes cannot change it. Collective over ``world_size`` ranks."""
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        answer = f"{keys}/answer/{nonce}"
+        store.set(f"{keys}/ask/{rank}", nonce)
+        try:
+            store.wait([answer], timeout)
+        except RuntimeError as e:  # torch's DistStoreError
+            raise CheckfreqError(
+                f"rank {rank} got no answer from rank 0 within {timeout.total_seconds():.0f} s while creating "
+                f"checkfreq's process group ({keys}): every rank must construct its Checkpointer at the same point"
+            ) from e
+        token = store.get(answer).decode()
+        store.delete_key(answer)
+        store.set(f"{keys}/{token}/joined/{rank}", b"1")
+        return token
+    token = uuid.uuid4().hex
+    answered: dict[int, bytes] = {}
+    waiting = set(range(1, world_size))
+    deadline = time.monotonic() + timeout.total_seconds()
+    while waiting:
+        for peer in sorted(waiting):
+            joined = f"{keys}/{token}/joined/{peer}"
+            if store.check([joined]):
+                store.delete_key(joined)
+                waiting.discard(peer)
+                continue
+            ask = f"{keys}/ask/{peer}"
+            if store.check([ask]):
+                nonce = store.get(ask)
+                if answered.get(peer) != nonce:  # a fresh ask, or one an earlier process left
+                    if peer in answered:  # the one answered before was left by an earlier process
+                        store.delete_key(f"{keys}/answer/{answered[peer].decode()}")
+                    store.set(f"{keys}/answer/{nonce.decode()}", token)
+                    answered[peer] = nonce
+        if waiting and time.monotonic() > deadline:
+            raise CheckfreqError(
+                f"ranks {sorted(waiting)} did not join checkfreq's process group ({keys}) within "
+                f"{timeout.total_seconds():.0f} s: every rank must construct its Checkpointer at the same point"
+            )
+        if waiting:
+            time.sleep(_POLL_S)
+    return token
