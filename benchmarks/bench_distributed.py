@@ -1,6 +1,6 @@
 """Distributed checkpointing: checkfreq vs torch.distributed.checkpoint (DCP), world size 1 and 2.
 
-Usage: ``python benchmarks/bench_distributed.py [--mb 128] [--rounds 5] [--dir DIR]``
+Usage: ``python benchmarks/bench_distributed.py [--mb 128] [--rounds 5] [--dir DIR] [--remote DIR]``
 
 For each world size the script runs itself under ``torchrun`` (CPU, gloo); every worker holds
 the same data-parallel state (an MLP with uneven layers and its Adam state) and, round after round,
@@ -10,7 +10,12 @@ saves it with each method in a rotating order (A B C, B C A, ...):
   returns and the next ``optimizer.step()`` passes the fence), *durable* is until ``wait()`` returns
   on every rank (files fsynced, manifest committed);
 * ``dcp.save``: blocking; stall = durable;
-* ``dcp.async_save`` (thread executor): stall until it returns, durable until its future is done.
+* ``dcp.async_save`` (thread executor): stall until it returns, durable until its future is done;
+* ``checkfreq+remote`` (with ``--remote DIR``): a second ``Checkpointer`` whose local directory is
+  per rank (as node-local disks are) and whose ``remote=`` tier is ``DIR`` (a plain directory, shared
+  by the ranks); stall and durable as for ``checkfreq`` (``wait()``: committed in the local tier),
+  *remote* until ``wait(remote=True)`` returns on every rank (every rank's file copied and verified,
+  the remote manifest written).
 
 It also times getting the bytes of a checkpoint onto every rank two ways: every rank reads (and
 verifies) every file, what checkfreq does, against each rank reading its own file and broadcasting
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 METHODS = ("checkfreq", "dcp.save", "dcp.async_save")
+REMOTE = "checkfreq+remote"
 
 
 def build(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -68,17 +74,33 @@ def worker(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
     ckpt = Checkpointer(root / "checkfreq", policy=10**9, keep=1, rng=False, model=model, optimizer=optimizer)
+    tiered = None if args.remote is None else Checkpointer(
+        root / "checkfreq-local" / f"rank{rank}", remote=Path(args.remote), policy=10**9, keep=1, rng=False,
+        model=model, optimizer=optimizer,
+    )
+    methods = METHODS if tiered is None else (*METHODS, REMOTE)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    results: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": []} for m in METHODS}
+    results: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "remote": []} for m in methods}
 
-    def run(method: str, round_: int) -> tuple[float, float]:
+    def slowest(seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value.item())
+
+    def run(method: str, round_: int) -> tuple[float, float, float]:
         dist.barrier()
         start = time.perf_counter()
-        if method == "checkfreq":
-            ckpt.save()
+        remote = float("nan")
+        if method in ("checkfreq", REMOTE):
+            saver = ckpt if method == "checkfreq" else tiered
+            saver.save()
             optimizer.step()  # the fence: training goes on only once the snapshot is copied
             stall = time.perf_counter() - start
-            ckpt.wait()
+            saver.wait()
+            if method == REMOTE:
+                durable = time.perf_counter() - start
+                saver.wait(remote=True)  # collective: every rank's copy confirmed, the remote manifest written
+                return stall, slowest(durable), slowest(time.perf_counter() - start)
         elif method == "dcp.save":
             dcp.save(state, checkpoint_id=str(root / f"dcp{round_}"))
             stall = time.perf_counter() - start
@@ -86,18 +108,18 @@ def worker(args: argparse.Namespace) -> None:
             future = dcp.async_save(state, checkpoint_id=str(root / f"dcpa{round_}"))
             stall = time.perf_counter() - start
             future.result()
-        durable = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(durable, op=dist.ReduceOp.MAX)
-        return stall, float(durable.item())
+        return stall, slowest(time.perf_counter() - start), remote
 
     for round_ in range(-1, args.rounds):  # round -1 warms up every method
-        for i in range(len(METHODS)):
-            method = METHODS[(i + max(round_, 0)) % len(METHODS)]
-            ckpt.step()  # a new step each time, as in training (the policy never fires)
-            stall, durable = run(method, round_)
+        for i in range(len(methods)):
+            method = methods[(i + max(round_, 0)) % len(methods)]
+            for checkpointer in filter(None, (ckpt, tiered)):
+                checkpointer.step()  # a new step each time, as in training (the policies never fire)
+            stall, durable, remote = run(method, round_)
             if round_ >= 0:
                 results[method]["stall"].append(stall)
                 results[method]["durable"].append(durable)
+                results[method]["remote"].append(remote)
         dist.barrier()
         if rank == 0:
             for path in root.glob("dcp*"):
@@ -128,6 +150,8 @@ def worker(args: argparse.Namespace) -> None:
             dist.broadcast(buffer, src=r, group=group)
         restore["read own file + gloo broadcast"].append(time.perf_counter() - start)
     ckpt.close()
+    if tiered is not None:
+        tiered.close()
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "results": results})
     if rank == 0:
@@ -135,10 +159,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(world: int, mb: int, rounds: int, directory: Path) -> dict:
+def launch(world: int, mb: int, rounds: int, directory: Path, remote: Path | None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", "--mb", str(mb), "--rounds", str(rounds), "--dir", str(directory)]
+    if remote is not None:
+        command += ["--remote", str(remote)]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
@@ -156,17 +182,21 @@ def report(runs: list[dict]) -> None:
         world, gb = run["world"], run["bytes"] / 1e9
         print(f"\nworld size {world}: {run['bytes'] / 1e6:.0f} MB of replicated state")
         print(f"  {'method':16} {'stall per rank, median (min-max)':36} {'durable (slowest rank)':30} aggregate GB/s")
-        for method in METHODS:
+        methods = [m for m in (*METHODS, REMOTE) if m in run["ranks"][0]["results"]]
+        for method in methods:
             stalls = [s for r in run["ranks"] for s in r["results"][method]["stall"]]
             durable = run["ranks"][0]["results"][method]["durable"]
             medians[(world, method)] = (statistics.median(stalls), statistics.median(durable))
             print(f"  {method:16} {summary(stalls):36} {summary(durable):30} {gb / statistics.median(durable):6.2f}")
+        if REMOTE in methods:
+            remote = run["ranks"][0]["results"][REMOTE]["remote"]
+            print(f"  {'  remote tier':16} {'(wait(remote=True), slowest rank)':36} {summary(remote):30} {gb / statistics.median(remote):6.2f}")
         for way, values in run["restore"].items():
             print(f"  restore, {way:32} {summary(values)}")
     print("\nratios (median / checkfreq median, same world size):")
     for world in sorted({w for w, _ in medians}):
         base_stall, base_durable = medians[(world, "checkfreq")]
-        for method in METHODS[1:]:
+        for method in [m for m in (*METHODS[1:], REMOTE) if (world, m) in medians]:
             stall, durable = medians[(world, method)]
             print(f"  world {world} {method:16} stall x{stall / base_stall:5.1f}   durable x{durable / base_durable:5.2f}")
     if {(1, "checkfreq"), (2, "checkfreq")} <= medians.keys():
@@ -179,6 +209,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--remote", default=None, help=f"add the {REMOTE} row, with this directory as the remote tier")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -188,9 +219,12 @@ def main() -> None:
     runs = []
     for world in (1, 2):
         directory = base / f"world{world}"
-        shutil.rmtree(directory, ignore_errors=True)
-        runs.append(launch(world, args.mb, args.rounds, directory))
-        shutil.rmtree(directory, ignore_errors=True)
+        remote = None if args.remote is None else Path(args.remote) / f"world{world}"
+        for path in filter(None, (directory, remote)):
+            shutil.rmtree(path, ignore_errors=True)
+        runs.append(launch(world, args.mb, args.rounds, directory, remote))
+        for path in filter(None, (directory, remote)):
+            shutil.rmtree(path, ignore_errors=True)
     report(runs)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from overhead_loop import judge, setup, train  # tests/scripts, on the path through conftest
 
-from checkfreq import storage
+from checkfreq import commit
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.policies import Overhead
 
@@ -55,13 +55,13 @@ def test_interval_grows_when_persist_slows_and_shrinks_when_it_recovers(tmp_path
     torch.set_num_threads(1)
     model, opt, x, y = setup()
     delay = {"seconds": 0.0}
-    write = storage.write_data
+    write = commit.write_data
 
     def slow_write(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(delay["seconds"])
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "write_data", slow_write)
+    monkeypatch.setattr(commit, "write_data", slow_write)  # where the commit protocol writes each rank's file
     policy = Overhead(p=0.05)
     ckpt = Checkpointer(tmp_path, policy=policy, keep=2, model=model, optimizer=opt)
 

@@ -107,3 +107,29 @@ def test_the_writer_copies_without_starting_threads(tmp_path) -> None:
                          capture_output=True, text=True, timeout=120, check=True).stdout
     before, after = map(int, out.split())
     assert after == before, f"{after - before} threads appeared while the writer copied"
+
+
+def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
+    """The writer joins the deferred copies before round 1 of the commit (creating the staging
+    location; a collective under torch.distributed), so the fence never copies alone while the
+    writer waits on the other ranks or the store. The checkpoint is still committed whole."""
+    from checkfreq.collectives import Solo
+    from checkfreq.commit import CommitJob, Committer, Retainer
+    from checkfreq.retention import Retention
+    from checkfreq.snapshot import Snapshotter
+    from checkfreq.storage.local import LocalStore
+
+    tensors = {"a": torch.randn(PIECE_BYTES // 4 * 3 + 5), "b": torch.arange(1000)}
+    pending = Snapshotter().take(tensors, deferred=set(tensors))
+    copied_when_preparing: list[bool] = []
+
+    class Recording(LocalStore):
+        def staging_dir(self, step: int, token: str, *, create: bool = True):  # type: ignore[override]
+            copied_when_preparing.append(pending.copied.is_set())
+            return super().staging_dir(step, token, create=create)
+
+    store = Recording(tmp_path)
+    committer = Committer(store, Solo(), leader=True, token="t", retainer=Retainer(store, Retention(1), leader=True))
+    result = committer.run(CommitJob(3, None, pending, {}, None, {}, 0.0))
+    assert copied_when_preparing and all(copied_when_preparing)
+    assert result.step == 3 and dict(store.checkpoints())

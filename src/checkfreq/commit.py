@@ -115,13 +115,19 @@ class Committer:
 
     def _run(self, job: CommitJob) -> CommitResult:
         rank, step = self.peers.rank, job.step
+        copy_error: Exception | None = None
+        try:  # first, so the fence shares the copies with this thread while the rounds wait on the others
+            job.pending.finish_copy()
+        except Exception as e:  # noqa: BLE001 - reported in round 2: every rank takes part in every round
+            copy_error = e
         staging = self._prepare(step)
         name = data_file_name(rank)
         report: dict[str, Any] = {"rank": rank, "created": time.time()}
         size = 0
         failure: Exception | None = None  # this rank's own, raised as the cause
         try:
-            job.pending.finish_copy()
+            if copy_error is not None:
+                raise copy_error
             size, digest = write_data(self.store, staging, name, encode_header(job.pending.layout), job.pending.buffer)
             report.update(ok=True, file=name, size=size, xxh3_64=digest, index=tensor_entries(job.pending.layout, name),
                           state=job.skeleton, share=job.share,
