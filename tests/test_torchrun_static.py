@@ -9,41 +9,30 @@ the job's default group gets keys of its own per attempt as docs/distributed.md 
 from __future__ import annotations
 
 import os
-import re
-import socket
 import subprocess
 import sys
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from conftest import SCRIPTS, assert_state_equal
+from conftest import SCRIPTS, assert_state_equal, free_port
+from test_distributed import _assert_each_sample_once_per_epoch, _finals, _restores
+from test_distributed import _train_args as train_args
 
 from checkfreq.errors import CheckfreqError
 from checkfreq.groups import agree_on_token
 
-SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all, checkpoints every 3
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_args(workdir: Path, *extra: str) -> list[str]:
-    return [str(SCRIPTS / "ddp_train.py"), "--ckpt-dir", str(workdir / "ckpt"), "--final", str(workdir / "final"),
-            "--batch-log", str(workdir / "batches.log"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-            "--epochs", str(EPOCHS), "--every", str(EVERY), *extra]
+    return [str(SCRIPTS / "ddp_train.py"), *train_args(workdir, *extra)]
 
 
 def _static(workdir: Path, *extra: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={_free_port()}", "--nproc-per-node=2",
+    command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2",
                "--max-restarts=2", "--monitor-interval=0.1", *_train_args(workdir, "--attempt-store", *extra)]
     return subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=ENV, start_new_session=True)
@@ -57,25 +46,6 @@ def _finish(proc: subprocess.Popen[str]) -> str:
             os.killpg(proc.pid, 9)
     assert proc.returncode == 0, out[-4000:]
     return out
-
-
-def _restores(out: str) -> list[tuple[int, int, int]]:
-    return sorted((int(a), int(b), int(c)) for a, b, c in re.findall(r"life=(\d+) rank=(\d+) restored step=(\d+)", out))
-
-
-def _finals(workdir: Path) -> list[dict]:
-    return [torch.load(workdir / f"final.rank{rank}.pt") for rank in (0, 1)]
-
-
-def _assert_each_sample_once_per_epoch(log: Path) -> None:
-    """The last line for each (rank, epoch, position) is what training used: a replay replaces its line."""
-    batches: dict[tuple[str, str, str], list[int]] = {}
-    for line in log.read_text().splitlines():
-        rank, epoch, consumed, *indices = line.split()
-        batches[(rank, epoch, consumed)] = [int(i) for i in indices]
-    for epoch in range(EPOCHS):
-        seen = Counter(i for (_, e, _), idx in batches.items() if int(e) == epoch for i in idx)
-        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch}: {seen}"
 
 
 @pytest.fixture(scope="module")
