@@ -28,10 +28,10 @@ from checkfreq import replicas
 from checkfreq.collectives import Peers
 from checkfreq.distributed_plan import PRIVATE, SHARDED
 from checkfreq.errors import PersistError, ReplicaMismatchError
-from checkfreq.format import MANIFEST_NAME, Manifest, data_file_name, encode_header, tensor_entries
+from checkfreq.format import Manifest, data_file_name, encode_header, tensor_entries
 from checkfreq.retention import Retention
 from checkfreq.snapshot import PendingSnapshot
-from checkfreq.storage.base import Store, write_data
+from checkfreq.storage.base import Store, write_data, write_manifest
 
 if TYPE_CHECKING:
     from checkfreq.upload import Uploader
@@ -146,7 +146,7 @@ class Committer:
         if self.leader:
             try:
                 manifest = merge(reports, step, job.epoch, job.versions)
-                self.store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
+                write_manifest(self.store, staging, manifest)
                 self.store.commit(staging, step)
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 failure = e

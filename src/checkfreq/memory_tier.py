@@ -174,12 +174,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ restore
 
-    def read(self, step: int | None = None) -> tuple[MemoryState | None, list[tuple[str, str]]]:
-        """The newest verified snapshot (or the one at ``step``) and the (slot, reason) of those skipped."""
-        states, skipped = self.read_all(step, newest_only=True)
-        return (states[0] if states else None), skipped
-
-    def read_all(self, step: int | None = None, *, newest_only: bool = False) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+    def read_all(self, step: int | None = None) -> tuple[list[MemoryState], list[tuple[str, str]]]:
         """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those skipped."""
         states: list[MemoryState] = []
         skipped: list[tuple[str, str]] = []
@@ -195,8 +190,6 @@ class MemoryTier:
                 skipped.append((f"memory slot {info.slot}", str(e)))
                 continue
             states.append(MemoryState(manifest, tensors, info.slot))
-            if newest_only:
-                break
         return states, skipped
 
     def forget_newer_than(self, step: int) -> None:

@@ -208,11 +208,6 @@ def _read_exact(f: Any, n: int, name: str) -> bytes:
     return raw
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` into ``directory`` and fsync it."""
-    write_chunks(directory / MANIFEST_NAME, [manifest.to_json()])
-
-
 def read_manifest(directory: Path) -> Manifest:
     """Read and validate ``directory/manifest.json``."""
     path = directory / MANIFEST_NAME
