@@ -112,8 +112,7 @@ def test_a_resumed_session_profiles_before_its_first_checkpoint(tmp_path: Path) 
 
 def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     """The session profiles first; its checkpoints per step within a factor 2 of an uninterrupted
-    run's over the same steps; overhead within the bound (or, where the same steps of a run never
-    killed cost more, within that) plus noise.
+    run's over the same steps; its overhead within the bound plus noise.
 
     Uninterrupted runs of the same job differ among themselves here (each plans from its own noisy
     measurements, more so under DDP on two shared cores): like the overhead rule, the rate rule
@@ -128,10 +127,9 @@ def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     assert all(step > 0 for step in runs.restored_steps), detail
     assert all(c[0] - r >= 10 for c, r in zip(runs.resumed_checkpoints, runs.restored_steps) if c), detail  # the session's warmup
     assert min(uninterrupted) / 2 <= statistics.mean(resumed) <= 2 * max(uninterrupted), detail
-    bound = max(P, fresh)  # a restart must not cost more than the bound, nor than not restarting
-    assert overhead <= bound + noise, (
-        f"resumed sessions: median overhead {overhead:.1%} > {bound:.1%} (bound {P:.1%}, uninterrupted "
-        f"{fresh:.1%}) + noise {noise:.1%}; {detail}"
+    assert overhead <= P + noise, (
+        f"resumed sessions: median overhead {overhead:.1%} > bound {P:.1%} + noise {noise:.1%} "
+        f"(uninterrupted {fresh:.1%}); {detail}"
     )
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq import replicas
+from checkfreq.agreement import AgreedPolicy
 from checkfreq.collectives import GroupPeers, Peers
 from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
@@ -219,39 +220,6 @@ class Plan:
         windows = max(1, -(-total // replicas.VERIFY_BYTES))
         k = self.checks % windows
         return stream_range(self.sizes, k * total // windows, (k + 1) * total // windows)
-
-
-class AgreedPolicy:
-    """Wraps a policy whose answer may differ between ranks; ranks act on the agreed answer.
-
-    At each step every rank asks its policy and starts a non-blocking MAX all-reduce of the answer
-    on the control group; the result is collected at the next step, which checkpoints if any rank
-    wanted to. Waiting costs nothing in steady state (the exchange had a whole step to finish), at
-    the price of checkpointing one step after the policy asked.
-    """
-
-    def __init__(self, policy: Policy, group: Any) -> None:
-        self.policy = policy
-        self._group = group
-        self._vote = torch.zeros(1, dtype=torch.int64)
-        self._work: Any = None
-
-    def should_save(self, ctx: DecisionContext) -> bool:
-        agreed = self._collect()
-        want = not agreed and self.policy.should_save(ctx)
-        self._vote = torch.tensor([int(want)], dtype=torch.int64)
-        self._work = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        return agreed
-
-    def _collect(self) -> bool:
-        if self._work is None:
-            return False
-        self._work.wait()
-        self._work = None
-        return bool(self._vote.item())
-
-    def close(self) -> None:
-        self._collect()
 
 
 def _label(piece: Piece) -> str:
