@@ -154,3 +154,19 @@ def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path:
     assert sessions[0].resumed_checkpoints == sessions[1].resumed_checkpoints  # every rank agrees after restore
     killed_run = [r["checkpoint"] for r in records if r["life"] == 0 and r["rank"] == 0 and "checkpoint" in r]
     _assert_rate_and_bound(sessions[0], killed_run)
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_policy_is_seeded_and_the_ranks_agree_after_the_restore(tmp_path: Path) -> None:
+    """Each policy trains a session under 2-rank DDP, closes, and a second session restores it: both
+    ranks restore the same step, are seeded with their profile and policy, profile before the
+    first checkpoint of the resumed session, and checkpoint at the same steps."""
+    _finish(_launch(tmp_path, "ddp_policies.py", str(tmp_path), "--steps", "400", restarts=0))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert set(ranks[0]) == {"Overhead", "Auto", "YoungDaly", "ConvergenceAware", "Every(seconds)"}
+    for name, result in ranks[0].items():
+        first, resumed = result["first"], result["resumed"]
+        assert ranks[1][name] == result, (name, result, ranks[1][name])
+        assert first["taken"] and resumed["restored"] == first["taken"][-1], (name, result)
+        assert result["seeded"] == ["profile", "policy"], (name, result)
+        assert resumed["taken"] and resumed["taken"][0] - resumed["restored"] >= 10, (name, result)
