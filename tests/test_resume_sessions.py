@@ -160,9 +160,13 @@ def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path:
 def test_under_torchrun_every_policy_is_seeded_and_the_ranks_agree_after_the_restore(tmp_path: Path) -> None:
     """Each policy trains a session under 2-rank DDP, closes, and a second session restores it: both
     ranks restore the same step, are seeded with their profile and policy, profile before the
-    first checkpoint of the resumed session, and checkpoint at the same steps."""
+    first checkpoint of the resumed session, and checkpoint at the same steps. Each closed
+    Checkpointer leaves no process group behind."""
     _finish(_launch(tmp_path, "ddp_policies.py", str(tmp_path), "--steps", "400", restarts=0))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:  # ten Checkpointers created and closed: each destroyed the groups it made
+        before, after = rank.pop("groups")
+        assert after == before, (before, after)
     assert set(ranks[0]) == {"Overhead", "Auto", "YoungDaly", "ConvergenceAware", "Every(seconds)"}
     for name, result in ranks[0].items():
         first, resumed = result["first"], result["resumed"]

@@ -172,7 +172,7 @@ class Checkpointer:
         self._snapshotter = Snapshotter()
         self._writer = Writer()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._writer, self._uploader, [self._local, self._remote], persist_timeout, self._trap
+            self, _shutdown, self._writer, self._uploader, [self._local, self._remote], persist_timeout, self._trap, self._cluster
         )
         if self._trap is not None:
             self._trap.install()
@@ -594,13 +594,16 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._finish_fence()
 
 
-def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], timeout: float, trap: SignalTrap | None) -> None:
+def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], timeout: float,
+              trap: SignalTrap | None, cluster: Cluster | None) -> None:
     try:
         if trap is not None:
             trap.uninstall()
         writer.close(timeout)
         if uploader is not None:
             uploader.wait(timeout)
+        if cluster is not None:
+            cluster.release()
     finally:
         for store in stores:
             if store is not None:

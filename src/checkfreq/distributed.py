@@ -16,6 +16,7 @@ docs/distributed.md.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -192,6 +193,21 @@ class Cluster:
         """Finish the decision exchange in flight (every rank has started the same number)."""
         if self._decider is not None:
             self._decider.close()
+
+    def release(self) -> None:
+        """Destroy checkfreq's groups once the writer and the uploader have stopped, so that a
+        process that creates Checkpointers in turn (a sweep, a test suite) does not pile up gloo
+        connections and threads, and none is left for the interpreter's exit to tear down.
+
+        Destroying a gloo group is local: a peer still finishing its last message on it gets it,
+        as the data already sent precedes the closed connection.
+        """
+        if not dist.is_initialized():  # the user destroyed every group already
+            return
+        for peers in (self.control, self.commit, self.upload):
+            if peers is not None:
+                with contextlib.suppress(ValueError):  # gone with a default group the user replaced
+                    dist.destroy_process_group(peers.group)
 
 
 @dataclass

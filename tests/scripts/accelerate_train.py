@@ -64,6 +64,7 @@ def main() -> None:
     if rank == 0:
         torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict()}, args.out)
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 ``torchrun --nproc-per-node 2 ddp_policies.py DIR --steps S``: for each policy of
 :data:`POLICIES`, a first session trains S steps into ``DIR/<policy>`` and closes; a second
 restores it and trains S more. Each rank writes ``DIR/rank<r>.json``: per policy, the steps at
-which ``step()`` started a checkpoint in each session, the restored step and the restore event.
+which ``step()`` started a checkpoint in each session, the restored step and the restore event,
+and under ``"groups"`` how many process groups the process held before the first Checkpointer
+and after the last one closed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world  # the process groups this process holds
 
 from checkfreq import Checkpointer
 from checkfreq.events import read_events
@@ -56,13 +59,15 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     net = torch.nn.parallel.DistributedDataParallel(model)
     x, y = torch.randn(64, 64), torch.randn(64, 64)
-    results = {}
+    results: dict[str, object] = {}
+    groups_before = len(_world.pg_map)
     for name in POLICIES:
         directory = args.directory / name
         first = session(directory, name, args.steps, net, model, opt, x, y, restore=False)
         resumed = session(directory, name, args.steps, net, model, opt, x, y, restore=True)
         restore_event = [e for e in read_events(directory) if e["event"] == "restore"][-1]
         results[name] = {"first": first, "resumed": resumed, "seeded": restore_event["seeded"]}
+    results["groups"] = [groups_before, len(_world.pg_map)]
     (args.directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

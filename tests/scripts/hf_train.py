@@ -98,3 +98,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # under torchrun: end the group before the interpreter exits
+        torch.distributed.destroy_process_group()
