@@ -52,13 +52,16 @@ def train(  # type: ignore[no-untyped-def]
     return time.perf_counter() - start if timed_close else elapsed
 
 
-def judge(timed: list[float], bases: list[float]) -> tuple[float, float]:
+def judge(timed: list[float], before: list[float], after: list[float] | None = None) -> tuple[float, float]:
     """(overhead, noise): the median ratio of paired runs minus one, and the spread of the no-checkpoint runs.
 
-    ``timed[i]`` was measured right after ``bases[i]``; a run is within a bound ``p`` when
-    ``overhead <= p + noise``.
+    ``timed[i]`` was measured right after the no-checkpoint run ``before[i]`` and, if given, right
+    before ``after[i]``: then it is compared with the mean of the two, which cancels a steady drift
+    of the machine's speed. A run is within a bound ``p`` when ``overhead <= p + noise``.
     """
-    overhead = statistics.median(t / b for t, b in zip(timed, bases)) - 1
+    references = before if after is None else [(b + a) / 2 for b, a in zip(before, after)]
+    overhead = statistics.median(t / r for t, r in zip(timed, references)) - 1
+    bases = [*before, *(after or [])]
     noise = (max(bases) - min(bases)) / statistics.median(bases)
     return overhead, noise
 
