@@ -3,9 +3,10 @@
 A policy that measures time can answer differently on different ranks, yet every rank must
 checkpoint at the same step. :class:`AgreedPolicy` asks the policy at every step, remembers a
 "yes", and exchanges the answers only every so many steps — about every :data:`VOTE_SECONDS` of
-training — in a non-blocking MAX all-reduce collected at the next step. The exchange is not free
-on busy CPUs (docs/distributed.md, "When."): voting at every step of a 14 ms iteration cost about
-6 % on two shared cores, voting every quarter second a fraction of a percent.
+training, and at least twice per interval the policy plans — in a non-blocking all-reduce
+collected at the next step. The exchange is not free on busy CPUs (docs/distributed.md,
+"When."): voting at every step of a 14 ms iteration cost about 6 % on two shared cores, voting
+every quarter second a fraction of a percent.
 """
 
 from __future__ import annotations
@@ -24,21 +25,33 @@ MAX_VOTE_STEPS = 1000
 """No more steps than this between two exchanges, however short the iterations."""
 
 
-def vote_steps(iteration_time: float) -> int:
-    """Steps between two exchanges for this rank's measured iteration time (every step until measured)."""
+def vote_steps(iteration_time: float, interval: int = 0) -> int:
+    """Steps between two exchanges: about :data:`VOTE_SECONDS` of training and at most half the
+    policy's planned ``interval`` (steps; 0 if it plans none), so that a checkpoint comes at most
+    half an interval late and the exchanges cost at most two per checkpoint. Every step until
+    the iteration time is measured."""
     if not (iteration_time > 0 and math.isfinite(iteration_time)):
         return 1
-    return max(1, min(MAX_VOTE_STEPS, math.ceil(VOTE_SECONDS / iteration_time)))
+    steps = math.ceil(VOTE_SECONDS / iteration_time)
+    if interval > 0:
+        steps = min(steps, interval // 2)
+    return max(1, min(MAX_VOTE_STEPS, steps))
+
+
+def _planned_interval(policy: Policy) -> int:
+    """The interval an adaptive policy plans now (its documented ``interval``), else 0."""
+    interval = getattr(policy, "interval", 0)
+    return interval if isinstance(interval, int) and not isinstance(interval, bool) else 0
 
 
 class AgreedPolicy:
     """Wraps a policy whose answer may differ between ranks; every rank acts on the agreed answer.
 
     Each rank asks its policy at every step and remembers whether it said yes since the last
-    exchange. At an exchange step it starts a non-blocking all-reduce of ``(wanted, proposed
-    steps to the next exchange)`` with MAX; the next step collects it, checkpoints if any rank
-    wanted to, and schedules the next exchange by the largest proposal, so every rank exchanges at
-    the same steps. The policy is not asked at the step that checkpoints (it could not know that
+    exchange. At an exchange step it starts a non-blocking MAX all-reduce of ``(wanted, −proposed
+    steps to the next exchange)``; the next step collects it, checkpoints if any rank wanted to,
+    and schedules the next exchange by the smallest proposal, so every rank exchanges at the same
+    steps and none waits longer than it proposed. The policy is not asked at the step that checkpoints (it could not know that
     its wish is being granted). A checkpoint thus comes at most one exchange period plus one step
     after a policy asked for it, and never at a step no rank asked for.
     """
@@ -60,7 +73,8 @@ class AgreedPolicy:
         elif self.policy.should_save(ctx):
             self._wanted = True
         if self._calls == self._next_vote:
-            self._vote = torch.tensor([int(self._wanted), vote_steps(ctx.iteration_time)], dtype=torch.int64)
+            proposal = vote_steps(ctx.iteration_time, _planned_interval(self.policy))
+            self._vote = torch.tensor([int(self._wanted), -proposal], dtype=torch.int64)
             self._work = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
             self._wanted = False
         return agreed
@@ -71,8 +85,8 @@ class AgreedPolicy:
             return False
         self._work.wait()
         self._work = None
-        wanted, period = (int(v) for v in self._vote.tolist())
-        self._next_vote = self._calls - 1 + period
+        wanted, negated_period = (int(v) for v in self._vote.tolist())
+        self._next_vote = self._calls - 1 - negated_period
         return bool(wanted)
 
     def close(self) -> None:
