@@ -5,8 +5,8 @@ checkpoint at the same step. :class:`AgreedPolicy` asks the policy at every step
 "yes", and exchanges the answers only every so many steps — about every :data:`VOTE_SECONDS` of
 training, and at least twice per interval the policy plans — in a non-blocking all-reduce
 collected at the next step. The exchange is not free on busy CPUs (docs/distributed.md,
-"When."): voting at every step of a 14 ms iteration cost about 6 % on two shared cores, voting
-every quarter second a fraction of a percent.
+"When."): voting at every step of a 14 ms iteration cost about 6 % on two shared cores; voting
+every quarter second is within the noise of a run that exchanges nothing.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ class AgreedPolicy:
     exchange. At an exchange step it starts a non-blocking MAX all-reduce of ``(wanted, −proposed
     steps to the next exchange)``; the next step collects it, checkpoints if any rank wanted to,
     and schedules the next exchange by the smallest proposal, so every rank exchanges at the same
-    steps and none waits longer than it proposed. The policy is not asked at the step that checkpoints (it could not know that
-    its wish is being granted). A checkpoint thus comes at most one exchange period plus one step
-    after a policy asked for it, and never at a step no rank asked for.
+    steps and none waits longer than it proposed. The policy is not asked at the step that
+    checkpoints (it could not know that its wish is being granted). A checkpoint thus comes at
+    most one exchange period plus one step after a policy asked for it, and never at a step no
+    rank asked for.
     """
 
     def __init__(self, policy: Policy, group: Any) -> None:
