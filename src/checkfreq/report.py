@@ -338,7 +338,7 @@ def summary_text(report: RunReport) -> str:
         )
         lines.append(
             f"persist: median {human_seconds(s.persist_median_s)} at {_num(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
-            f"{human_bytes(s.bytes_per_checkpoint)} per checkpoint, {human_bytes(s.bytes_written)} written"
+            f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
         )
     if len(report.rank_stalls) > 1:
         lines.append("stall per rank: " + "; ".join(
@@ -380,12 +380,17 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def human_seconds(seconds: float | None) -> str:
-    """A duration for people: ``12.3 ms``, ``4.56 s``, ``12.0 min``; ``n/a`` for None."""
+    """A duration for people: ``850 µs``, ``12.3 ms``, ``4.56 s``, ``12.0 min``, ``30.5 h``; ``n/a`` for None."""
     if seconds is None:
         return "n/a"
+    seconds = float(f"{seconds:.3g}")  # rounded first, so 0.9999 s reads 1 s, not 1e+03 ms
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
     if seconds < 1:
         return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+    if seconds < 600:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.1f} min" if seconds < 6 * 3600 else f"{seconds / 3600:.1f} h"
 
 
 def human_bytes(nbytes: int | None) -> str:

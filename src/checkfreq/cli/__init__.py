@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
+from typer.core import TyperGroup
+
+
+class _Group(TyperGroup):
+    """Typer's command group, listing flags in ``--help`` without a value type (``--json``, not ``--json <bool>``)."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _without_type(super().get_help_option(ctx))
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            for param in [*command.params, command.get_help_option(ctx)]:
+                _without_type(param)
+        return command
+
+
+def _without_type(param: Any) -> Any:
+    """A flag takes no value: give it an empty metavar, which help shows instead of its type."""
+    if getattr(param, "is_flag", False):
+        param.metavar = ""
+    return param
+
 
 app = typer.Typer(
     name="checkfreq",
+    cls=_Group,
     help="Inspect, verify and export checkfreq checkpoints; plan and simulate checkpoint policies; run the demo.",
     no_args_is_help=True,
     add_completion=False,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from checkfreq.errors import CheckfreqError
 
@@ -25,6 +27,28 @@ JSON_HELP = "Print machine-readable JSON on stdout instead of tables."
 
 def console() -> Console:
     return Console(highlight=False)
+
+
+def fitted_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], wrap: Mapping[str, int], title: str | None = None
+) -> Table:
+    """A table that stays readable in 80 columns.
+
+    Every column not in ``wrap`` is right-aligned and exactly as wide as its widest cell or header
+    word (a header of several words takes several lines); the ``wrap`` columns share the width that
+    is left (the table spans the terminal) in the ratios given, wrapping their text (a word too long for its column, such as a
+    tensor name, is folded).
+    """
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, expand=True)
+    for i, header in enumerate(headers):
+        if header in wrap:
+            table.add_column(header, overflow="fold", ratio=wrap[header])
+        else:
+            words = max(len(word) for word in header.split())
+            table.add_column(header, justify="right", width=max([words, *(len(row[i]) for row in rows)]))
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def emit_json(document: Any) -> None:
