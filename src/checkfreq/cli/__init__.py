@@ -7,9 +7,20 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from checkfreq.cli._output import exit_with_error
+from checkfreq.errors import CheckfreqError
+
 
 class _Group(TyperGroup):
-    """Typer's command group, listing flags in ``--help`` without a value type (``--json``, not ``--json <bool>``)."""
+    """Typer's command group, with two changes: a checkfreq error that reaches it from any command is
+    one ``error:`` line and exit status 2, not a traceback; and ``--help`` lists flags without a value
+    type (``--json``, not ``--json <bool>``)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CheckfreqError as e:
+            exit_with_error(e)
 
     def get_help_option(self, ctx: Any) -> Any:
         return _without_type(super().get_help_option(ctx))

@@ -6,7 +6,7 @@ import functools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich import box
@@ -64,11 +64,16 @@ def reports_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except (CheckfreqError, OSError, KeyError, ValueError) as e:
-            message = e.args[0] if isinstance(e, KeyError) and e.args else e
-            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
-            raise typer.Exit(EXIT_ERROR) from None
+            exit_with_error(e)
 
     return wrapper  # type: ignore[return-value]
+
+
+def exit_with_error(error: Exception) -> NoReturn:
+    """Print ``error`` as one red ``error:`` line on stderr (no traceback) and exit with status 2."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
+    raise typer.Exit(EXIT_ERROR) from None
 
 
 def human_age(created: float | None) -> str:
