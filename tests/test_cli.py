@@ -276,6 +276,11 @@ def test_diff_fits_80_columns_with_long_names_and_mismatches(trained: tuple[Path
     assert long_name in "".join(line[:width].strip() for line in table)  # folded over lines, but whole
     code, out = invoke("diff", run / "step_000000005", run / "step_000000010", "--all", columns=80)
     assert code == 1 and "…" not in out and "differs" in out and "equal" in out
+    code, out = invoke("inspect", other, columns=80)
+    tensors = out[out.index("tensors, "):].splitlines()[1:]
+    assert code == 0 and "…" not in "".join(tensors) and max(len(line) for line in tensors) <= 80
+    border = next(line for line in tensors if "name" in line).index("┃", 1)
+    assert long_name in "".join(line[1:border].strip() for line in tensors)  # folded over lines, not cut
 
 
 def test_diff_of_a_damaged_checkpoint_names_the_side(run: Path) -> None:

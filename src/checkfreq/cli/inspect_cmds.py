@@ -88,7 +88,7 @@ def inspect_command(
     out.print(files)
     objects = Table(title="registered objects")
     for column in ("name", "tensors", "bytes", "value"):
-        objects.add_column(column, no_wrap=column != "value")
+        objects.add_column(column, no_wrap=column in ("tensors", "bytes"), overflow="fold")
     for name, entry in info.objects.items():
         value = json.dumps(entry["value"], ensure_ascii=False) if "value" in entry else ""
         if len(value) > VALUE_CHARS:  # the run state of a convergence-aware policy holds its loss history
@@ -97,7 +97,10 @@ def inspect_command(
     out.print(objects)
     tensors = Table(title=f"{len(info.tensors)} tensors, {human_bytes(sum(t.bytes for t in info.tensors))}")
     for column in ("name", "shape", "dtype", "bytes"):
-        tensors.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
+        if column == "name":  # long names (a transformer's) fold over lines rather than being cut
+            tensors.add_column(column, overflow="fold")
+        else:
+            tensors.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
     for t in info.tensors:
         tensors.add_row(t.name, str(tuple(t.shape)), t.dtype, str(t.bytes))
     out.print(tensors)
