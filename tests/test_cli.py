@@ -262,7 +262,9 @@ def test_diff_flags_shape_mismatches(trained: tuple[Path, dict[str, torch.Tensor
     assert rows["optimizer/state/0/exp_avg"]["status"] == "only_a"
 
 
-def test_diff_fits_80_columns_with_long_names_and_mismatches(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+def test_diff_and_inspect_fit_80_columns_with_long_names_and_mismatches(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
     run, _ = trained
     other = tmp_path / "narrow"
     long_name = "an_embedding_table_with_a_rather_long_name_for_a_terminal"

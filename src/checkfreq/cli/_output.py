@@ -36,8 +36,8 @@ def fitted_table(
 
     Every column not in ``wrap`` is right-aligned and exactly as wide as its widest cell or header
     word (a header of several words takes several lines); the ``wrap`` columns share the width that
-    is left (the table spans the terminal) in the ratios given, wrapping their text (a word too long for its column, such as a
-    tensor name, is folded).
+    is left (the table spans the terminal) in the ratios given, wrapping their text (a word too
+    long for its column, such as a tensor name, is folded).
     """
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, expand=True)
     for i, header in enumerate(headers):

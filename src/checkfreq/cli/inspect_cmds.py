@@ -197,7 +197,8 @@ def _print_diff(result: CheckpointDiff, show_all: bool) -> None:
         if show_all or t.status != "equal"
     ]
     if rows:
-        out.print(fitted_table(("tensor", "status", "changed", "max |A-B|", "‖A-B‖/‖A‖"), rows, wrap={"tensor": 3, "status": 2}))
+        headers = ("tensor", "status", "changed", "max |A-B|", "‖A-B‖/‖A‖")
+        out.print(fitted_table(headers, rows, wrap={"tensor": 3, "status": 2}))
     equal = sum(t.status == "equal" for t in result.tensors)
     out.print(f"{len(result.tensors) - equal} of {len(result.tensors)} tensors differ")
 
