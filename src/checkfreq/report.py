@@ -468,7 +468,8 @@ def render_figure(report: RunReport) -> Any:
     axes[4].set_xlabel("seconds since the first event")
     _markers(axes, report, t0)
     sessions_text = "1 session" if len(report.starts) == 1 else f"{len(report.starts)} sessions"
-    fig.suptitle(f"checkfreq report: {_shortened(report.directory)} ({len(recs)} checkpoints, {sessions_text})")
+    where = _shortened(str(Path(report.directory).resolve()))  # "." or "checkpoints" would say nothing
+    fig.suptitle(f"checkfreq report: {where} ({len(recs)} checkpoints, {sessions_text})")
     if not recs:
         axes[0].text(0.5, 0.5, "no checkpoint in the event log", transform=axes[0].transAxes, ha="center")
     return fig
