@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +53,9 @@ def run(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> Path:
     return Path(shutil.copytree(trained[0], tmp_path / "run"))
 
 
-def invoke(*args: str) -> tuple[int, str]:
-    result = runner.invoke(app, [str(a) for a in args])
+def invoke(*args: str, columns: int | None = None) -> tuple[int, str]:
+    """Run the command; ``columns`` sets the terminal width its tables must fit."""
+    result = runner.invoke(app, [str(a) for a in args], env=None if columns is None else {"COLUMNS": str(columns)})
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
@@ -86,6 +89,10 @@ def test_ls_lists_every_checkpoint_with_step_epoch_and_validity(run: Path) -> No
     assert all(c["valid"] and c["reason"] is None and c["bytes"] > 1000 for c in listing)
     code, out = invoke("ls", run)
     assert code == 0 and "step_000000020" in out and "4 valid, 0 invalid" in out
+    # The size column counts every file of the checkpoint, and says so.
+    checkpoint = run / "step_000000020"
+    assert listing[0]["bytes"] == sum(f.stat().st_size for f in checkpoint.iterdir())
+    assert "size: its data files and manifest.json on disk" in out
 
 
 def test_ls_marks_invalid_checkpoints_and_says_why(run: Path) -> None:
@@ -202,6 +209,20 @@ def test_export_of_everything_restores_model_and_optimizer(
     assert "optimizer/state/0/exp_avg" in load_file(tmp_path / "all.safetensors")
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_get_the_permissions_of_any_new_file(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, umask: int
+) -> None:
+    run, _ = trained
+    previous = os.umask(umask)
+    try:
+        for name in ("model.pt", "model.safetensors"):
+            assert invoke("export", run, "--to", tmp_path / name, "--only", "model")[0] == 0
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+    finally:
+        os.umask(previous)
+
+
 def test_export_errors_are_clear(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
     run, _ = trained
     code, out = invoke("export", run, "--to", tmp_path / "model.bin")
@@ -239,6 +260,44 @@ def test_diff_flags_shape_mismatches(trained: tuple[Path, dict[str, torch.Tensor
     rows = {t["name"]: t for t in as_json_allow_failure("diff", run, other)["tensors"]}
     assert rows["model/0.weight"]["status"] == "mismatch" and "(16, 8)" in rows["model/0.weight"]["detail"]
     assert rows["optimizer/state/0/exp_avg"]["status"] == "only_a"
+
+
+def test_diff_and_inspect_fit_80_columns_with_long_names_and_mismatches(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    run, _ = trained
+    other = tmp_path / "narrow"
+    long_name = "an_embedding_table_with_a_rather_long_name_for_a_terminal"
+    with cf.Checkpointer(other, model=make_model(width=16), policy=1, values={long_name: torch.zeros(3)}) as ckpt:
+        ckpt.save(blocking=True)
+    code, out = invoke("diff", run, other, columns=80)
+    table = out.splitlines()[2:]  # after the A: and B: paths
+    assert code == 1 and "…" not in out and max(len(line) for line in table) <= 80
+    assert "mismatch: A (32, 8)" in out and "optimizer/state/3/exp_avg_sq" in out
+    width = next(line for line in table if line.startswith("tensor")).index("status")
+    assert long_name in "".join(line[:width].strip() for line in table)  # folded over lines, but whole
+    code, out = invoke("diff", run / "step_000000005", run / "step_000000010", "--all", columns=80)
+    assert code == 1 and "…" not in out and "differs" in out and "equal" in out
+    code, out = invoke("inspect", other, columns=80)
+    tensors = out[out.index("tensors, "):].splitlines()[1:]
+    assert code == 0 and "…" not in "".join(tensors) and max(len(line) for line in tensors) <= 80
+    border = next(line for line in tensors if "name" in line).index("┃", 1)
+    assert long_name in "".join(line[1:border].strip() for line in tensors)  # folded over lines, not cut
+
+
+def test_diff_of_a_damaged_checkpoint_names_the_side(run: Path) -> None:
+    flipped, _ = damage(run)
+    code, out = invoke("diff", run / "step_000000005", flipped)
+    assert code == 2 and f"checkpoint B ({flipped})" in out and "fails its checksum" in out
+    code, out = invoke("diff", flipped, run / "step_000000005")
+    assert code == 2 and f"checkpoint A ({flipped})" in out
+
+
+def test_help_shows_flags_without_a_value_type() -> None:
+    for args in (["--help"], ["ls", "--help"], ["diff", "--help"], ["report", "--help"]):
+        code, out = invoke(*args, columns=80)
+        assert code == 0 and "--help" in out and "<bool>" not in out, args
+    assert "<path>" in invoke("export", "--help", columns=80)[1]  # options that take a value still say which
 
 
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +56,46 @@ def test_argument_errors_are_checkfreq_errors_and_builtins(tmp_path: Path) -> No
     iter(loader)  # iterating again makes the first iterator stale
     stale = _raised(lambda: next(first))
     assert isinstance(stale, cf.UsageError) and isinstance(stale, RuntimeError)
+
+
+def test_a_plain_dataloader_is_refused_naming_the_loaders_that_resume(tmp_path: Path) -> None:
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    refused = _raised(lambda: cf.Checkpointer(tmp_path, model=_model(), loader=torch.utils.data.DataLoader(data, batch_size=2)))
+    assert isinstance(refused, cf.ArgumentTypeError) and isinstance(refused, TypeError)
+    assert "loader=DataLoader(...)" in str(refused) and "cannot resume" in str(refused)
+    assert "checkfreq.data.ResumableLoader" in str(refused) and "StatefulDataLoader" in str(refused)
+    with cf.Checkpointer(tmp_path, model=_model(), loader=cf.ResumableLoader(data, batch_size=2)):
+        pass  # the loader it names is accepted
+
+
+def test_a_second_checkpointer_in_the_same_process_is_told_to_close_the_first(tmp_path: Path) -> None:
+    with cf.Checkpointer(tmp_path, model=_model()):
+        locked = _raised(lambda: cf.Checkpointer(tmp_path, model=_model()))
+    assert isinstance(locked, cf.DirectoryLockedError)
+    assert str(locked) == (
+        f"checkpoint directory {tmp_path.resolve()} is locked by another checkfreq writer in this process "
+        f"(pid {os.getpid()}): close() the Checkpointer open on it first, or use another directory"
+    )
+
+
+def test_the_command_line_prints_a_checkfreq_error_as_one_line(tmp_path: Path) -> None:
+    """Any command that meets a checkfreq error, not only the inspection commands, ends with one line."""
+    from typer.testing import CliRunner
+
+    from checkfreq.cli import app
+
+    @app.command("open-twice", hidden=True)
+    def open_twice(directory: Path) -> None:
+        with cf.Checkpointer(directory, model=_model()):
+            cf.Checkpointer(directory, model=_model())
+
+    try:
+        result = CliRunner().invoke(app, ["open-twice", str(tmp_path)])
+    finally:
+        app.registered_commands.pop()
+    assert result.exit_code == 2 and not isinstance(result.exception, cf.CheckfreqError)
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint directory") and "Traceback" not in result.output
 
 
 def test_unstorable_dtype_is_an_unserializable_state_error(tmp_path: Path) -> None:

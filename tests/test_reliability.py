@@ -216,8 +216,12 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_is_recovered(tmp_path: Pat
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         assert holder.stdout.readline().strip() == "locked"  # type: ignore[union-attr]
-        with pytest.raises(cf.DirectoryLockedError, match=f"pid {holder.pid}"):
+        with pytest.raises(cf.DirectoryLockedError, match=f"pid {holder.pid}") as refused:
             cf.Checkpointer(tmp_path, model=make_model())
+        # One line: the directory, the process holding it (its command line), what to do.
+        message = str(refused.value)
+        assert "\n" not in message and str(tmp_path.resolve()) in message and f"pid {holder.pid}: {sys.executable} -c" in message
+        assert "wait for it to end or stop it, or give this job a directory of its own" in message
         (tmp_path / "step_000000007.tmp-0123456789ab").mkdir()  # what a job killed mid-persist leaves
     finally:
         holder.send_signal(signal.SIGKILL)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.events import EventLog, read_events
-from checkfreq.report import human_seconds, load_run, summary_text
+from checkfreq.report import human_seconds, load_run, plotted_overhead, render_figure, summary_text
 
 runner = CliRunner()
 
@@ -209,3 +209,42 @@ def test_ranks_of_one_job_count_each_checkpoint_once_and_keep_their_own_stalls(t
     assert (s.checkpoints, s.committed, s.sessions) == (2, 2, 1)
     assert report.rank_stalls == {0: [0.01, 0.02], 1: [pytest.approx(0.04), pytest.approx(0.06)]}
     assert "stall per rank: rank 0 median 15 ms, max 20 ms; rank 1 median 50 ms, max 60 ms" in summary_text(report)
+
+
+def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zero(tmp_path: Path) -> None:
+    """Two sessions of 10-step windows; each ends with a 3-step save() window."""
+    directory = tmp_path / "exp7" / "checkpoints"
+    directory.mkdir(parents=True)
+    log = EventLog(directory)
+
+    def checkpoint(step: int, steps: int) -> None:
+        log.write("snapshot", step=step, stall_s=0.005, bytes=100, interval_steps=steps, interval_s=0.01 * steps + 0.005,
+                  iteration_s=0.01, clean_iterations=steps - 1, clean_iteration_s=0.01, reason="policy")
+        log.write("commit", step=step, persist_s=0.02, bytes=120, bandwidth_gbps=6e-6)
+
+    log.write("start", pid=1, policy="Every", keep=3)
+    for step in (10, 20, 30, 40):
+        checkpoint(step, 10)
+    checkpoint(43, 3)
+    log.write("start", pid=2, policy="Every", keep=3)
+    log.write("restore", step=43, skipped=[])
+    for step in (50, 60, 70, 80):
+        checkpoint(step, 10 if step > 50 else 7)
+    checkpoint(83, 3)
+    report = load_run(directory)
+    windows = [(r.step, r.overhead is not None) for r in report.records]
+    assert windows == [(10, False), (20, True), (30, True), (40, True), (43, True),
+                       (50, False), (60, True), (70, True), (80, True), (83, True)]
+    # The 3-step windows count in the run's overhead, but get no point of their own.
+    assert [r.step for r, o in zip(report.records, plotted_overhead(report)) if o is not None] == [20, 30, 40, 60, 70, 80]
+
+    figure = render_figure(report)
+    iteration, _, persist, interval, overhead = figure.axes[:5]
+    restore_time = report.restores[0]["time"] - report.start_time
+    for ax in (iteration, persist, interval, overhead):
+        lines = [line for line in ax.get_lines() if line.get_transform() == ax.transData and line.get_linestyle() != "None"]
+        data_lines = [line for line in lines if not (min(line.get_xdata()) < restore_time < max(line.get_xdata()))]
+        assert lines and data_lines == lines, ax.get_ylabel()  # no line crosses the restore
+    assert len([line for line in overhead.get_lines() if line.get_label() in ("per window", "_nolegend_")]) == 2
+    assert interval.get_ylim()[0] == 0 and interval.get_ylim()[1] > 10  # the constant 10 steps, on an axis from 0
+    assert "exp7/checkpoints (10 checkpoints, 2 sessions)" in figure.get_suptitle()  # the path, not just "checkpoints"

@@ -326,7 +326,8 @@ def export(
 
     ``.pt``/``.pth``: ``torch.save`` of the nested state, loadable with ``torch.load(weights_only=True)``.
     ``.safetensors``: the tensors under their ``/``-joined paths (a module's own keys with ``only``).
-    The file appears atomically (written aside, fsynced, renamed).
+    The file appears atomically (written aside, fsynced, renamed), with the permissions of any
+    new file (``0o666`` less the umask).
     """
     destination = Path(destination)
     if destination.suffix not in EXPORT_SUFFIXES:
@@ -338,6 +339,8 @@ def export(
         raise CheckfreqError(f"nothing to export: {only or 'the checkpoint'} holds no tensors")
     staging = destination.with_name(f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
+        staging.touch(exist_ok=False)  # created like any new file: the umask applies
+        mode = staging.stat().st_mode & 0o777
         if destination.suffix == ".safetensors":
             from safetensors.torch import save_file
 
@@ -345,6 +348,7 @@ def export(
         else:
             torch.save(state, staging)
             dropped = {}
+        os.chmod(staging, mode)  # safetensors replaces the file with a private (0600) one
         _fsync_file(staging)
         os.replace(staging, destination)
         fsync_directory(destination.parent.resolve())
@@ -434,12 +438,20 @@ class CheckpointDiff:
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
     """Compare two checkpoints (both verified against their checksums) tensor by tensor."""
     ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
-    manifest_a, tensors_a = ref_a.read()
-    manifest_b, tensors_b = ref_b.read()
+    manifest_a, tensors_a = _read_side("A", ref_a)
+    manifest_b, tensors_b = _read_side("B", ref_b)
     rows = [_compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())]
     order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
     rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
     return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows)
+
+
+def _read_side(side: str, ref: CheckpointRef) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """``ref.read()``, its corruption errors naming which side of the diff, and where, failed."""
+    try:
+        return ref.read()
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"checkpoint {side} ({ref.address}): {e}") from e
 
 
 def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> TensorDiff:

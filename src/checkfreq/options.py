@@ -12,11 +12,17 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch.utils.data
+
 from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
 from checkfreq.retention import Retention
 from checkfreq.state import Stateful
 
 PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
+LOADER_HINT = (
+    "use checkfreq.data.ResumableLoader(dataset, batch_size, shuffle=..., seed=...), which takes DataLoader's "
+    "arguments, or torchdata's StatefulDataLoader"
+)
 
 
 def closest(name: str, valid: Iterable[str]) -> str | None:
@@ -45,6 +51,11 @@ def check_objects(caller: str, objects: Mapping[str, Any], options: Iterable[str
     options = list(options)
     for name, obj in objects.items():
         if isinstance(obj, option_types) or not isinstance(obj, Stateful):
+            if isinstance(obj, torch.utils.data.DataLoader):
+                raise ArgumentTypeError(
+                    f"{caller}() cannot checkpoint {name}={type(obj).__qualname__}(...): a plain DataLoader has no "
+                    f"state_dict()/load_state_dict() and cannot resume where it stopped; {LOADER_HINT}"
+                )
             hint = "" if closest(name, options) is not None else (
                 f"its value, a {type(obj).__qualname__}, has no state_dict()/load_state_dict(); {PLAIN_VALUES_HINT}"
             )

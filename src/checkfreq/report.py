@@ -338,7 +338,7 @@ def summary_text(report: RunReport) -> str:
         )
         lines.append(
             f"persist: median {human_seconds(s.persist_median_s)} at {_num(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
-            f"{human_bytes(s.bytes_per_checkpoint)} per checkpoint, {human_bytes(s.bytes_written)} written"
+            f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
         )
     if len(report.rank_stalls) > 1:
         lines.append("stall per rank: " + "; ".join(
@@ -380,12 +380,17 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def human_seconds(seconds: float | None) -> str:
-    """A duration for people: ``12.3 ms``, ``4.56 s``, ``12.0 min``; ``n/a`` for None."""
+    """A duration for people: ``850 µs``, ``12.3 ms``, ``4.56 s``, ``12.0 min``, ``30.5 h``; ``n/a`` for None."""
     if seconds is None:
         return "n/a"
+    seconds = float(f"{seconds:.3g}")  # rounded first, so 0.9999 s reads 1 s, not 1e+03 ms
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
     if seconds < 1:
         return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s" if seconds < 600 else f"{seconds / 60:.1f} min"
+    if seconds < 600:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.1f} min" if seconds < 6 * 3600 else f"{seconds / 3600:.1f} h"
 
 
 def human_bytes(nbytes: int | None) -> str:
@@ -402,8 +407,27 @@ def human_bytes(nbytes: int | None) -> str:
     return f"{value:.3g} {unit}"
 
 
+SHORT_WINDOW = 0.5
+"""A window shorter than this share of its session's median interval (in steps) gets no point in
+the overhead panel: its stall weighs on a few steps only (a ``save()`` just after a restore, a last
+checkpoint at the end), so its share says little. It still counts in the run's overhead."""
+
+
+def plotted_overhead(report: RunReport) -> list[float | None]:
+    """Each record's overhead as the figure plots it: ``None`` for a window too short to mean anything."""
+    medians = {s.index: s.interval_median_steps for s in report.sessions}
+    return [
+        None if r.overhead is None or (r.interval_steps or 0) < SHORT_WINDOW * (medians.get(r.session) or 0) else r.overhead
+        for r in report.records
+    ]
+
+
 def render_figure(report: RunReport) -> Any:
-    """A matplotlib ``Figure`` of the timeline (Agg canvas; pyplot and its global state are not used)."""
+    """A matplotlib ``Figure`` of the timeline (Agg canvas; pyplot and its global state are not used).
+
+    Each session is drawn as its own line: no line joins the last checkpoint before a restart to
+    the first one after it.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -412,42 +436,61 @@ def render_figure(report: RunReport) -> Any:
     axes = fig.subplots(5, 1, sharex=True)
     t0, recs = report.start_time, report.records
     x = [r.time - t0 for r in recs]
-    _series(axes[0], x, [r.clean_iteration_s for r in recs], "clean (window mean)", 1e3, "o-")
-    _series(axes[0], x, [r.iteration_s for r in recs], "without persist (smoothed)", 1e3, "d:")
-    _series(axes[0], x, [r.iteration_persisting_s for r in recs], "while persisting (smoothed)", 1e3, "s--")
+    sessions = [r.session for r in recs]
+    _series(axes[0], x, [r.clean_iteration_s for r in recs], sessions, "clean (window mean)", 1e3, "o-")
+    _series(axes[0], x, [r.iteration_s for r in recs], sessions, "without persist (smoothed)", 1e3, "d:")
+    _series(axes[0], x, [r.iteration_persisting_s for r in recs], sessions, "while persisting (smoothed)", 1e3, "s--")
     axes[0].set_ylabel("iteration (ms)")
     axes[0].legend(loc="best", fontsize="small")
-    _series(axes[1], x, [r.stall_s for r in recs], "checkpoint (persisted)", 1e3, "o")
+    _series(axes[1], x, [r.stall_s for r in recs], sessions, "checkpoint (persisted)", 1e3, "o")
     axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
     memory = report.memory_snapshots
-    _series(axes[1], [m["time"] - t0 for m in memory], [m["stall_s"] for m in memory], "memory snapshot", 1e3, "x", color="C2")
+    memory_x = [m["time"] - t0 for m in memory]
+    _series(axes[1], memory_x, [m["stall_s"] for m in memory], [0] * len(memory), "memory snapshot", 1e3, "x", color="C2")
     axes[1].set_ylabel("stall (ms)")
     if memory:
         axes[1].legend(loc="best", fontsize="small")
-    _series(axes[2], x, [r.persist_s for r in recs], "persist", 1e3, "o-")
+    _series(axes[2], x, [r.persist_s for r in recs], sessions, "persist", 1e3, "o-")
     axes[2].set_ylabel("persist (ms)")
     twin = axes[2].twinx()
-    _series(twin, x, [r.bandwidth_gbps for r in recs], "bandwidth", 1e3, "^:", color="C1")
+    _series(twin, x, [r.bandwidth_gbps for r in recs], sessions, "bandwidth", 1e3, "^:", color="C1")
     twin.set_ylabel("bandwidth (MB/s)", color="C1")
-    _series(axes[3], x, [r.interval_steps for r in recs], "interval", 1.0, "o-", drawstyle="steps-post")
+    _series(axes[3], x, [r.interval_steps for r in recs], sessions, "interval", 1.0, "o-", drawstyle="steps-post")
     axes[3].set_ylabel("interval (steps)")
-    _series(axes[4], x, [r.overhead for r in recs], "per window", 100.0, "o-")
+    for ax in (*axes[:4], twin):  # from zero: a constant series is a flat line, not noise on a magnified axis
+        ax.set_ylim(0, max(ax.get_ylim()[1], 0) or 1)
+    _series(axes[4], x, plotted_overhead(report), sessions, "per window", 100.0, "o-")
+    axes[4].axhline(0, color="grey", linewidth=0.8)
     if report.summary and report.summary.overhead is not None:
         axes[4].axhline(100 * report.summary.overhead, color="C3", linestyle="--", label="run")
     axes[4].set_ylabel("overhead (%)")
     axes[4].legend(loc="best", fontsize="small")
     axes[4].set_xlabel("seconds since the first event")
     _markers(axes, report, t0)
-    fig.suptitle(f"checkfreq run {Path(report.directory).name}: {len(recs)} checkpoints")
+    sessions_text = "1 session" if len(report.starts) == 1 else f"{len(report.starts)} sessions"
+    where = _shortened(str(Path(report.directory).resolve()))  # "." or "checkpoints" would say nothing
+    fig.suptitle(f"checkfreq report: {where} ({len(recs)} checkpoints, {sessions_text})")
     if not recs:
         axes[0].text(0.5, 0.5, "no checkpoint in the event log", transform=axes[0].transAxes, ha="center")
     return fig
 
 
-def _series(ax: Any, x: list[float], ys: list[Any], label: str, scale: float, style: str, **kw: Any) -> None:
-    points = [(xi, scale * y) for xi, y in zip(x, ys) if y is not None]
-    if points:
-        ax.plot(*zip(*points), style, label=label, markersize=3, **kw)
+def _shortened(path: str, chars: int = 70) -> str:
+    """``path``, or its last ``chars`` characters after an ellipsis."""
+    return path if len(path) <= chars else "…" + path[-(chars - 1) :]
+
+
+def _series(
+    ax: Any, x: list[float], ys: list[Any], sessions: list[int], label: str, scale: float, style: str, **kw: Any
+) -> None:
+    """Plot the points that have a value, one line per session, in one colour under one legend entry."""
+    by_session: dict[int, list[tuple[float, float]]] = {}
+    for xi, y, session in zip(x, ys, sessions):
+        if y is not None:
+            by_session.setdefault(session, []).append((xi, scale * y))
+    for points in by_session.values():
+        (line,) = ax.plot(*zip(*points), style, label=label, markersize=3, **kw)
+        label, kw = "_nolegend_", {**kw, "color": line.get_color()}
     ax.grid(True, alpha=0.3)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from checkfreq.errors import CheckfreqError
 
@@ -27,6 +29,28 @@ def console() -> Console:
     return Console(highlight=False)
 
 
+def fitted_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], wrap: Mapping[str, int], title: str | None = None
+) -> Table:
+    """A table that stays readable in 80 columns.
+
+    Every column not in ``wrap`` is right-aligned and exactly as wide as its widest cell or header
+    word (a header of several words takes several lines); the ``wrap`` columns share the width that
+    is left (the table spans the terminal) in the ratios given, wrapping their text (a word too
+    long for its column, such as a tensor name, is folded).
+    """
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False, expand=True)
+    for i, header in enumerate(headers):
+        if header in wrap:
+            table.add_column(header, overflow="fold", ratio=wrap[header])
+        else:
+            words = max(len(word) for word in header.split())
+            table.add_column(header, justify="right", width=max([words, *(len(row[i]) for row in rows)]))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def emit_json(document: Any) -> None:
     """Print ``document`` as strict JSON (NaN and infinities are not allowed)."""
     typer.echo(json.dumps(document, indent=2, allow_nan=False))
@@ -40,11 +64,16 @@ def reports_errors(command: F) -> F:
         try:
             return command(*args, **kwargs)
         except (CheckfreqError, OSError, KeyError, ValueError) as e:
-            message = e.args[0] if isinstance(e, KeyError) and e.args else e
-            Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
-            raise typer.Exit(EXIT_ERROR) from None
+            exit_with_error(e)
 
     return wrapper  # type: ignore[return-value]
+
+
+def exit_with_error(error: Exception) -> NoReturn:
+    """Print ``error`` as one red ``error:`` line on stderr (no traceback) and exit with status 2."""
+    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
+    raise typer.Exit(EXIT_ERROR) from None
 
 
 def human_age(created: float | None) -> str:

@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from checkfreq.cli import app
-from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, human_age, reports_errors
+from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fitted_table, human_age, reports_errors
 from checkfreq.report import human_bytes
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def ls_command(
 
     Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too.
     """
-    from checkfreq.catalog import list_checkpoints, memory_snapshots
+    from checkfreq.catalog import is_url, list_checkpoints, memory_snapshots
 
     disk = list_checkpoints(directory, checksums=not quick)
     statuses = sorted(memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory"))
@@ -57,6 +57,8 @@ def ls_command(
     out = console()
     out.print(table)
     out.print(f"{sum(s.valid for s in statuses)} valid, {sum(not s.valid for s in statuses)} invalid")
+    counted = "its data files, as its manifest lists them" if is_url(directory) else "its data files and manifest.json on disk"
+    out.print(f"size: {counted} (docs/cli.md, 'Sizes')")
 
 
 @app.command("inspect")
@@ -86,7 +88,7 @@ def inspect_command(
     out.print(files)
     objects = Table(title="registered objects")
     for column in ("name", "tensors", "bytes", "value"):
-        objects.add_column(column, no_wrap=column != "value")
+        objects.add_column(column, no_wrap=column in ("tensors", "bytes"), overflow="fold")
     for name, entry in info.objects.items():
         value = json.dumps(entry["value"], ensure_ascii=False) if "value" in entry else ""
         if len(value) > VALUE_CHARS:  # the run state of a convergence-aware policy holds its loss history
@@ -95,7 +97,10 @@ def inspect_command(
     out.print(objects)
     tensors = Table(title=f"{len(info.tensors)} tensors, {human_bytes(sum(t.bytes for t in info.tensors))}")
     for column in ("name", "shape", "dtype", "bytes"):
-        tensors.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
+        if column == "name":  # long names (a transformer's) fold over lines rather than being cut
+            tensors.add_column(column, overflow="fold")
+        else:
+            tensors.add_column(column, no_wrap=True, justify="right" if column == "bytes" else "left")
     for t in info.tensors:
         tensors.add_row(t.name, str(tuple(t.shape)), t.dtype, str(t.bytes))
     out.print(tensors)
@@ -180,16 +185,20 @@ def diff_command(
 def _print_diff(result: CheckpointDiff, show_all: bool) -> None:
     out = console()
     out.print(f"A: {result.a} (step {result.step_a})\nB: {result.b} (step {result.step_b})", soft_wrap=True)
-    table = Table()
-    for column in ("tensor", "status", "changed", "max |A-B|", "‖A-B‖/‖A‖"):
-        table.add_column(column, no_wrap=column != "status")
-    rows = [t for t in result.tensors if show_all or t.status != "equal"]
-    for t in rows:
-        changed = f"{t.changed}/{t.numel}" if t.status in ("differs", "equal") else "-"
-        status = t.status if t.detail is None else f"{t.status}: {t.detail}"
-        table.add_row(t.name, status, changed, _g(t.max_abs), _g(t.rel_l2))
+    rows = [
+        (
+            t.name,
+            t.status if t.detail is None else f"{t.status}: {t.detail}",
+            f"{t.changed}/{t.numel}" if t.status in ("differs", "equal") else "-",
+            _g(t.max_abs),
+            _g(t.rel_l2),
+        )
+        for t in result.tensors
+        if show_all or t.status != "equal"
+    ]
     if rows:
-        out.print(table)
+        headers = ("tensor", "status", "changed", "max |A-B|", "‖A-B‖/‖A‖")
+        out.print(fitted_table(headers, rows, wrap={"tensor": 3, "status": 2}))
     equal = sum(t.status == "equal" for t in result.tensors)
     out.print(f"{len(result.tensors) - equal} of {len(result.tensors)} tensors differ")
 

@@ -11,10 +11,11 @@ from rich.table import Table
 
 from checkfreq import policy_schedules
 from checkfreq.cli import app
-from checkfreq.cli._output import JSON_HELP, console, emit_json, reports_errors
+from checkfreq.cli._output import JSON_HELP, console, emit_json, fitted_table, reports_errors
 from checkfreq.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.losscurve import LossCurve
 from checkfreq.policies import Overhead
+from checkfreq.report import human_seconds
 from checkfreq.simulate import Result, Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0
@@ -66,7 +67,7 @@ def plan_command(
         expected = row["expected_overhead"]
         table.add_row(
             str(row["policy"]),
-            f"{row['interval_s']:.1f} s",
+            human_seconds(row["interval_s"]),
             str(row["interval_steps"]),
             f"{row['stall_overhead']:.2%}",
             "-" if expected is None else f"{expected:.2%}",
@@ -90,9 +91,7 @@ def simulate_command(
     p: Annotated[float, typer.Option(help="Overhead bound for Overhead and Auto.")] = 0.035,
     runs: Annotated[int, typer.Option(help="Paired Monte Carlo runs.", min=1)] = 2000,
     seed: Annotated[int, typer.Option(help="Random seed (common random numbers).")] = 0,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of placement and overhead here.")] = Path(
-        "checkfreq-simulate.png"
-    ),
+    plot: Annotated[Path | None, typer.Option(help="Also write a PNG of placement and overhead to this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Compare checkpoint policies under Poisson failures: time overhead and value-weighted J."""
@@ -116,19 +115,21 @@ def simulate_command(
         rows = [{**r.as_dict(), "overhead_vs_young": change[r.name][0], "j_vs_young": change[r.name][1]} for r in results]
         emit_json({"workload": _describe(wl), "results": rows, "plot": None if plot is None else str(plot)})
         return
-    table = Table(title=f"{runs} paired runs: {_describe(wl)}")
     columns = ("policy", "ckpts", "stall", "lost", "recovery", "time overhead", "vs Young", "GPU-h", "J", "J vs Young")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "policy" else "right")
-    for r in results:
-        dt, dj = change[r.name]
-        table.add_row(
+    rows = [
+        (
             r.name, f"{r.checkpoints:.0f}", _min(r.stall), _min(r.lost), _min(r.recovery), _min(r.overhead),
-            f"{dt:+.0%}", f"{r.gpu_hours:.1f}", _min(r.value_weighted), f"{dj:+.0%}",
+            f"{change[r.name][0]:+.0%}", f"{r.gpu_hours:.1f}", _min(r.value_weighted), f"{change[r.name][1]:+.0%}",
         )
+        for r in results
+    ]
     out = console()
-    out.print(table)
-    out.print("time overhead = stall + lost work + recovery; J values lost work by the progress it bought (ω).")
+    out.print(f"{runs} paired runs: {_describe(wl)}", soft_wrap=True)
+    out.print(fitted_table(columns, rows, wrap={"policy": 1}))
+    out.print(
+        "Minutes, mean per run. time overhead = stall + lost work + recovery; "
+        "J values lost work by the progress it bought (ω)."
+    )
     if plot is not None:
         out.print(f"plot: {plot}")
 
@@ -164,7 +165,7 @@ def _describe(wl: Workload) -> str:
 
 
 def _min(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
+    return f"{seconds / 60:.1f}"
 
 
 def _plot(results: list[Result], wl: Workload, path: Path) -> None:

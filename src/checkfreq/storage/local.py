@@ -36,6 +36,20 @@ LOCK_NAME = ".checkfreq.lock"
 _HELD_LOCKS: set[int] = set()
 
 
+def _locked_message(root: Path, pid: str) -> str:
+    """One line on a directory whose lock another writer holds: which directory, which process
+    (its command line where this machine can see it), and what to do."""
+    where = f"checkpoint directory {root.resolve()} is locked by another checkfreq writer"
+    if pid == str(os.getpid()):
+        return f"{where} in this process (pid {pid}): close() the Checkpointer open on it first, or use another directory"
+    try:
+        command = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+    except (OSError, ValueError):
+        command = ""  # not on this machine (a shared filesystem), or no /proc
+    holder = f"pid {pid or 'unknown'}" + (f": {command[:77]}..." if len(command) > 80 else f": {command}" if command else "")
+    return f"{where} ({holder}); wait for it to end or stop it, or give this job a directory of its own"
+
+
 def _drop_inherited_locks() -> None:
     """In a forked child: close the inherited lock descriptors (the lock stays the parent's)."""
     for fd in _HELD_LOCKS:
@@ -93,11 +107,7 @@ class LocalStore:
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                owner = (self.root / LOCK_NAME).read_text().strip() or "unknown"
-                raise DirectoryLockedError(
-                    f"{self.root} is in use by another checkfreq writer (pid {owner}); "
-                    "give each job its own directory"
-                ) from None
+                raise DirectoryLockedError(_locked_message(self.root, (self.root / LOCK_NAME).read_text().strip())) from None
             raise
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
