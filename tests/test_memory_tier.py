@@ -183,7 +183,7 @@ def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not
             ckpt.step()
             time.sleep(0.25)  # "compute": far longer than copying 20 floats
     cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
-    assert cheap_steps[:2] == [1, 2] and len(cheap_steps) >= 16  # every step, but for a hiccup of a busy machine
+    assert cheap_steps[0] == 1 and len(cheap_steps) >= 16  # every step, but for a hiccup of a busy machine (step 2's too)
 
     heavy = torch.nn.Linear(2048, 2048)  # 16 MiB to copy, nothing else per step
     with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy) as ckpt:

@@ -15,16 +15,20 @@ from checkfreq.events import read_events
 README = Path(__file__).parents[1] / "README.md"
 KILL_AT = 45  # an optimizer step in the second of the example's three epochs of 32 steps
 
-# Around the example, never inside it: a stop after optimizer step $STOP_AT (where the test's
-# SIGKILL lands), and a digest of everything a resumed run must reproduce.
+# Around the example, never inside it: a stop after optimizer step $STOP_AT, once a checkpoint is
+# committed to resume from (where the test's SIGKILL lands), and a digest of everything a resumed
+# run must reproduce.
 PRELUDE = """\
-import os as _os, time as _time
+import glob as _glob, os as _os, time as _time
 from torch.optim.optimizer import register_optimizer_step_post_hook as _after_every_step
 _steps = 0
 def _stop(*_):
     global _steps
     _steps += 1
     if _steps == int(_os.environ.get("STOP_AT", 0)):
+        deadline = _time.monotonic() + 120
+        while not [p for p in _glob.glob("runs/exp1/step_*") if ".tmp-" not in p] and _time.monotonic() < deadline:
+            _time.sleep(0.01)
         print("STOPPED", flush=True)
         _time.sleep(300)
 _after_every_step(_stop)
@@ -77,7 +81,7 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
     run = tmp_path / "killed" / "runs" / "exp1"
-    assert any(run.glob("step_*")), "the killed run committed no checkpoint before step 45"
+    assert any(p for p in run.glob("step_*") if ".tmp-" not in p.name), "the killed run committed no checkpoint"
 
     assert _digest(script, tmp_path / "killed") == reference
     restored = [e["step"] for e in read_events(run) if e["event"] == "restore"]
