@@ -142,7 +142,7 @@ def test_memory_stays_flat_over_thousands_of_snapshots(shm_dir: Path, tmp_path: 
 
 
 def test_a_run_that_did_not_restore_refuses_to_overwrite_memory_snapshots(shm_dir: Path, tmp_path: Path) -> None:
-    train(tmp_path / "run", "--memory", "1", kill_after=5)  # killed before its first persist
+    train(tmp_path / "run", "--memory", "1", "--hook", "slot", "--hook-at", "6")  # killed before its first persist (8)
     assert not list((tmp_path / "run").glob("step_*"))
     model = make_model()
     with cf.Checkpointer(tmp_path / "run", policy=8, memory=True, model=model) as ckpt:
