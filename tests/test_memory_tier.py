@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,17 +20,18 @@ import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.events import read_events
 from checkfreq.memory_cadence import MemoryCadence
-from checkfreq.storage.shm import SHM_DIR_ENV, region_path
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, directory_identity, region_path
 from conftest import make_model, train_step
 
 SCRIPT = Path(__file__).parent / "scripts" / "chaos_train.py"
 ARGS = ["--epochs", "3", "--every", "8"]  # 8 steps an epoch: 24 steps, persists at 8, 16, 24
 
 
-def train(directory: Path, *extra: str, kill_after: int | None = None) -> dict[str, str]:
+def train(directory: Path, *extra: str, kill_after: int | None = None,
+          while_stopped: Callable[[], None] = lambda: None) -> dict[str, str]:
     """Run the training script; SIGKILL it once step ``kill_after + 2`` has begun (the memory
     snapshot of step ``kill_after`` is complete by then), or where a ``--hook`` in ``extra``
-    stopped it. Returns the last line of each kind."""
+    stopped it (after calling ``while_stopped``). Returns the last line of each kind."""
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dir", str(directory), *ARGS, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: dict[str, str] = {}
@@ -37,6 +39,8 @@ def train(directory: Path, *extra: str, kill_after: int | None = None) -> dict[s
         for line in proc.stdout:  # type: ignore[union-attr]
             kind, _, value = line.strip().partition(" ")
             lines[kind] = value
+            if kind == "chaos":
+                while_stopped()
             if kind == "chaos" or (kill_after is not None and kind == "optimizer" and int(value) == kill_after + 2):
                 proc.send_signal(signal.SIGKILL)
                 break
@@ -83,8 +87,6 @@ def test_a_torn_newest_snapshot_falls_back_to_the_previous_one(shm_dir: Path, tm
     run = tmp_path / "run"
     train(run, "--memory", "1", "--hook", "slot", "--hook-at", "15")  # killed with both slots committed
     path = region_path(run, 0)
-    from checkfreq.storage.shm import MemoryRegion
-
     region = MemoryRegion.for_directory(run)
     newest, older = region.snapshots()
     at = 4096 + newest.slot * (region._data_capacity + region._meta_capacity) + 100
@@ -101,6 +103,29 @@ def test_a_torn_newest_snapshot_falls_back_to_the_previous_one(shm_dir: Path, tm
     assert int(resumed["ready"]) == older.step and resumed["final"] == reference
     restore = [e for e in read_events(run) if e["event"] == "restore"][-1]
     assert restore["tier"] == "memory" and "checksum" in restore["skipped"][0][1]
+
+
+def test_a_region_read_while_a_snapshot_is_being_committed_shows_only_complete_ones(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+    """The writer stopped, alive, between copying step 14's snapshot and writing its header: a
+    reader sees only older, complete snapshots; killed there, the run resumes from one of them."""
+    run = tmp_path / "run"
+    seen: dict[str, list] = {}  # type: ignore[type-arg]
+
+    def look() -> None:
+        region = MemoryRegion(region_path(run, 0), directory_identity(run), tidy=False)
+        newest = region.newest()
+        seen["steps"] = [info.step for info in region.snapshots()]
+        seen["newest"] = [] if newest is None else [newest[0].step]
+        region.release(remove=False)
+        listing = json.loads(CliRunner().invoke(app, ["ls", str(run), "--json"]).output)
+        seen["listed"] = [(e["step"], e["valid"]) for e in listing if e["tier"] == "memory"]
+
+    train(run, "--memory", "1", "--hook", "header", "--hook-at", "14", while_stopped=look)
+    steps = seen["steps"]
+    assert len(steps) == 1 and steps[0] < 14 and seen["newest"] == steps, seen
+    assert seen["listed"] == [(steps[0], True)], seen
+    resumed = train(run, "--memory", "1")
+    assert int(resumed["ready"]) == steps[0] and resumed["final"] == reference
 
 
 def test_a_small_tmpfs_means_disk_only_with_one_warning(tmp_path: Path, reference: str) -> None:
