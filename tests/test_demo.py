@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,11 @@ def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path
     sessions = load_run(checkpoints).sessions
     assert len(sessions) == 2 and [session_line(s) for s in sessions] == [line for line in lines if line.startswith("session ")]
     assert "wall time" not in result.stdout
+    killed = int(re.search(r"killed at step\s+(\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    first, resumed = sessions
+    assert resumed.restored_step is not None and 0 < resumed.restored_step <= killed
+    rate = first.checkpoints / killed
+    assert resumed.checkpoints / (120 - resumed.restored_step) <= 2 * rate + 0.05, sessions  # no back-to-back checkpoints
 
 
 def test_demo_refuses_a_directory_it_cannot_use_before_training(tmp_path: Path) -> None:
