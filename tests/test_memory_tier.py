@@ -215,7 +215,10 @@ def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not
         for _ in range(30):
             ckpt.step()
     heavy_steps = [e["step"] for e in read_events(tmp_path / "heavy") if e["event"] == "memory"]
-    assert heavy_steps[:2] == [1, 2] and len(heavy_steps) <= 6  # the copy is the whole iteration: 3.5 % allows few
+    # the copy is the whole iteration: 3.5 % allows one in about 29 steps, once measured; the first measured
+    # iteration holds the first snapshot (creating the region), more so on a busy machine, and the iteration
+    # estimate stays high, allowing more snapshots, until it re-profiles 8 steps later
+    assert heavy_steps[:2] == [1, 2] and len(heavy_steps) <= 12 < len(cheap_steps)
 
 
 def test_report_shows_memory_snapshots_apart_from_persists(shm_dir: Path, tmp_path: Path) -> None:
