@@ -82,7 +82,7 @@ def test_bad_parameters_raise(call) -> None:  # type: ignore[no-untyped-def]
         call()
 
 
-# The worked example of algorithms.md §3, with w in seconds.
+# The worked example of docs/algorithms.md §3, with w in seconds.
 WORKED = LossCurve(a=0.2, b=2.0 * 60.0, w0=0.1 * HOUR, c=0.5)
 HORIZON = 24 * HOUR
 

@@ -55,11 +55,11 @@ def test_whole_run_overhead_stays_within_the_bound(tmp_path: Path) -> None:
 def test_interval_grows_when_persist_slows_and_shrinks_when_it_recovers(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     model, opt, x, y = setup()
-    delay = {"seconds": 0.0}
+    delay = {"iterations": 0}
     write = commit.write_data
 
     def slow_write(*args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(delay["seconds"])
+        time.sleep(delay["iterations"] * ckpt.profiler.iteration.value)  # in today's iterations: a busier machine slows both
         return write(*args, **kwargs)
 
     monkeypatch.setattr(commit, "write_data", slow_write)  # where the commit protocol writes each rank's file
@@ -76,10 +76,9 @@ def test_interval_grows_when_persist_slows_and_shrinks_when_it_recovers(tmp_path
         return policy.interval
 
     before = run(200)
-    iteration = ckpt.profiler.iteration.value
-    delay["seconds"] = 150 * iteration  # persist now takes at least 150 iterations
+    delay["iterations"] = 150  # persist now takes at least 150 iterations
     during = run(500)
-    delay["seconds"] = 0.0
+    delay["iterations"] = 0
     after = run(500)
     for _ in range(35):  # a long plan sees its first fast persists only after `during` more steps
         if after < during:

@@ -205,7 +205,7 @@ def test_young_daly_policy_and_auto() -> None:
         YoungDaly(mtbf=0)
 
 
-WORKED = LossCurve(a=0.2, b=120.0, w0=360.0, c=0.5)  # algorithms.md §3, one step = one second
+WORKED = LossCurve(a=0.2, b=120.0, w0=360.0, c=0.5)  # docs/algorithms.md §3, one step = one second
 
 
 def test_convergence_aware_fits_the_loss_online_and_spaces_out() -> None:

@@ -21,7 +21,7 @@ from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, O
 from checkfreq.profiler import Profiler
 
 HOUR = 3600.0
-WORKED = LossCurve(a=0.2, b=120.0, w0=360.0, c=0.5)  # algorithms.md §3, one step = one second
+WORKED = LossCurve(a=0.2, b=120.0, w0=360.0, c=0.5)  # docs/algorithms.md §3, one step = one second
 
 
 @dataclass

@@ -159,8 +159,8 @@ def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path:
 @pytest.mark.slow
 def test_under_torchrun_every_policy_is_seeded_and_the_ranks_agree_after_the_restore(tmp_path: Path) -> None:
     """Each policy trains a session under 2-rank DDP, closes, and a second session restores it: both
-    ranks restore the same step, are seeded with their profile and policy, profile before the
-    first checkpoint of the resumed session, and checkpoint at the same steps. Each closed
+    ranks restore the same step, are seeded with their profile and policy, profile (all but the time
+    cadence) before the first checkpoint of the resumed session, and checkpoint at the same steps. Each closed
     Checkpointer leaves no process group behind."""
     _finish(_launch(tmp_path, "ddp_policies.py", str(tmp_path), "--steps", "400", restarts=0))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -173,4 +173,6 @@ def test_under_torchrun_every_policy_is_seeded_and_the_ranks_agree_after_the_res
         assert ranks[1][name] == result, (name, result, ranks[1][name])
         assert first["taken"] and resumed["restored"] == first["taken"][-1], (name, result)
         assert result["seeded"] == ["profile", "policy"], (name, result)
-        assert resumed["taken"] and resumed["taken"][0] - resumed["restored"] >= 10, (name, result)
+        assert resumed["taken"], (name, result)
+        if name != "Every(seconds)":  # a time cadence has no warm-up: how many steps fill 0.3 s depends on the machine
+            assert resumed["taken"][0] - resumed["restored"] >= 10, (name, result)

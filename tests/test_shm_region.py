@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import MemoryRegion, layout_signature, region_path, remove_regions_beyond
+from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, directory_identity, layout_signature, region_path, remove_regions_beyond
 
 SIG = layout_signature(("x",))
 
@@ -66,6 +66,28 @@ def test_flipped_bytes_are_detected_and_skipped(shm_dir: Path, tmp_path: Path) -
         f.write(b"\xff")
     assert region.newest() is None
     region.release(remove=True)
+
+
+def test_a_reader_of_a_region_being_written_sees_committed_snapshots_only(shm_dir: Path, tmp_path: Path) -> None:
+    writer = MemoryRegion.for_directory(tmp_path)
+    writer.reserve(8192, 100)
+    put(writer, 1, 8192)
+    reader = MemoryRegion(region_path(tmp_path, 0), directory_identity(tmp_path), tidy=False)  # as `checkfreq ls` looks
+    target = writer.begin()  # a snapshot half copied into the other slot, its header not yet written
+    target.data[:4096].fill_(2)
+    assert [i.step for i in reader.snapshots()] == [1]
+    writer.commit(target, 2, 8192, b'{"step": 2}', SIG)
+    older = reader.snapshots()[1]
+    assert [i.step for i in reader.snapshots()] == [2, 1] and bool((reader.read(older)[1] == 1).all())
+    overwriting = writer.begin()  # the next snapshot reuses the older slot while the reader holds its header
+    assert overwriting.slot == older.slot
+    overwriting.data[:8192].fill_(3)
+    with pytest.raises(ShmSnapshotError):
+        reader.read(older)
+    info, _, data = reader.newest()
+    assert info.step == 2 and bool((data[:4096] == 2).all()) and reader.skipped == []
+    reader.release(remove=False)
+    writer.release(remove=True)
 
 
 def test_region_of_an_earlier_directory_incarnation_is_removed(shm_dir: Path, tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Closed-form checkpoint intervals and placements (pure math, seconds throughout).
 
-Notation follows ``algorithms.md``: ``stall`` is the blocking cost ``C_b`` of one checkpoint,
+Notation follows docs/algorithms.md: ``stall`` is the blocking cost ``C_b`` of one checkpoint,
 ``persist`` the background time ``C_p`` until it is durable, ``restart`` the cost ``R`` of coming
 back after a failure, ``mtbf`` the job's mean time between failures ``M``.
 """
@@ -175,7 +175,7 @@ def expected_cost(
     weight: np.ndarray,
     survival: np.ndarray,
 ) -> float:
-    """Value-weighted overhead ``J`` of a placement, evaluated on ``grid`` (algorithms.md §3).
+    """Value-weighted overhead ``J`` of a placement, evaluated on ``grid`` (docs/algorithms.md §3).
 
     ``rate``, ``weight`` and ``survival`` are ``λ``, ``ω`` and ``S`` sampled on ``grid``; each
     position is snapped to the nearest grid point.

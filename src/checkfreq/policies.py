@@ -201,7 +201,7 @@ class _Cycles:
 class Overhead:
     """Checkpoint as often as possible while checkpointing costs at most ``p`` of the run.
 
-    CheckFreq done right (algorithms.md §1): ``k = max(ceil(C_p / t_i), ceil(c / (p'·t_i)))``
+    CheckFreq done right (docs/algorithms.md §1): ``k = max(ceil(C_p / t_i), ceil(c / (p'·t_i)))``
     where ``c`` is what one checkpoint costs the loop — its stall plus the extra time of the
     iterations its persist overlapped, measured per checkpoint by the profiler — and ``p'``
     is ``target·p`` to leave room for noise. ``k`` follows the measured costs both ways, with
@@ -481,7 +481,7 @@ class Auto:
 
 @dataclass
 class ConvergenceAware:
-    """Denser checkpoints early, sparser late: lost progress valued by what it bought (algorithms.md §3).
+    """Denser checkpoints early, sparser late: lost progress valued by what it bought (docs/algorithms.md §3).
 
     Fits ``L = a + b·(step + w0)^(−c)`` to the losses passed to ``step(loss=…)`` every
     ``refit_every`` steps (every tenth of the steps so far, later on) and adopts a new fit only when its value weight ``ω`` moved by more

@@ -1,4 +1,4 @@
-"""Event-driven Monte Carlo failure simulator for comparing checkpoint policies (algorithms.md §4).
+"""Event-driven Monte Carlo failure simulator for comparing checkpoint policies (docs/algorithms.md §4).
 
 Time is measured in failure-free work ``w`` (seconds of training progress) and wall time ``t``.
 A run trains up to ``W`` (or up to an early stop), stalls ``C_b`` per checkpoint, waits for the

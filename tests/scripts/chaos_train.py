@@ -17,6 +17,8 @@ deferred copy in the writer), ``write`` (a file of a staging directory half writ
 ``fsync``, ``rename`` (before or after, alternating), ``retention`` (a hidden old checkpoint
 half deleted), ``header`` (with ``--memory``: a memory snapshot copied, its slot header not yet
 written). With ``--memory``, ``snapshot`` and ``copy`` also stop memory snapshots mid-copy.
+A test's own stop, not drawn by the campaign: ``slot`` (with ``--memory``: a snapshot about to
+open its slot, once both slots hold a committed snapshot and no commit is in flight).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from checkfreq.storage.shm import MemoryRegion
 HOOK_SLEEP_S = 60.0
 PHASES = ("snapshot", "copy", "write", "fsync", "rename", "retention")
 MEMORY_PHASES = ("header",)
+QUIET_PHASES = ("slot",)
 
 
 class NoisySamples:
@@ -69,7 +72,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--keep", type=int, default=2)
     parser.add_argument("--memory", type=int, default=0, help="memory-tier cadence in steps (0: off)")
-    parser.add_argument("--hook", choices=PHASES + MEMORY_PHASES)
+    parser.add_argument("--hook", choices=PHASES + MEMORY_PHASES + QUIET_PHASES)
     parser.add_argument("--hook-at", type=int, default=1)
     parser.add_argument("--save-on-signal", type=int, action="append", default=[], help="signal number")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra 'compute' per step")
@@ -127,6 +130,14 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
         os.rename = hooked_rename
     elif phase == "header":
         MemoryRegion.commit = _before(MemoryRegion.commit, lambda *_: reached())  # type: ignore[method-assign]
+    elif phase == "slot":
+        def quiet(region: MemoryRegion, *_: Any, **__: Any) -> None:
+            if seen + 1 == at:  # a persist's slot may still be committing: wait until both slots are
+                while len(region.snapshots()) < 2:
+                    time.sleep(0.01)
+            reached()
+
+        MemoryRegion.begin = _before(MemoryRegion.begin, quiet)  # type: ignore[method-assign]
     elif phase == "retention":
         rmtree = shutil.rmtree
 

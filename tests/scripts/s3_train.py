@@ -2,8 +2,9 @@
 
 Trains ``--steps`` optimizer steps of a 768x768 linear layer with Adam (a ~7 MB data file),
 checkpointing after each step and waiting until it is durable (and, with ``--local``, uploaded),
-printing ``committed N``. The upload of step ``--slow-step`` trickles in 1 MiB pieces, so the
-parent can SIGKILL this process while a multipart upload is in progress; ``--die-before-manifest
+printing ``committed N``. The upload of step ``--slow-step`` trickles in 1 MiB pieces and stalls
+once its first part is on the server, so the parent can SIGKILL this process while a multipart
+upload is in progress; ``--die-before-manifest
 K`` SIGKILLs it right after step K's data file is uploaded and before its manifest is written.
 """
 
@@ -24,6 +25,8 @@ from checkfreq.storage import FsspecStore
 from checkfreq.storage.local import checkpoint_name
 
 PIECE = 1 << 20
+BLOCK = 5 * PIECE  # the multipart part size
+STALL_S = 120.0
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -57,12 +60,17 @@ class KillableStore(FsspecStore):
 
 
 def trickle(chunks: Iterable[bytes | memoryview]) -> Iterator[memoryview]:
-    """The same bytes in 1 MiB pieces, 0.1 s apart: a slow link."""
+    """The same bytes in 1 MiB pieces, 0.1 s apart, stalling once a whole part has been written
+    (and so uploaded): a slow link that stops, however long the parent takes to see the part."""
+    sent = 0
     for chunk in chunks:
         view = memoryview(chunk)
         for start in range(0, len(view), PIECE):
+            if sent >= BLOCK:
+                time.sleep(STALL_S)
             time.sleep(0.1)
             yield view[start : start + PIECE]
+            sent += len(view[start : start + PIECE])
 
 
 def main() -> None:
@@ -78,7 +86,7 @@ def main() -> None:
 
     remote = KillableStore(
         args.url, args.slow_step, args.die_before_manifest,
-        endpoint_url=args.endpoint, key="testing", secret="testing", default_block_size=5 * PIECE,
+        endpoint_url=args.endpoint, key="testing", secret="testing", default_block_size=BLOCK,
     )
     tiers = {"directory": args.local, "remote": remote, "remote_keep": 10} if args.local else {"directory": remote}
     model, optimizer = build()

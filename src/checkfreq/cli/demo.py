@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +20,7 @@ from rich.table import Table
 from safetensors.torch import load_file
 
 from checkfreq.cli import app
-from checkfreq.events import read_events
-from checkfreq.report import SessionSummary, load_run
+from checkfreq.report import human_seconds, load_run, session_line
 
 console = Console()
 
@@ -33,13 +31,7 @@ class Segment:
 
     resumed_from: int = 0
     last_step: int = 0
-    step_times: list[float] = field(default_factory=list)
     killed: bool = False
-
-    @property
-    def seconds_per_step(self) -> float:
-        times = self.step_times
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
 
 
 def _run(args: list[str], label: str, steps: int, progress: Progress, kill_at: int | None = None) -> Segment:
@@ -56,7 +48,6 @@ def _run(args: list[str], label: str, steps: int, progress: Progress, kill_at: i
                 progress.update(task, completed=segment.last_step)
             elif "step" in record:
                 segment.last_step = record["step"]
-                segment.step_times.append(time.perf_counter())
                 progress.update(task, completed=segment.last_step)
                 if segment.last_step == kill_at:
                     child.send_signal(signal.SIGKILL)
@@ -80,67 +71,59 @@ def demo(
     seed: int = typer.Option(None, help="seed for choosing the kill step (default: random)"),
 ) -> None:
     """Train a small language model, SIGKILL it mid-run, resume it, and check it ends bit-identical."""
-    workdir = Path(directory or tempfile.mkdtemp(prefix="checkfreq-demo-"))
+    workdir = _workdir(directory)
     checkpoints = workdir / "checkpoints"
     if checkpoints.exists() and any(checkpoints.iterdir()):
-        raise typer.BadParameter(f"{checkpoints} is not empty; give a fresh --dir")
+        raise typer.BadParameter(f"{checkpoints} is not empty; give a fresh --dir", param_hint="--dir")
     kill_at = random.Random(seed).randint(int(0.35 * steps), int(0.65 * steps))
     console.print(f"[bold]checkfreq demo[/]: character-level LM on Python's own source, {steps} steps, "
-                  f"SIGKILL at step {kill_at}; files in {workdir}")
+                  f"SIGKILL at step {kill_at}; checkpoints in {checkpoints}", soft_wrap=True)
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        reference = _run(["--out", str(workdir / "uninterrupted.safetensors")], "uninterrupted (no checkpoints)",
-                         steps, progress)
+        _run(["--out", str(workdir / "uninterrupted.safetensors")], "uninterrupted (no checkpoints)", steps, progress)
         first = _run([str(checkpoints), "--out", str(workdir / "unused.safetensors")], "checkpointed, then killed",
                      steps, progress, kill_at=kill_at)
         resumed = _run([str(checkpoints), "--out", str(workdir / "resumed.safetensors")], "restarted, resumes",
                        steps, progress)
-    _summary(workdir, checkpoints, reference, first, resumed)
+    _summary(workdir, checkpoints, first, resumed)
 
 
-def _summary(workdir: Path, checkpoints: Path, reference: Segment, first: Segment, resumed: Segment) -> None:
-    events = read_events(checkpoints)
-    stalls = _stall_per_checkpoint(events)
-    commits = [e["step"] for e in events if e["event"] == "commit"]
-    sessions = load_run(checkpoints).sessions
+def _workdir(directory: Path | None) -> Path:
+    """The demo's directory: a new temporary one, or ``directory``, created if missing; a directory
+    that cannot be created or written to is refused here, before any training."""
+    if directory is None:
+        return Path(tempfile.mkdtemp(prefix="checkfreq-demo-"))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise typer.BadParameter(f"cannot create {directory}: {e.strerror}", param_hint="--dir") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise typer.BadParameter(f"{directory} is not writable", param_hint="--dir")
+    return directory
+
+
+def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment) -> None:
+    run = load_run(checkpoints)
+    assert run.summary is not None
+    commits = [r.step for r in run.records if r.status == "committed"]
     identical = _identical(workdir / "uninterrupted.safetensors", workdir / "resumed.safetensors")
 
     table = Table(show_header=False, box=None)
     table.add_row("checkpoints committed", f"{len(commits)} (steps {_ranges(commits)})")
-    if stalls:
-        table.add_row("stall per checkpoint", f"median {statistics.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms")
+    if commits:
+        table.add_row("stall per checkpoint", f"median {human_seconds(run.summary.stall_median_s)}, "
+                      f"max {human_seconds(run.summary.stall_max_s)}")
     table.add_row("killed at step", f"{first.last_step} (SIGKILL)")
     table.add_row("resumed from step", f"{resumed.resumed_from} (lost {first.last_step - resumed.resumed_from} steps)")
-    table.add_row("time per step", f"{reference.seconds_per_step * 1e3:.1f} ms uninterrupted (no checkpoints)")
-    for label, segment, session in (("first session", first, sessions[0]), ("resumed session", resumed, sessions[-1])):
-        table.add_row(label, _session_row(segment, session, reference))
-    table.add_row("", "overhead by wall time: time per step against the uninterrupted run's (one run each on a "
-                  "shared machine: noisy); by the event log: as `checkfreq report` measures it")
     table.add_row("resumed == uninterrupted", "[green]yes, bit for bit[/]" if identical else "[red]NO[/]")
     console.print(table)
+    console.print("Each session's checkpoints and overhead, measured per window between checkpoints "
+                  "(as `checkfreq report` gives them):")
+    for session in run.sessions:
+        console.print(session_line(session), soft_wrap=True, highlight=False)
+    console.print(f"Look closer: checkfreq ls {checkpoints}; checkfreq report {checkpoints}", soft_wrap=True, highlight=False)
     if not identical:
         raise typer.Exit(1)
-
-
-def _session_row(segment: Segment, session: SessionSummary, reference: Segment) -> str:
-    """A session's steps, checkpoints, time per step and overhead (by wall time and by the event log)."""
-    steps = segment.last_step - segment.resumed_from
-    by_wall = segment.seconds_per_step / reference.seconds_per_step - 1
-    by_log = "n/a" if session.overhead is None else f"{session.overhead:.1%}"
-    return (f"{session.checkpoints} checkpoints in {steps} steps, {segment.seconds_per_step * 1e3:.1f} ms per step, "
-            f"overhead {by_wall:+.1%} by wall time, {by_log} by the event log")
-
-
-def _stall_per_checkpoint(events: list[dict]) -> list[float]:
-    """Total stall of each checkpoint: the fence record's when there is one, else the snapshot's."""
-    stalls: dict[tuple[float, int], float] = {}
-    run = 0.0
-    for e in events:
-        if e["event"] == "start":
-            run = e["time"]
-        if e["event"] in ("snapshot", "fence") and e.get("stall_s") is not None:
-            stalls[(run, e["step"])] = e["stall_s"]
-    return list(stalls.values())
 
 
 def _ranges(steps: list[int]) -> str:
