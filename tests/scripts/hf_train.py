@@ -1,7 +1,10 @@
 """A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
 
 Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
-``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint=True``. Runs as one
+``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint`` as the stock example
+scripts pass it: ``TrainingArguments`` parsed by ``HfArgumentParser``, so ``--resume_from_checkpoint
+true`` arrives as the string ``"true"`` (a path resumes from a Trainer ``checkpoint-N/``). Any other
+``TrainingArguments`` flag (``--save_strategy steps --save_steps 5``) overrides the defaults. Runs as one
 process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank
 logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With ``--die-at K`` it SIGKILLs
 itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
@@ -19,7 +22,7 @@ import signal
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback, TrainingArguments, default_data_collator
 
 from checkfreq.integrations.transformers import CheckFreqTrainer
 
@@ -52,6 +55,7 @@ class DieAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             self.trainer.checkpointer.wait()
+            print(f"restored {self.trainer.restored_step} killed at {state.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -63,19 +67,21 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--every", type=int, default=3)
-    args = parser.parse_args()
+    args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     read_log = args.read_log if world_size == 1 else f"{args.read_log}.{rank}"
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
-    training = TrainingArguments(
-        output_dir=os.path.join(args.dir, "out"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
-        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
-        eval_strategy="steps", eval_steps=4, logging_steps=2, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=3, dataloader_num_workers=0,
-    )
+    defaults = {
+        "output_dir": os.path.join(args.dir, "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
+        "gradient_accumulation_steps": 2, "num_train_epochs": 2, "learning_rate": 3e-3, "warmup_steps": 2,
+        "eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2, "save_strategy": "no", "report_to": "none",
+        "use_cpu": True, "disable_tqdm": True, "seed": 3, "dataloader_num_workers": 0,
+    }
+    flags = [item for name, value in defaults.items() for item in (f"--{name}", str(value))]
+    (training,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=flags + training_flags)
     die = DieAt(args.die_at if rank == args.die_rank else None)
     trainer = CheckFreqTrainer(
         model=model, args=training, train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
@@ -83,7 +89,7 @@ def main() -> None:
         checkfreq_dir=os.path.join(args.dir, "checkfreq"), checkfreq_policy=args.every, checkfreq_keep=2,
     )
     die.trainer = trainer
-    trainer.train(resume_from_checkpoint=True)
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     exported = trainer.export_checkpoint()
     reloaded = GPT2LMHeadModel.from_pretrained(exported)
     print(f"restored {trainer.restored_step} final {trainer.state.global_step} epoch {trainer.state.epoch}", flush=True)

@@ -140,8 +140,11 @@ class CheckFreqTrainer(Trainer):
     # ------------------------------------------------------------------ Trainer hooks
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+            # ``--resume_from_checkpoint true`` parsed by HfArgumentParser: TrainingArguments holds a string
+            resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         self._resume = resume_from_checkpoint is True
-        return super().train(None if self._resume else resume_from_checkpoint, *args, **kwargs)
+        return super().train(None if self._resume else resume_from_checkpoint or None, *args, **kwargs)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._resume_step = self.restored_step = 0
@@ -208,6 +211,9 @@ class CheckFreqTrainer(Trainer):
         if self.accelerator.scaler is not None:
             objects["scaler"] = self.accelerator.scaler
         self._checkpointer = Checkpointer(self.checkfreq_dir, **self._checkfreq_settings, **objects)
+        if not self._resume_step:  # a fresh run, or one resumed from a Trainer checkpoint-N/: count from its step
+            self.restored_step = self.state.global_step
+            self._checkpointer.start_at(self.state.global_step)  # and refuse a directory holding checkpoints now
         self._counted_step = self.state.global_step
         self._end_of_epoch_pending = False
         return model, train_dataloader
