@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal, run_job
+from conftest import SCRIPTS, assert_state_equal, free_port, run_job
 
 from checkfreq.distributed_plan import local_view
 from checkfreq.restore import read_checkpoint
@@ -32,12 +32,14 @@ SAMPLES_PER_STEP = 8  # batch 4, gradient accumulation 2
 TIMING = ("runtime", "per_second")
 
 
-def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1) -> str:
-    """Run the script (under torchrun with ``ranks`` > 1); nothing of the job may outlive it."""
+def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1, static_restarts: int = 0) -> str:
+    """Run the script (under torchrun with ``ranks`` > 1: the c10d form, or the static form with
+    ``static_restarts``); nothing of the job may outlive it."""
     resume = [] if "--resume_from_checkpoint" in args else ["--resume_from_checkpoint", "true"]
     script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
               "--read-log", str(workdir / f"{name}.log"), *resume, *args]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
+    form = [f"--master-port={free_port()}", f"--max-restarts={static_restarts}", "--monitor-interval=0.1"] if static_restarts else ["--standalone"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *form, f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, out = run_job(launcher + script, env)
     expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
@@ -170,6 +172,15 @@ def test_a_rerun_without_resume_is_refused_before_training(tmp_path: Path) -> No
     assert trainer.state.global_step == 0
     assert_state_equal(trainer.model.state_dict(), before)  # not one optimizer step was taken
     assert tiny_trainer(tmp_path).train(resume_from_checkpoint="True").global_step == 4  # resumes at the end
+
+
+def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_path: Path) -> None:
+    """``torchrun --master-port P --max-restarts 1``: rank 1 dies at step 3; the restarted workers create
+    the default group on keys of their own (docs/huggingface.md) and resume from checkpoint 2."""
+    out = fit(tmp_path, "final", "--every", "2", "--die-at", "3", "--die-rank", "1", "--attempt-store",
+              ranks=2, static_restarts=1)
+    assert "restored 0 killed at 3" in out  # the first attempt
+    assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
 
 
 def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:

@@ -10,7 +10,10 @@ logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With `
 itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
 dataset reads is appended to ``--read-log``. At the end it writes the final weights, optimizer and
 scheduler state and the log history to ``--out``, exports the newest checkpoint to
-``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it.
+``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it. With ``--attempt-store``
+(torchrun's static launch form) it creates the default process group on keys of its own for each
+restart attempt before ``TrainingArguments`` would create it, as docs/huggingface.md shows;
+``--die-at`` kills only in the first attempt.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback, TrainingArguments, default_data_collator
+
+from ddp_train import init_for_this_attempt
 
 from checkfreq.integrations.transformers import CheckFreqTrainer
 
@@ -67,8 +72,11 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--attempt-store", action="store_true")
     args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.attempt_store:  # before TrainingArguments, which would create the default group on stale keys
+        init_for_this_attempt()
     read_log = args.read_log if world_size == 1 else f"{args.read_log}.{rank}"
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -82,7 +90,8 @@ def main() -> None:
     }
     flags = [item for name, value in defaults.items() for item in (f"--{name}", str(value))]
     (training,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=flags + training_flags)
-    die = DieAt(args.die_at if rank == args.die_rank else None)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    die = DieAt(args.die_at if rank == args.die_rank and first_attempt else None)
     trainer = CheckFreqTrainer(
         model=model, args=training, train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
         data_collator=default_data_collator, callbacks=[die],
