@@ -98,8 +98,12 @@ class CheckFreqTrainer(Trainer):
             any other name raises ``TypeError`` naming the closest option.
 
     ``train(resume_from_checkpoint=True)`` resumes from the newest valid checkfreq checkpoint, and
-    starts afresh when there is none, so the same command serves the first run and every restart.
-    A path still resumes from one of the Trainer's own ``checkpoint-N/`` directories.
+    starts afresh when there is none, so the same command serves the first run and every restart;
+    the strings ``"true"``/``"false"`` (``--resume_from_checkpoint true`` parsed by
+    ``HfArgumentParser``) count as the booleans. A path still resumes from one of the Trainer's own
+    ``checkpoint-N/`` directories, and checkfreq counts on from its ``global_step``. Without
+    ``True``, a ``checkfreq_dir`` that holds checkpoints raises
+    :class:`~checkfreq.errors.ExistingCheckpointsError` when ``train()`` starts.
     """
 
     def __init__(
@@ -128,7 +132,7 @@ class CheckFreqTrainer(Trainer):
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._loss = LossFeed()
         self.restored_step = 0
-        """The optimizer step the last ``train()`` resumed from (0 for a fresh run)."""
+        """The optimizer step the last ``train()`` resumed from, from checkfreq or a ``checkpoint-N/`` (0 for a fresh run)."""
 
     @property
     def checkpointer(self) -> Checkpointer:
