@@ -183,6 +183,19 @@ def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_
     assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
 
 
+def test_a_resume_whose_checkpoints_are_all_damaged_is_refused(tmp_path: Path) -> None:
+    """resume_from_checkpoint=True on checkpoints none of which verifies: NoValidCheckpointError, not a fresh start."""
+    from checkfreq.errors import NoValidCheckpointError
+
+    tiny_trainer(tmp_path, checkfreq_policy=2).train()
+    for data in (tmp_path / "checkfreq").glob("step_*/*.safetensors"):
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    with pytest.raises(NoValidCheckpointError, match="step_000000004.*checksum"):
+        tiny_trainer(tmp_path).train(resume_from_checkpoint=True)
+
+
 def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:
     """Accelerate's AcceleratedOptimizer (no step hooks of its own) and its scheduler wrapper checkpoint and restore."""
     from accelerate import Accelerator

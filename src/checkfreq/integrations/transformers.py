@@ -303,18 +303,23 @@ def _state_json(trainer: Trainer) -> str:
 
 
 def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any]] | None:
-    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or None."""
+    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or
+    None when it holds none; :class:`NoValidCheckpointError` when it holds some but none verifies."""
     if not directory.is_dir():
         return None
     store = LocalStore(directory, create=False)
+    skipped = []
     for step, path in store.checkpoints():
         try:
             manifest, tensors = read_checkpoint(path, store)
         except CorruptCheckpointError as e:  # the Checkpointer skips it the same way
             log.warning("skipping checkpoint %s: %s", path.name, e)
+            skipped.append(f"{path.name}: {e}")
             continue
         skeleton, tensors = local_view(manifest, tensors)
         return step, path, json.loads(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+    if skipped:
+        raise NoValidCheckpointError(f"no valid checkpoint in {directory} ({'; '.join(skipped)})")
     return None
 
 
