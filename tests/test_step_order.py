@@ -1,7 +1,8 @@
 """``ckpt.step()`` before ``optimizer.step()`` is refused at a session's first step; correct loops never meet it.
 
 Called before, every checkpoint labelled step N would hold the state after N - 1 updates and a
-resume would lose one update. Also here: a checkpoint that does not fit lists every object's
+resume would lose one update. A session begins with the Checkpointer, ``restore()`` or
+``start_at()`` (which counts from a state loaded elsewhere). Also here: a checkpoint that does not fit lists every object's
 differences, and a model wrapped differently from the one saved gets the prefix hint.
 """
 
@@ -92,6 +93,25 @@ def test_a_grad_scaler_that_did_not_skip_does_not_hide_the_wrong_order(tmp_path:
         scaler.scale(loss_of(model)).backward()
         with pytest.raises(cf.UsageError, match=ORDER):
             ckpt.step()
+
+
+def test_start_at_counts_from_a_state_loaded_elsewhere(tmp_path: Path) -> None:
+    """start_at(5): the next step() is 6 (and the session's first, checked for the order); a directory
+    that holds checkpoints is refused at start_at(), before anything is written."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(tmp_path, model=model, optimizer=optimizer, policy=1) as ckpt:
+        ckpt.start_at(5)
+        with pytest.raises(cf.UsageError, match=f"step 6 {ORDER}"):
+            ckpt.step()
+        train_step(model, optimizer)
+        ckpt.step()
+        with pytest.raises(cf.InvalidArgumentError):
+            ckpt.start_at(-1)
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_000000006"]
+    with cf.Checkpointer(tmp_path, model=model, optimizer=optimizer) as ckpt:
+        with pytest.raises(cf.ExistingCheckpointsError, match="newest at step 6"):
+            ckpt.start_at(0)
 
 
 def _saved(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
