@@ -27,17 +27,17 @@ class StepOrder:
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], objects: list[Any]) -> None:
-        self._stepped = False
-        self._checked = not optimizers  # nothing to watch without an optimizer
         self._scalers = [s for s in (_scaler_of(o) for o in objects) if s is not None]
         self._scales: list[float] = []
         self._handles = [opt.register_step_post_hook(self._note_step) for opt in optimizers]
+        self._stepped = False
+        self._checked = False
         self.begin_session()
 
     def begin_session(self) -> None:
         """A session begins (construction, restore, start_at): its first ``step()`` is checked."""
         self._stepped = False
-        self._checked = not self._handles
+        self._checked = not self._handles  # nothing to watch without an optimizer
         self._scales = [s.get_scale() for s in self._scalers]
 
     def check(self, step: int) -> None:
@@ -50,12 +50,13 @@ class StepOrder:
         raise UsageError(
             f"Checkpointer.step() was called for step {step} before any registered optimizer stepped in this "
             "session: call it once per optimizer step, right after optimizer.step() (and scheduler.step()). "
-            f"Called before, each checkpoint labelled step N holds the state after N - 1 updates and a resume "
+            "Called before, each checkpoint labelled step N holds the state after N - 1 updates and a resume "
             "loses one update. With gradient accumulation, call it only after the micro-batch whose "
             "optimizer.step() updates the weights."
         )
 
     def close(self) -> None:
+        """Remove the hooks; nothing is checked any more."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
