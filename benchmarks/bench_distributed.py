@@ -113,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
     for round_ in range(-1, args.rounds):  # round -1 warms up every method
         for i in range(len(methods)):
             method = methods[(i + max(round_, 0)) % len(methods)]
+            optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
             for checkpointer in filter(None, (ckpt, tiered)):
                 checkpointer.step()  # a new step each time, as in training (the policies never fire)
             stall, durable, remote = run(method, round_)

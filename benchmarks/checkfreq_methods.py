@@ -41,6 +41,7 @@ class CheckfreqSave(Method):
     def run(self) -> Sample:
         for path in self._ckpt.directory.glob("step_*"):
             unlink(path)
+        self._state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
         self._ckpt.step()  # a new step, so save() has something new to take
         start = time.perf_counter()
         self._ckpt.save()
@@ -70,6 +71,7 @@ class CheckfreqRestore(Method):
     def setup(self, state: State, workdir: Path) -> None:
         self._ckpt = shared_checkpointer(state, workdir)
         if not any(self._ckpt.directory.glob("step_*")):
+            state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
             self._ckpt.step()
             self._ckpt.save(blocking=True)
 

@@ -56,6 +56,7 @@ class CheckfreqGpuSave(Method):
                                      policy=NEVER, keep=10**9)
 
     def run(self) -> Sample:
+        self._state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
         self._ckpt.step()
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from benchmarks.training import variants  # noqa: E402
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     (out / "performance.md").write_text(f"# Performance\n\nprose kept\n\n{BEGIN}\nold\n{END}\n\nmore prose\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--cuda", "--intervals", "1,10", "--out", str(out)],
         cwd=ROOT, env=env, check=True, timeout=600, capture_output=True,

@@ -9,14 +9,21 @@ Skipped when the ``transformers`` extra is not installed.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal, run_job
+from conftest import SCRIPTS, assert_state_equal, free_port, run_job
+
+from checkfreq.distributed_plan import local_view
+from checkfreq.restore import read_checkpoint
+from checkfreq.state import unflatten
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -25,11 +32,14 @@ SAMPLES_PER_STEP = 8  # batch 4, gradient accumulation 2
 TIMING = ("runtime", "per_second")
 
 
-def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1) -> str:
-    """Run the script (under torchrun with ``ranks`` > 1); nothing of the job may outlive it."""
+def fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1, static_restarts: int = 0) -> str:
+    """Run the script (under torchrun with ``ranks`` > 1: the c10d form, or the static form with
+    ``static_restarts``); nothing of the job may outlive it."""
+    resume = [] if "--resume_from_checkpoint" in args else ["--resume_from_checkpoint", "true"]
     script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
-              "--read-log", str(workdir / f"{name}.log"), *args]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
+              "--read-log", str(workdir / f"{name}.log"), *resume, *args]
+    form = [f"--master-port={free_port()}", f"--max-restarts={static_restarts}", "--monitor-interval=0.1"] if static_restarts else ["--standalone"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *form, f"--nproc-per-node={ranks}"] if ranks > 1 else [sys.executable]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, out = run_job(launcher + script, env)
     expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
@@ -102,6 +112,90 @@ def test_ddp_trainer_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) ->
         assert sorted(shares[0] + shares[1]) == list(range(48))
 
 
+def trainer_steps(checkfreq_dir: Path) -> dict[int, int]:
+    """Each checkfreq checkpoint's step label → the Trainer's ``global_step`` saved in it."""
+    steps = {}
+    for path in sorted(checkfreq_dir.glob("step_*")):
+        manifest, tensors = read_checkpoint(path)
+        skeleton, tensors = local_view(manifest, tensors)
+        steps[manifest.step] = json.loads(unflatten(skeleton["trainer"], tensors)["trainer_state"])["global_step"]
+    return steps
+
+
+def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) -> None:
+    """Resumed from the Trainer's own ``checkpoint-5/`` (a path, as the stock scripts pass it), killed at
+    step 9, resumed with ``--resume_from_checkpoint true``: checkfreq's labels, ``restored_step`` and the
+    export agree with ``global_step``, and the fit ends bit-identical to the uninterrupted one."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    fit(reference, "final", "--save_strategy", "steps", "--save_steps", "5")
+    plain = shutil.copytree(reference / "out" / "checkpoint-5", run / "plain" / "checkpoint-5")
+    out = fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "9", killed=True)
+    assert "restored 5 killed at 9" in out
+    assert trainer_steps(run / "checkfreq") == {8: 8}  # every 3 steps from step 5
+    assert "restored 8 final 12 epoch 2.0" in fit(run, "final")
+    assert trainer_steps(run / "checkfreq") == {11: 11, 12: 12}
+
+    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
+    assert actual["exported_dir"].endswith("checkpoint-12")
+    assert json.loads((Path(actual["exported_dir"]) / "trainer_state.json").read_text())["global_step"] == 12
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+
+
+def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
+    """An in-process CheckFreqTrainer: a 1-layer GPT-2, 16 samples, batch 2, gradient accumulation 2 (4 optimizer steps)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
+
+    from checkfreq.integrations.transformers import CheckFreqTrainer
+
+    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True)
+    return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, **checkfreq)
+
+
+def test_a_rerun_without_resume_is_refused_before_training(tmp_path: Path) -> None:
+    """A directory holding checkpoints and no resume flag: ExistingCheckpointsError at train(), not at the first checkpoint."""
+    from checkfreq.errors import ExistingCheckpointsError
+
+    tiny_trainer(tmp_path, checkfreq_policy=2).train()
+    trainer = tiny_trainer(tmp_path, checkfreq_policy=1000)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ExistingCheckpointsError, match="resume_from_checkpoint=True"):
+        trainer.train(resume_from_checkpoint="false")
+    assert trainer.state.global_step == 0
+    assert_state_equal(trainer.model.state_dict(), before)  # not one optimizer step was taken
+    assert tiny_trainer(tmp_path).train(resume_from_checkpoint="True").global_step == 4  # resumes at the end
+
+
+def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_path: Path) -> None:
+    """``torchrun --master-port P --max-restarts 1``: rank 1 dies at step 3; the restarted workers create
+    the default group on keys of their own (docs/huggingface.md) and resume from checkpoint 2."""
+    out = fit(tmp_path, "final", "--every", "2", "--die-at", "3", "--die-rank", "1", "--attempt-store",
+              ranks=2, static_restarts=1)
+    assert "restored 0 killed at 3" in out  # the first attempt
+    assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
+
+
+def test_a_resume_whose_checkpoints_are_all_damaged_is_refused(tmp_path: Path) -> None:
+    """resume_from_checkpoint=True on checkpoints none of which verifies: NoValidCheckpointError, not a fresh start."""
+    from checkfreq.errors import NoValidCheckpointError
+
+    tiny_trainer(tmp_path, checkfreq_policy=2).train()
+    for data in (tmp_path / "checkfreq").glob("step_*/*.safetensors"):
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    with pytest.raises(NoValidCheckpointError, match="step_000000004.*checksum"):
+        tiny_trainer(tmp_path).train(resume_from_checkpoint=True)
+
+
 def test_objects_accelerate_hands_out_register_and_restore(tmp_path: Path) -> None:
     """Accelerate's AcceleratedOptimizer (no step hooks of its own) and its scheduler wrapper checkpoint and restore."""
     from accelerate import Accelerator
@@ -148,9 +242,6 @@ def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: P
 
 def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
     """The loss of each optimizer step (summed over its micro-batches) reaches the policy, as the Trainer logs it."""
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
-
-    from checkfreq.integrations.transformers import CheckFreqTrainer
     from checkfreq.policies import Every
 
     class Recording(Every):
@@ -160,15 +251,7 @@ def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
 
     policy = Recording(n=2)
     policy.seen = []
-    ids = torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(0))
-    data = [{"input_ids": row, "labels": row} for row in ids]
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True)
-    trainer = CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                               checkfreq_policy=policy)
+    trainer = tiny_trainer(tmp_path, checkfreq_policy=policy)
     trainer.train()
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(policy.seen) == len(logged) == 4

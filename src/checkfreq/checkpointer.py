@@ -47,6 +47,7 @@ from checkfreq.signals import SignalTrap
 from checkfreq.timeline import Timeline
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
 from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, replicated, unflatten
+from checkfreq.step_order import StepOrder
 from checkfreq.storage import Store, open_tiers
 from checkfreq.upload import Uploader
 
@@ -183,6 +184,7 @@ class Checkpointer:
             _stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
             for opt in self._optimizers.values()
         ]
+        self._step_order = StepOrder([_stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values()))
         self._fence: PendingSnapshot | None = None
         self._fence_stall = 0.0
         self._fence_memory = False  # the fenced snapshot is a memory-only one
@@ -234,6 +236,7 @@ class Checkpointer:
         """
         now = time.perf_counter()
         self._check_open("step()")
+        self._step_order.check(self._timeline.step + 1)
         self._collect_background()
         measured = self._timeline.advance(now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions)
         if measured is not None:
@@ -300,6 +303,7 @@ class Checkpointer:
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
         self._timeline = Timeline.restored(manifest.step)
+        self._step_order.begin_session()
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
         if self._memory is not None:
@@ -310,6 +314,24 @@ class Checkpointer:
                            world_size=self._world_size, saved_world_size=manifest.world_size)
         log.info("restored %s (step %d, %s tier)", found.name, manifest.step, found.tier)
         return manifest.step
+
+    def start_at(self, step: int) -> None:
+        """Count steps from ``step``: the registered state was loaded from elsewhere (a framework's
+        own checkpoint), so the next :meth:`step` counts ``step + 1`` and checkpoints carry the
+        step the training loop knows.
+
+        Raises :class:`~checkfreq.errors.ExistingCheckpointsError` now if the directory holds
+        checkpoints this run did not restore (rather than at the first checkpoint).
+        """
+        self._check_open("start_at()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"start_at() takes a step >= 0, got {step!r}")
+        self._check_not_foreign()
+        self._timeline = Timeline.restored(step)
+        self._step_order.begin_session()
+        if self._memory is not None:
+            self._memory.cadence.taken(step)
+        self._events.write("start_at", step=step)
 
     def close(self) -> None:
         """Wait for the checkpoint in flight, stop the writer and release the directory (idempotent)."""
@@ -322,6 +344,7 @@ class Checkpointer:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        self._step_order.close()
         self._fence = None
         if self._cluster is not None:
             if self._memory is not None:
@@ -540,11 +563,16 @@ class Checkpointer:
 
     def _apply(self, state: dict[str, Any]) -> None:
         missing = sorted(set(self._objects) - set(state) - {"rng"})
-        if missing:
-            raise StateMismatchError(f"checkpoint holds no state for {', '.join(missing)}")
+        problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
         saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
         for name, obj in self._objects.items():  # every module and optimizer fits before any changes
-            check_fits(name, obj, state.get(name), saved_types.get(name))
+            if name in state:
+                try:
+                    check_fits(name, obj, state[name], saved_types.get(name))
+                except StateMismatchError as e:
+                    problems.append(str(e))
+        if problems:  # one error, every object's differences
+            raise StateMismatchError(problems[0] if len(problems) == 1 else "\n- ".join(["checkpoint does not fit the registered objects:", *problems]))
         for name, obj in self._objects.items():
             if name != "rng":
                 load_into(name, obj, state[name])

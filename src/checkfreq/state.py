@@ -133,6 +133,9 @@ def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, A
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     problems = []
+    hint = _prefix_hint(missing, unexpected)
+    if hint:
+        problems.append(hint)
     if missing:
         problems.append(f"missing keys: {', '.join(missing)}")
     if unexpected:
@@ -146,6 +149,30 @@ def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, A
                 problems.append(f"{key}: dtype {got.dtype} in checkpoint, {want.dtype} in model")
     if problems:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: " + "; ".join(problems))
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    """What to do when the model's keys and the checkpoint's differ only by a prefix (a wrapper's)."""
+    if not missing or len(missing) != len(unexpected):
+        return None
+    wrappers = "DistributedDataParallel and DataParallel add 'module.', torch.compile '_orig_mod.'"
+    for key in unexpected:  # the checkpoint's keys carry a prefix the model's lack
+        prefix = key[: -len(missing[0])] if key.endswith(missing[0]) else ""
+        if prefix.endswith(".") and {prefix + k for k in missing} == set(unexpected):
+            return (
+                f"every key differs only by the prefix {prefix!r}, which the checkpoint's keys carry: it was saved "
+                f"from a wrapped model ({wrappers}); register the model wrapped the same way to restore it, and "
+                "register the unwrapped module (model.module, model._orig_mod) in every run so the wrapping does not matter"
+            )
+    for key in missing:  # the model's keys carry a prefix the checkpoint's lack
+        prefix = key[: -len(unexpected[0])] if key.endswith(unexpected[0]) else ""
+        if prefix.endswith(".") and {prefix + k for k in unexpected} == set(missing):
+            return (
+                f"every key differs only by the prefix {prefix!r}, which this model's keys carry: the model is "
+                f"wrapped ({wrappers}) and the checkpoint was saved from the unwrapped module; register the "
+                "unwrapped module (model.module, model._orig_mod)"
+            )
+    return None
 
 
 def type_name(obj: object) -> str:

@@ -1,13 +1,19 @@
 """A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
 
 Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
-``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint=True``. Runs as one
+``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint`` as the stock example
+scripts pass it: ``TrainingArguments`` parsed by ``HfArgumentParser``, so ``--resume_from_checkpoint
+true`` arrives as the string ``"true"`` (a path resumes from a Trainer ``checkpoint-N/``). Any other
+``TrainingArguments`` flag (``--save_strategy steps --save_steps 5``) overrides the defaults. Runs as one
 process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank
 logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With ``--die-at K`` it SIGKILLs
 itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
 dataset reads is appended to ``--read-log``. At the end it writes the final weights, optimizer and
 scheduler state and the log history to ``--out``, exports the newest checkpoint to
-``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it.
+``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it. With ``--attempt-store``
+(torchrun's static launch form) it creates the default process group on keys of its own for each
+restart attempt before ``TrainingArguments`` would create it, as docs/huggingface.md shows;
+``--die-at`` kills only in the first attempt.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import signal
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback, TrainingArguments, default_data_collator
+
+from ddp_train import init_for_this_attempt
 
 from checkfreq.integrations.transformers import CheckFreqTrainer
 
@@ -52,6 +60,7 @@ class DieAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             self.trainer.checkpointer.wait()
+            print(f"restored {self.trainer.restored_step} killed at {state.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -63,27 +72,33 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--every", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--attempt-store", action="store_true")
+    args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.attempt_store:  # before TrainingArguments, which would create the default group on stale keys
+        init_for_this_attempt()
     read_log = args.read_log if world_size == 1 else f"{args.read_log}.{rank}"
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
-    training = TrainingArguments(
-        output_dir=os.path.join(args.dir, "out"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
-        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
-        eval_strategy="steps", eval_steps=4, logging_steps=2, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=3, dataloader_num_workers=0,
-    )
-    die = DieAt(args.die_at if rank == args.die_rank else None)
+    defaults = {
+        "output_dir": os.path.join(args.dir, "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
+        "gradient_accumulation_steps": 2, "num_train_epochs": 2, "learning_rate": 3e-3, "warmup_steps": 2,
+        "eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2, "save_strategy": "no", "report_to": "none",
+        "use_cpu": True, "disable_tqdm": True, "seed": 3, "dataloader_num_workers": 0,
+    }
+    flags = [item for name, value in defaults.items() for item in (f"--{name}", str(value))]
+    (training,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=flags + training_flags)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    die = DieAt(args.die_at if rank == args.die_rank and first_attempt else None)
     trainer = CheckFreqTrainer(
         model=model, args=training, train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
         data_collator=default_data_collator, callbacks=[die],
         checkfreq_dir=os.path.join(args.dir, "checkfreq"), checkfreq_policy=args.every, checkfreq_keep=2,
     )
     die.trainer = trainer
-    trainer.train(resume_from_checkpoint=True)
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     exported = trainer.export_checkpoint()
     reloaded = GPT2LMHeadModel.from_pretrained(exported)
     print(f"restored {trainer.restored_step} final {trainer.state.global_step} epoch {trainer.state.epoch}", flush=True)

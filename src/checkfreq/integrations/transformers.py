@@ -98,8 +98,12 @@ class CheckFreqTrainer(Trainer):
             any other name raises ``TypeError`` naming the closest option.
 
     ``train(resume_from_checkpoint=True)`` resumes from the newest valid checkfreq checkpoint, and
-    starts afresh when there is none, so the same command serves the first run and every restart.
-    A path still resumes from one of the Trainer's own ``checkpoint-N/`` directories.
+    starts afresh when there is none, so the same command serves the first run and every restart;
+    the strings ``"true"``/``"false"`` (``--resume_from_checkpoint true`` parsed by
+    ``HfArgumentParser``) count as the booleans. A path still resumes from one of the Trainer's own
+    ``checkpoint-N/`` directories, and checkfreq counts on from its ``global_step``. Without
+    ``True``, a ``checkfreq_dir`` that holds checkpoints raises
+    :class:`~checkfreq.errors.ExistingCheckpointsError` when ``train()`` starts.
     """
 
     def __init__(
@@ -128,7 +132,7 @@ class CheckFreqTrainer(Trainer):
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._loss = LossFeed()
         self.restored_step = 0
-        """The optimizer step the last ``train()`` resumed from (0 for a fresh run)."""
+        """The optimizer step the last ``train()`` resumed from, from checkfreq or a ``checkpoint-N/`` (0 for a fresh run)."""
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -140,8 +144,11 @@ class CheckFreqTrainer(Trainer):
     # ------------------------------------------------------------------ Trainer hooks
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
+            # ``--resume_from_checkpoint true`` parsed by HfArgumentParser: TrainingArguments holds a string
+            resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         self._resume = resume_from_checkpoint is True
-        return super().train(None if self._resume else resume_from_checkpoint, *args, **kwargs)
+        return super().train(None if self._resume else resume_from_checkpoint or None, *args, **kwargs)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._resume_step = self.restored_step = 0
@@ -208,6 +215,9 @@ class CheckFreqTrainer(Trainer):
         if self.accelerator.scaler is not None:
             objects["scaler"] = self.accelerator.scaler
         self._checkpointer = Checkpointer(self.checkfreq_dir, **self._checkfreq_settings, **objects)
+        if not self._resume_step:  # a fresh run, or one resumed from a Trainer checkpoint-N/: count from its step
+            self.restored_step = self.state.global_step
+            self._checkpointer.start_at(self.state.global_step)  # and refuse a directory holding checkpoints now
         self._counted_step = self.state.global_step
         self._end_of_epoch_pending = False
         return model, train_dataloader
@@ -293,18 +303,23 @@ def _state_json(trainer: Trainer) -> str:
 
 
 def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any]] | None:
-    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or None."""
+    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or
+    None when it holds none; :class:`NoValidCheckpointError` when it holds some but none verifies."""
     if not directory.is_dir():
         return None
     store = LocalStore(directory, create=False)
+    skipped = []
     for step, path in store.checkpoints():
         try:
             manifest, tensors = read_checkpoint(path, store)
         except CorruptCheckpointError as e:  # the Checkpointer skips it the same way
             log.warning("skipping checkpoint %s: %s", path.name, e)
+            skipped.append(f"{path.name}: {e}")
             continue
         skeleton, tensors = local_view(manifest, tensors)
         return step, path, json.loads(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+    if skipped:
+        raise NoValidCheckpointError(f"no valid checkpoint in {directory} ({'; '.join(skipped)})")
     return None
 
 
