@@ -1,9 +1,12 @@
 """Lightning: checkfreq's checkpointing as a ``Trainer`` callback.
 
 ``CheckFreqCallback`` registers the LightningModule, every optimizer and LR scheduler, the
-precision plugin (its GradScaler) and the fit loop's progress with a
-:class:`~checkfreq.Checkpointer`. It checkpoints from ``on_train_batch_end`` after each optimizer
-step (as the policy decides) and restores in ``on_fit_start``, before the fit loop starts.
+precision plugin (its GradScaler), the DataModule, the fit loop's progress and the state of the
+Trainer's other callbacks (``EarlyStopping``, ``ModelCheckpoint``, the ``Timer`` behind
+``max_time``) with a :class:`~checkfreq.Checkpointer`. It checkpoints from ``on_train_batch_end``
+after each optimizer step (as the policy decides), after every other callback's
+``on_train_batch_end``, and restores in ``on_fit_start``, before the fit loop starts. A
+``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
 
 The fit loop's state includes the state of every train dataloader that has
 ``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.ResumableLoader` as the train
@@ -20,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.errors import UsageError
@@ -48,6 +52,32 @@ class FitLoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._trainer.fit_loop.load_state_dict(state)
+
+
+class CallbackStates:
+    """The ``state_dict()`` of the Trainer's callbacks other than ``owner``, keyed by
+    ``Callback.state_key`` as in Lightning's own checkpoints; callbacks without state are left out."""
+
+    def __init__(self, trainer: pl.Trainer, owner: pl.Callback) -> None:
+        self._trainer = trainer
+        self._owner = owner
+
+    def _callbacks(self) -> dict[str, pl.Callback]:
+        return {cb.state_key: cb for cb in self._trainer.callbacks if cb is not self._owner}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: state for key, callback in self._callbacks().items() if (state := callback.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        callbacks = self._callbacks()
+        stateful = {key for key, callback in callbacks.items() if callback.state_dict()}
+        if gone := sorted(state.keys() - callbacks.keys()):
+            log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s", ", ".join(gone))
+        if new := sorted(stateful - state.keys()):
+            log.warning("callbacks with state that the checkpoint does not hold start afresh: %s", ", ".join(new))
+        for key, callback_state in state.items():
+            if key in callbacks:
+                callbacks[key].load_state_dict(callback_state)
 
 
 class CheckFreqCallback(pl.Callback):
@@ -92,6 +122,7 @@ class CheckFreqCallback(pl.Callback):
         self._loss = LossFeed()
         self._checkpointer: Checkpointer | None = None
         self._seen_step = 0
+        self._epoch_ending = False
         self.restored_step = 0
         """The optimizer step restored at the start of the fit (0 for a fresh run)."""
 
@@ -102,12 +133,21 @@ class CheckFreqCallback(pl.Callback):
             raise UsageError("CheckFreqCallback has no checkpointer outside Trainer.fit()")
         return self._checkpointer
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step."""
+        trainer.callbacks.remove(self)
+        trainer.callbacks.append(self)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module))
+        _refuse_ckpt_path(trainer)
+        self._epoch_ending = False
+        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, self))
         if self._resume:
             self.restored_step = self._checkpointer.restore()
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
+                for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
+                    timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it on the restored time
         self._seen_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -115,11 +155,28 @@ class CheckFreqCallback(pl.Callback):
         if trainer.global_step == self._seen_step:
             return  # accumulating gradients: no optimizer step, nothing consistent to save
         self._seen_step = trainer.global_step
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._epoch_ending = True  # validation and the epoch-end hooks still belong to this step
+            return
         self.checkpointer.step(loss=self._loss.take())
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._epoch_ending:
+            _start_epoch_progress(trainer)
+        self._step_after_epoch_end()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_after_epoch_end()
         if self._save_on_train_end:
             self.checkpointer.save(blocking=True)
+
+    def _step_after_epoch_end(self) -> None:
+        """Count the epoch's last optimizer step once the epoch has ended: a checkpoint taken then holds
+        what its validation, ``EarlyStopping``, ``ModelCheckpoint`` and epoch-interval schedulers did,
+        which Lightning does not run again when it resumes from a checkpoint taken at the batch's end."""
+        if self._epoch_ending:
+            self._epoch_ending = False
+            self.checkpointer.step(loss=self._loss.take())
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -142,9 +199,37 @@ def _loss_of(outputs: Any, trainer: pl.Trainer) -> Any:
     return loss * trainer.accumulate_grad_batches if isinstance(loss, torch.Tensor) else loss
 
 
-def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def _start_epoch_progress(trainer: pl.Trainer) -> None:
+    """Zero the epoch loop's counters of the epoch that ended, as Lightning does right after
+    ``on_train_epoch_start``: a checkpoint taken in that hook then resumes as at the new epoch's start
+    (with the old epoch's counts Lightning would take the new epoch for one already trained)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.batch_progress.reset_on_run()
+    epoch_loop.scheduler_progress.reset_on_run()
+    epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+    epoch_loop.val_loop.batch_progress.total.reset()
+
+
+def _refuse_ckpt_path(trainer: pl.Trainer) -> None:
+    """Lightning restores a ``fit(ckpt_path=...)`` partly before ``on_fit_start`` and partly after it:
+    beside checkfreq's restore the fit would go on from a mix of two checkpoints."""
+    if trainer.ckpt_path is not None:
+        raise UsageError(
+            f"Trainer.fit(ckpt_path={str(trainer.ckpt_path)!r}) beside CheckFreqCallback: Lightning would restore the "
+            "optimizers, schedulers and loop progress of that file over the state checkfreq restores (or starts "
+            "afresh), a mix of two checkpoints. Leave ckpt_path out: the callback resumes the fit from its own "
+            "directory (ModelCheckpoint may go on writing its files beside it)."
+        )
+
+
+def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, owner: pl.Callback) -> dict[str, Any]:
     """What a Lightning fit consists of, by name, for the Checkpointer."""
-    objects: dict[str, Any] = {"model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin}
+    objects: dict[str, Any] = {
+        "model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin,
+        "callbacks": CallbackStates(trainer, owner),
+    }
+    if trainer.datamodule is not None:
+        objects["datamodule"] = trainer.datamodule
     for i, optimizer in enumerate(trainer.optimizers):
         objects[f"optimizer{i}"] = optimizer
     for i, config in enumerate(trainer.lr_scheduler_configs):
