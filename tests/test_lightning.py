@@ -1,15 +1,20 @@
 """Acceptance: a Lightning fit with CheckFreqCallback, SIGKILLed and resumed, ends bit-identical.
 
-Each run is ``scripts/lightning_train.py`` in a child process: 2 epochs of 9 optimizer steps, a
-checkpoint every 3 steps. The first run dies mid-epoch 0 at step 5 (restore: step 3, mid-epoch),
-the second at step 10 (restore: step 9, the end of epoch 0), the third finishes; in one process,
-and under ``strategy="ddp"`` on two CPU processes where one rank is killed (rank 1, then rank 0).
-Skipped when the ``lightning`` extra is not installed.
+Each run is ``scripts/lightning_train.py`` in a child process: 9 optimizer steps per epoch, a
+checkpoint every 3 steps, a validation loop after each epoch, ``EarlyStopping`` on the validation
+loss (it stops the fit after epoch 1, at step 18, of at most 4), ``ModelCheckpoint(save_last=True)``
+every 4 steps and ``max_time``. In one process the fit dies at step 5 (restore: step 3,
+mid-epoch), at step 10 (restore: step 9, taken once epoch 0 and its validation ended) and at step
+14 (restore: step 12, where ModelCheckpoint saved too), then finishes; a copy of the checkpoints
+re-run with a spent ``max_time`` trains nothing, and ``fit(ckpt_path="last")`` is refused. Under
+DDP (two CPU processes) one rank is killed, rank 1 and then rank 0, the second time under
+``ddp_spawn``. Skipped when the ``lightning`` extra is not installed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,10 +28,16 @@ pytest.importorskip("lightning")
 pytestmark = pytest.mark.slow
 
 
-def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = False) -> str:
-    """Run the fit; under DDP a killed rank makes the others fail, and nothing of the job may outlive it."""
-    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / "ckpt"),
-               "--out", str(workdir / f"{name}.pt"), "--log", str(workdir / "batches.log"), *args]
+SPENT_TIME = ("--max-time", "00:00:00:01")  # less than the 2 s every fit sleeps in step 2
+
+
+def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = False, fails: bool = False,
+        ckpt: str = "ckpt", log: str = "batches.log") -> str:
+    """Run the fit with every callback (4 epochs at most, 2 s asleep in step 2, a day's max_time);
+    under DDP a killed rank makes the others fail, and nothing of the job may outlive it."""
+    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / ckpt),
+               "--out", str(workdir / f"{name}.pt"), "--log", str(workdir / log), "--epochs", "4",
+               "--callbacks", str(workdir / "lightning"), "--sleep-at", "2", "--max-time", "01:00:00:00", *args]
     if ddp:
         command += ["--devices", "2"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -34,7 +45,7 @@ def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = 
         out, _ = proc.communicate(timeout=300)
     finally:
         _kill_session(proc.pid)
-    expected = (1, -signal.SIGKILL) if killed and ddp else (-signal.SIGKILL,) if killed else (0,)
+    expected = (1, -signal.SIGKILL) if killed and ddp else (-signal.SIGKILL,) if killed else (1,) if fails else (0,)
     assert proc.returncode in expected, f"{name}: exit {proc.returncode}\n{out}"
     return out
 
@@ -59,6 +70,45 @@ def batches(log: Path) -> dict[int, list[int]]:
     return per_epoch
 
 
+def _relative(value: object, root: Path) -> object:
+    """``value`` with the paths under ``root`` (ModelCheckpoint's) made relative to it."""
+    if isinstance(value, str):
+        return value.replace(str(root), "<run>")
+    if isinstance(value, dict):
+        return {_relative(k, root): _relative(v, root) for k, v in value.items()}
+    return value
+
+
+def assert_same_end(reference: Path, run: Path, name: str = "final.pt") -> None:
+    """Weights, optimizer, scheduler and the EarlyStopping and ModelCheckpoint states are bit-identical,
+    and ModelCheckpoint left the same files (no ``last-v1.ckpt``)."""
+    expected, actual = torch.load(reference / name, weights_only=False), torch.load(run / name, weights_only=False)
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    assert actual["scheduler"] == expected["scheduler"]
+    assert_state_equal(_relative(actual["callbacks"], run), _relative(expected["callbacks"], reference))
+    assert sorted(os.listdir(run / "lightning")) == sorted(os.listdir(reference / "lightning")) == ["epoch=1-step=16.ckpt", "last.ckpt"]
+    last = [torch.load(root / "lightning" / "last.ckpt", weights_only=False)["global_step"] for root in (run, reference)]
+    assert last == [16, 16]  # ModelCheckpoint saves every 4 steps
+
+
+def assert_spent_max_time_trains_nothing(run: Path, *args: str, ddp: bool = False) -> None:
+    """A copy of the checkpoints, re-run with a max_time the restored fit has already spent, stops at once."""
+    shutil.copytree(run / "ckpt", run / "timed")
+    out = fit(run, "timed", *SPENT_TIME, *args, ckpt="timed", log="timed.log", ddp=ddp)
+    assert "Time limit reached" in out
+    assert not list(run.glob("timed.log*")) and not (run / "timed.pt").exists()  # no batch, no on_train_end
+    assert sorted(os.listdir(run / "timed")) == sorted(os.listdir(run / "ckpt"))
+
+
+def assert_ckpt_path_is_refused(run: Path, *args: str, ddp: bool = False) -> None:
+    """``fit(ckpt_path="last")`` beside checkfreq's checkpoints (ModelCheckpoint's last.ckpt is older) fails clearly."""
+    before = sorted(os.listdir(run / "ckpt"))
+    out = fit(run, "refused", "--ckpt-path", "last", *args, fails=True, ddp=ddp)
+    assert "UsageError: Trainer.fit(ckpt_path=" in out and "a mix of two checkpoints" in out
+    assert sorted(os.listdir(run / "ckpt")) == before
+
+
 def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -68,21 +118,22 @@ def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     run.mkdir()
     fit(run, "killed", "--die-at", "5", killed=True)
     fit(run, "killed", "--die-at", "10", killed=True)
-    assert "restored 9 final 18" in fit(run, "final")
+    assert_spent_max_time_trains_nothing(run)
+    fit(run, "killed", "--die-at", "14", killed=True)
+    assert "restored 12 final 18" in fit(run, "final")
+    assert_same_end(reference, run)
+    assert_ckpt_path_is_refused(run)
 
-    expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
-    assert_state_equal(actual["model"], expected["model"])
-    assert_state_equal(actual["optimizer"], expected["optimizer"])
-    assert actual["scheduler"] == expected["scheduler"]
     order = [tuple(map(int, line.split()[:2])) for line in (run / "batches.log").read_text().splitlines()]
-    # Run 1 trains batches 0-4 of epoch 0; run 2 restores step 3 and replays batches 3-4, then
-    # goes on to batch 0 of epoch 1; run 3 restores step 9 (end of epoch 0) and replays that batch.
-    assert order == [(0, i) for i in range(5)] + [(0, i) for i in range(3, 9)] + [(1, i) for i in (0, *range(9))]
+    # Run 1 trains batches 0-4 of epoch 0; run 2 restores step 3, replays batches 3-4 and goes on to
+    # batch 0 of epoch 1; run 3 restores step 9 (taken after epoch 0's validation) and replays that
+    # batch, run 4 restores step 12 and trains the rest of epoch 1, where EarlyStopping ends the fit.
+    assert order == ([(0, i) for i in range(5)] + [(0, i) for i in range(3, 9)] + [(1, 0)]
+                     + [(1, i) for i in range(5)] + [(1, i) for i in range(3, 9)])
     log = batches(run / "batches.log")
     assert log == batches(reference / "batches.log")
     for indices in log.values():
         assert sorted(indices) == list(range(72))
-
 
 
 def test_ddp_fit_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> None:
@@ -92,15 +143,14 @@ def test_ddp_fit_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> Non
     out = fit(reference, "final", ddp=True)
     assert "rank 0 restored 0 final 18" in out and "rank 1 restored 0 final 18" in out
     fit(run, "killed", "--die-at", "5", "--die-rank", "1", killed=True, ddp=True)
-    fit(run, "killed", "--die-at", "10", "--die-rank", "0", killed=True, ddp=True)
-    out = fit(run, "final", ddp=True)
+    fit(run, "killed", "--die-at", "10", "--die-rank", "0", "--strategy", "ddp_spawn", killed=True, ddp=True)
+    assert_spent_max_time_trains_nothing(run, ddp=True)
+    out = fit(run, "final", "--strategy", "ddp_spawn", ddp=True)
     assert "rank 0 restored 9 final 18" in out and "rank 1 restored 9 final 18" in out
-
     for name in ("final.pt", "final.pt.1"):  # every rank, BatchNorm buffers (per rank under DDP) included
-        expected, actual = torch.load(reference / name), torch.load(run / name)
-        assert_state_equal(actual["model"], expected["model"])
-        assert_state_equal(actual["optimizer"], expected["optimizer"])
-        assert actual["scheduler"] == expected["scheduler"]
+        assert_same_end(reference, run, name)
+    assert_ckpt_path_is_refused(run, ddp=True)
+
     for rank in (0, 1):
         assert batches(run / f"batches.log.{rank}") == batches(reference / f"batches.log.{rank}")
     for epoch in range(2):  # the ranks' shares make up the epoch, each sample once

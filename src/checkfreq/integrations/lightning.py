@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.errors import UsageError
@@ -56,28 +57,33 @@ class FitLoopState:
 
 class CallbackStates:
     """The ``state_dict()`` of the Trainer's callbacks other than ``owner``, keyed by
-    ``Callback.state_key`` as in Lightning's own checkpoints; callbacks without state are left out."""
+    ``Callback.state_key`` as in Lightning's own checkpoints (callbacks without state are left out),
+    and the wall-clock time they were taken at."""
 
     def __init__(self, trainer: pl.Trainer, owner: pl.Callback) -> None:
         self._trainer = trainer
         self._owner = owner
+        self.saved_at: float | None = None
+        """When the restored states were taken (``time.time()``); None until a restore."""
 
     def _callbacks(self) -> dict[str, pl.Callback]:
         return {cb.state_key: cb for cb in self._trainer.callbacks if cb is not self._owner}
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: state for key, callback in self._callbacks().items() if (state := callback.state_dict())}
+        states = {key: state for key, callback in self._callbacks().items() if (state := callback.state_dict())}
+        return {"saved_at": time.time(), "states": states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        callbacks = self._callbacks()
+        callbacks, saved = self._callbacks(), state["states"]
         stateful = {key for key, callback in callbacks.items() if callback.state_dict()}
-        if gone := sorted(state.keys() - callbacks.keys()):
+        if gone := sorted(saved.keys() - callbacks.keys()):
             log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s", ", ".join(gone))
-        if new := sorted(stateful - state.keys()):
+        if new := sorted(stateful - saved.keys()):
             log.warning("callbacks with state that the checkpoint does not hold start afresh: %s", ", ".join(new))
-        for key, callback_state in state.items():
+        for key, callback_state in saved.items():
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
+        self.saved_at = state["saved_at"]
 
 
 class CheckFreqCallback(pl.Callback):
@@ -141,13 +147,16 @@ class CheckFreqCallback(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_ckpt_path(trainer)
         self._epoch_ending = False
-        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, self))
+        callbacks = CallbackStates(trainer, self)
+        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, callbacks))
         if self._resume:
             self.restored_step = self._checkpointer.restore()
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
                 for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
                     timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it on the restored time
+                if trainer.is_global_zero and callbacks.saved_at is not None:
+                    _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
         self._seen_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -222,11 +231,27 @@ def _refuse_ckpt_path(trainer: pl.Trainer) -> None:
         )
 
 
-def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, owner: pl.Callback) -> dict[str, Any]:
+def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None:
+    """Remove the files each ``ModelCheckpoint`` wrote after the restored checkpoint was taken: the
+    run that wrote them died, the resumed fit writes them again at the same steps, and over them
+    rather than beside them (``last-v1.ckpt``, ``epoch=0-step=4-v1.ckpt``). Files the restored
+    state knows of, and any written before, are kept."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath or not callback._fs.isdir(callback.dirpath):
+            continue
+        known = {callback.last_model_path, callback.best_model_path, callback.kth_best_model_path, *callback.best_k_models}
+        for entry in callback._fs.ls(callback.dirpath, detail=True):
+            path = entry["name"]
+            if path.endswith(callback.FILE_EXTENSION) and path not in known and entry.get("mtime", 0) > saved_at:
+                log.info("removing %s, written after the restored checkpoint by the run that ended", path)
+                callback._remove_checkpoint(trainer, path)
+
+
+def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, callbacks: CallbackStates) -> dict[str, Any]:
     """What a Lightning fit consists of, by name, for the Checkpointer."""
     objects: dict[str, Any] = {
         "model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin,
-        "callbacks": CallbackStates(trainer, owner),
+        "callbacks": callbacks,
     }
     if trainer.datamodule is not None:
         objects["datamodule"] = trainer.datamodule
