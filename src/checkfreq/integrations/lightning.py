@@ -3,10 +3,10 @@
 ``CheckFreqCallback`` registers the LightningModule, every optimizer and LR scheduler, the
 precision plugin (its GradScaler), the DataModule, the fit loop's progress and the state of the
 Trainer's other callbacks (``EarlyStopping``, ``ModelCheckpoint``, the ``Timer`` behind
-``max_time``) with a :class:`~checkfreq.Checkpointer`. It checkpoints from ``on_train_batch_end``
-after each optimizer step (as the policy decides), after every other callback's
-``on_train_batch_end``, and restores in ``on_fit_start``, before the fit loop starts. A
-``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
+``max_time``) with a :class:`~checkfreq.Checkpointer`. It hands each optimizer step to the policy
+from ``on_train_batch_end``, after every other callback's (an epoch's last step once the epoch,
+its validation included, has ended), and restores in ``on_fit_start``, before the fit loop
+starts. A ``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
 
 The fit loop's state includes the state of every train dataloader that has
 ``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.ResumableLoader` as the train
