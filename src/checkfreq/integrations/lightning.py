@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
@@ -237,14 +238,17 @@ def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None
     rather than beside them (``last-v1.ckpt``, ``epoch=0-step=4-v1.ckpt``). Files the restored
     state knows of, and any written before, are kept."""
     for callback in trainer.callbacks:
-        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath or not callback._fs.isdir(callback.dirpath):
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
+            continue
+        fs = get_filesystem(callback.dirpath)
+        if not fs.isdir(callback.dirpath):
             continue
         known = {callback.last_model_path, callback.best_model_path, callback.kth_best_model_path, *callback.best_k_models}
-        for entry in callback._fs.ls(callback.dirpath, detail=True):
+        for entry in fs.ls(callback.dirpath, detail=True):
             path = entry["name"]
             if path.endswith(callback.FILE_EXTENSION) and path not in known and entry.get("mtime", 0) > saved_at:
                 log.info("removing %s, written after the restored checkpoint by the run that ended", path)
-                callback._remove_checkpoint(trainer, path)
+                trainer.strategy.remove_checkpoint(path)
 
 
 def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, callbacks: CallbackStates) -> dict[str, Any]:
