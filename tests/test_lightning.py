@@ -157,17 +157,9 @@ def test_ddp_fit_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> Non
         assert sorted(shares[0] + shares[1]) == list(range(72))
 
 
-def test_policy_sees_the_loss_of_each_optimizer_step(tmp_path: Path) -> None:
-    """The loss training_step returns reaches the policy, once per optimizer step (the last micro-batch's)."""
+def _tiny_fit(directory: Path, epochs: int, callbacks: list, **trainer_options: object):  # type: ignore[no-untyped-def]
+    """A linear model fitted in this process on 8 batches of 4 random points per epoch; returns the model."""
     import lightning.pytorch as pl
-
-    from checkfreq.integrations.lightning import CheckFreqCallback
-    from checkfreq.policies import Every
-
-    class Recording(Every):
-        def should_save(self, ctx):  # type: ignore[no-untyped-def]
-            self.seen.append(ctx.loss)
-            return super().should_save(ctx)
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -182,12 +174,63 @@ def test_policy_sees_the_loss_of_each_optimizer_step(tmp_path: Path) -> None:
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    policy = Recording(n=3)
-    policy.seen = []
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
     model = Model()
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", accumulate_grad_batches=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[CheckFreqCallback(tmp_path, policy=policy)])
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **trainer_options)
     trainer.fit(model, train_dataloaders=data)
+    return model, trainer
+
+
+def test_policy_sees_the_loss_of_each_optimizer_step(tmp_path: Path) -> None:
+    """The loss training_step returns reaches the policy, once per optimizer step (the last micro-batch's)."""
+    from checkfreq.integrations.lightning import CheckFreqCallback
+    from checkfreq.policies import Every
+
+    class Recording(Every):
+        def should_save(self, ctx):  # type: ignore[no-untyped-def]
+            self.seen.append(ctx.loss)
+            return super().should_save(ctx)
+
+    policy = Recording(n=3)
+    policy.seen = []
+    model, _ = _tiny_fit(tmp_path, 1, [CheckFreqCallback(tmp_path, policy=policy)], accumulate_grad_batches=2)
     assert policy.seen == model.losses[1::2] and len(policy.seen) == 4
+
+
+def test_callbacks_keep_their_setup_and_their_state(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Listed first, the callback runs last without costing the next callback its ``setup``; a callback's
+    ``state_dict()`` comes back in the next fit, and a stateful callback the checkpoint lacks is named."""
+    import lightning.pytorch as pl
+
+    from checkfreq.integrations.lightning import CheckFreqCallback
+
+    class Counting(pl.Callback):
+        def __init__(self, name: str) -> None:
+            self.name, self.setups, self.batches = name, 0, 0
+
+        @property
+        def state_key(self) -> str:
+            return self.name
+
+        def setup(self, trainer, pl_module, stage):  # type: ignore[no-untyped-def]
+            self.setups += 1
+
+        def on_train_batch_end(self, *args):  # type: ignore[no-untyped-def]
+            self.batches += 1
+
+        def state_dict(self) -> dict:
+            return {"batches": self.batches}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.batches = state["batches"]
+
+    checkfreq, counting = CheckFreqCallback(tmp_path, policy=3), Counting("a")
+    _, trainer = _tiny_fit(tmp_path, 1, [checkfreq, counting])
+    assert counting.setups == 1 and trainer.callbacks[-1] is checkfreq
+
+    resumed, added = Counting("a"), Counting("b")
+    with caplog.at_level("WARNING", logger="checkfreq.integrations.lightning"):
+        _tiny_fit(tmp_path, 2, [CheckFreqCallback(tmp_path, policy=3), resumed, added])
+    assert resumed.batches == 16 and added.batches == 8  # 8 restored + 8 trained; 8 trained
+    assert "start afresh: b" in caplog.text

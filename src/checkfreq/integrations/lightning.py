@@ -141,9 +141,10 @@ class CheckFreqCallback(pl.Callback):
         return self._checkpointer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step."""
-        trainer.callbacks.remove(self)
-        trainer.callbacks.append(self)
+        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step.
+
+        A new list: Lightning is iterating over the current one to call ``setup``."""
+        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_ckpt_path(trainer)
