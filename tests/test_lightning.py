@@ -234,3 +234,35 @@ def test_callbacks_keep_their_setup_and_their_state(tmp_path: Path, caplog: pyte
         _tiny_fit(tmp_path, 2, [CheckFreqCallback(tmp_path, policy=3), resumed, added])
     assert resumed.batches == 16 and added.batches == 8  # 8 restored + 8 trained; 8 trained
     assert "start afresh: b" in caplog.text
+
+
+def test_a_checkpoint_at_the_end_of_an_epoch_sees_each_epoch_start_once(tmp_path: Path) -> None:
+    """The checkpoint of an epoch's last step is taken before the other callbacks' ``on_train_epoch_start``
+    of the next epoch, which Lightning calls again when it resumes from it: across a failure each
+    epoch start is seen once, as in an uninterrupted fit."""
+    import lightning.pytorch as pl
+
+    from checkfreq.integrations.lightning import CheckFreqCallback
+
+    class Starts(pl.Callback):
+        def __init__(self, fail_at: int | None = None) -> None:
+            self.starts, self.fail_at = 0, fail_at
+
+        def on_train_epoch_start(self, *args):  # type: ignore[no-untyped-def]
+            self.starts += 1
+
+        def on_train_batch_end(self, trainer, *args):  # type: ignore[no-untyped-def]
+            if trainer.global_step == self.fail_at:
+                raise RuntimeError("failed at step 9")
+
+        def state_dict(self) -> dict:
+            return {"starts": self.starts}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.starts = state["starts"]
+
+    with pytest.raises(RuntimeError, match="failed at step 9"):  # after the checkpoint of step 8, epoch 0's last
+        _tiny_fit(tmp_path, 3, [CheckFreqCallback(tmp_path, policy=4), Starts(fail_at=9)])
+    checkfreq, starts = CheckFreqCallback(tmp_path, policy=4), Starts()
+    _tiny_fit(tmp_path, 3, [checkfreq, starts])
+    assert checkfreq.restored_step == 8 and starts.starts == 3

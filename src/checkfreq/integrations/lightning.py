@@ -141,10 +141,8 @@ class CheckFreqCallback(pl.Callback):
         return self._checkpointer
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step.
-
-        A new list: Lightning is iterating over the current one to call ``setup``."""
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step."""
+        _place(trainer, self, first=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_ckpt_path(trainer)
@@ -168,26 +166,30 @@ class CheckFreqCallback(pl.Callback):
         self._seen_step = trainer.global_step
         if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self._epoch_ending = True  # validation and the epoch-end hooks still belong to this step
+            _place(trainer, self, first=True)  # the next epoch's start is checkpointed before the others see it
             return
         self.checkpointer.step(loss=self._loss.take())
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epoch_ending:
             _start_epoch_progress(trainer)
-        self._step_after_epoch_end()
+        self._step_after_epoch_end(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._step_after_epoch_end()
+        self._step_after_epoch_end(trainer)
         if self._save_on_train_end:
             self.checkpointer.save(blocking=True)
 
-    def _step_after_epoch_end(self) -> None:
+    def _step_after_epoch_end(self, trainer: pl.Trainer) -> None:
         """Count the epoch's last optimizer step once the epoch has ended: a checkpoint taken then holds
         what its validation, ``EarlyStopping``, ``ModelCheckpoint`` and epoch-interval schedulers did,
-        which Lightning does not run again when it resumes from a checkpoint taken at the batch's end."""
+        which Lightning does not run again when it resumes from a checkpoint taken at the batch's end.
+        It comes before the other callbacks' ``on_train_epoch_start``, which Lightning calls again on
+        resuming from it; then the callback goes back to the end of the list."""
         if self._epoch_ending:
             self._epoch_ending = False
             self.checkpointer.step(loss=self._loss.take())
+            _place(trainer, self, first=False)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -208,6 +210,13 @@ def _loss_of(outputs: Any, trainer: pl.Trainer) -> Any:
     """The loss ``training_step`` returned; Lightning hands callbacks it divided by the accumulation factor."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     return loss * trainer.accumulate_grad_batches if isinstance(loss, torch.Tensor) else loss
+
+
+def _place(trainer: pl.Trainer, callback: pl.Callback, *, first: bool) -> None:
+    """Put ``callback`` first or last in ``trainer.callbacks``: a new list, as Lightning may be
+    iterating over the current one (to call ``setup``, ``on_train_batch_end``, ...)."""
+    others = [cb for cb in trainer.callbacks if cb is not callback]
+    trainer.callbacks = [callback, *others] if first else [*others, callback]
 
 
 def _start_epoch_progress(trainer: pl.Trainer) -> None:
