@@ -87,7 +87,8 @@ def assert_same_end(reference: Path, run: Path, name: str = "final.pt") -> None:
     assert_state_equal(actual["optimizer"], expected["optimizer"])
     assert actual["scheduler"] == expected["scheduler"]
     assert_state_equal(_relative(actual["callbacks"], run), _relative(expected["callbacks"], reference))
-    assert sorted(os.listdir(run / "lightning")) == sorted(os.listdir(reference / "lightning")) == ["epoch=1-step=16.ckpt", "last.ckpt"]
+    files = [sorted(os.listdir(root / "lightning")) for root in (run, reference)]
+    assert files == [["epoch=1-step=16.ckpt", "last.ckpt"]] * 2
     last = [torch.load(root / "lightning" / "last.ckpt", weights_only=False)["global_step"] for root in (run, reference)]
     assert last == [16, 16]  # ModelCheckpoint saves every 4 steps
 

@@ -91,7 +91,8 @@ class SaveFinal(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rank = trainer.global_rank
         print(f"rank {rank} restored {self.checkfreq.restored_step} final {trainer.global_step}", flush=True)
-        callbacks = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))}
+        watched = (EarlyStopping, ModelCheckpoint)
+        callbacks = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, watched)}
         torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
                     "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "callbacks": callbacks},
                    self.out if rank == 0 else f"{self.out}.{rank}")  # each rank's BatchNorm buffers

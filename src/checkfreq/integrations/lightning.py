@@ -78,7 +78,8 @@ class CallbackStates:
         callbacks, saved = self._callbacks(), state["states"]
         stateful = {key for key, callback in callbacks.items() if callback.state_dict()}
         if gone := sorted(saved.keys() - callbacks.keys()):
-            log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s", ", ".join(gone))
+            log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s",
+                        ", ".join(gone))
         if new := sorted(stateful - saved.keys()):
             log.warning("callbacks with state that the checkpoint does not hold start afresh: %s", ", ".join(new))
         for key, callback_state in saved.items():
