@@ -236,6 +236,17 @@ def test_set_epoch_keeps_the_position_of_the_current_epoch():
     assert source.epoch == 4 and source.state_dict()["consumed"] == 0
 
 
+def test_the_last_batch_of_an_epoch_that_is_over_is_not_counted_in_the_next():
+    source = loader()
+    it = iter(source)
+    take(it, len(source))  # every batch trained on, the loop has not asked for the next one
+    source.sampler.set_epoch(1)  # as Lightning calls it at the top of each epoch
+    assert source.state_dict()["epoch"] == 1 and source.state_dict()["consumed"] == 0
+    fresh = loader()
+    fresh.set_epoch(1)
+    assert indices(one_epoch(source)) == indices(one_epoch(fresh))  # the whole of epoch 1
+
+
 @pytest.mark.parametrize(
     ("before", "after"),
     [

@@ -424,7 +424,11 @@ class ResumableLoader:
         self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def _consume_handed_out(self) -> None:
-        self.sampler.advance(self._handed_out)
+        """Count the batch handed out last as consumed, unless the sampler has moved to another epoch
+        since (``sampler.set_epoch``, as Lightning calls it at the top of each epoch): that batch
+        belongs to an epoch that is over."""
+        if self._plan.epoch == self.sampler.epoch:
+            self.sampler.advance(self._handed_out)
         self._handed_out = 0
 
     def _check_current(self, generation: int) -> None:

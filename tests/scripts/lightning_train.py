@@ -1,14 +1,21 @@
-"""A 2-epoch Lightning fit with CheckFreqCallback, for the exact-resume acceptance tests.
+"""A Lightning fit with CheckFreqCallback, for the exact-resume acceptance tests.
 
 Resumes from ``--dir`` if a checkpoint is there, trains to the end (shuffled ResumableLoader,
 random augmentation, dropout, BatchNorm, AdamW, an epoch-interval LR schedule) and writes the
-final model and optimizer state to ``--out``. With ``--die-at K`` it SIGKILLs itself right after
-optimizer step ``K`` (once the checkpoint in flight is durable). Every batch's sample indices are
-appended to ``--log`` as ``epoch batch_idx index index ...``.
+final model, optimizer, scheduler and callback states to ``--out``. With ``--die-at K`` it
+SIGKILLs itself right after optimizer step ``K`` (once the checkpoint in flight is durable).
+Every batch's sample indices are appended to ``--log`` as ``epoch batch_idx index index ...``.
 
-With ``--devices 2`` the fit runs under ``strategy="ddp"`` on two CPU processes (gloo), each rank
-writing its final state (rank ``r > 0`` to ``--out`` + ``.r``); the loader comes from ``train_dataloader()`` (built once the process group is up),
-``--die-rank`` says which rank dies, and each rank logs to ``--log`` + ``.RANK``.
+``--callbacks DIR`` adds Lightning's stateful callbacks beside CheckFreqCallback: a validation
+loop, ``EarlyStopping`` on its loss (it stops after ``PATIENCE`` epochs without a large
+improvement) and ``ModelCheckpoint(save_last=True)`` writing to ``DIR`` every 4 steps;
+``--max-time`` is the Trainer's ``max_time``, ``--sleep-at K`` sleeps 2 s in optimizer step
+``K`` (time the Timer counts) and ``--ckpt-path`` is passed to ``fit()``.
+
+With ``--devices 2`` the fit runs under ``--strategy`` (``ddp`` or ``ddp_spawn``) on two CPU
+processes (gloo), each rank writing its final state (rank ``r > 0`` to ``--out`` + ``.r``); the
+loader comes from ``train_dataloader()`` (built once the process group is up), ``--die-rank``
+says which rank dies, and each rank logs to ``--log`` + ``.RANK``.
 """
 
 from __future__ import annotations
@@ -16,16 +23,19 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 
 from checkfreq.data import ResumableLoader
 from checkfreq.integrations.lightning import CheckFreqCallback
 from noisy_points import NoisyPoints  # beside this script
 
-SAMPLES, BATCH, EPOCHS, EVERY = 72, 8, 2, 3  # 9 optimizer steps per epoch
+SAMPLES, BATCH, EVERY = 72, 8, 3  # 9 optimizer steps per epoch
+PATIENCE = 1
 
 
 class Classifier(pl.LightningModule):
@@ -35,6 +45,7 @@ class Classifier(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 32), norm, nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
         self.log_path = log_path if devices == 1 else None
         self.base_log = log_path
+        self.sleep_at: int | None = None
 
     def train_dataloader(self) -> ResumableLoader:
         """Built in the fit, once torch.distributed is up: the loader takes this rank's share."""
@@ -45,7 +56,13 @@ class Classifier(pl.LightningModule):
         x, y, index = batch
         with open(self.log_path, "a") as log:
             log.write(f"{self.current_epoch} {batch_idx} {' '.join(map(str, index.tolist()))}\n")
+        if self.global_step + 1 == self.sleep_at:
+            time.sleep(2)
         return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -64,34 +81,64 @@ class DieAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SaveFinal(pl.Callback):
+    """Each rank prints where the fit started and ended and writes its final state (under ``ddp_spawn``
+    the fit runs in processes of its own)."""
+
+    def __init__(self, out: str, checkfreq: CheckFreqCallback) -> None:
+        self.out, self.checkfreq = out, checkfreq
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank = trainer.global_rank
+        print(f"rank {rank} restored {self.checkfreq.restored_step} final {trainer.global_step}", flush=True)
+        watched = (EarlyStopping, ModelCheckpoint)
+        callbacks = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, watched)}
+        torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+                    "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "callbacks": callbacks},
+                   self.out if rank == 0 else f"{self.out}.{rank}")  # each rank's BatchNorm buffers
+
+
+def validation_points() -> torch.utils.data.DataLoader:
+    """Fixed points, no augmentation: validating draws no random numbers."""
+    points = NoisyPoints(SAMPLES // 2)
+    data = torch.utils.data.TensorDataset(points.x, points.y, torch.arange(len(points)))
+    return torch.utils.data.DataLoader(data, batch_size=BATCH)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--callbacks", default=None)
+    parser.add_argument("--max-time", default=None)
+    parser.add_argument("--sleep-at", type=int, default=None)
+    parser.add_argument("--ckpt-path", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
 
     model = Classifier(args.log, args.devices)
+    model.sleep_at = args.sleep_at
     checkfreq = CheckFreqCallback(args.dir, policy=EVERY, keep=2)
+    callbacks = [checkfreq, DieAt(args.die_at, checkfreq, args.die_rank), SaveFinal(args.out, checkfreq)]
+    if args.callbacks:
+        callbacks += [EarlyStopping("val_loss", min_delta=10.0, patience=PATIENCE),
+                      ModelCheckpoint(args.callbacks, save_last=True, every_n_train_steps=4)]
     trainer = pl.Trainer(
-        max_epochs=EPOCHS, accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-        callbacks=[checkfreq, DieAt(args.die_at, checkfreq, args.die_rank)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True,
+        max_epochs=args.epochs, max_time=args.max_time, accelerator="cpu", devices=args.devices,
+        strategy=args.strategy if args.devices > 1 else "auto", callbacks=callbacks,
+        logger=False, enable_checkpointing=bool(args.callbacks), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, deterministic=True, limit_val_batches=1.0 if args.callbacks else 0,
     )
-    if args.devices == 1:
-        trainer.fit(model, train_dataloaders=ResumableLoader(NoisyPoints(SAMPLES), batch_size=BATCH, shuffle=True, seed=5))
-    else:
-        trainer.fit(model)
-    print(f"rank {trainer.global_rank} restored {checkfreq.restored_step} final {trainer.global_step}", flush=True)
-    out = args.out if trainer.global_rank == 0 else f"{args.out}.{trainer.global_rank}"  # each rank's BatchNorm buffers
-    torch.save({"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
-                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict()}, out)
+    val = validation_points() if args.callbacks else None
+    train = ResumableLoader(NoisyPoints(SAMPLES), batch_size=BATCH, shuffle=True, seed=5) if args.devices == 1 else None
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val, ckpt_path=args.ckpt_path)
 
 
 if __name__ == "__main__":

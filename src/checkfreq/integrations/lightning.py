@@ -1,9 +1,12 @@
 """Lightning: checkfreq's checkpointing as a ``Trainer`` callback.
 
 ``CheckFreqCallback`` registers the LightningModule, every optimizer and LR scheduler, the
-precision plugin (its GradScaler) and the fit loop's progress with a
-:class:`~checkfreq.Checkpointer`. It checkpoints from ``on_train_batch_end`` after each optimizer
-step (as the policy decides) and restores in ``on_fit_start``, before the fit loop starts.
+precision plugin (its GradScaler), the DataModule, the fit loop's progress and the state of the
+Trainer's other callbacks (``EarlyStopping``, ``ModelCheckpoint``, the ``Timer`` behind
+``max_time``) with a :class:`~checkfreq.Checkpointer`. It hands each optimizer step to the policy
+from ``on_train_batch_end``, after every other callback's (an epoch's last step once the epoch,
+its validation included, has ended), and restores in ``on_fit_start``, before the fit loop
+starts. A ``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
 
 The fit loop's state includes the state of every train dataloader that has
 ``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.ResumableLoader` as the train
@@ -15,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.errors import UsageError
@@ -48,6 +54,38 @@ class FitLoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._trainer.fit_loop.load_state_dict(state)
+
+
+class CallbackStates:
+    """The ``state_dict()`` of the Trainer's callbacks other than ``owner``, keyed by
+    ``Callback.state_key`` as in Lightning's own checkpoints (callbacks without state are left out),
+    and the wall-clock time they were taken at."""
+
+    def __init__(self, trainer: pl.Trainer, owner: pl.Callback) -> None:
+        self._trainer = trainer
+        self._owner = owner
+        self.saved_at: float | None = None
+        """When the restored states were taken (``time.time()``); None until a restore."""
+
+    def _callbacks(self) -> dict[str, pl.Callback]:
+        return {cb.state_key: cb for cb in self._trainer.callbacks if cb is not self._owner}
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {key: state for key, callback in self._callbacks().items() if (state := callback.state_dict())}
+        return {"saved_at": time.time(), "states": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        callbacks, saved = self._callbacks(), state["states"]
+        stateful = {key for key, callback in callbacks.items() if callback.state_dict()}
+        if gone := sorted(saved.keys() - callbacks.keys()):
+            log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s",
+                        ", ".join(gone))
+        if new := sorted(stateful - saved.keys()):
+            log.warning("callbacks with state that the checkpoint does not hold start afresh: %s", ", ".join(new))
+        for key, callback_state in saved.items():
+            if key in callbacks:
+                callbacks[key].load_state_dict(callback_state)
+        self.saved_at = state["saved_at"]
 
 
 class CheckFreqCallback(pl.Callback):
@@ -92,6 +130,7 @@ class CheckFreqCallback(pl.Callback):
         self._loss = LossFeed()
         self._checkpointer: Checkpointer | None = None
         self._seen_step = 0
+        self._epoch_ending = False
         self.restored_step = 0
         """The optimizer step restored at the start of the fit (0 for a fresh run)."""
 
@@ -102,12 +141,23 @@ class CheckFreqCallback(pl.Callback):
             raise UsageError("CheckFreqCallback has no checkpointer outside Trainer.fit()")
         return self._checkpointer
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Run last among the callbacks, so that a checkpoint holds each of them as of the end of its step."""
+        _place(trainer, self, first=False)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module))
+        _refuse_ckpt_path(trainer)
+        self._epoch_ending = False
+        callbacks = CallbackStates(trainer, self)
+        self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, callbacks))
         if self._resume:
             self.restored_step = self._checkpointer.restore()
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
+                for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
+                    timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it on the restored time
+                if trainer.is_global_zero and callbacks.saved_at is not None:
+                    _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
         self._seen_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -115,11 +165,32 @@ class CheckFreqCallback(pl.Callback):
         if trainer.global_step == self._seen_step:
             return  # accumulating gradients: no optimizer step, nothing consistent to save
         self._seen_step = trainer.global_step
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._epoch_ending = True  # validation and the epoch-end hooks still belong to this step
+            _place(trainer, self, first=True)  # the next epoch's start is checkpointed before the others see it
+            return
         self.checkpointer.step(loss=self._loss.take())
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._epoch_ending:
+            _start_epoch_progress(trainer)
+        self._step_after_epoch_end(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_after_epoch_end(trainer)
         if self._save_on_train_end:
             self.checkpointer.save(blocking=True)
+
+    def _step_after_epoch_end(self, trainer: pl.Trainer) -> None:
+        """Count the epoch's last optimizer step once the epoch has ended: a checkpoint taken then holds
+        what its validation, ``EarlyStopping``, ``ModelCheckpoint`` and epoch-interval schedulers did,
+        which Lightning does not run again when it resumes from a checkpoint taken at the batch's end.
+        It comes before the other callbacks' ``on_train_epoch_start``, which Lightning calls again on
+        resuming from it; then the callback goes back to the end of the list."""
+        if self._epoch_ending:
+            self._epoch_ending = False
+            self.checkpointer.step(loss=self._loss.take())
+            _place(trainer, self, first=False)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -142,9 +213,63 @@ def _loss_of(outputs: Any, trainer: pl.Trainer) -> Any:
     return loss * trainer.accumulate_grad_batches if isinstance(loss, torch.Tensor) else loss
 
 
-def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+def _place(trainer: pl.Trainer, callback: pl.Callback, *, first: bool) -> None:
+    """Put ``callback`` first or last in ``trainer.callbacks``: a new list, as Lightning may be
+    iterating over the current one (to call ``setup``, ``on_train_batch_end``, ...)."""
+    others = [cb for cb in trainer.callbacks if cb is not callback]
+    trainer.callbacks = [callback, *others] if first else [*others, callback]
+
+
+def _start_epoch_progress(trainer: pl.Trainer) -> None:
+    """Zero the epoch loop's counters of the epoch that ended, as Lightning does right after
+    ``on_train_epoch_start``: a checkpoint taken in that hook then resumes as at the new epoch's start
+    (with the old epoch's counts Lightning would take the new epoch for one already trained)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.batch_progress.reset_on_run()
+    epoch_loop.scheduler_progress.reset_on_run()
+    epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+    epoch_loop.val_loop.batch_progress.total.reset()
+
+
+def _refuse_ckpt_path(trainer: pl.Trainer) -> None:
+    """Lightning restores a ``fit(ckpt_path=...)`` partly before ``on_fit_start`` and partly after it:
+    beside checkfreq's restore the fit would go on from a mix of two checkpoints."""
+    if trainer.ckpt_path is not None:
+        raise UsageError(
+            f"Trainer.fit(ckpt_path={str(trainer.ckpt_path)!r}) beside CheckFreqCallback: Lightning would restore the "
+            "optimizers, schedulers and loop progress of that file over the state checkfreq restores (or starts "
+            "afresh), a mix of two checkpoints. Leave ckpt_path out: the callback resumes the fit from its own "
+            "directory (ModelCheckpoint may go on writing its files beside it)."
+        )
+
+
+def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None:
+    """Remove the files each ``ModelCheckpoint`` wrote after the restored checkpoint was taken: the
+    run that wrote them died, the resumed fit writes them again at the same steps, and over them
+    rather than beside them (``last-v1.ckpt``, ``epoch=0-step=4-v1.ckpt``). Files the restored
+    state knows of, and any written before, are kept."""
+    for callback in trainer.callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
+            continue
+        fs = get_filesystem(callback.dirpath)
+        if not fs.isdir(callback.dirpath):
+            continue
+        known = {callback.last_model_path, callback.best_model_path, callback.kth_best_model_path, *callback.best_k_models}
+        for entry in fs.ls(callback.dirpath, detail=True):
+            path = entry["name"]
+            if path.endswith(callback.FILE_EXTENSION) and path not in known and entry.get("mtime", 0) > saved_at:
+                log.info("removing %s, written after the restored checkpoint by the run that ended", path)
+                trainer.strategy.remove_checkpoint(path)
+
+
+def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, callbacks: CallbackStates) -> dict[str, Any]:
     """What a Lightning fit consists of, by name, for the Checkpointer."""
-    objects: dict[str, Any] = {"model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin}
+    objects: dict[str, Any] = {
+        "model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin,
+        "callbacks": callbacks,
+    }
+    if trainer.datamodule is not None:
+        objects["datamodule"] = trainer.datamodule
     for i, optimizer in enumerate(trainer.optimizers):
         objects[f"optimizer{i}"] = optimizer
     for i, config in enumerate(trainer.lr_scheduler_configs):
