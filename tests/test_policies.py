@@ -256,6 +256,23 @@ def test_profiler_discounts_stalls_from_iteration_time() -> None:
     assert prof.slowdown == 0.0
 
 
+def test_profiler_discounts_memory_snapshot_stalls_without_counting_them_as_checkpoints() -> None:
+    prof = Profiler()
+    prof.record_memory_stall(0.5)  # the first memory snapshot: creating the region and the copy
+    prof.record_iteration(0.51, persisting=False)
+    assert prof.iteration.value == pytest.approx(0.01)  # the session's first sample is training only
+    prof.begin_checkpoint()
+    prof.record_stall(0.005)
+    prof.record_iteration(0.015, persisting=True)
+    prof.record_memory_stall(0.02)  # a memory snapshot while the persist runs, and its fence wait
+    prof.record_memory_stall(0.01)
+    prof.record_iteration(0.04, persisting=True)
+    prof.record_iteration(0.01, persisting=False)
+    assert prof.iteration_while_persisting.value == pytest.approx(0.01)
+    assert prof.stall.count == 1 and prof.stall.value == 0.005  # memory stalls are no checkpoint's stall
+    assert prof.checkpoint_cost.value == pytest.approx(0.005)  # nor part of the checkpoint's cost
+
+
 def test_profiler_measures_what_each_checkpoint_cost() -> None:
     """Stall plus the extra time of the iterations the persist overlapped, closed by the first clean iteration."""
     prof = Profiler()

@@ -488,16 +488,19 @@ class Checkpointer:
         if self._cluster is not None and any(is_dtensor(t) for t in tensors.values()):
             log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
             memory.enabled = False
+            self._profiler.record_memory_stall(time.perf_counter() - start)
             return
         layout = layout_of(tensors)
         target = memory.target(layout, skeleton, step, epoch, _versions(), time.time())
-        if target is None:
+        if target is None:  # no room in /dev/shm: the tier turned itself off
+            self._profiler.record_memory_stall(time.perf_counter() - start)
             return
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer)
         memory.submit(target, pending, skeleton, epoch)
         memory.cadence.taken(step)
         stall = time.perf_counter() - start
         self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
+        self._profiler.record_memory_stall(stall)  # creating the region included: none of it is training
         cost = stall - target.setup_s  # creating the region is a one-time cost
         if pending.has_deferred:
             self._fence, self._fence_stall, self._fence_memory = pending, cost, True
@@ -556,6 +559,7 @@ class Checkpointer:
                     raise PersistTimeoutError(f"snapshot copy still running after {self._timeout} s")
         wait = time.perf_counter() - start
         if self._fence_memory:
+            self._profiler.record_memory_stall(wait)
             self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
             return
         self._profiler.record_stall(self._fence_stall + wait)

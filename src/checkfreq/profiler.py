@@ -85,8 +85,9 @@ class Profiler:
     """Measurements the policies decide from.
 
     Iteration samples are wall time between consecutive ``step()`` calls; the stall of a
-    checkpoint (recorded just before the sample that contains it) is subtracted, so the iteration
-    estimates measure training only, and stalls are counted once, in :attr:`stall`.
+    checkpoint and that of a memory snapshot (each recorded just before the sample that contains
+    it) are subtracted, so the iteration estimates measure training only. Checkpoint stalls are
+    counted once, in :attr:`stall`; memory snapshot stalls are the memory cadence's to budget.
     """
 
     iteration: Smoothed = field(default_factory=Smoothed)
@@ -129,6 +130,12 @@ class Profiler:
         self._stall_to_discount += seconds
         if self._open_cost is not None:
             self._open_cost += seconds
+
+    def record_memory_stall(self, seconds: float) -> None:
+        """Time the training thread was blocked by a memory-only snapshot (its copy, its fence
+        wait, creating the region): not training, so not iteration time, but no checkpoint's
+        stall or cost either."""
+        self._stall_to_discount += seconds
 
     def _close_cost(self) -> None:
         if self._open_cost is not None:
