@@ -250,8 +250,12 @@ class CheckpointDescription:
 
 
 def describe(ref: CheckpointRef) -> CheckpointDescription:
-    """Read a checkpoint's manifest (not its data) and summarise tensors, objects and versions."""
+    """Read a checkpoint's manifest and summarise tensors, objects and versions. The data is not
+    read, but for a checkpoint written by several ranks, whose files' headers hold each rank's part:
+    then its files are read and verified."""
     manifest = ref.read_manifest()
+    if not manifest.complete:
+        manifest, _ = ref.read()
     tensors = [
         TensorInfo(name, list(e["shape"]), e["dtype"], e["offsets"][1] - e["offsets"][0], e["file"])
         for name, e in sorted(manifest.tensors.items())

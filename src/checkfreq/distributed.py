@@ -154,18 +154,15 @@ class Cluster:
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         if self._plan is None or self._plan.layout != layout:
-            self._plan = Plan.of(layout, [(n, tensors[n].numel(), tensors[n].element_size()) for n in names], self)
+            self._plan = Plan.of(layout, {n: tensors[n] for n in names}, self)
             checked = self._plan.verify_all()
         else:
             checked = self._plan.verify_next()
         plan = self._plan
         claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
-        arrays: dict[str, torch.Tensor] = {}
-        index: dict[str, Any] = {}
-        for piece in plan.pieces:
-            tensor = tensors[piece.name]
-            arrays[piece.stored_name] = piece_view(tensor, piece)
-            index[piece.name] = _entry(tensor, REPLICATED, [piece.stored_name, piece.begin, piece.end])
+        arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
+        own: dict[str, Any] = {}  # this rank's tensors but its replicated pieces: in its file's header
+        shared = dict(plan.shared)  # what every rank records the same: in the manifest
         for name, tensor in tensors.items():
             kind = kind_of(name, tensor, replicated)
             if kind == REPLICATED:
@@ -174,12 +171,13 @@ class Cluster:
             if kind == SHARDED:
                 arrays[stored] = tensor.to_local()
                 offset, _ = local_box(tensor)
-                index[name] = _entry(tensor, SHARDED, [stored, list(offset)])
+                own[name] = _entry(tensor, SHARDED, [[stored, list(offset)]])
+                shared[name] = _entry(tensor, SHARDED, [])
             else:
                 arrays[stored] = tensor
-                index[name] = _entry(tensor, PRIVATE, stored)
-        fenced = {stored for stored, name in _origins(index) if name in owned}
-        return arrays, fenced, {"tensors": index, "replicas": claim}
+                own[name] = _entry(tensor, PRIVATE, [stored])
+        fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
+        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim}
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
@@ -219,11 +217,20 @@ class Plan:
     """(name, numel, itemsize) of every replicated tensor."""
     pieces: list[Piece]
     """This rank's share of the replicated bytes."""
+    shared: dict[str, Any]
+    """The manifest's entry of every replicated tensor: its pieces on every rank, in rank order."""
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
-        return cls(layout, sizes, partition(sizes, cluster.world_size)[cluster.rank])
+    def of(cls, layout: replicas.Layout, tensors: Mapping[str, torch.Tensor], cluster: Cluster) -> Plan:
+        sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
+        plans = partition(sizes, cluster.world_size)
+        shared: dict[str, Any] = {}
+        for pieces in plans:
+            for piece in pieces:
+                entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
+                entry["parts"].append([piece.stored_name, piece.begin, piece.end])
+        return cls(layout, sizes, plans[cluster.rank], shared)
 
     def verify_all(self) -> list[Piece]:
         """Every tensor, whole: the layout was just planned."""
@@ -243,17 +250,8 @@ def _label(piece: Piece) -> str:
     return piece.name if piece.whole else f"{piece.name}[{piece.begin}:{piece.end}]"
 
 
-def _entry(tensor: torch.Tensor, kind: str, part: Any) -> dict[str, Any]:
-    return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": [part]}
-
-
-def _origins(index: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(stored array, tensor it belongs to) for one rank's index."""
-    pairs = []
-    for name, entry in index.items():
-        for part in entry["parts"]:
-            pairs.append((part if isinstance(part, str) else part[0], name))
-    return pairs
+def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
+    return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
 def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:

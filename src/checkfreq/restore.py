@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from checkfreq.collectives import Peers
+from checkfreq.distributed_plan import complete
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import Manifest, entry_view
 from checkfreq.memory_tier import MemoryTier
@@ -196,30 +197,26 @@ class Restorer:
         """Read and verify every data file of a checkpoint, falling back to the remote copy of a damaged local one."""
         step, manifest = readable.step, readable.manifest
         locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
-        sections, used = {}, set()
+        files, used = {}, set()
         for name, entry in manifest.files.items():
             tier = readable.sources[name]
             try:
-                sections[name] = self._read_file(tier, locations[tier], name, entry)
+                files[name] = self._read_file(tier, locations[tier], name, entry)
             except CorruptCheckpointError as e:
                 if tier != "local" or locations.get("remote") is None:
                     raise
                 log.warning("checkpoint %s: local %s is damaged (%s); reading the remote copy", checkpoint_name(step), name, e)
                 tier = "remote"
-                sections[name] = self._read_file(tier, locations[tier], name, entry)
+                files[name] = self._read_file(tier, locations[tier], name, entry)
             used.add(tier)
-        try:
-            tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
-        except RuntimeError as e:
-            raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
+        manifest, tensors = _views(manifest, files)
         return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "remote") if t in used) or "local")
 
-    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> torch.Tensor:
+    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
             raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
         store = self.local if tier == "local" else self.remote
-        section, _ = store.read_data(location, name, entry["size"], entry["xxh3_64"])  # type: ignore[union-attr]
-        return section
+        return store.read_data(location, name, entry["size"], entry["xxh3_64"])  # type: ignore[union-attr]
 
     def _where(self) -> str:
         return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
@@ -241,9 +238,16 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
         path = Path(path)
         store = LocalStore(path.parent, create=False)
     manifest = store.read_manifest(path)
-    sections = {name: store.read_data(path, name, entry["size"], entry["xxh3_64"])[0] for name, entry in manifest.files.items()}
+    files = {name: store.read_data(path, name, entry["size"], entry["xxh3_64"]) for name, entry in manifest.files.items()}
+    return _views(manifest, files)
+
+
+def _views(manifest: Manifest, files: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest completed from the files' headers (``files``: name → (data section, header)), and
+    every stored array as a view of its file's data section."""
+    manifest = complete(manifest, {name: header for name, (_, header) in files.items()})
     try:
-        tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
+        tensors = {name: entry_view(files[e["file"]][0], e) for name, e in manifest.tensors.items()}
     except RuntimeError as e:
         raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
     return manifest, tensors

@@ -1,0 +1,104 @@
+"""What grows with the number of ranks: the manifest (real gloo ranks), and the limits that keep a
+checkpoint readable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import checkfreq.format
+from checkfreq import Checkpointer
+from checkfreq.distributed_plan import complete
+from checkfreq.errors import CorruptCheckpointError, PersistError
+from checkfreq.format import MANIFEST_NAME, RANK_RECORD_KEY, Manifest
+from checkfreq.restore import read_checkpoint
+from conftest import make_model, train_step
+
+LAYERS = 18
+"""18 linear layers and AdamW: 36 parameters and 108 optimizer state tensors."""
+
+
+def _rank(rank: int, world: int, store_path: str, directory: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
+    ckpt["rank"] = rank
+    for _ in range(2):
+        ddp(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.step()
+    ckpt.save(blocking=True)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def _save(tmp_path: Path, world: int) -> Path:
+    """The checkpoint a DDP job of ``world`` ranks saves at step 2."""
+    mp.spawn(_rank, args=(world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")), nprocs=world, join=True)
+    return tmp_path / f"ckpt{world}" / "step_000000002"
+
+
+def test_the_manifest_grows_by_a_file_entry_per_rank_and_each_rank_keeps_its_own_part(tmp_path: Path) -> None:
+    """About 150 tensors saved by 1, 2 and 4 DDP ranks: manifest.json grows by less than 250 bytes per
+    added rank (each rank's file, and the few tensors a cut splits); each rank's skeleton and its own
+    tensors are in its file and come back."""
+    checkpoints = {world: _save(tmp_path, world) for world in (1, 2, 4)}
+    sizes = {world: (path / MANIFEST_NAME).stat().st_size for world, path in checkpoints.items()}
+    assert (sizes[2] - sizes[1]) < 250 and (sizes[4] - sizes[2]) < 2 * 250, sizes
+    doc = json.loads((checkpoints[4] / MANIFEST_NAME).read_bytes())
+    assert doc["schema_version"] == 2 and doc["tensors"] == {} and doc["state"] is None
+    assert len(doc["distributed"]["tensors"]) == 4 * LAYERS * 2  # parameters, exp_avg, exp_avg_sq, step
+    manifest, tensors = read_checkpoint(checkpoints[4])
+    assert [skeleton["rank"] for skeleton in manifest.distributed["ranks"]] == [0, 1, 2, 3]
+    assert len(tensors) > len(doc["distributed"]["tensors"])  # every rank's generators too
+
+
+def test_a_rank_file_without_its_record_is_refused() -> None:
+    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": {}})
+    with pytest.raises(CorruptCheckpointError, match=f"lacks its rank's record .__metadata__.{RANK_RECORD_KEY}"):
+        complete(manifest, {"rank00000.safetensors": {}})
+    with pytest.raises(CorruptCheckpointError, match="manifest of 2 ranks lists the files"):
+        complete(Manifest(**{**manifest.__dict__, "world_size": 2}), {"rank00000.safetensors": {}})
+
+
+def test_a_manifest_a_reader_would_refuse_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose manifest exceeds the reader's cap is not committed: the save says why."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path, policy=1000, model=model, optimizer=optimizer)
+    train_step(model, optimizer)
+    ckpt.step()
+    monkeypatch.setattr(checkfreq.format, "MAX_MANIFEST_BYTES", 1000)
+    with pytest.raises(PersistError, match="manifest.json would be .* bytes, over the 1000 bytes a reader accepts"):
+        ckpt.save(blocking=True)
+    ckpt.close()
+    assert not list(tmp_path.glob("step_*"))
+
+
+def test_a_schema_version_1_checkpoint_is_still_restored(tmp_path: Path) -> None:
+    """Version 1 wrote the same manifest for one process (version 2 moved only per-rank parts)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path, policy=1000, model=model, optimizer=optimizer)
+    train_step(model, optimizer)
+    ckpt.step()
+    ckpt.save(blocking=True)
+    ckpt.close()
+    path = tmp_path / "step_000000001" / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"schema_version": 2', b'"schema_version": 1'))
+    fresh = make_model(seed=1)
+    restored = Checkpointer(tmp_path, policy=1000, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    assert restored.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    restored.close()
