@@ -104,15 +104,18 @@ class Committer:
         peers: the ranks committing together (their commit group).
         leader: this rank prepares and commits its directory (others share it).
         token: names this job's staging locations (agreed by every rank at start).
+        directory: the lowest rank whose local directory is this rank's (recorded in the manifest, so
+            that a node-local directory's checkpoints can be checked from that directory alone).
         retainer: retention of ``store``, run after each commit.
         uploader: with a remote tier, this rank's uploader: a committed checkpoint is handed to it
             if every rank's uploader was idle when the ranks reported.
     """
 
     def __init__(
-        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None
+        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None,
+        directory: int = 0,
     ) -> None:
-        self.store, self.peers, self.leader, self.token = store, peers, leader, token
+        self.store, self.peers, self.leader, self.token, self.directory = store, peers, leader, token, directory
         self.retainer = retainer
         self._uploader = uploader
 
@@ -144,7 +147,7 @@ class Committer:
             if job.share is None:  # one process: the manifest indexes the one file
                 report.update(index=tensor_entries(job.pending.layout, name), state=job.skeleton)
             else:
-                report.update(agree=agreement_digest(job.share))
+                report.update(agree=agreement_digest(job.share), directory=self.directory)
         except Exception as e:  # noqa: BLE001 - every rank hears it, then it is raised here
             failure = e
             report.update(ok=False, error=f"rank {rank}: {type(e).__name__}: {e}")
@@ -229,4 +232,5 @@ def merge(
         return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=report["index"], state=report["state"],
                         versions=versions, created=created)
     return Manifest(step=step, epoch=epoch, world_size=len(reports), files=files, tensors={}, state=None,
-                    versions=versions, created=created, distributed={"tensors": share["shared"]})
+                    versions=versions, created=created,
+                    distributed={"tensors": share["shared"], "directories": [r["directory"] for r in reports]})

@@ -130,7 +130,9 @@ class Cluster:
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.leader = shares_directory_as_leader(local, self.token, self.control)
+        self.directory = directory_leader(local, self.token, self.control)
+        """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
+        self.leader = self.directory == self.rank
         open_directories(local, remote, self.control, leader=self.leader)
 
     # -------------------------------------------------------------- training thread
@@ -254,8 +256,8 @@ def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
-def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:
-    """Whether this rank leads the ranks that see the same local directory (the lowest of them).
+def directory_leader(local: Store, token: str, peers: Peers) -> int:
+    """The rank that leads the ranks that see this rank's local directory (the lowest of them).
 
     Every rank drops a probe file into its directory; each then lists whose probes it sees. Ranks
     on one node with a node-local disk see each other's; on a shared file system all ranks do.
@@ -263,7 +265,7 @@ def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:
     ranks commit into one directory.
     """
     if not isinstance(local, LocalStore):
-        return peers.rank == 0
+        return 0
     prefix = f".checkfreq-probe-{token}-"
     probe = local.root / f"{prefix}{peers.rank:05d}"
     probe.write_bytes(b"")
@@ -279,7 +281,7 @@ def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:
                 f"the ranks disagree on who shares a checkpoint directory (rank {rank} sees the files of ranks {view}); "
                 "give every node its own local directory, or one directory every rank sees at once"
             )
-    return seen[0] == peers.rank
+    return seen[0]
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:

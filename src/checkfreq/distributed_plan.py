@@ -213,7 +213,7 @@ def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]]) -> Ma
         ranks = [r["state"] for r in records]
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptCheckpointError(f"checkpoint's per-rank records are malformed: {type(e).__name__}: {e}") from None
-    distributed = {"ranks": ranks, "tensors": tensors}
+    distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}  # type: ignore[dict-item]
     return dataclasses.replace(manifest, tensors=index, state=ranks[0], distributed=distributed).checked()
 
 
