@@ -1,5 +1,5 @@
-"""What grows with the number of ranks: the manifest (real gloo ranks), and the limits that keep a
-checkpoint readable."""
+"""What grows with the number of ranks: the manifest (real gloo ranks), the limits that keep a
+checkpoint readable, and how the ranks learn who shares a directory."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkfreq.format
-from checkfreq import Checkpointer
+from checkfreq import Checkpointer, sharing
+from checkfreq.collectives import GroupPeers
 from checkfreq.distributed_plan import complete
-from checkfreq.errors import CorruptCheckpointError, PersistError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
 from checkfreq.format import MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from checkfreq.restore import read_checkpoint
+from checkfreq.storage import LocalStore
 from conftest import make_model, train_step
 
 LAYERS = 18
@@ -102,3 +104,38 @@ def test_a_schema_version_1_checkpoint_is_still_restored(tmp_path: Path) -> None
     assert restored.restore() == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     restored.close()
+
+
+def _leaders(rank: int, root: str, directories: list[str], forged: bool, out: str) -> None:
+    """Rank ``rank`` learns its directory's leader; with ``forged``, rank 1 names its (shared)
+    directory by an identity of its own, as a file system seen differently by two machines would."""
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", len(directories)), rank=rank,
+                            world_size=len(directories))
+    if forged and rank == 1:
+        sharing.directory_identity = lambda path: "nfs4:forged"  # type: ignore[assignment]
+    try:
+        answer: object = sharing.directory_leader(LocalStore(directories[rank]), "t0k3n", GroupPeers(dist.group.WORLD))
+    except CheckfreqError as e:
+        answer = str(e)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(answer))
+    dist.destroy_process_group()
+
+
+def _run_leaders(tmp_path: Path, names: list[str], forged: bool = False) -> list[object]:
+    directories = [str(tmp_path / name) for name in names]
+    mp.spawn(_leaders, args=(str(tmp_path), directories, forged, str(tmp_path)), nprocs=len(names), join=True)
+    assert not [p for p in tmp_path.rglob(".checkfreq-probe-*")]  # every probe is removed
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(len(names))]
+
+
+def test_ranks_sharing_a_directory_follow_its_lowest_rank(tmp_path: Path) -> None:
+    """Three ranks, two "nodes": ranks 0 and 2 share a directory (through a symbolic link too)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert _run_leaders(tmp_path, ["a", "b", "link"]) == [0, 1, 0]
+
+
+def test_an_identity_that_splits_a_shared_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
+    answers = _run_leaders(tmp_path, ["a", "a"], forged=True)
+    assert all("the ranks disagree on who shares a checkpoint directory" in str(a) for a in answers), answers
+    assert "rank 0 sees the directory of ranks [1], whose identity differs" in str(answers[0])

@@ -53,9 +53,9 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
 from checkfreq.groups import new_gloo_group
 from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.sharing import directory_leader
 from checkfreq.state import flatten
 from checkfreq.storage.base import Store
-from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
 
@@ -254,34 +254,6 @@ def _label(piece: Piece) -> str:
 
 def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
-
-
-def directory_leader(local: Store, token: str, peers: Peers) -> int:
-    """The rank that leads the ranks that see this rank's local directory (the lowest of them).
-
-    Every rank drops a probe file into its directory; each then lists whose probes it sees. Ranks
-    on one node with a node-local disk see each other's; on a shared file system all ranks do.
-    An object store is shared by every rank. Views that do not agree raise, rather than let two
-    ranks commit into one directory.
-    """
-    if not isinstance(local, LocalStore):
-        return 0
-    prefix = f".checkfreq-probe-{token}-"
-    probe = local.root / f"{prefix}{peers.rank:05d}"
-    probe.write_bytes(b"")
-    try:
-        peers.all_gather(None)  # every probe is written
-        seen = sorted(int(p.name[len(prefix):]) for p in local.root.glob(f"{prefix}*"))
-        views = peers.all_gather(seen)
-    finally:
-        probe.unlink(missing_ok=True)
-    for rank, view in enumerate(views):
-        if rank not in view or any(views[other] != view for other in view):
-            raise CheckfreqError(
-                f"the ranks disagree on who shares a checkpoint directory (rank {rank} sees the files of ranks {view}); "
-                "give every node its own local directory, or one directory every rank sees at once"
-            )
-    return seen[0]
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:
