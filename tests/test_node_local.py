@@ -1,5 +1,6 @@
-"""``checkfreq ls``, ``verify`` and ``report`` on node-local directories written by two real gloo
-ranks, each with a directory of its own (two "nodes") and one remote tier."""
+"""Node-local directories written by two real gloo ranks, each with a directory of its own (two
+"nodes") and one remote tier: restoring from them (files sent between ranks, not read from the
+remote tier), and ``checkfreq ls``, ``verify`` and ``report`` on one node's directory."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def _rank(rank: int, root: str) -> None:
         ckpt.step()
         ckpt.wait(remote=True)
     ckpt.close()
+    torch.save(model.state_dict(), f"{root}/final{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _restore(rank: int, root: str, directories: list[str]) -> None:
+    """Restore from ``directories[rank]`` with no remote tier, and save what was restored."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store-restore", 2), rank=rank, world_size=2)
+    model = make_model(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(directories[rank], policy=EVERY, model=model, optimizer=optimizer)
+    step = ckpt.restore()
+    torch.save({"step": step, "model": model.state_dict()}, f"{root}/restored{rank}.pt")
+    ckpt.close()
     dist.destroy_process_group()
 
 
@@ -48,6 +63,22 @@ def _cli(*args: object) -> tuple[int, str]:
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.output
+
+
+def test_ranks_restore_from_each_others_directories_without_the_remote_tier(nodes: Path, tmp_path: Path) -> None:
+    """The ranks come back on each other's node (as torchrun's c10d rendezvous may number them) and
+    no remote tier is given: each rank reads the file its directory holds and receives the other's."""
+    import shutil
+
+    swapped = [str(shutil.copytree(nodes / f"node{1 - rank}", tmp_path / f"node{1 - rank}")) for rank in (0, 1)]
+    mp.spawn(_restore, args=(str(tmp_path), swapped), nprocs=2, join=True)
+    final = torch.load(nodes / "final0.pt")
+    for rank in (0, 1):
+        restored = torch.load(tmp_path / f"restored{rank}.pt")
+        assert restored["step"] == STEPS
+        assert all(torch.equal(restored["model"][k], v) for k, v in final.items())
+        events = [json.loads(line) for line in (Path(swapped[rank]) / "events.jsonl").read_text().splitlines()]
+        assert [(e["rank"], e["step"], e["tier"]) for e in events if e["event"] == "restore"] == [(rank, STEPS, "local+peer")]
 
 
 def test_a_node_directory_holds_its_ranks_files_and_names_the_others(nodes: Path) -> None:
