@@ -65,20 +65,34 @@ def _cli(*args: object) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def test_ranks_restore_from_each_others_directories_without_the_remote_tier(nodes: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
+def test_ranks_restore_from_each_others_directories_without_the_remote_tier(nodes: Path, tmp_path: Path,
+                                                                           damaged: bool) -> None:
     """The ranks come back on each other's node (as torchrun's c10d rendezvous may number them) and
-    no remote tier is given: each rank reads the file its directory holds and receives the other's."""
+    no remote tier is given: each rank reads the file its directory holds and receives the other's.
+    With rank 0's file of the newest checkpoint damaged on the only node holding it, both ranks
+    take the one before."""
     import shutil
 
     swapped = [str(shutil.copytree(nodes / f"node{1 - rank}", tmp_path / f"node{1 - rank}")) for rank in (0, 1)]
+    if damaged:
+        path = tmp_path / "node0" / "step_000000006" / "rank00000.safetensors"
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
     mp.spawn(_restore, args=(str(tmp_path), swapped), nprocs=2, join=True)
-    final = torch.load(nodes / "final0.pt")
+    step = EVERY if damaged else STEPS
     for rank in (0, 1):
         restored = torch.load(tmp_path / f"restored{rank}.pt")
-        assert restored["step"] == STEPS
-        assert all(torch.equal(restored["model"][k], v) for k, v in final.items())
+        assert restored["step"] == step
+        if not damaged:
+            final = torch.load(nodes / "final0.pt")
+            assert all(torch.equal(restored["model"][k], v) for k, v in final.items())
         events = [json.loads(line) for line in (Path(swapped[rank]) / "events.jsonl").read_text().splitlines()]
-        assert [(e["rank"], e["step"], e["tier"]) for e in events if e["event"] == "restore"] == [(rank, STEPS, "local+peer")]
+        restores = [e for e in events if e["event"] == "restore"]
+        assert [(e["rank"], e["step"], e["tier"]) for e in restores] == [(rank, step, "local+peer")]
+        if damaged:
+            assert "fails its checksum" in restores[0]["skipped"][0][1]
 
 
 def test_a_node_directory_holds_its_ranks_files_and_names_the_others(nodes: Path) -> None:

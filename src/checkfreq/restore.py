@@ -233,6 +233,9 @@ class Restorer:
                 try:
                     files[name] = read_data_stream(io.BytesIO(raw), name, len(raw), entry["size"], entry["xxh3_64"])
                     used.add("peer")
+                    if name in damaged:
+                        log.warning("checkpoint %s: local %s is damaged (%s); received rank %d's copy",
+                                    checkpoint_name(step), name, damaged[name], sender)
                 except CorruptCheckpointError as e:  # every transfer still takes place: the others wait for theirs
                     problem = problem or e
         for name, entry in manifest.files.items():
@@ -249,14 +252,16 @@ class Restorer:
         if problem is not None:
             raise problem
         manifest, tensors = _views(manifest, files)
-        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "peer", "remote") if t in used))
+        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "peer", "remote") if t in used) or "local")
 
     def _raw(self, location: Any, name: str, size: int) -> bytes:
-        """The bytes of a local data file to send (zeros if it cannot be read: the receiver's checksum says so)."""
+        """The ``size`` bytes of a local data file to send (zeros if it cannot be read at that size:
+        the receiver's checksum says so, and every transfer keeps the size the receiver expects)."""
         try:
-            return (Path(location) / name).read_bytes()
+            raw = (Path(location) / name).read_bytes()
         except OSError:
-            return bytes(size)
+            raw = b""
+        return raw if len(raw) == size else bytes(size)
 
     def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
