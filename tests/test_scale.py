@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkfreq.format
-from checkfreq import Checkpointer, sharing
+from checkfreq import Checkpointer, replicas, sharing
 from checkfreq.collectives import GroupPeers
 from checkfreq.distributed_plan import complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
@@ -139,3 +139,10 @@ def test_an_identity_that_splits_a_shared_directory_is_refused_on_every_rank(tmp
     answers = _run_leaders(tmp_path, ["a", "a"], forged=True)
     assert all("the ranks disagree on who shares a checkpoint directory" in str(a) for a in answers), answers
     assert "rank 0 sees the directory of ranks [1], whose identity differs" in str(answers[0])
+
+
+def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
+    same = {"model/w": {"dtype": "F32", "shape": [8, 4]}}
+    assert replicas.sharded_disagreement([same, same]) is None
+    message = replicas.sharded_disagreement([same, {"model/w": {"dtype": "F32", "shape": [8, 2]}}])
+    assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 2) on ranks [1]" in message

@@ -213,10 +213,9 @@ def _judge(reports: list[dict[str, Any]], peers: Peers, share: dict[str, Any] | 
         return None
     sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
     claims = peers.all_gather({"replicas": share["replicas"], "sharded": sharded})
-    problem = replicas.disagreement([c["replicas"] for c in claims])
-    if problem is None:
-        problem = replicas.sharded_disagreement([c["sharded"] for c in claims])
-    return ReplicaMismatchError(problem)
+    problem = replicas.disagreement([c["replicas"] for c in claims]) or replicas.sharded_disagreement(
+        [c["sharded"] for c in claims])
+    return ReplicaMismatchError(problem or "ranks disagree on how the state stored once is split over them")
 
 
 def merge(
