@@ -146,3 +146,14 @@ def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
     assert replicas.sharded_disagreement([same, same]) is None
     message = replicas.sharded_disagreement([same, {"model/w": {"dtype": "F32", "shape": [8, 2]}}])
     assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 2) on ranks [1]" in message
+
+
+@pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}}, {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
+                                    {"state": None, "tensors": {"x": {"kind": "private", "parts": [1, 2]}}}])
+@pytest.mark.parametrize("shared", [{}, [], {"x": {"kind": "replicated", "parts": []}}])
+def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: object) -> None:
+    header = {"__metadata__": {RANK_RECORD_KEY: json.dumps(record)}}
+    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": shared})
+    with pytest.raises(CorruptCheckpointError):
+        complete(manifest, {"rank00000.safetensors": header})

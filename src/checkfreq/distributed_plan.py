@@ -211,7 +211,7 @@ def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]]) -> Ma
         records = [rank_record(headers[name], name) for name in files]
         tensors = _merge(manifest.distributed["tensors"], [r["tensors"] for r in records], index)  # type: ignore[index]
         ranks = [r["state"] for r in records]
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise CorruptCheckpointError(f"checkpoint's per-rank records are malformed: {type(e).__name__}: {e}") from None
     distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}  # type: ignore[dict-item]
     return dataclasses.replace(manifest, tensors=index, state=ranks[0], distributed=distributed).checked()
