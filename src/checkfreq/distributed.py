@@ -51,7 +51,7 @@ from checkfreq.distributed_plan import (
 )
 from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
-from checkfreq.groups import new_gloo_group
+from checkfreq.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Every, Policy
 from checkfreq.sharing import directory_leader
 from checkfreq.state import flatten
@@ -124,9 +124,10 @@ class Cluster:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         wait = timedelta(seconds=timeout)
-        self.control = GroupPeers(new_gloo_group("control", wait))
-        self.commit = GroupPeers(new_gloo_group("commit", wait))
-        self.upload = None if remote is None else GroupPeers(new_gloo_group("upload", wait))
+        purposes = ["control", "commit", *(["upload"] if remote is not None else [])]
+        groups = [GroupPeers(group) for group in new_gloo_groups(purposes, wait)]
+        self.control, self.commit = groups[0], groups[1]
+        self.upload = groups[2] if remote is not None else None
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
