@@ -124,3 +124,6 @@ def test_damage_on_either_side_still_fails(nodes: Path, tmp_path: Path) -> None:
     assert code == 1, out
     assert "FAILED step_000000006: none of its data files is in this directory" in out, out
     assert "FAILED step_000000003" in out and "checksum" in out, out
+    (copy / "remote" / "step_000000003" / "rank00000.safetensors").unlink()
+    quick = list_checkpoints(copy / "node1", checksums=False, remote=copy / "remote")
+    assert quick[1].reason == f"data file rank00000.safetensors in {copy / 'remote'} is missing"

@@ -249,7 +249,8 @@ def _check_node_files(ref: CheckpointRef, manifest: Manifest, absent: list[str],
             store.read_data(location, name, entry["size"], entry["xxh3_64"])
         elif (size := store.file_size(location, name)) != entry["size"]:
             where = "in this directory" if store is ref.store else f"in {store.root}"
-            raise CorruptCheckpointError(f"data file {name} {where} has {size} bytes, manifest says {entry['size']}")
+            has = "is missing" if size is None else f"has {size} bytes, manifest says {entry['size']}"
+            raise CorruptCheckpointError(f"data file {name} {where} {has}")
     if remote is not None:
         return []
     return sorted(rank for rank in range(manifest.world_size) if data_file_name(rank) in absent)
