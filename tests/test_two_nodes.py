@@ -152,8 +152,8 @@ def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remot
     assert restored(out) == {0: [0, EVERY], 1: [0, EVERY]}, out[-4000:]
     if shared_local:  # every file of checkpoint 3 is in the shared directory
         assert restore_tiers(local_dirs[0]) == {0: [(EVERY, "local")], 1: [(EVERY, "local")]}
-    else:  # each node holds its own rank's file; a rank reads every file (each holds a share of the model)
-        assert [restore_tiers(d) for d in local_dirs] == [{0: [(EVERY, "local+remote")]}, {1: [(EVERY, "local+remote")]}]
+    else:  # each node holds its own rank's file and receives the other's from its rank, none from the remote tier
+        assert [restore_tiers(d) for d in local_dirs] == [{0: [(EVERY, "local+peer")]}, {1: [(EVERY, "local+peer")]}]
     assert remote.steps()[0] == LAST  # close() waited for the last upload
     assert_same_final_state(tmp_path, reference)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
@@ -162,7 +162,7 @@ def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remot
 @pytest.mark.slow
 def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote, tmp_path: Path) -> None:
     """The job stops at step 6; node 1 is replaced (its local directory is gone); the next job
-    resumes at step 6, node 1's rank from the remote tier."""
+    resumes at step 6: the file only node 1 held from the remote tier, node 0's from node 0."""
     node0, node1 = node_dirs(tmp_path)
     out = run_nodes(tmp_path, (node0, node1), *remote.args, "--stop-at", str(HALF))
     assert restored(out) == {0: [0], 1: [0]}
@@ -170,7 +170,7 @@ def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote,
     shutil.rmtree(node1)
     out = run_nodes(tmp_path, (node0, node1), *remote.args)
     assert restored(out) == {0: [HALF], 1: [HALF]}, out[-4000:]
-    assert restore_tiers(node1) == {1: [(HALF, "remote")]}  # a fresh machine: every file from the remote tier
+    assert restore_tiers(node1) == {1: [(HALF, "peer+remote")]}  # a fresh machine: node 0's file from it, its own remotely
     assert restore_tiers(node0) == {0: [(HALF, "local+remote")]}  # its own file locally, node 1's remotely
     assert_same_final_state(tmp_path, reference)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")

@@ -14,7 +14,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from checkfreq.errors import (
     NoValidCheckpointError,
     UnknownObjectError,
 )
-from checkfreq.format import MANIFEST_NAME, Manifest
+from checkfreq.format import MANIFEST_NAME, Manifest, data_file_name
 from checkfreq.state import unflatten
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.local import LocalStore, checkpoint_name, fsync_directory
@@ -87,6 +87,9 @@ class CheckpointStatus:
     """Whether validity includes reading every byte against its checksum (else: manifest and sizes)."""
     tier: str = "disk"
     """``"disk"`` (the directory or URL) or ``"memory"`` (a snapshot in this node's shared memory)."""
+    elsewhere: list[int] = field(default_factory=list)
+    """Ranks whose data files are not in this directory (a node-local directory holds its node's
+    ranks' files only) and were not checked: no remote tier was given to check them in."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,13 +139,18 @@ def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
     raise NoValidCheckpointError(f"{target} is not a committed checkpoint (no manifest there)")
 
 
-def list_checkpoints(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
+def list_checkpoints(
+    root: str | os.PathLike[str], *, checksums: bool = True, remote: str | os.PathLike[str] | None = None
+) -> list[CheckpointStatus]:
     """Every committed checkpoint of the run at ``root`` (a path or a URL), newest first, with its validity.
 
     With ``checksums=False`` only the manifest and (for a local directory) the file sizes are
-    checked; no data is read.
+    checked; no data is read. A checkpoint written by several ranks into node-local directories
+    has in ``root`` only the files of that node's ranks: the others are checked in ``remote`` (the
+    job's remote tier) if given, else listed in :attr:`CheckpointStatus.elsewhere`.
     """
-    return [status for status, _ in _statuses(open_store(root, create=False), checksums=checksums)]
+    tier = None if remote is None else open_store(remote, create=False)
+    return [status for status, _ in _statuses(open_store(root, create=False), checksums=checksums, remote=tier)]
 
 
 def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
@@ -171,23 +179,32 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
     return sorted(found, key=lambda s: -s.step)
 
 
-def _statuses(store: Store, *, checksums: bool) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
+def _statuses(store: Store, *, checksums: bool, remote: Store | None = None) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
     for _, location in store.checkpoints():
         ref = CheckpointRef(store, location)
-        yield check_checkpoint(ref, checksums=checksums), ref
+        yield check_checkpoint(ref, checksums=checksums, remote=remote), ref
 
 
-def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True) -> CheckpointStatus:
-    """The status of one checkpoint; never raises for a damaged checkpoint."""
+def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Store | None = None) -> CheckpointStatus:
+    """The status of one checkpoint; never raises for a damaged checkpoint.
+
+    A local checkpoint of several ranks that lacks some ranks' files (a node-local directory) is
+    checked with the files it holds; the others are checked in ``remote`` if given, else named in
+    :attr:`CheckpointStatus.elsewhere`.
+    """
     match = _STEP_DIR.match(ref.name)
-    step, manifest = (int(match.group(1)) if match else -1), None
+    step, manifest, elsewhere = (int(match.group(1)) if match else -1), None, []
     try:
         manifest = ref.read_manifest()
         step = manifest.step
-        if checksums:
-            ref.read()
-        elif isinstance(ref.store, LocalStore):
-            _check_sizes(ref.location, manifest)
+        absent = _absent_files(ref, manifest)
+        if not absent:
+            if checksums:
+                ref.read()
+            elif isinstance(ref.store, LocalStore):
+                _check_sizes(ref.location, manifest)
+        else:
+            elsewhere = _check_node_files(ref, manifest, absent, checksums, remote)
         valid, reason = True, None
     except CorruptCheckpointError as e:
         valid, reason = False, str(e)
@@ -196,8 +213,47 @@ def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True) -> Checkpoin
     return CheckpointStatus(
         name=ref.name, path=ref.address, step=step, epoch=manifest.epoch if manifest else None,
         bytes=_bytes(ref, manifest), created=manifest.created if manifest else None,
-        valid=valid, reason=reason, checksummed=checksums,
+        valid=valid, reason=reason, checksummed=checksums, elsewhere=elsewhere,
     )
+
+
+def _absent_files(ref: CheckpointRef, manifest: Manifest) -> list[str]:
+    """The data files of a checkpoint that belong in another node's directory: the manifest records
+    which ranks wrote into one directory (``distributed["directories"]``: each rank's directory
+    leader), and this directory is the one of the ranks whose files it holds. A file of this
+    directory's ranks that is missing is not absent but lost (checking it says so)."""
+    directories = (manifest.distributed or {}).get("directories")
+    if not isinstance(ref.store, LocalStore) or not isinstance(directories, list) or len(directories) != manifest.world_size:
+        return []
+    files = [data_file_name(rank) for rank in range(manifest.world_size)]
+    here = {directories[rank] for rank, name in enumerate(files) if ref.store.file_size(ref.location, name) is not None}
+    if not here:
+        raise CorruptCheckpointError("none of its data files is in this directory")
+    return [name for rank, name in enumerate(files) if directories[rank] not in here]
+
+
+def _check_node_files(ref: CheckpointRef, manifest: Manifest, absent: list[str], checksums: bool, remote: Store | None) -> list[int]:
+    """Check the files a node-local directory holds, and the others in ``remote`` if given; return
+    the ranks whose files were not checked."""
+    remote_location = None
+    if remote is not None:
+        remote_location = dict(remote.checkpoints()).get(manifest.step)
+        if remote_location is None:
+            raise CorruptCheckpointError(
+                f"data files {', '.join(absent)} are not in this directory, and {remote.root} does not list the checkpoint")
+    for name, entry in manifest.files.items():
+        store, location = (ref.store, ref.location) if name not in absent else (remote, remote_location)
+        if store is None:
+            continue
+        if checksums:
+            store.read_data(location, name, entry["size"], entry["xxh3_64"])
+        elif (size := store.file_size(location, name)) != entry["size"]:
+            where = "in this directory" if store is ref.store else f"in {store.root}"
+            has = "is missing" if size is None else f"has {size} bytes, manifest says {entry['size']}"
+            raise CorruptCheckpointError(f"data file {name} {where} {has}")
+    if remote is not None:
+        return []
+    return sorted(rank for rank in range(manifest.world_size) if data_file_name(rank) in absent)
 
 
 def _check_sizes(path: Path, manifest: Manifest) -> None:
@@ -250,8 +306,12 @@ class CheckpointDescription:
 
 
 def describe(ref: CheckpointRef) -> CheckpointDescription:
-    """Read a checkpoint's manifest (not its data) and summarise tensors, objects and versions."""
+    """Read a checkpoint's manifest and summarise tensors, objects and versions. The data is not
+    read, but for a checkpoint written by several ranks, whose files' headers hold each rank's part:
+    then its files are read and verified."""
     manifest = ref.read_manifest()
+    if not manifest.complete:
+        manifest, _ = ref.read()
     tensors = [
         TensorInfo(name, list(e["shape"]), e["dtype"], e["offsets"][1] - e["offsets"][0], e["file"])
         for name, e in sorted(manifest.tensors.items())

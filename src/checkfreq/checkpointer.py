@@ -159,7 +159,8 @@ class Checkpointer:
             self._local, self._remote, upload, token=token,  # type: ignore[arg-type]
             retention=retention if remote_keep is None else Retention.of(remote_keep), local_retainer=retainer,
         )
-        self._committer = Committer(self._local, commit, leader=retainer.leader, token=token, retainer=retainer, uploader=self._uploader)
+        self._committer = Committer(self._local, commit, leader=retainer.leader, token=token, retainer=retainer,
+                                    uploader=self._uploader, directory=0 if self._cluster is None else self._cluster.directory)
         newest = self._restorer.listed()[:1]
         if self._memory is not None:
             newest += [s for s in [self._memory.newest_step()] if s is not None]

@@ -1,4 +1,5 @@
-"""Small JSON messages between ranks, and the same calls for a world of one.
+"""Small JSON messages between ranks (and whole files sent from one rank to another at restore),
+and the same calls for a world of one.
 
 The commit, upload and restore protocols are written once against :class:`Peers`: under
 ``torch.distributed`` a :class:`GroupPeers` carries the messages over a dedicated gloo group; a
@@ -29,6 +30,14 @@ class Peers(Protocol):
         """Rank 0's JSON-able ``value`` on every rank (other ranks pass anything)."""
         ...
 
+    def send(self, payload: bytes, to: int) -> None:
+        """Send ``payload`` to rank ``to``, which receives it with :meth:`receive` (blocks until it does)."""
+        ...
+
+    def receive(self, size: int, sender: int) -> bytes:
+        """The ``size`` bytes rank ``sender`` sends with :meth:`send`."""
+        ...
+
 
 class Solo:
     """A world of one process: every collective is the identity."""
@@ -41,6 +50,12 @@ class Solo:
 
     def broadcast(self, value: Any) -> Any:
         return json.loads(json.dumps(value))
+
+    def send(self, payload: bytes, to: int) -> None:
+        raise RuntimeError("a world of one has no other rank to send to")
+
+    def receive(self, size: int, sender: int) -> bytes:
+        raise RuntimeError("a world of one has no other rank to receive from")
 
 
 class GroupPeers:
@@ -55,6 +70,14 @@ class GroupPeers:
 
     def broadcast(self, value: Any) -> Any:
         return broadcast_json(value, self.group)
+
+    def send(self, payload: bytes, to: int) -> None:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group=self.group, group_dst=to)
+
+    def receive(self, size: int, sender: int) -> bytes:
+        buffer = torch.empty(size, dtype=torch.uint8)
+        dist.recv(buffer, group=self.group, group_src=sender)
+        return buffer.numpy().tobytes()
 
 
 def broadcast_json(value: Any, group: Any) -> Any:

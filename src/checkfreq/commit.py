@@ -6,11 +6,16 @@ passes them to itself, :class:`~checkfreq.collectives.Solo`):
 1. *prepare*: the leader of each local directory (the lowest rank that sees it; every rank when
    directories are node-local) creates the checkpoint's staging location in its store;
 2. *report*: every rank writes its own data file (``rankNNNNN.safetensors``) through the store,
-   fsynced, and reports its name, size, checksum and tensor index; every rank then judges the
-   same reports the same way (a rank failed, or the replicated state differs);
+   fsynced, with its skeleton and its own tensors' index in the file's header, and reports a few
+   fixed-size fields: ok or its error, the file's size and checksum, and a digest of what the ranks
+   must agree on (the replicated and sharded tensors, and the replicas' fingerprints); every rank
+   then judges the same reports the same way (a rank failed, or the replicated state differs: only
+   then the ranks exchange their claims in full, to say what differs);
 3. *outcome*: each leader writes ``manifest.json`` last, through the store, and commits it
    (an atomic rename on a local disk; the manifest itself on an object store); the ranks hear
-   whether every leader committed.
+   whether every leader committed. The manifest holds nothing per rank but each file's size and
+   checksum (:class:`~checkfreq.format.Manifest`), so a rank's report and the manifest's growth per
+   rank stay the same at any world size.
 
 The job is a value (:class:`CommitJob`) and the answer too (:class:`CommitResult`): the writer
 thread runs :meth:`Committer.run` and the training thread applies its result.
@@ -18,15 +23,18 @@ thread runs :meth:`Committer.run` and the training thread applies its result.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from checkfreq import replicas
 from checkfreq.collectives import Peers
-from checkfreq.distributed_plan import PRIVATE, SHARDED
+from checkfreq.distributed_plan import SHARDED
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, data_file_name, encode_header, tensor_entries
 from checkfreq.retention import Retention
@@ -48,7 +56,8 @@ class CommitJob:
     pending: PendingSnapshot
     skeleton: Any
     share: dict[str, Any] | None
-    """Under torch.distributed: this rank's tensor index and replica claim (``Cluster.select``)."""
+    """Under torch.distributed: this rank's own tensor index, the tensors every rank shares and the
+    replica claim (``Cluster.select``)."""
     versions: dict[str, str]
     started: float
     """``time.perf_counter()`` when the snapshot began."""
@@ -95,15 +104,18 @@ class Committer:
         peers: the ranks committing together (their commit group).
         leader: this rank prepares and commits its directory (others share it).
         token: names this job's staging locations (agreed by every rank at start).
+        directory: the lowest rank whose local directory is this rank's (recorded in the manifest, so
+            that a node-local directory's checkpoints can be checked from that directory alone).
         retainer: retention of ``store``, run after each commit.
         uploader: with a remote tier, this rank's uploader: a committed checkpoint is handed to it
             if every rank's uploader was idle when the ranks reported.
     """
 
     def __init__(
-        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None
+        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None,
+        directory: int = 0,
     ) -> None:
-        self.store, self.peers, self.leader, self.token = store, peers, leader, token
+        self.store, self.peers, self.leader, self.token, self.directory = store, peers, leader, token, directory
         self.retainer = retainer
         self._uploader = uploader
 
@@ -128,15 +140,19 @@ class Committer:
         try:
             if copy_error is not None:
                 raise copy_error
-            size, digest = write_data(self.store, staging, name, encode_header(job.pending.layout), job.pending.buffer)
-            report.update(ok=True, file=name, size=size, xxh3_64=digest, index=tensor_entries(job.pending.layout, name),
-                          state=job.skeleton, share=job.share,
-                          upload_idle=self._uploader is not None and self._uploader.idle)
+            record = None if job.share is None else {"state": job.skeleton, "tensors": job.share["rank"]}
+            header = encode_header(job.pending.layout, record)
+            size, digest = write_data(self.store, staging, name, header, job.pending.buffer)
+            report.update(ok=True, file=name, size=size, xxh3_64=digest, upload_idle=self._uploader is not None and self._uploader.idle)
+            if job.share is None:  # one process: the manifest indexes the one file
+                report.update(index=tensor_entries(job.pending.layout, name), state=job.skeleton)
+            else:
+                report.update(agree=agreement_digest(job.share), directory=self.directory)
         except Exception as e:  # noqa: BLE001 - every rank hears it, then it is raised here
             failure = e
             report.update(ok=False, error=f"rank {rank}: {type(e).__name__}: {e}")
         reports = self.peers.all_gather(report)
-        problem = _judge(reports)
+        problem = _judge(reports, self.peers, job.share)
         outcome: dict[str, Any] = {"rank": rank, "ok": True}
         if problem is not None:
             if self.leader:
@@ -145,7 +161,7 @@ class Committer:
             raise error(f"checkpoint {step} not committed: {problem}") from failure
         if self.leader:
             try:
-                manifest = merge(reports, step, job.epoch, job.versions)
+                manifest = merge(reports, step, job.epoch, job.versions, job.share)
                 write_manifest(self.store, staging, manifest)
                 self.store.commit(staging, step)
             except Exception as e:  # noqa: BLE001 - every rank hears it
@@ -178,45 +194,42 @@ class Committer:
         return staging if staging is not None else self.store.staging_dir(step, self.token, create=False)
 
 
-def _judge(reports: list[dict[str, Any]]) -> Exception | None:
-    """Why these reports cannot be committed (the same answer on every rank), or None."""
+def agreement_digest(share: dict[str, Any]) -> str:
+    """A digest of what every rank must report the same: the shared tensors and the replica claim."""
+    doc = json.dumps({"shared": share["shared"], "replicas": share["replicas"]}, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_64_hexdigest(doc.encode())
+
+
+def _judge(reports: list[dict[str, Any]], peers: Peers, share: dict[str, Any] | None) -> Exception | None:
+    """Why these reports cannot be committed (the same answer on every rank), or None.
+
+    Only when the ranks' digests differ (they all see it) do they exchange their claims in full,
+    to name what differs.
+    """
     errors = [r["error"] for r in reports if not r.get("ok")]
     if errors:
         return PersistError("; ".join(errors))
-    claims = [r["share"]["replicas"] for r in reports if r["share"] is not None]
-    if claims:
-        problem = replicas.disagreement(claims)
-        if problem is not None:
-            return ReplicaMismatchError(problem)
-    return None
+    if share is None or len({r["agree"] for r in reports}) == 1:
+        return None
+    sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
+    claims = peers.all_gather({"replicas": share["replicas"], "sharded": sharded})
+    problem = replicas.disagreement([c["replicas"] for c in claims]) or replicas.sharded_disagreement(
+        [c["sharded"] for c in claims])
+    return ReplicaMismatchError(problem or "ranks disagree on how the state stored once is split over them")
 
 
-def merge(reports: list[dict[str, Any]], step: int, epoch: int | None, versions: dict[str, str]) -> Manifest:
-    """One manifest from every rank's report: files, array index, and (written by a job under
-    torch.distributed) the per-rank skeletons and how each tensor is split."""
+def merge(
+    reports: list[dict[str, Any]], step: int, epoch: int | None, versions: dict[str, str], share: dict[str, Any] | None
+) -> Manifest:
+    """The manifest: every rank's file, and (one process) the file's index and skeleton or (several
+    ranks) the tensors they share, from this rank's ``share`` (every rank reported the same)."""
     reports = sorted(reports, key=lambda r: r["rank"])
     files = {r["file"]: {"size": r["size"], "xxh3_64": r["xxh3_64"]} for r in reports}
-    index = {name: entry for r in reports for name, entry in r["index"].items()}
     created = max(r["created"] for r in reports)
-    if reports[0]["share"] is None:  # one process
-        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=index, state=reports[0]["state"],
+    if share is None:
+        (report,) = reports
+        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=report["index"], state=report["state"],
                         versions=versions, created=created)
-    world = len(reports)
-    merged: dict[str, Any] = {}
-    for report in reports:
-        rank = report["rank"]
-        for name, entry in report["share"]["tensors"].items():
-            into = merged.setdefault(name, {**entry, "parts": [None] * world if entry["kind"] == PRIVATE else []})
-            part = entry["parts"][0]
-            if entry["kind"] == PRIVATE:
-                into["parts"][rank] = part
-            elif entry["kind"] == SHARDED:
-                box = (tuple(part[1]), tuple(report["index"][part[0]]["shape"]))
-                if box not in {(tuple(p[1]), tuple(index[p[0]]["shape"])) for p in into["parts"]}:
-                    into["parts"].append(part)  # a replicated placement is saved once
-            else:
-                into["parts"].append(part)
-    return Manifest(
-        step=step, epoch=epoch, world_size=world, files=files, tensors=index, state=reports[0]["state"],
-        versions=versions, created=created, distributed={"ranks": [r["state"] for r in reports], "tensors": merged},
-    )
+    return Manifest(step=step, epoch=epoch, world_size=len(reports), files=files, tensors={}, state=None,
+                    versions=versions, created=created,
+                    distributed={"tensors": share["shared"], "directories": [r["directory"] for r in reports]})

@@ -51,11 +51,11 @@ from checkfreq.distributed_plan import (
 )
 from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
-from checkfreq.groups import new_gloo_group
+from checkfreq.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.sharing import directory_leader
 from checkfreq.state import flatten
 from checkfreq.storage.base import Store
-from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
 
@@ -124,13 +124,16 @@ class Cluster:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         wait = timedelta(seconds=timeout)
-        self.control = GroupPeers(new_gloo_group("control", wait))
-        self.commit = GroupPeers(new_gloo_group("commit", wait))
-        self.upload = None if remote is None else GroupPeers(new_gloo_group("upload", wait))
+        purposes = ["control", "commit", *(["upload"] if remote is not None else [])]
+        groups = [GroupPeers(group) for group in new_gloo_groups(purposes, wait)]
+        self.control, self.commit = groups[0], groups[1]
+        self.upload = groups[2] if remote is not None else None
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
         self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.leader = shares_directory_as_leader(local, self.token, self.control)
+        self.directory = directory_leader(local, self.token, self.control)
+        """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
+        self.leader = self.directory == self.rank
         open_directories(local, remote, self.control, leader=self.leader)
 
     # -------------------------------------------------------------- training thread
@@ -154,18 +157,15 @@ class Cluster:
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         if self._plan is None or self._plan.layout != layout:
-            self._plan = Plan.of(layout, [(n, tensors[n].numel(), tensors[n].element_size()) for n in names], self)
+            self._plan = Plan.of(layout, {n: tensors[n] for n in names}, self)
             checked = self._plan.verify_all()
         else:
             checked = self._plan.verify_next()
         plan = self._plan
         claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
-        arrays: dict[str, torch.Tensor] = {}
-        index: dict[str, Any] = {}
-        for piece in plan.pieces:
-            tensor = tensors[piece.name]
-            arrays[piece.stored_name] = piece_view(tensor, piece)
-            index[piece.name] = _entry(tensor, REPLICATED, [piece.stored_name, piece.begin, piece.end])
+        arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
+        own: dict[str, Any] = {}  # this rank's tensors but its replicated pieces: in its file's header
+        shared = dict(plan.shared)  # what every rank records the same: in the manifest
         for name, tensor in tensors.items():
             kind = kind_of(name, tensor, replicated)
             if kind == REPLICATED:
@@ -174,12 +174,13 @@ class Cluster:
             if kind == SHARDED:
                 arrays[stored] = tensor.to_local()
                 offset, _ = local_box(tensor)
-                index[name] = _entry(tensor, SHARDED, [stored, list(offset)])
+                own[name] = _entry(tensor, SHARDED, [[stored, list(offset)]])
+                shared[name] = _entry(tensor, SHARDED, [])
             else:
                 arrays[stored] = tensor
-                index[name] = _entry(tensor, PRIVATE, stored)
-        fenced = {stored for stored, name in _origins(index) if name in owned}
-        return arrays, fenced, {"tensors": index, "replicas": claim}
+                own[name] = _entry(tensor, PRIVATE, [stored])
+        fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
+        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim}
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
@@ -219,11 +220,20 @@ class Plan:
     """(name, numel, itemsize) of every replicated tensor."""
     pieces: list[Piece]
     """This rank's share of the replicated bytes."""
+    shared: dict[str, Any]
+    """The manifest's entry of every replicated tensor: its pieces on every rank, in rank order."""
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Layout, sizes: list[tuple[str, int, int]], cluster: Cluster) -> Plan:
-        return cls(layout, sizes, partition(sizes, cluster.world_size)[cluster.rank])
+    def of(cls, layout: replicas.Layout, tensors: Mapping[str, torch.Tensor], cluster: Cluster) -> Plan:
+        sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
+        plans = partition(sizes, cluster.world_size)
+        shared: dict[str, Any] = {}
+        for pieces in plans:
+            for piece in pieces:
+                entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
+                entry["parts"].append([piece.stored_name, piece.begin, piece.end])
+        return cls(layout, sizes, plans[cluster.rank], shared)
 
     def verify_all(self) -> list[Piece]:
         """Every tensor, whole: the layout was just planned."""
@@ -243,45 +253,8 @@ def _label(piece: Piece) -> str:
     return piece.name if piece.whole else f"{piece.name}[{piece.begin}:{piece.end}]"
 
 
-def _entry(tensor: torch.Tensor, kind: str, part: Any) -> dict[str, Any]:
-    return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": [part]}
-
-
-def _origins(index: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(stored array, tensor it belongs to) for one rank's index."""
-    pairs = []
-    for name, entry in index.items():
-        for part in entry["parts"]:
-            pairs.append((part if isinstance(part, str) else part[0], name))
-    return pairs
-
-
-def shares_directory_as_leader(local: Store, token: str, peers: Peers) -> bool:
-    """Whether this rank leads the ranks that see the same local directory (the lowest of them).
-
-    Every rank drops a probe file into its directory; each then lists whose probes it sees. Ranks
-    on one node with a node-local disk see each other's; on a shared file system all ranks do.
-    An object store is shared by every rank. Views that do not agree raise, rather than let two
-    ranks commit into one directory.
-    """
-    if not isinstance(local, LocalStore):
-        return peers.rank == 0
-    prefix = f".checkfreq-probe-{token}-"
-    probe = local.root / f"{prefix}{peers.rank:05d}"
-    probe.write_bytes(b"")
-    try:
-        peers.all_gather(None)  # every probe is written
-        seen = sorted(int(p.name[len(prefix):]) for p in local.root.glob(f"{prefix}*"))
-        views = peers.all_gather(seen)
-    finally:
-        probe.unlink(missing_ok=True)
-    for rank, view in enumerate(views):
-        if rank not in view or any(views[other] != view for other in view):
-            raise CheckfreqError(
-                f"the ranks disagree on who shares a checkpoint directory (rank {rank} sees the files of ranks {view}); "
-                "give every node its own local directory, or one directory every rank sees at once"
-            )
-    return seen[0] == peers.rank
+def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
+    return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:

@@ -20,8 +20,8 @@ Three kinds of tensors, by where they come from:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ import torch
 
 from checkfreq.compat import dtensor_class, dtensor_local_box
 from checkfreq.errors import CorruptCheckpointError
-from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest
+from checkfreq.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest, data_file_name, header_entries, rank_record
 
 log = logging.getLogger("checkfreq")
 
@@ -191,6 +191,55 @@ def local_view(
             raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
     targets = targets or {}
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
+
+
+def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]]) -> Manifest:
+    """``manifest`` with every rank's part added from its data file's header (``headers``: file name →
+    parsed header): the index of every stored array, each rank's skeleton, and each tensor's parts.
+
+    A manifest that holds them already (one process, or schema version 1) is returned as it is.
+    """
+    if manifest.complete:
+        return manifest
+    try:
+        index: dict[str, dict[str, Any]] = {}
+        for name in manifest.files:
+            index.update(header_entries(headers[name], name))
+        files = [data_file_name(rank) for rank in range(manifest.world_size)]
+        if sorted(files) != sorted(manifest.files):
+            raise CorruptCheckpointError(f"manifest of {manifest.world_size} ranks lists the files {sorted(manifest.files)}")
+        records = [rank_record(headers[name], name) for name in files]
+        tensors = _merge(manifest.distributed["tensors"], [r["tensors"] for r in records], index)  # type: ignore[index]
+        ranks = [r["state"] for r in records]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CorruptCheckpointError(f"checkpoint's per-rank records are malformed: {type(e).__name__}: {e}") from None
+    distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}  # type: ignore[dict-item]
+    return dataclasses.replace(manifest, tensors=index, state=ranks[0], distributed=distributed).checked()
+
+
+def _merge(shared: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]], index: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor's entry: the manifest's shared ones, with each rank's private tensors and shards added.
+
+    A shard several ranks saved at one place (a replicated placement) is referred to once.
+    """
+    merged = {name: {**entry, "parts": list(entry["parts"])} for name, entry in shared.items()}
+    boxes: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for rank, entries in enumerate(per_rank):
+        for name, entry in entries.items():
+            (part,) = entry["parts"]
+            if entry["kind"] == PRIVATE:
+                into = merged.setdefault(name, {**entry, "parts": [None] * len(per_rank)})
+                if into["kind"] != PRIVATE:
+                    raise ValueError(f"rank {rank} holds {name!r} as its own, the manifest as {into['kind']}")
+                into["parts"][rank] = part
+            elif entry["kind"] == SHARDED and merged[name]["kind"] == SHARDED:
+                box = (tuple(part[1]), tuple(index[part[0]]["shape"]))
+                if box not in boxes.setdefault(name, set()):
+                    boxes[name].add(box)
+                    merged[name]["parts"].append(part)
+            else:
+                raise ValueError(f"rank {rank} records {name!r} as {entry['kind']}, the manifest as {merged[name]['kind']}")
+    return merged
 
 
 def source_rank(rank: int, saved_world_size: int) -> int:

@@ -20,9 +20,13 @@ from typing import Any
 
 import torch
 
-from checkfreq.errors import CorruptCheckpointError, UnsupportedDtypeError
+from checkfreq.errors import CorruptCheckpointError, PersistError, UnsupportedDtypeError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version 2 keeps what is per rank in each rank's data file (see :class:`Manifest`); version 1 is still read."""
+READABLE_SCHEMA_VERSIONS = (1, 2)
+RANK_RECORD_KEY = "checkfreq"
+"""The key of a data file's safetensors ``__metadata__`` that holds its rank's record (JSON)."""
 MANIFEST_NAME = "manifest.json"
 CHUNK_BYTES = 64 << 20
 BLOCK_BYTES = 4096
@@ -115,17 +119,24 @@ def slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buffer[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
 
 
-def encode_header(layout: Layout) -> bytes:
+def encode_header(layout: Layout, record: Any = None) -> bytes:
     """The safetensors prefix (length + JSON header) for ``layout``.
 
+    ``record`` (JSON-able), if given, is stored as the header's ``__metadata__`` under
+    :data:`RANK_RECORD_KEY`: a rank's own part of a checkpoint written by several ranks.
     The header is space-padded (as safetensors allows) so that the data section starts at a
     multiple of :data:`BLOCK_BYTES`: the section can then be written with direct I/O.
     """
-    header = {
+    header: dict[str, Any] = {}
+    if record is not None:
+        header["__metadata__"] = {RANK_RECORD_KEY: json.dumps(record, separators=(",", ":"))}
+    header.update({
         s.name: {"dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
         for s in layout.slots
-    }
+    })
     raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise PersistError(f"a data file header would be {len(raw)} bytes, over the {MAX_HEADER_BYTES} bytes a reader accepts")
     raw += b" " * (-(len(raw) + 8) % BLOCK_BYTES)
     return struct.pack("<Q", len(raw)) + raw
 
@@ -166,7 +177,15 @@ def decode_header(raw: bytes, name: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The commit record of one checkpoint (``manifest.json``), written last."""
+    """The commit record of one checkpoint (``manifest.json``), written last.
+
+    Written by several ranks (schema version 2), it holds only what is not per rank: every data
+    file's size and checksum, and the replicated and sharded tensors' global dtype, shape and (for
+    replicated ones) pieces; ``tensors`` is empty and ``state`` is None. Each rank's skeleton and
+    its own tensors (private ones, its shards) are in its data file's header (:func:`rank_record`),
+    and :func:`checkfreq.distributed_plan.complete` adds them once the files are read. A version 1
+    manifest holds them itself (``distributed["ranks"]``).
+    """
 
     step: int
     epoch: int | None
@@ -182,9 +201,18 @@ class Manifest:
     distributed: dict[str, Any] | None = None
     """Written by several ranks: per-rank skeletons and how each tensor is split (see ``distributed_plan``)."""
 
+    @property
+    def complete(self) -> bool:
+        """Whether every rank's part is here (else it is in the data files' headers)."""
+        return self.distributed is None or "ranks" in self.distributed
+
     def to_json(self) -> bytes:
+        """The manifest's bytes; :class:`PersistError` if a reader would refuse them as too large."""
         doc = {"format": "checkfreq", "schema_version": SCHEMA_VERSION, **self.__dict__}
-        return json.dumps(doc, indent=1, allow_nan=True).encode()
+        raw = json.dumps(doc, indent=1, allow_nan=True).encode()
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise PersistError(f"manifest.json would be {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} bytes a reader accepts")
+        return raw
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
@@ -197,7 +225,7 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest is not valid JSON: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != "checkfreq":
             raise CorruptCheckpointError("manifest is not a checkfreq manifest")
-        if doc.get("schema_version") != SCHEMA_VERSION:
+        if doc.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
             raise CorruptCheckpointError(f"manifest schema version {doc.get('schema_version')!r} is not supported")
         try:
             manifest = cls(
@@ -215,11 +243,15 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None
         except OverflowError:
             raise CorruptCheckpointError("manifest field created is out of range") from None
+        return manifest.checked()
+
+    def checked(self) -> Manifest:
+        """This manifest, validated as :meth:`from_json` validates one read from storage."""
         try:
-            manifest._validate()
-        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:  # odd types in odd places
+            self._validate()
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"manifest is malformed: {type(e).__name__}: {e}") from None
-        return manifest
+        return self
 
     def _validate(self) -> None:
         if self.step < 0 or self.world_size < 1:
@@ -264,6 +296,34 @@ def tensor_entries(layout: Layout, file_name: str) -> dict[str, dict[str, Any]]:
         s.name: {"file": file_name, "dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "offsets": [s.begin, s.end]}
         for s in layout.slots
     }
+
+
+def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, dict[str, Any]]:
+    """A data file's tensors, as manifest tensor entries (checked by :meth:`Manifest.checked`)."""
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"data file {file_name} describes tensor {name!r} with no object")
+        entries[name] = {"file": file_name, "dtype": entry.get("dtype"), "shape": entry.get("shape"),
+                         "offsets": entry.get("data_offsets")}
+    return entries
+
+
+def rank_record(header: Mapping[str, Any], file_name: str) -> dict[str, Any]:
+    """The record a rank stored in its data file's header (:func:`encode_header`)."""
+    meta = header.get("__metadata__")
+    raw = meta.get(RANK_RECORD_KEY) if isinstance(meta, dict) else None
+    if not isinstance(raw, str):
+        raise CorruptCheckpointError(f"data file {file_name} lacks its rank's record (__metadata__.{RANK_RECORD_KEY})")
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"data file {file_name} has an unreadable rank record: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):
+        raise CorruptCheckpointError(f"data file {file_name} has a malformed rank record")
+    return record
 
 
 def entry_view(data: torch.Tensor, entry: Mapping[str, Any]) -> torch.Tensor:

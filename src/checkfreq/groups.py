@@ -8,7 +8,7 @@ static launch form always; the c10d form unless ``TORCH_DISABLE_SHARE_RDZV_TCP_S
 restarted rank can therefore read the address its dead predecessor published and fail with
 "Gloo connectFullMesh failed ... Connection refused", or wait for a peer that is not listening.
 
-:func:`new_gloo_group` puts each group's keys under a token that rank 0 draws for this one call
+:func:`new_gloo_groups` puts the groups' keys under a token that rank 0 draws for this one call
 and hands every rank through the store, in a way no key left by an earlier process can fool:
 each rank asks with a fresh random nonce and waits for the answer under a key named after its
 nonce; rank 0 answers every nonce it sees until every rank has confirmed under a key named
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -31,16 +32,20 @@ _KEYS = "checkfreq/groups"
 _POLL_S = 0.005
 
 
-def new_gloo_group(purpose: str, timeout: timedelta) -> dist.ProcessGroup:
-    """A new gloo group of every rank, whose rendezvous no dead predecessor's keys can disturb.
+def new_gloo_groups(purposes: Sequence[str], timeout: timedelta) -> list[dist.ProcessGroup]:
+    """New gloo groups of every rank, one per purpose, whose rendezvous no dead predecessor's keys can disturb.
 
-    Collective: every rank calls it at the same point with the same ``purpose`` (a short name,
-    part of the store keys and of the group's description). ``timeout`` bounds the agreement and
-    is the group's collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
+    Collective: every rank calls it at the same point with the same ``purposes`` (short names, part
+    of the store keys and of each group's description). One token is agreed for the call (its
+    store round trips grow with the number of ranks, so they are paid once, not once per group);
+    each group's keys live under the token and its purpose. ``timeout`` bounds the agreement and is
+    the groups' collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
     """
     store = default_store()
-    token = agree_on_token(store, f"{_KEYS}/{purpose}", dist.get_rank(), dist.get_world_size(), timeout)
-    return gloo_group_on_store(dist.PrefixStore(f"{_KEYS}/{purpose}/{token}", store), timeout, f"checkfreq:{purpose}")
+    keys = f"{_KEYS}/{'+'.join(purposes)}"
+    token = agree_on_token(store, keys, dist.get_rank(), dist.get_world_size(), timeout)
+    return [gloo_group_on_store(dist.PrefixStore(f"{keys}/{token}/{purpose}", store), timeout, f"checkfreq:{purpose}")
+            for purpose in purposes]
 
 
 def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, timeout: timedelta) -> str:

@@ -13,7 +13,8 @@ it sends anyway:
   at most :data:`VERIFY_BYTES` of them, in turn, so every byte is checked again from time to time
   at a bounded cost per checkpoint.
 
-Rank 0 commits only if every rank reported the same (:func:`disagreement`); otherwise every rank
+Each rank reports a digest of its claim; rank 0 commits only if every rank reported the same
+digest (when they differ, the ranks exchange their claims in full and :func:`disagreement` says what differs); otherwise every rank
 raises :class:`~checkfreq.errors.ReplicaMismatchError` naming the entries and the ranks that
 disagree, and the last committed checkpoint stays the newest.
 """
@@ -62,13 +63,33 @@ def disagreement(reports: Sequence[Mapping[str, Any]]) -> str | None:
             f"{name!r} holds {len(versions)} different values, on ranks " + " and ".join(map(str, versions.values()))
             for name, versions in _disagreements([r["fingerprints"] for r in reports])
         ]
-    shown = "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
     return (
-        f"ranks disagree on state that checkfreq stores once (parameters and optimizer state): {shown}. "
+        f"ranks disagree on state that checkfreq stores once (parameters and optimizer state): {_shown(problems)}. "
         "These must be identical on every rank, as DistributedDataParallel keeps them: wrap the model in "
         "DDP (and register the model itself with the Checkpointer) and give every rank the same optimizer. "
         "No checkpoint is committed while they differ; the last committed one is unchanged."
     )
+
+
+def sharded_disagreement(per_rank: Sequence[Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """A message naming the sharded tensors (DTensors) whose global dtype or shape differs between
+    ranks, or ``None`` if none does."""
+    specs = [{n: f"{e['dtype']} {tuple(e['shape'])}" for n, e in entries.items()} for entries in per_rank]
+    problems = [
+        f"{name!r} is " + " but ".join(f"{version} on ranks {ranks}" for version, ranks in versions.items())
+        for name, versions in _disagreements(specs)
+    ]
+    if not problems:
+        return None
+    return (
+        f"ranks disagree on the global dtype or shape of sharded tensors (DTensors): {_shown(problems)}. Every rank must "
+        "register the same sharded model and optimizer. No checkpoint is committed while they differ."
+    )
+
+
+def _shown(problems: Sequence[str]) -> str:
+    """The first :data:`SHOWN` problems, and how many more there are."""
+    return "; ".join(problems[:SHOWN]) + (f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else "")
 
 
 def _disagreements(per_rank: Sequence[Mapping[str, str]]) -> list[tuple[str, dict[str, list[int]]]]:

@@ -13,9 +13,10 @@ counts the stall, the slowdown of iterations that overlap a persist, and anythin
 did in that window. The first checkpoint after a start or a restore is left out (its window
 includes setup). The run's overhead is the same ratio over the sums of all counted windows.
 
-Under torch.distributed every rank logs its own events into the one log. A checkpoint, a session
-and a restore are counted once, from rank 0's events (the rank that commits); each rank's own
-stalls are kept apart in :attr:`RunReport.rank_stalls`.
+Under torch.distributed every rank logs its own events into its directory's log. A checkpoint, a
+session and a restore are counted once, from the events of the lowest rank that logged into it in
+each session (rank 0 in a directory every rank shares; another rank in the directory of a node
+without rank 0); each rank's own stalls are kept apart in :attr:`RunReport.rank_stalls`.
 
 A session is one Checkpointer's life in the directory, from its ``start`` event (a process that
 restored after a failure starts a new one); each session is also summarised on its own, so a
@@ -168,7 +169,7 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
     report = RunReport(str(directory), start_time=events[0]["time"], rank_stalls=_rank_stalls(events))
     open_by_step: dict[int, CheckpointRecord] = {}
     new_session, sessions = True, 0
-    for event in (e for e in events if e.get("rank", 0) == 0):
+    for event in _lowest_rank_events(events):
         kind = event.get("event")
         if kind == "start":
             new_session, sessions = True, sessions + 1
@@ -192,6 +193,27 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
     report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
     report.sessions = [summarize_session(report, i) for i in range(len(report.starts))]
     return report
+
+
+def _lowest_rank_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the lowest rank in each session of the log.
+
+    Every rank of a session logs its ``start`` before any rank logs anything else (building the
+    Checkpointer is collective), so a session is a run of ``start`` events and what follows them.
+    """
+    chosen: list[dict[str, Any]] = []
+    session: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("event") == "start" and session and session[-1].get("event") != "start":
+            chosen += _of_lowest_rank(session)
+            session = []
+        session.append(event)
+    return chosen + _of_lowest_rank(session)
+
+
+def _of_lowest_rank(session: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    lowest = min((e.get("rank", 0) for e in session if e.get("event") == "start"), default=0)
+    return [e for e in session if e.get("rank", 0) == lowest]
 
 
 def _rank_stalls(events: list[dict[str, Any]]) -> dict[int, list[float]]:

@@ -1,12 +1,14 @@
 """Restore: the newest checkpoint every rank can read, found in any tier, read and verified.
 
 The same code for one process and for N ranks (:mod:`checkfreq.collectives`). Each rank lists
-the checkpoints it could read: a checkpoint counts if its manifest is readable and each of its
-data files is in this rank's local directory (at the size the manifest says) or the remote tier
-lists the checkpoint. The ranks take the newest step that every rank can read; each rank then
-reads every file from its local directory, or from the remote tier where the local copy is
-missing or damaged, and verifies each against the manifest's checksum. If any rank fails, every
-rank moves on to the next older common step.
+the checkpoints whose manifest it can read (from its local directory or the remote tier) and which
+of their data files its local directory holds; the ranks all-gather this. A checkpoint can be
+restored if every rank can read its manifest and each data file is in some rank's directory or, for
+each rank that lacks it, in the remote tier. The ranks take the newest such step; each rank reads
+the files its directory holds, receives each other file from the lowest rank whose directory holds
+an intact copy (node-local directories: no node reads another node's files from the remote tier),
+and reads from the remote tier only what no rank holds intact. Every file is verified against the
+manifest's checksum. If any rank fails, every rank moves on to the next older common step.
 
 With a memory tier, its newest snapshot every rank holds wins when it is not older than the
 newest checkpoint listed on disk (it reads fastest); it is also the fallback when no checkpoint
@@ -15,6 +17,7 @@ on disk is valid.
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +26,13 @@ from typing import Any
 import torch
 
 from checkfreq.collectives import Peers
+from checkfreq.distributed_plan import complete
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import Manifest, entry_view
 from checkfreq.memory_tier import MemoryTier
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore, checkpoint_name
+from checkfreq.storage.posix import read_data_stream
 
 log = logging.getLogger("checkfreq.restore")
 
@@ -49,12 +54,18 @@ class Found:
 
 @dataclass
 class _Readable:
-    """How this rank would read one checkpoint: its manifest, and the tier of each data file."""
+    """What this rank has of one checkpoint: its manifest, the data files in its local directory
+    (intact or not: reading them says), and whether the remote tier lists it."""
 
     step: int
     manifest: Manifest
-    sources: dict[str, str]
-    """data file name → ``"local"`` or ``"remote"``."""
+    held: set[str]
+    remote: bool
+
+    def summary(self) -> dict[str, Any]:
+        """What the other ranks learn of it (``"all"`` stands for every file: a shared directory)."""
+        held = "all" if len(self.held) == len(self.manifest.files) else sorted(self.held)
+        return {"held": held, "remote": self.remote}
 
 
 class Restorer:
@@ -129,16 +140,21 @@ class Restorer:
                 problems[s] = readable
             else:
                 mine[s] = readable
-        reports = self.peers.all_gather({"steps": sorted(mine), "listed": len(listed)})
-        common = set.intersection(*(set(r["steps"]) for r in reports))
-        for s in set(mine) - common:
-            problems[s] = "not every rank can read it (another rank lacks its files, and the remote tier does not list it)"
+        reports = self.peers.all_gather({"steps": {str(s): r.summary() for s, r in mine.items()}, "listed": len(listed)})
+        plans: dict[int, dict[str, list[Any]]] = {}
+        for s in mine:
+            views = [r["steps"].get(str(s)) for r in reports]
+            plan = _exchange_plan(mine[s].manifest, views) if None not in views else "another rank cannot read its manifest"
+            if isinstance(plan, str):
+                problems[s] = plan
+            else:
+                plans[s] = plan
         skipped: Skipped = []
-        for s in sorted(common, reverse=True):
+        for s in sorted(plans, reverse=True):  # the same steps on every rank: plans depend on the reports only
             skipped += self._skip_newer_than(s, problems)
             problem = None
             try:
-                found = self._read(mine[s])
+                found = self._read(mine[s], plans[s], [r["steps"][str(s)] for r in reports])
             except CorruptCheckpointError as e:
                 problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
             failed = [p for p in self.peers.all_gather(problem) if p]
@@ -177,52 +193,115 @@ class Restorer:
                 problem = str(e)
         if manifest is None:
             return problem
-        sources = {}
-        for name, entry in manifest.files.items():
-            size = None if local is None else self.local.file_size(local, name)
-            if size == entry["size"]:
-                sources[name] = "local"
-            elif remote is not None:
-                sources[name] = "remote"
-            elif size is not None:
-                sources[name] = "local"  # reading it says what is wrong with it
-            elif self.remote is not None:
-                return f"data file {name} is neither in {self.local.root} nor in the remote tier"
-            else:
-                return f"data file {name} is missing"
-        return _Readable(step, manifest, sources)
+        held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
+        return _Readable(step, manifest, held, remote is not None)
 
-    def _read(self, readable: _Readable) -> Found:
-        """Read and verify every data file of a checkpoint, falling back to the remote copy of a damaged local one."""
+    def _read(self, readable: _Readable, plan: dict[str, list[Any]], views: list[dict[str, Any]]) -> Found:
+        """Read and verify every data file of a checkpoint: those in this rank's directory from there,
+        the others from a rank whose directory holds them (over the control group), else from the
+        remote tier; a damaged local copy is replaced the same way.
+
+        Collective, in three steps every rank takes: read the local files; hear which local copies
+        failed their checksum (their holders no longer send them); send and receive the files
+        planned, in one order every rank follows, then read what only the remote tier has.
+        """
         step, manifest = readable.step, readable.manifest
         locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
-        sections, used = {}, set()
-        for name, entry in manifest.files.items():
-            tier = readable.sources[name]
+        files: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+        damaged: dict[str, str] = {}
+        for name in sorted(readable.held):
             try:
-                sections[name] = self._read_file(tier, locations[tier], name, entry)
+                files[name] = self._read_file("local", locations["local"], name, manifest.files[name])
             except CorruptCheckpointError as e:
-                if tier != "local" or locations.get("remote") is None:
-                    raise
-                log.warning("checkpoint %s: local %s is damaged (%s); reading the remote copy", checkpoint_name(step), name, e)
-                tier = "remote"
-                sections[name] = self._read_file(tier, locations[tier], name, entry)
-            used.add(tier)
-        try:
-            tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
-        except RuntimeError as e:
-            raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
-        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "remote") if t in used) or "local")
+                damaged[name] = str(e)
+        bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
+        used = {"local"} if files else set()
+        problem: CorruptCheckpointError | None = None
+        me = self.peers.rank
+        for name in sorted(set(plan).union(*bad)):
+            sender = _sender(name, views, bad)
+            receivers = sorted((set(plan.get(name, ())) | {r for r, b in enumerate(bad) if name in b}) - {sender})
+            entry = manifest.files[name]
+            if sender is None:
+                continue  # from the remote tier, below
+            if sender == me:
+                payload = self._raw(locations["local"], name, entry["size"])
+                for receiver in receivers:
+                    self.peers.send(payload, receiver)
+            elif me in receivers:
+                raw = self.peers.receive(entry["size"], sender)
+                try:
+                    files[name] = read_data_stream(io.BytesIO(raw), name, len(raw), entry["size"], entry["xxh3_64"])
+                    used.add("peer")
+                    if name in damaged:
+                        log.warning("checkpoint %s: local %s is damaged (%s); received rank %d's copy",
+                                    checkpoint_name(step), name, damaged[name], sender)
+                except CorruptCheckpointError as e:  # every transfer still takes place: the others wait for theirs
+                    problem = problem or e
+        for name, entry in manifest.files.items():
+            if name in files or problem is not None:
+                continue
+            if locations.get("remote") is None:
+                raise CorruptCheckpointError(damaged.get(name, f"data file {name} is neither in {self.local.root} nor in "
+                                                                "another rank's directory, and no remote tier lists it"))
+            if name in damaged:
+                log.warning("checkpoint %s: local %s is damaged (%s); reading the remote copy", checkpoint_name(step), name,
+                            damaged[name])
+            files[name] = self._read_file("remote", locations["remote"], name, entry)
+            used.add("remote")
+        if problem is not None:
+            raise problem
+        manifest, tensors = _views(manifest, files)
+        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "peer", "remote") if t in used) or "local")
 
-    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> torch.Tensor:
+    def _raw(self, location: Any, name: str, size: int) -> bytes:
+        """The ``size`` bytes of a local data file to send (zeros if it cannot be read at that size:
+        the receiver's checksum says so, and every transfer keeps the size the receiver expects)."""
+        try:
+            raw = (Path(location) / name).read_bytes()
+        except OSError:
+            raw = b""
+        return raw if len(raw) == size else bytes(size)
+
+    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
             raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
         store = self.local if tier == "local" else self.remote
-        section, _ = store.read_data(location, name, entry["size"], entry["xxh3_64"])  # type: ignore[union-attr]
-        return section
+        return store.read_data(location, name, entry["size"], entry["xxh3_64"])  # type: ignore[union-attr]
 
     def _where(self) -> str:
         return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
+
+
+def _exchange_plan(manifest: Manifest, views: list[dict[str, Any]]) -> dict[str, list[int]] | str:
+    """Which ranks lack each data file in their own directory (``views``: every rank's
+    :meth:`_Readable.summary`), sorted by file; or why some rank could get a file from nowhere.
+
+    The same on every rank: it depends on the gathered views only.
+    """
+    plan: dict[str, list[int]] = {}
+    partial = [(rank, set(view["held"])) for rank, view in enumerate(views) if view["held"] != "all"]
+    anywhere = any(view["held"] == "all" for view in views)
+    for name in sorted(manifest.files):
+        lacking = [rank for rank, held in partial if name not in held]
+        if not lacking:
+            continue
+        held_somewhere = anywhere or len(lacking) < len(partial)
+        stranded = [rank for rank in lacking if not held_somewhere and not views[rank]["remote"]]
+        if stranded and len(views) == 1:
+            return f"data file {name} is missing"
+        if stranded:
+            return f"data file {name} is in no rank's directory, and no remote tier lists the checkpoint for ranks {stranded}"
+        plan[name] = lacking
+    return plan
+
+
+def _sender(name: str, views: list[dict[str, Any]], bad: list[set[str]]) -> int | None:
+    """The lowest rank whose directory holds an intact copy of ``name``, or None."""
+    for rank, view in enumerate(views):
+        if (view["held"] == "all" or name in view["held"]) and name not in bad[rank]:
+            return rank
+    return None
 
 
 def _reasons(skipped: Skipped) -> str:
@@ -241,9 +320,16 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
         path = Path(path)
         store = LocalStore(path.parent, create=False)
     manifest = store.read_manifest(path)
-    sections = {name: store.read_data(path, name, entry["size"], entry["xxh3_64"])[0] for name, entry in manifest.files.items()}
+    files = {name: store.read_data(path, name, entry["size"], entry["xxh3_64"]) for name, entry in manifest.files.items()}
+    return _views(manifest, files)
+
+
+def _views(manifest: Manifest, files: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest completed from the files' headers (``files``: name → (data section, header)), and
+    every stored array as a view of its file's data section."""
+    manifest = complete(manifest, {name: header for name, (_, header) in files.items()})
     try:
-        tensors = {name: entry_view(sections[e["file"]], e) for name, e in manifest.tensors.items()}
+        tensors = {name: entry_view(files[e["file"]][0], e) for name, e in manifest.tensors.items()}
     except RuntimeError as e:
         raise CorruptCheckpointError(f"manifest tensor index is inconsistent: {e}") from None
     return manifest, tensors

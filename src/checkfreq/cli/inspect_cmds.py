@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from checkfreq.catalog import CheckpointDiff
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+RemoteOption = Annotated[str | None, typer.Option(
+    "--remote", help="The job's remote tier (a path or an fsspec URL): where a node-local directory's "
+                     "checkpoints have the files of other nodes' ranks checked.")]
 
 
 VALUE_CHARS = 300
@@ -34,6 +37,7 @@ VALUE_CHARS = 300
 def ls_command(
     directory: Annotated[str, typer.Argument(help="Run directory (a path or an fsspec URL) holding step_* checkpoints.")],
     quick: Annotated[bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")] = False,
+    remote: RemoteOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason.
@@ -42,7 +46,7 @@ def ls_command(
     """
     from checkfreq.catalog import is_url, list_checkpoints, memory_snapshots
 
-    disk = list_checkpoints(directory, checksums=not quick)
+    disk = list_checkpoints(directory, checksums=not quick, remote=remote)
     statuses = sorted(memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory"))
     if as_json:
         emit_json([s.to_dict() for s in statuses])
@@ -51,7 +55,7 @@ def ls_command(
     for column in ("checkpoint", "tier", "step", "epoch", "size", "age", "status"):
         table.add_column(column, no_wrap=column != "status", justify="right" if column in ("step", "size") else "left")
     for s in statuses:
-        status = "[green]valid[/green]" if s.valid else f"[red]INVALID[/red]: {s.reason}"
+        status = f"[green]valid[/green]{_elsewhere(s.elsewhere)}" if s.valid else f"[red]INVALID[/red]: {s.reason}"
         epoch = "-" if s.epoch is None else str(s.epoch)
         table.add_row(s.name, s.tier, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
     out = console()
@@ -110,13 +114,19 @@ def inspect_command(
 @reports_errors
 def verify_command(
     target: Annotated[str, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
+    remote: RemoteOption = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists)."""
+    """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists).
+
+    In a node-local directory, the files of other nodes' ranks are checked in --remote, or named as not checked.
+    """
     from checkfreq.catalog import check_checkpoint, list_checkpoints, names_checkpoint, resolve_checkpoint
+    from checkfreq.storage import open_store
 
     single = names_checkpoint(target)
-    statuses = [check_checkpoint(resolve_checkpoint(target))] if single else list_checkpoints(target)
+    tier = None if remote is None else open_store(remote, create=False)
+    statuses = [check_checkpoint(resolve_checkpoint(target), remote=tier)] if single else list_checkpoints(target, remote=remote)
     failed = [s for s in statuses if not s.valid]
     if as_json:
         emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses]})
@@ -124,7 +134,8 @@ def verify_command(
         out = console()
         for s in statuses:
             if s.valid:
-                out.print(f"[green]ok[/green]     {s.name}  step {s.step}, {human_bytes(s.bytes)}", soft_wrap=True)
+                out.print(f"[green]ok[/green]     {s.name}  step {s.step}, {human_bytes(s.bytes)}{_elsewhere(s.elsewhere)}",
+                          soft_wrap=True)
             else:
                 out.print(f"[red]FAILED[/red] {s.name}: {s.reason}", soft_wrap=True)
         if not statuses:
@@ -133,6 +144,24 @@ def verify_command(
             out.print(f"{len(statuses) - len(failed)} of {len(statuses)} checkpoints verified")
     if failed or not statuses:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _elsewhere(ranks: list[int]) -> str:
+    """What a status line says of the ranks whose files are on other nodes (not checked)."""
+    if not ranks:
+        return ""
+    return f" (the files of rank{'s' if len(ranks) > 1 else ''} {_ranges(ranks)} are on other nodes: not checked)"
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @app.command("export")

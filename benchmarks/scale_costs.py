@@ -1,0 +1,121 @@
+"""How the per-checkpoint, per-restore and start-up messages and the manifest grow with the number of ranks.
+
+Usage: ``python benchmarks/scale_costs.py [--worlds 1,2,4,64,1024,16384]``
+
+Computed with checkfreq's own code on synthetic inputs, in one process (no ranks are started): for
+each world size N, the plan every rank computes (:class:`checkfreq.distributed.Plan`), one rank's
+commit report as :class:`checkfreq.commit.Committer` builds it, the manifest rank 0 writes
+(:func:`checkfreq.commit.merge`), each rank's record in its data file's header, the directory
+identity each rank all-gathers at start (:mod:`checkfreq.sharing`), and what each rank all-gathers
+at restore. Two states:
+
+* ``ddp``: 18 linear layers of 32x32 and AdamW (36 parameters, 108 optimizer state tensors, all
+  replicated) and 4 private random-generator tensors per rank, as in ``tests/test_scale.py``;
+* ``fsdp2``: the same tensors, every parameter and state tensor a DTensor sharded over the N ranks.
+
+Prints one JSON line per (state, N) and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from checkfreq import replicas
+from checkfreq.commit import agreement_digest, merge
+from checkfreq.distributed import Plan
+from checkfreq.distributed_plan import PRIVATE, REPLICATED, SHARDED, private_name
+from checkfreq.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
+from checkfreq.sharing import directory_identity
+
+LAYERS = 18
+PRIVATE_TENSORS = {"rng/torch": (torch.uint8, (5056,)), "rng/numpy": (torch.uint32, (624,)),
+                   "rng/python": (torch.int64, (625,)), "rng/cuda": (torch.uint8, (0,))}
+
+
+def replicated_state() -> dict[str, torch.Tensor]:
+    """The model's parameters and AdamW's state, by the names checkfreq gives them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(LAYERS):
+        for index, (kind, shape) in enumerate((("weight", (32, 32)), ("bias", (32,)))):
+            position = 2 * layer + index
+            tensors[f"model/{layer}.{kind}"] = torch.zeros(shape)
+            tensors[f"optimizer/state/{position}/exp_avg"] = torch.zeros(shape)
+            tensors[f"optimizer/state/{position}/exp_avg_sq"] = torch.zeros(shape)
+            tensors[f"optimizer/state/{position}/step"] = torch.zeros(())
+    return tensors
+
+
+def skeleton(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A skeleton of the size :func:`checkfreq.state.flatten` gives this state (a reference per tensor)."""
+    refs = {name: {"__tensor__": name} for name in [*tensors, *PRIVATE_TENSORS]}
+    groups = [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+               "params": list(range(2 * LAYERS))}]
+    return {"refs": refs, "optimizer": {"param_groups": groups}, "checkfreq": {"profile": {"iteration_s": 0.01}}}
+
+
+def costs(world: int, state: str) -> dict[str, Any]:
+    tensors = replicated_state()
+    names = sorted(tensors)
+    cluster = SimpleNamespace(world_size=world, rank=0)
+    if state == "ddp":
+        layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
+        plan = Plan.of(layout, {n: tensors[n] for n in names}, cluster)  # type: ignore[arg-type]
+        shared = dict(plan.shared)
+        own = {}
+        arrays = {p.stored_name: (tensors[p.name].dtype, (p.end - p.begin,)) for p in plan.pieces}
+        claim = replicas.report(layout, {n: "0123456789abcdef" for n in names})
+    else:  # every tensor a DTensor sharded on dim 0 (one element per rank at least)
+        layout, plan = (), None
+        shared, own, arrays = {}, {}, {}
+        for name, t in tensors.items():
+            rows = -(-t.shape[0] // world) if t.dim() else 1
+            entry = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "kind": SHARDED}
+            shared[name] = {**entry, "parts": []}
+            own[name] = {**entry, "parts": [[private_name(name, 0), [0] * t.dim()]]}
+            arrays[private_name(name, 0)] = (t.dtype, (min(rows, t.shape[0]), *t.shape[1:]) if t.dim() else ())
+        claim = replicas.report(layout, {})
+    for name, (dtype, shape) in PRIVATE_TENSORS.items():
+        own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [private_name(name, 0)]}
+        arrays[private_name(name, 0)] = (dtype, shape)
+    share = {"rank": own, "shared": shared, "replicas": claim}
+    report = {"rank": world - 1, "created": 1.8e9, "ok": True, "file": data_file_name(world - 1), "size": 2**40,
+              "xxh3_64": "0123456789abcdef", "upload_idle": True, "agree": agreement_digest(share), "directory": world - 1}
+    reports = [{**report, "rank": r, "file": data_file_name(r), "directory": r} for r in range(world)]
+    manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
+    header = encode_header(plan_layout(arrays), {"state": skeleton(tensors), "tensors": own})
+    identity = directory_identity(Path("."))
+    restore_note = {"steps": {str(10**8): {"held": [data_file_name(world - 1)], "remote": True}}, "listed": 3}
+    return {
+        "state": state, "world": world,
+        "report_bytes": len(json.dumps(report)),
+        "reports_into_each_rank": world * len(json.dumps(report)),
+        "manifest_bytes": len(manifest.to_json()),
+        "header_bytes": len(header),
+        "identity_bytes": len(json.dumps(identity)),
+        "restore_note_bytes": len(json.dumps(restore_note)),
+        "replicated_pieces": sum(len(e["parts"]) for e in shared.values() if e["kind"] == REPLICATED),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", default="1,2,4,64,1024,16384")
+    args = parser.parse_args()
+    rows = [costs(world, state) for state in ("ddp", "fsdp2") for world in map(int, args.worlds.split(","))]
+    for row in rows:
+        print(json.dumps(row))
+    print("\n| state | N | report | reports into each rank | manifest.json | data file header | identity | restore note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['reports_into_each_rank']:,} B | "
+              f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | {r['restore_note_bytes']} B |")
+
+
+if __name__ == "__main__":
+    main()

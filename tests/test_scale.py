@@ -1,0 +1,159 @@
+"""What grows with the number of ranks: the manifest (real gloo ranks), the limits that keep a
+checkpoint readable, and how the ranks learn who shares a directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import checkfreq.format
+from checkfreq import Checkpointer, replicas, sharing
+from checkfreq.collectives import GroupPeers
+from checkfreq.distributed_plan import complete
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
+from checkfreq.format import MANIFEST_NAME, RANK_RECORD_KEY, Manifest
+from checkfreq.restore import read_checkpoint
+from checkfreq.storage import LocalStore
+from conftest import make_model, train_step
+
+LAYERS = 18
+"""18 linear layers and AdamW: 36 parameters and 108 optimizer state tensors."""
+
+
+def _rank(rank: int, world: int, store_path: str, directory: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
+    ckpt["rank"] = rank
+    for _ in range(2):
+        ddp(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.step()
+    ckpt.save(blocking=True)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def _save(tmp_path: Path, world: int) -> Path:
+    """The checkpoint a DDP job of ``world`` ranks saves at step 2."""
+    mp.spawn(_rank, args=(world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")), nprocs=world, join=True)
+    return tmp_path / f"ckpt{world}" / "step_000000002"
+
+
+def test_the_manifest_grows_by_a_file_entry_per_rank_and_each_rank_keeps_its_own_part(tmp_path: Path) -> None:
+    """About 150 tensors saved by 1, 2 and 4 DDP ranks: manifest.json grows by less than 250 bytes per
+    added rank (each rank's file, and the few tensors a cut splits); each rank's skeleton and its own
+    tensors are in its file and come back."""
+    checkpoints = {world: _save(tmp_path, world) for world in (1, 2, 4)}
+    sizes = {world: (path / MANIFEST_NAME).stat().st_size for world, path in checkpoints.items()}
+    assert (sizes[2] - sizes[1]) < 250 and (sizes[4] - sizes[2]) < 2 * 250, sizes
+    doc = json.loads((checkpoints[4] / MANIFEST_NAME).read_bytes())
+    assert doc["schema_version"] == 2 and doc["tensors"] == {} and doc["state"] is None
+    assert len(doc["distributed"]["tensors"]) == 4 * LAYERS * 2  # parameters, exp_avg, exp_avg_sq, step
+    manifest, tensors = read_checkpoint(checkpoints[4])
+    assert [skeleton["rank"] for skeleton in manifest.distributed["ranks"]] == [0, 1, 2, 3]
+    assert len(tensors) > len(doc["distributed"]["tensors"])  # every rank's generators too
+
+
+def test_a_rank_file_without_its_record_is_refused() -> None:
+    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": {}})
+    with pytest.raises(CorruptCheckpointError, match=f"lacks its rank's record .__metadata__.{RANK_RECORD_KEY}"):
+        complete(manifest, {"rank00000.safetensors": {}})
+    with pytest.raises(CorruptCheckpointError, match="manifest of 2 ranks lists the files"):
+        complete(Manifest(**{**manifest.__dict__, "world_size": 2}), {"rank00000.safetensors": {}})
+
+
+def test_a_manifest_a_reader_would_refuse_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose manifest exceeds the reader's cap is not committed: the save says why."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path, policy=1000, model=model, optimizer=optimizer)
+    train_step(model, optimizer)
+    ckpt.step()
+    monkeypatch.setattr(checkfreq.format, "MAX_MANIFEST_BYTES", 1000)
+    with pytest.raises(PersistError, match="manifest.json would be .* bytes, over the 1000 bytes a reader accepts"):
+        ckpt.save(blocking=True)
+    ckpt.close()
+    assert not list(tmp_path.glob("step_*"))
+
+
+def test_a_schema_version_1_checkpoint_is_still_restored(tmp_path: Path) -> None:
+    """Version 1 wrote the same manifest for one process (version 2 moved only per-rank parts)."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(tmp_path, policy=1000, model=model, optimizer=optimizer)
+    train_step(model, optimizer)
+    ckpt.step()
+    ckpt.save(blocking=True)
+    ckpt.close()
+    path = tmp_path / "step_000000001" / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"schema_version": 2', b'"schema_version": 1'))
+    fresh = make_model(seed=1)
+    restored = Checkpointer(tmp_path, policy=1000, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    assert restored.restore() == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    restored.close()
+
+
+def _leaders(rank: int, root: str, directories: list[str], forged: bool, out: str) -> None:
+    """Rank ``rank`` learns its directory's leader; with ``forged``, rank 1 names its (shared)
+    directory by an identity of its own, as a file system seen differently by two machines would."""
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", len(directories)), rank=rank,
+                            world_size=len(directories))
+    if forged and rank == 1:
+        sharing.directory_identity = lambda path: "nfs4:forged"  # type: ignore[assignment]
+    try:
+        answer: object = sharing.directory_leader(LocalStore(directories[rank]), "t0k3n", GroupPeers(dist.group.WORLD))
+    except CheckfreqError as e:
+        answer = str(e)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(answer))
+    dist.destroy_process_group()
+
+
+def _run_leaders(tmp_path: Path, names: list[str], forged: bool = False) -> list[object]:
+    directories = [str(tmp_path / name) for name in names]
+    mp.spawn(_leaders, args=(str(tmp_path), directories, forged, str(tmp_path)), nprocs=len(names), join=True)
+    assert not [p for p in tmp_path.rglob(".checkfreq-probe-*")]  # every probe is removed
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(len(names))]
+
+
+def test_ranks_sharing_a_directory_follow_its_lowest_rank(tmp_path: Path) -> None:
+    """Three ranks, two "nodes": ranks 0 and 2 share a directory (through a symbolic link too)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    assert _run_leaders(tmp_path, ["a", "b", "link"]) == [0, 1, 0]
+
+
+def test_an_identity_that_splits_a_shared_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
+    answers = _run_leaders(tmp_path, ["a", "a"], forged=True)
+    assert all("the ranks disagree on who shares a checkpoint directory" in str(a) for a in answers), answers
+    assert "rank 0 sees the directory of ranks [1], whose identity differs" in str(answers[0])
+
+
+def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
+    same = {"model/w": {"dtype": "F32", "shape": [8, 4]}}
+    assert replicas.sharded_disagreement([same, same]) is None
+    message = replicas.sharded_disagreement([same, {"model/w": {"dtype": "F32", "shape": [8, 2]}}])
+    assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 2) on ranks [1]" in message
+
+
+@pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}}, {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
+                                    {"state": None, "tensors": {"x": {"kind": "private", "parts": [1, 2]}}}])
+@pytest.mark.parametrize("shared", [{}, [], {"x": {"kind": "replicated", "parts": []}}])
+def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: object) -> None:
+    header = {"__metadata__": {RANK_RECORD_KEY: json.dumps(record)}}
+    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": shared})
+    with pytest.raises(CorruptCheckpointError):
+        complete(manifest, {"rank00000.safetensors": header})
