@@ -97,9 +97,15 @@ def test_region_of_an_earlier_directory_incarnation_is_removed(shm_dir: Path, tm
     region.reserve(4096, 100)
     put(region, 7)
     region.release(remove=False)
+    old_inode = run.stat().st_ino
     shutil.rmtree(run)
-    (tmp_path / "elsewhere").mkdir()  # keeps the old inode number from being reused at once
-    run.mkdir()
+    for attempt in range(100):  # a new incarnation with another inode: a reused inode number is the same identity
+        (tmp_path / f"elsewhere{attempt}").mkdir()
+        run.mkdir()
+        if run.stat().st_ino != old_inode:
+            break
+        run.rmdir()
+    assert run.stat().st_ino != old_inode
     fresh = MemoryRegion.for_directory(run)
     assert not fresh.mapped and not fresh.path.exists() and fresh.newest() is None
 
