@@ -10,13 +10,13 @@ floating-point sums (``TOLERANCE``).
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, run_job
+from conftest import run_job
+from elastic_train import command, read_steps, step_samples
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 16, 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS
@@ -32,30 +32,11 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 def launch(work: Path, nproc: int, log: str, *extra: str, expect_success: bool = True) -> str:
     """One job of elastic_train.py on ``nproc`` ranks under torchrun (0: one plain process); its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    script = [str(SCRIPTS / "elastic_train.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"),
-              "--step-log", str(work / log), "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH),
-              "--epochs", str(EPOCHS), *extra]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                "--max-restarts=0", "--monitor-interval=0.1"]
-    code, out = run_job(torchrun + script if nproc else [sys.executable, *script], env, timeout=240)
+    code, out = run_job(command(nproc, "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"),
+                                "--step-log", str(work / log), "--samples", str(SAMPLES),
+                                "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), *extra), env, timeout=240)
     assert (code == 0) == expect_success, out[-4000:]
     return out
-
-
-def read_steps(*logs: Path) -> dict[int, dict[int, tuple[float, list[int], int]]]:
-    """Step -> rank -> (global loss, this rank's sample ids, world size); a later log's step replaces an earlier one's."""
-    steps: dict[int, dict[int, tuple[float, list[int], int]]] = {}
-    for log in logs:
-        this: dict[int, dict[int, tuple[float, list[int], int]]] = {}
-        for line in log.read_text().splitlines():
-            _, step, rank, world, _, loss, *ids = line.split()
-            this.setdefault(int(step), {})[int(rank)] = (float(loss), [int(i) for i in ids], int(world))
-        steps.update(this)
-    return steps
-
-
-def step_samples(steps: dict) -> dict[int, list[int]]:
-    return {step: sorted(i for _, ids, _ in ranks.values() for i in ids) for step, ranks in steps.items()}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ the end rank 0 writes the model and optimizer state to ``--final``.
 * ``--die STEP``: rank 0 waits for the checkpoint in flight, then SIGKILLs itself after optimizer
   step STEP, in the first incarnation (``TORCHELASTIC_RESTART_COUNT`` 0) only.
 * ``--stop-at STEP``: take a blocking checkpoint at step STEP and exit cleanly.
+* ``--batch-size N``: instead of a global batch, ``N`` samples per rank and step (the batch then
+  grows and shrinks with the world size: the contrast in docs/distributed.md's figure).
 * ``--remote PATH``: a shared remote tier; ``--ckpt-dir`` is then the node's local directory.
 """
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,36 @@ from checkfreq.data import ResumableLoader
 from noisy_points import NoisyPoints  # beside this script
 
 
+StepLog = dict[int, dict[int, tuple[float, list[int], int]]]
+"""Step -> rank -> (loss of the global batch, the rank's sample ids, world size)."""
+
+
+def command(nproc: int, *args: str) -> list[str]:
+    """This script on ``nproc`` ranks under torchrun, one attempt (``nproc`` 0: one plain process)."""
+    script = [str(Path(__file__)), *args]
+    if not nproc:
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", "--monitor-interval=0.1", *script]
+
+
+def read_steps(*logs: Path) -> StepLog:
+    """The steps the ``--step-log`` files record; a later log's step replaces an earlier one's (a replay)."""
+    steps: StepLog = {}
+    for log in logs:
+        this: StepLog = {}
+        for line in log.read_text().splitlines():
+            _, step, rank, world, _, loss, *ids = line.split()
+            this.setdefault(int(step), {})[int(rank)] = (float(loss), [int(i) for i in ids], int(world))
+        steps.update(this)
+    return steps
+
+
+def step_samples(steps: StepLog) -> dict[int, list[int]]:
+    """Step -> the sorted sample ids of its global batch, over all ranks."""
+    return {step: sorted(i for _, ids, _ in ranks.values() for i in ids) for step, ranks in steps.items()}
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", required=True)
@@ -42,6 +76,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=96)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--die", type=int, default=None)
@@ -53,8 +88,9 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
-    loader = ResumableLoader(NoisyPoints(args.samples), global_batch_size=args.global_batch,
-                             micro_batch_size=args.micro, shuffle=True, seed=5)
+    batches = ({"batch_size": args.batch_size} if args.batch_size
+               else {"global_batch_size": args.global_batch, "micro_batch_size": args.micro})
+    loader = ResumableLoader(NoisyPoints(args.samples), shuffle=True, seed=5, **batches)
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
@@ -93,7 +129,7 @@ def main() -> None:
                 if distributed:
                     dist.all_reduce(step_loss)
                 log.write(f"{life} {ckpt.global_step} {rank} {world} {accumulation} "
-                          f"{step_loss.item() / args.global_batch!r} {' '.join(map(str, step_indices))}\n")
+                          f"{step_loss.item() / loader.global_batch_size!r} {' '.join(map(str, step_indices))}\n")
                 log.flush()
                 if ckpt.global_step == args.die and rank == 0 and life == 0:
                     ckpt.wait()
