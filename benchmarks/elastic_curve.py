@@ -44,7 +44,7 @@ def run(work: Path, nproc: int, log: str, *extra: str, check: bool = True) -> No
 
 
 def resized(work: Path, *batches: str, micro: tuple[str, ...] = ()) -> dict:
-    run(work, 4, "a.log", "--die", str(DIE), *batches, check=False)
+    run(work, 4, "a.log", "--die", f"0:{DIE}", *batches, check=False)
     run(work, 2, "b.log", "--stop-at", str(SHRUNK_UNTIL), *batches, *micro)
     run(work, 4, "c.log", *batches)
     return read_steps(work / "a.log", work / "b.log", work / "c.log")

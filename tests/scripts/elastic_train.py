@@ -8,12 +8,19 @@ neither BatchNorm nor dropout: both depend on how a global batch is split over t
 resized run could not follow the uninterrupted one.
 
 Each rank appends one line per optimizer step to ``--step-log``:
-``life step rank world accumulation loss index index ...``, ``loss`` being the mean loss of the
-whole global batch (summed over the ranks) and the indices this rank's samples of the step. At
-the end rank 0 writes the model and optimizer state to ``--final``.
+``life step rank world accumulation loss fingerprint index index ...``, ``loss`` being the mean
+loss of the whole global batch (summed over the ranks), ``fingerprint`` the sum of the parameters
+after the step (in float64) and the indices this rank's samples of the step. At the end rank 0
+writes the model, optimizer and scheduler state to ``--final``.
 
-* ``--die STEP``: rank 0 waits for the checkpoint in flight, then SIGKILLs itself after optimizer
-  step STEP, in the first incarnation (``TORCHELASTIC_RESTART_COUNT`` 0) only.
+* ``--die LIFE:STEP``: in incarnation LIFE (torchrun's ``TORCHELASTIC_RESTART_COUNT``), rank 0
+  waits for the checkpoint in flight, then SIGKILLs itself after optimizer step STEP.
+* ``--kill-node STEP``: in the first incarnation, after step STEP, every rank waits for the newest
+  checkpoint to be in the remote tier, then the last rank SIGKILLs its torchrun agent and itself:
+  its node is gone for good.
+* ``--pause-at WORLD:STEP``: at world size WORLD, after step STEP, rank 0 waits for the newest
+  checkpoint to be in the remote tier, creates ``<step-log>.paused`` and sleeps (up to 120 s): a
+  node that joins an elastic job now makes torchrun restart the workers at the larger size.
 * ``--stop-at STEP``: take a blocking checkpoint at step STEP and exit cleanly.
 * ``--batch-size N``: instead of a global batch, ``N`` samples per rank and step (the batch then
   grows and shrinks with the world size: the contrast in docs/distributed.md's figure).
@@ -26,6 +33,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -52,14 +60,16 @@ def command(nproc: int, *args: str) -> list[str]:
 
 
 def read_steps(*logs: Path) -> StepLog:
-    """The steps the ``--step-log`` files record; a later log's step replaces an earlier one's (a replay)."""
+    """The steps the ``--step-log`` files record, read in order; a step logged again (a rank logs it a
+    second time, or at another world size) is a replay after a restart and replaces the earlier one."""
     steps: StepLog = {}
     for log in logs:
-        this: StepLog = {}
         for line in log.read_text().splitlines():
-            _, step, rank, world, _, loss, *ids = line.split()
-            this.setdefault(int(step), {})[int(rank)] = (float(loss), [int(i) for i in ids], int(world))
-        steps.update(this)
+            _, step, rank, world, _, loss, _, *ids = line.split()
+            entry = steps.setdefault(int(step), {})
+            if int(rank) in entry or any(w != int(world) for _, _, w in entry.values()):
+                entry.clear()
+            entry[int(rank)] = (float(loss), [int(i) for i in ids], int(world))
     return steps
 
 
@@ -79,7 +89,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every", type=int, default=2)
-    parser.add_argument("--die", type=int, default=None)
+    parser.add_argument("--die", default="", help="LIFE:STEP")
+    parser.add_argument("--kill-node", type=int, default=None)
+    parser.add_argument("--pause-at", default="", help="WORLD:STEP")
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--remote", default=None)
     return parser.parse_args()
@@ -128,12 +140,24 @@ def main() -> None:
                 ckpt.step()
                 if distributed:
                     dist.all_reduce(step_loss)
+                fingerprint = sum(p.detach().double().sum() for p in model.parameters()).item()
                 log.write(f"{life} {ckpt.global_step} {rank} {world} {accumulation} "
-                          f"{step_loss.item() / loader.global_batch_size!r} {' '.join(map(str, step_indices))}\n")
+                          f"{step_loss.item() / loader.global_batch_size!r} {fingerprint!r} "
+                          f"{' '.join(map(str, step_indices))}\n")
                 log.flush()
-                if ckpt.global_step == args.die and rank == 0 and life == 0:
+                if args.die == f"{life}:{ckpt.global_step}" and rank == 0:
                     ckpt.wait()
                     os.kill(os.getpid(), signal.SIGKILL)
+                if ckpt.global_step == args.kill_node and life == 0:
+                    ckpt.wait(remote=True)  # collective: every rank
+                    if rank == world - 1:
+                        os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
+                        os.kill(os.getpid(), signal.SIGKILL)
+                if args.pause_at == f"{world}:{ckpt.global_step}" and rank == 0:
+                    ckpt.wait(remote=True)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's restart ends the pause at once
+                    Path(f"{args.step_log}.paused").touch()
+                    time.sleep(120)
                 if ckpt.global_step == args.stop_at:
                     ckpt.save(blocking=True)
                     finish(ckpt, distributed)
