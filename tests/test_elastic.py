@@ -22,6 +22,8 @@ from conftest import free_port, run_job
 from test_distributed import _kill_tree
 from elastic_train import command, read_steps, step_samples
 
+from checkfreq.report import load_run, summary_text
+
 SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 16, 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS
 # The gradient of a step is the same mean over the same 16 samples at every world size, but summed
@@ -95,6 +97,10 @@ def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Pa
     worlds = {step: {world for _, _, world in ranks.values()} for step, ranks in steps.items()}
     assert worlds[5] == {2} and worlds[STEPS] == {4}  # step 5 was run again on 2 ranks after the kill
     assert_on_course(steps, reference, tmp_path / "final.pt")
+    text = summary_text(load_run(tmp_path / "ckpt"))  # the report shows each resize
+    sizes = [*(max(nproc, 1) for nproc, _, _ in resizes), 4]
+    for restored_step, (saved, now) in zip(restored, zip([4, *sizes], sizes)):
+        assert f"restored step {restored_step} on {now} rank(s), saved by {saved} " in text, text
 
 
 def elastic_agent(work: Path, node: int, local_dir: str, port: int) -> subprocess.Popen[str]:
