@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, run_job
+from conftest import SCRIPTS, free_port, run_job
 from test_distributed import _kill_tree
 from elastic_train import command, read_steps, step_samples
 
@@ -155,3 +156,42 @@ def test_torchrun_elastic_job_loses_a_node_and_gets_one_back_on_course(reference
     worlds = [sorted({world for _, _, world in steps[step].values()}) for step in sorted(steps)]
     assert worlds == [[2]] * 4 + [[1]] * 4 + [[2]] * 4  # step 9 was run again after the new node joined
     assert_on_course(steps, reference, tmp_path / "final.pt")
+
+
+def fit_lightning(work: Path, log: str, *args: str, expect_success: bool = True) -> str:
+    code, out = run_job([sys.executable, str(SCRIPTS / "lightning_resize.py"), "--dir", str(work / "ckpt"),
+                         "--log", str(work / log), *args], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert (code == 0) == expect_success, out[-4000:]
+    return out
+
+
+def lightning_steps(*logs: Path) -> dict[int, list[int]]:
+    """Step -> the sorted sample ids of its batches on all ranks; a later log's step replaces an earlier one's."""
+    steps: dict[int, list[int]] = {}
+    for log in logs:
+        this: dict[int, list[int]] = {}
+        for line in log.read_text().splitlines():
+            step, _, *ids = map(int, line.split())
+            this.setdefault(step, []).extend(ids)
+        steps.update({step: sorted(ids) for step, ids in this.items()})
+    return steps
+
+
+@pytest.mark.slow
+def test_lightning_ddp_fit_resumed_on_one_device_keeps_the_global_batches(tmp_path: Path) -> None:
+    """A global batch of 8 over 2 devices (DDP), the fit killed after step 4 (restored at 3), resumed
+    on 1 device: the steps of an uninterrupted fit. Resuming mid-epoch with 2 batches per step
+    instead of 1 is refused before any step (Lightning counts the epoch's batches, not steps)."""
+    pytest.importorskip("lightning")
+    fit_lightning(tmp_path / "reference", "steps.log")
+    fit_lightning(tmp_path, "run0.log", "--devices", "2", "--die-at", "4", expect_success=False)
+    out = fit_lightning(tmp_path, "refused.log", "--micro", "4", "--accumulate", "2", expect_success=False)
+    assert "restored fit counts 3 batches into epoch 0, which is not 3 optimizer steps of 2 batches" in out
+    assert not (tmp_path / "refused.log").exists()
+    out = fit_lightning(tmp_path, "run1.log", "--micro", "4", expect_success=False)
+    assert "pass accumulate_grad_batches=2" in out
+    out = fit_lightning(tmp_path, "run1.log")
+    assert "rank 0 restored 3 final 18" in out
+    steps = lightning_steps(tmp_path / "run0.log", tmp_path / "run1.log")
+    assert steps == lightning_steps(tmp_path / "reference" / "steps.log")
+    assert len(steps) == 18 and all(len(ids) == 8 for ids in steps.values())
