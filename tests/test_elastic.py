@@ -195,3 +195,28 @@ def test_lightning_ddp_fit_resumed_on_one_device_keeps_the_global_batches(tmp_pa
     steps = lightning_steps(tmp_path / "run0.log", tmp_path / "run1.log")
     assert steps == lightning_steps(tmp_path / "reference" / "steps.log")
     assert len(steps) == 18 and all(len(ids) == 8 for ids in steps.values())
+
+
+@pytest.mark.slow
+def test_hf_trainer_resumed_on_one_process_keeps_the_global_batches(tmp_path: Path) -> None:
+    """2 processes x 4 samples x 2 accumulated batches, killed after step 4 (restored at 3), resumed
+    in one process with 4 accumulated batches: every step takes the samples of an uninterrupted
+    one-process run. Resuming with 2 accumulated batches (8 samples a step) is refused before any step."""
+    pytest.importorskip("transformers")
+    from test_transformers import fit, reads
+
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    fit(reference, "final", "--grad-acc", "4")
+    fit(run, "killed", "--die-at", "4", killed=True, ranks=2)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    code, out = run_job([sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(run), "--out", str(run / "refused.pt"),
+                         "--read-log", str(run / "refused.log")], env)
+    assert code != 0 and "the checkpoint's optimizer steps took 16 samples each" in out and "this run's take 8" in out
+    assert not (run / "refused.log").exists()  # refused before reading a sample
+    assert "restored 3 final 6" in fit(run, "final", "--grad-acc", "4")
+
+    ranks = [reads(run / f"killed.log.{rank}") for rank in (0, 1)]  # 8 reads per step on each rank
+    steps = [sorted(ranks[0][8 * s:8 * s + 8] + ranks[1][8 * s:8 * s + 8]) for s in range(3)]
+    resumed, expected = reads(run / "final.log"), reads(reference / "final.log")
+    steps += [sorted(resumed[16 * s:16 * s + 16]) for s in range(3)]
+    assert steps == [sorted(expected[16 * s:16 * s + 16]) for s in range(6)] and len(expected) == 96

@@ -1,7 +1,7 @@
 """A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
 
 Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
-``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint=True``. Runs as one
+``--every`` (3) optimizer steps (of ``--grad-acc`` (2) batches of 4 per process) and resumes with ``resume_from_checkpoint=True``. Runs as one
 process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank
 logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With ``--die-at K`` it SIGKILLs
 itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--grad-acc", type=int, default=2)
     args = parser.parse_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     read_log = args.read_log if world_size == 1 else f"{args.read_log}.{rank}"
@@ -72,7 +73,7 @@ def main() -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
     training = TrainingArguments(
         output_dir=os.path.join(args.dir, "out"), per_device_train_batch_size=4, per_device_eval_batch_size=8,
-        gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
+        gradient_accumulation_steps=args.grad_acc, num_train_epochs=2, learning_rate=3e-3, warmup_steps=2,
         eval_strategy="steps", eval_steps=4, logging_steps=2, save_strategy="no", report_to=[],
         use_cpu=True, disable_tqdm=True, seed=3, dataloader_num_workers=0,
     )
