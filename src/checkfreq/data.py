@@ -424,12 +424,12 @@ class _BatchPlan:
 class ResumableLoader:
     """A :class:`torch.utils.data.DataLoader` whose position can be saved and resumed exactly.
 
-    Takes the DataLoader's arguments (with its defaults) plus ``seed``, ``rank``,
-    ``world_size`` and ``global_batch_size`` (see :class:`ResumableSampler`); other keyword arguments (``prefetch_factor``,
-    ``timeout``, ``multiprocessing_context``, ...) go to the DataLoader unchanged. ``sampler``,
-    ``batch_sampler``, ``generator`` and ``in_order`` are set by the loader itself. Only map-style
-    datasets (``__len__`` and ``__getitem__``) are supported; ``dataset[i]`` is called once per
-    sample, after the generators are seeded from ``(seed, epoch, i)``.
+    Takes the DataLoader's arguments (with its defaults) plus ``seed``, ``rank``, ``world_size``,
+    ``global_batch_size`` (see :class:`ResumableSampler`) and ``micro_batch_size`` (below); other
+    keyword arguments (``prefetch_factor``, ``timeout``, ``multiprocessing_context``, ...) go to the
+    DataLoader unchanged. ``sampler``, ``batch_sampler``, ``generator`` and ``in_order`` are set by
+    the loader itself. Only map-style datasets (``__len__`` and ``__getitem__``) are supported;
+    ``dataset[i]`` is called once per sample, after the generators are seeded from ``(seed, epoch, i)``.
 
     **Epochs.** Iterating yields the rest of the current epoch (all of it after a boundary) and,
     once the last batch has been taken and the loop asks for the next one, moves :attr:`epoch` on
