@@ -148,7 +148,9 @@ def _check_global_batches(trainer: pl.Trainer) -> None:
     size, and a position restored mid-epoch must be a whole number of steps in it.
     """
     loaders = trainer.train_dataloader
-    for loader in loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
         if not isinstance(loader, ResumableLoader) or loader.sampler.global_batch_size is None:
             continue
         steps = loader.accumulation_steps
