@@ -5,7 +5,8 @@ steps, a checkpoint every 2) runs uninterrupted at world size 4, and again kille
 2 (and 1) and finished at 4; and under torchrun's elastic launch (``--nnodes 1:2``) on two agents,
 one of them killed for good, then a new one joining. Every step must take the samples the
 uninterrupted run took, each sample once per epoch, and the result must equal the uninterrupted
-run's up to the order of the floating-point sums (``TOLERANCE``).
+run's up to the order of the floating-point sums (``TOLERANCE``). A Lightning DDP fit and a Hugging
+Face Trainer run resumed on one process must take the same global batches, or be refused.
 """
 
 from __future__ import annotations
