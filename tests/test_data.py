@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkfreq.data import ResumableLoader, ResumableSampler, sample_seed
+from checkfreq.errors import TopologyError
 
 
 class Augmented:
@@ -389,3 +390,110 @@ def test_peeking_at_a_batch_loses_no_sample():
     assert peeked == expected[:4]
     assert one_epoch(source) == expected
     assert source.epoch == 1
+
+
+# ---------------------------------------------------------------- global batches
+
+
+def ranks_of(world_size: int, length: int = 30, **kwargs) -> list[ResumableLoader]:
+    kwargs.setdefault("global_batch_size", 12)
+    return [loader(length, batch_size=None, rank=r, world_size=world_size, **kwargs) for r in range(world_size)]
+
+
+def global_steps(ranks: list[ResumableLoader], steps: int | None = None) -> list[list[int]]:
+    """The sample ids of each optimizer step (every rank's micro-batches of it), in lockstep."""
+    iterators, per_step = [iter(source) for source in ranks], ranks[0].accumulation_steps
+    taken: list[list[int]] = []
+    while steps is None or len(taken) < steps:
+        try:
+            taken.append([i for it in iterators for _ in range(per_step) for i in indices(next(it))])
+        except StopIteration:
+            break
+    return taken
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_global_batches_do_not_depend_on_world_size_or_micro_batches(drop_last):
+    expected = global_steps(ranks_of(1, drop_last=drop_last))
+    order = ResumableSampler(30, seed=7).global_order(0).tolist()
+    if drop_last:  # 30 samples: two steps of 12, the tail of 6 left out
+        assert expected == [order[:12], order[12:24]]
+    else:  # the tail completed with the epoch's first samples
+        assert expected == [order[:12], order[12:24], order[24:] + order[:6]]
+    for world_size, cap in [(2, None), (3, None), (4, None), (6, None), (2, 4), (1, 5), (3, 1)]:
+        ranks = ranks_of(world_size, drop_last=drop_last, micro_batch_size=cap)
+        steps = global_steps(ranks)
+        assert [sorted(s) for s in steps] == [sorted(s) for s in expected], (world_size, cap)
+        share = 12 // world_size
+        assert ranks[0].batch_size * ranks[0].accumulation_steps == share
+        assert ranks[0].batch_size <= (cap or share)
+        assert len(ranks[0]) == len(expected) * ranks[0].accumulation_steps
+
+
+def test_resuming_on_fewer_then_more_ranks_keeps_every_step():
+    """4 ranks -> 2 ranks with micro-batches -> 4 ranks: the steps of an uninterrupted run at 4, exactly."""
+    expected = [sorted(s) for s in global_steps(ranks_of(4, length=72))]
+    four = ranks_of(4, length=72)
+    seen = global_steps(four, 2)
+    two = ranks_of(2, length=72, micro_batch_size=2)
+    assert two[0].accumulation_steps == 3
+    for source in two:
+        source.load_state_dict(four[0].state_dict())
+    seen += global_steps(two, 1)
+    again = ranks_of(4, length=72)
+    for source in again:
+        source.load_state_dict(two[1].state_dict())
+    assert again[0].state_dict()["consumed"] == 36
+    seen += global_steps(again)
+    assert [sorted(s) for s in seen] == expected
+    assert sorted(i for s in seen for i in s) == list(range(72))
+
+
+def test_a_checkpoint_between_micro_batches_is_refused():
+    two = ranks_of(2, micro_batch_size=2)  # 6 samples per rank and step: 3 micro-batches
+    it = iter(two[0])
+    first = indices(next(it))
+    next(it)
+    with pytest.raises(RuntimeError, match="after 2 of the 3 micro-batches of an optimizer step"):
+        two[0].state_dict()
+    assert indices(next(iter(two[0]))) == first  # a new pass replays the unfinished step
+
+
+def test_world_size_must_divide_the_global_batch():
+    five = loader(30, batch_size=None, global_batch_size=12, rank=0, world_size=5)
+    with pytest.raises(TopologyError, match="global_batch_size=12 does not split over 5 ranks"):
+        iter(five).__next__()
+    with pytest.raises(TopologyError, match="does not split"):
+        _ = five.accumulation_steps
+
+
+def test_global_batch_state_is_checked_against_the_loader():
+    single = ranks_of(1)[0]
+    global_steps([single], 1)
+    state = single.state_dict()
+    assert state["global_batch_size"] == 12 and state["consumed"] == 12
+    with pytest.raises(ValueError, match="saved with global_batch_size=12 but this loader has global_batch_size=None"):
+        loader(30).load_state_dict(state)
+    with pytest.raises(ValueError, match="global_batch_size=12 but this loader has global_batch_size=6"):
+        ranks_of(1, global_batch_size=6)[0].load_state_dict(state)
+    with pytest.raises(ValueError, match="inside a global batch of 12"):
+        ranks_of(1)[0].load_state_dict(state | {"consumed": 5})
+    # a state without global_batch_size (per-rank batches, or an earlier version): at a step boundary only
+    per_rank = loader(30, batch_size=4)
+    take(iter(per_rank), 3)
+    resumed = ranks_of(1)[0]
+    resumed.load_state_dict(per_rank.state_dict())
+    assert global_steps([resumed], 1) == [ResumableSampler(30, seed=7).global_order(0)[12:24].tolist()]
+    take(iter(per_rank), 1)
+    with pytest.raises(ValueError, match="not a boundary of global batches of 12"):
+        ranks_of(1)[0].load_state_dict(per_rank.state_dict())
+
+
+def test_global_batch_arguments_are_checked():
+    with pytest.raises(TypeError, match="batch_size \\(per rank\\) or global_batch_size"):
+        loader(batch_size=4, global_batch_size=8)
+    with pytest.raises(TypeError, match="pass global_batch_size too"):
+        loader(micro_batch_size=4)
+    with pytest.raises(ValueError, match="global_batch_size must be a positive int"):
+        loader(batch_size=None, global_batch_size=0)
+    assert loader(batch_size=3, world_size=2, rank=0).global_batch_size == 6

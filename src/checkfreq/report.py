@@ -119,6 +119,8 @@ class SessionSummary:
     """The step it restored (``None``: it did not restore)."""
     seeded: tuple[str, ...]
     """What the restored checkpoint carried into it (``profile``, ``policy``); see docs/policies.md."""
+    resized: tuple[int, int] | None
+    """(saved world size, world size) when it restored a checkpoint written by another number of ranks."""
     checkpoints: int
     first_step: int | None
     last_step: int | None
@@ -173,13 +175,16 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
         kind = event.get("event")
         if kind == "start":
             new_session, sessions = True, sessions + 1
-            report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": []})
+            report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": [],
+                                  "resized": None})
         elif kind == "restore":
             new_session = True
+            sizes = (event.get("saved_world_size"), event.get("world_size"))
             report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", []),
-                                    "tier": event.get("tier")})
+                                    "tier": event.get("tier"), "saved_world_size": sizes[0], "world_size": sizes[1]})
             if report.starts and report.starts[-1]["restored_step"] is None:
-                report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])))
+                report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])),
+                                         resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
         elif kind == "memory":
             report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
         elif kind == "snapshot":
@@ -309,6 +314,7 @@ def summarize_session(report: RunReport, index: int) -> SessionSummary:
         policy=start["policy"],
         restored_step=start["restored_step"],
         seeded=tuple(start["seeded"]),
+        resized=start.get("resized"),
         checkpoints=len(recs),
         first_step=recs[0].step if recs else None,
         last_step=recs[-1].step if recs else None,
@@ -386,6 +392,8 @@ def summary_text(report: RunReport) -> str:
 def session_line(s: SessionSummary) -> str:
     """One session in a line: where it started, its checkpoints, interval and overhead."""
     began = "started fresh" if s.restored_step is None else f"restored step {s.restored_step}"
+    if s.resized:
+        began += f" on {s.resized[1]} rank(s), saved by {s.resized[0]}"
     if s.seeded:
         began += f" (carried: {', '.join(s.seeded)})"
     steps = f", steps {s.first_step}..{s.last_step}" if s.checkpoints else ""

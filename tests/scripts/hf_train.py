@@ -1,7 +1,7 @@
 """A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
 
 Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
-``--every`` (3) optimizer steps and resumes with ``resume_from_checkpoint`` as the stock example
+``--every`` (3) optimizer steps (of ``--grad-acc`` (2) batches of 4 per process) and resumes with ``resume_from_checkpoint`` as the stock example
 scripts pass it: ``TrainingArguments`` parsed by ``HfArgumentParser``, so ``--resume_from_checkpoint
 true`` arrives as the string ``"true"`` (a path resumes from a Trainer ``checkpoint-N/``). Any other
 ``TrainingArguments`` flag (``--save_strategy steps --save_steps 5``) overrides the defaults. Runs as one
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--die-rank", type=int, default=0)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--attempt-store", action="store_true")
+    parser.add_argument("--grad-acc", type=int, default=2)
     args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.attempt_store:  # before TrainingArguments, which would create the default group on stale keys
@@ -84,7 +85,7 @@ def main() -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
     defaults = {
         "output_dir": os.path.join(args.dir, "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-        "gradient_accumulation_steps": 2, "num_train_epochs": 2, "learning_rate": 3e-3, "warmup_steps": 2,
+        "gradient_accumulation_steps": args.grad_acc, "num_train_epochs": 2, "learning_rate": 3e-3, "warmup_steps": 2,
         "eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2, "save_strategy": "no", "report_to": "none",
         "use_cpu": True, "disable_tqdm": True, "seed": 3, "dataloader_num_workers": 0,
     }

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
+from checkfreq.data import ResumableLoader
 from checkfreq.errors import UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.options import check_names
@@ -160,6 +161,9 @@ class CheckFreqCallback(pl.Callback):
                     _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
         self._seen_step = trainer.global_step
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _check_global_batches(trainer)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._loss.push(_loss_of(outputs, trainer) if self._monitor is None else trainer.callback_metrics.get(self._monitor))
         if trainer.global_step == self._seen_step:
@@ -205,6 +209,37 @@ class CheckFreqCallback(pl.Callback):
 
 
 _OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end", "monitor")
+
+
+def _check_global_batches(trainer: pl.Trainer) -> None:
+    """Refuse a fit whose optimizer steps would not take the train loader's global batches.
+
+    Lightning steps the optimizer every ``accumulate_grad_batches`` batches, counted from the start
+    of the epoch, also after a restore. So that counter must match the loader's split at this world
+    size, and a position restored mid-epoch must be a whole number of steps in it.
+    """
+    loaders = trainer.train_dataloader
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+        if not isinstance(loader, ResumableLoader) or loader.sampler.global_batch_size is None:
+            continue
+        steps = loader.accumulation_steps
+        if trainer.accumulate_grad_batches != steps:
+            raise UsageError(
+                f"the train loader hands each of the {loader.sampler.world_size} rank(s) {steps} batch(es) of "
+                f"{loader.batch_size} samples per optimizer step (global_batch_size={loader.global_batch_size}), but "
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): pass accumulate_grad_batches={steps}"
+            )
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        taken = loader.sampler.consumed // loader.global_batch_size
+        if len(loader.sampler) and done != taken * steps:
+            raise UsageError(
+                f"the restored fit counts {done} batches into epoch {loader.epoch}, which is not {taken} optimizer "
+                f"steps of {steps} batches at this world size: the checkpoint was taken with another number of "
+                "batches per step, and Lightning would step in the middle of global batches. Resume at the saved "
+                "world size, or with a micro_batch_size that gives as many batches per step, until the epoch ends."
+            )
 
 
 def _loss_of(outputs: Any, trainer: pl.Trainer) -> Any:

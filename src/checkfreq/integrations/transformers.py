@@ -75,15 +75,31 @@ class TrainerProgress:
             "globalstep_last_logged": t._globalstep_last_logged,
             "initial_global_step": t._initial_global_step,
             "current_flos": float(t.current_flos),
+            "global_batch_size": _global_batch_size(t),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self._trainer
+        saved, now = state.get("global_batch_size"), _global_batch_size(t)
+        if saved is not None and int(saved) != now:  # absent in checkpoints of earlier versions
+            raise UsageError(
+                f"the checkpoint's optimizer steps took {int(saved)} samples each (per-device batch x processes x "
+                f"gradient accumulation), this run's take {now}: the Trainer derives the data position from the "
+                "step count, so the rest of the run would take other samples. Keep per_device_train_batch_size x "
+                f"processes x gradient_accumulation_steps = {int(saved)} (e.g. double gradient_accumulation_steps "
+                "when the processes halve)."
+            )
         t._tr_loss = state["tr_loss"].clone().to(t.args.device)
         t._total_loss_scalar = state["total_loss_scalar"]
         t._globalstep_last_logged = state["globalstep_last_logged"]
         t._initial_global_step = state["initial_global_step"]
         t.current_flos = state["current_flos"]
+
+
+def _global_batch_size(trainer: Trainer) -> int:
+    """Samples per optimizer step over all processes."""
+    args = trainer.args
+    return trainer._train_batch_size * max(1, args.world_size) * args.gradient_accumulation_steps
 
 
 class CheckFreqTrainer(Trainer):
