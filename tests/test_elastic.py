@@ -211,7 +211,7 @@ def test_hf_trainer_resumed_on_one_process_keeps_the_global_batches(tmp_path: Pa
     fit(run, "killed", "--die-at", "4", killed=True, ranks=2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     code, out = run_job([sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(run), "--out", str(run / "refused.pt"),
-                         "--read-log", str(run / "refused.log")], env)
+                         "--read-log", str(run / "refused.log"), "--resume_from_checkpoint", "true"], env)
     assert code != 0 and "the checkpoint's optimizer steps took 16 samples each" in out and "this run's take 8" in out
     assert not (run / "refused.log").exists()  # refused before reading a sample
     assert "restored 3 final 6" in fit(run, "final", "--grad-acc", "4")
