@@ -393,8 +393,9 @@ def test_memory_does_not_grow_over_200_checkpoints(tmp_path: Path) -> None:
         ckpt.wait()
     gc.collect()
     growth = process.memory_info().rss - baseline
-    # A leaked buffer per checkpoint would add 150 × 4 MB; allocator noise stays far below one state.
-    assert growth < state_bytes, f"RSS grew by {growth / 1e6:.1f} MB over 150 checkpoints"
+    # A leaked buffer per checkpoint would add 150 × 4 MB; allocator noise stays below two states
+    # (one state, 12.6 MB, was once exceeded by 2 MB on a machine running two test suites).
+    assert growth < 2 * state_bytes, f"RSS grew by {growth / 1e6:.1f} MB over 150 checkpoints"
 
 
 @pytest.mark.cuda
