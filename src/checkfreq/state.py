@@ -156,22 +156,29 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     if not missing or len(missing) != len(unexpected):
         return None
     wrappers = "DistributedDataParallel and DataParallel add 'module.', torch.compile '_orig_mod.'"
-    for key in unexpected:  # the checkpoint's keys carry a prefix the model's lack
-        prefix = key[: -len(missing[0])] if key.endswith(missing[0]) else ""
-        if prefix.endswith(".") and {prefix + k for k in missing} == set(unexpected):
-            return (
-                f"every key differs only by the prefix {prefix!r}, which the checkpoint's keys carry: it was saved "
-                f"from a wrapped model ({wrappers}); register the model wrapped the same way to restore it, and "
-                "register the unwrapped module (model.module, model._orig_mod) in every run so the wrapping does not matter"
-            )
-    for key in missing:  # the model's keys carry a prefix the checkpoint's lack
-        prefix = key[: -len(unexpected[0])] if key.endswith(unexpected[0]) else ""
-        if prefix.endswith(".") and {prefix + k for k in unexpected} == set(missing):
-            return (
-                f"every key differs only by the prefix {prefix!r}, which this model's keys carry: the model is "
-                f"wrapped ({wrappers}) and the checkpoint was saved from the unwrapped module; register the "
-                "unwrapped module (model.module, model._orig_mod)"
-            )
+    prefix = _shared_prefix(unexpected, missing)
+    if prefix is not None:  # the checkpoint's keys carry a prefix the model's lack
+        return (
+            f"every key differs only by the prefix {prefix!r}, which the checkpoint's keys carry: it was saved "
+            f"from a wrapped model ({wrappers}); register the model wrapped the same way to restore it, and "
+            "register the unwrapped module (model.module, model._orig_mod) in every run so the wrapping does not matter"
+        )
+    prefix = _shared_prefix(missing, unexpected)
+    if prefix is not None:  # the model's keys carry a prefix the checkpoint's lack
+        return (
+            f"every key differs only by the prefix {prefix!r}, which this model's keys carry: the model is "
+            f"wrapped ({wrappers}) and the checkpoint was saved from the unwrapped module; register the "
+            "unwrapped module (model.module, model._orig_mod)"
+        )
+    return None
+
+
+def _shared_prefix(prefixed: list[str], bare: list[str]) -> str | None:
+    """The prefix ending in "." that turns the keys ``bare`` into exactly the keys ``prefixed``, if any."""
+    for key in prefixed:
+        prefix = key[: -len(bare[0])] if key.endswith(bare[0]) else ""
+        if prefix.endswith(".") and {prefix + k for k in bare} == set(prefixed):
+            return prefix
     return None
 
 
