@@ -45,7 +45,10 @@ def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = 
         out, _ = proc.communicate(timeout=300)
     finally:
         _kill_session(proc.pid)
-    expected = (1, -signal.SIGKILL) if killed and ddp else (-signal.SIGKILL,) if killed else (1,) if fails else (0,)
+    # A DDP process that ends on an uncaught exception may abort (SIGABRT) while torch tears its
+    # process groups down at exit, after the traceback is printed.
+    failed = (1, -signal.SIGABRT) if ddp else (1,)
+    expected = (1, -signal.SIGKILL) if killed and ddp else (-signal.SIGKILL,) if killed else failed if fails else (0,)
     assert proc.returncode in expected, f"{name}: exit {proc.returncode}\n{out}"
     return out
 
