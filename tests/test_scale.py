@@ -157,3 +157,91 @@ def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: ob
                         tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": shared})
     with pytest.raises(CorruptCheckpointError):
         complete(manifest, {"rank00000.safetensors": header})
+
+
+class _CountingPeers(GroupPeers):
+    """A real gloo group that counts the bytes of the messages this rank sends and receives through it."""
+
+    def __init__(self, group: object) -> None:
+        super().__init__(group)
+        self.sent = self.received = self.all_gathers = 0
+
+    def all_gather(self, value: object) -> list:
+        self.all_gathers += 1
+        values = super().all_gather(value)
+        self.sent += _size(value) * (self.size - 1)
+        self.received += sum(_size(v) for v in values) - _size(value)
+        return values
+
+    def gather(self, value: object) -> list | None:
+        values = super().gather(value)
+        if values is None:
+            self.sent += _size(value)
+        else:
+            self.received += sum(_size(v) for v in values[1:])
+        return values
+
+    def broadcast(self, value: object) -> object:
+        value = super().broadcast(value)
+        if self.rank == 0:
+            self.sent += _size(value) * (self.size - 1)
+        else:
+            self.received += _size(value)
+        return value
+
+    def send(self, payload: bytes, to: int) -> None:
+        super().send(payload, to)
+        self.sent += len(payload)
+
+    def receive(self, size: int, sender: int) -> bytes:
+        self.received += size
+        return super().receive(size, sender)
+
+
+def _size(value: object) -> int:
+    """A message's bytes on the wire: its length (8 bytes), then its JSON."""
+    return 8 + len(json.dumps(value))
+
+
+def _counted_rank(rank: int, world: int, store_path: str, directories: list[str], out: str) -> None:
+    checkfreq.distributed.GroupPeers = _CountingPeers  # type: ignore[misc] - counts, the messages still go over gloo
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(directories[rank], policy=1000, model=model, optimizer=optimizer)
+    peers = ckpt._cluster.commit
+    for _ in range(3):
+        train_step(ddp, optimizer)
+        ckpt.step()
+        ckpt.save(blocking=True)
+    ckpt.close()
+    counts = {"sent": peers.sent / 3, "received": peers.received / 3, "all_gathers": peers.all_gathers}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+def _commit_bytes(tmp_path: Path, world: int, node_local: bool) -> list[dict]:
+    out = tmp_path / f"{world}-{node_local}"
+    out.mkdir()
+    directories = [str(out / (f"node{r // 2}" if node_local else "shared")) for r in range(world)]
+    mp.spawn(_counted_rank, args=(world, str(out / "store"), directories, str(out)), nprocs=world, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tmp_path: Path) -> None:
+    """Real DDP ranks, three checkpoints: a rank other than 0 sends its report to rank 0 and hears the
+    verdict, the same few hundred bytes at 2 and 4 ranks; rank 0 receives one report per rank; no
+    all-gather. With a directory per node (ranks 0-1 and 2-3), rank 2 leads its node's directory and
+    also receives the reports, to write the same manifest."""
+    two, four = _commit_bytes(tmp_path, 2, False), _commit_bytes(tmp_path, 4, False)
+    assert all(c["all_gathers"] == 0 for c in two + four)
+    for counts in (two[1], four[1], four[2], four[3]):
+        assert counts["sent"] < 400 and counts["received"] < 100, counts
+        assert abs(counts["sent"] - two[1]["sent"]) <= 8 and counts["received"] == two[1]["received"], (counts, two[1])
+    assert 3 * 150 < four[0]["received"] < 3 * 400, four[0]
+    nodes = _commit_bytes(tmp_path, 4, True)
+    assert nodes[1]["received"] == nodes[3]["received"] == two[1]["received"]
+    assert nodes[2]["received"] > four[0]["received"] > nodes[1]["received"], nodes

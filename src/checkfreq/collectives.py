@@ -10,6 +10,7 @@ JSON, never pickles.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +25,10 @@ class Peers(Protocol):
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's JSON-able ``value``, in rank order."""
+        ...
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """On rank 0, every rank's JSON-able ``value`` in rank order; None on the other ranks."""
         ...
 
     def broadcast(self, value: Any) -> Any:
@@ -48,6 +53,9 @@ class Solo:
     def all_gather(self, value: Any) -> list[Any]:
         return [json.loads(json.dumps(value))]
 
+    def gather(self, value: Any) -> list[Any] | None:
+        return [json.loads(json.dumps(value))]
+
     def broadcast(self, value: Any) -> Any:
         return json.loads(json.dumps(value))
 
@@ -67,6 +75,9 @@ class GroupPeers:
 
     def all_gather(self, value: Any) -> list[Any]:
         return all_gather_json(value, self.group)
+
+    def gather(self, value: Any) -> list[Any] | None:
+        return gather_json(value, self.group)
 
     def broadcast(self, value: Any) -> Any:
         return broadcast_json(value, self.group)
@@ -90,6 +101,51 @@ def broadcast_json(value: Any, group: Any) -> Any:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(payload, group=group, group_src=0)
     return _decode(payload)
+
+
+def gather_json(value: Any, group: Any) -> list[Any] | None:
+    """Every rank's JSON-able ``value``, in rank order, on the group's rank 0; None on the others.
+
+    Point to point: each other rank sends its length and its message to rank 0 (it sends and
+    receives nothing else), which receives them from all ranks at once.
+    """
+    payload = _encode(value)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    size = dist.get_world_size(group)
+    if dist.get_rank(group) != 0:
+        dist.send(length, group=group, group_dst=0)
+        dist.send(payload, group=group, group_dst=0)
+        return None
+    lengths = [length] + [torch.zeros(1, dtype=torch.int64) for _ in range(1, size)]
+    for work in [dist.irecv(lengths[r], group=group, group_src=r) for r in range(1, size)]:
+        work.wait()
+    payloads = [payload] + [torch.empty(int(lengths[r].item()), dtype=torch.uint8) for r in range(1, size)]
+    for work in [dist.irecv(payloads[r], group=group, group_src=r) for r in range(1, size)]:
+        work.wait()
+    return [_decode(p) for p in payloads]
+
+
+def collect_errors(peers: Peers, error: str | None) -> list[str]:
+    """Every rank's error (None: it has none), the same list on every rank.
+
+    Gathered on rank 0 and broadcast back: a rank other than 0 sends and receives a few bytes when
+    no rank failed, whatever the number of ranks.
+    """
+    gathered = peers.gather(error)
+    return peers.broadcast(None if gathered is None else [e for e in gathered if e])
+
+
+def send_json(peers: Peers, value: Any, to: int) -> None:
+    """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
+    payload = json.dumps(value).encode()
+    peers.send(struct.pack("<q", len(payload)), to)
+    peers.send(payload, to)
+
+
+def receive_json(peers: Peers, sender: int) -> Any:
+    """The value rank ``sender`` sends with :func:`send_json`."""
+    (length,) = struct.unpack("<q", peers.receive(8, sender))
+    return json.loads(peers.receive(length, sender))
 
 
 def all_gather_json(value: Any, group: Any) -> list[Any]:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from checkfreq import replicas
-from checkfreq.collectives import Peers
+from checkfreq.collectives import Peers, collect_errors, receive_json, send_json
 from checkfreq.distributed_plan import SHARDED
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, data_file_name, encode_header, tensor_entries
@@ -151,14 +151,18 @@ class Committer:
         except Exception as e:  # noqa: BLE001 - every rank hears it, then it is raised here
             failure = e
             report.update(ok=False, error=f"rank {rank}: {type(e).__name__}: {e}")
-        reports = self.peers.all_gather(report)
-        problem = _judge(reports, self.peers, job.share)
-        outcome: dict[str, Any] = {"rank": rank, "ok": True}
+        if job.share is not None:
+            report["leader"] = self.leader
+        reports = self.peers.gather(report)
+        verdict = self.peers.broadcast(None if reports is None else _verdict(reports, job.share))
+        problem = _problem(verdict, self.peers, job.share)
         if problem is not None:
             if self.leader:
                 self.store.discard(staging)
-            error = ReplicaMismatchError if isinstance(problem, ReplicaMismatchError) else PersistError
-            raise error(f"checkpoint {step} not committed: {problem}") from failure
+            kind = ReplicaMismatchError if isinstance(problem, ReplicaMismatchError) else PersistError
+            raise kind(f"checkpoint {step} not committed: {problem}") from failure
+        reports = self._share_reports(reports, leader=self.leader)
+        error: str | None = None
         if self.leader:
             try:
                 manifest = merge(reports, step, job.epoch, job.versions, job.share)
@@ -167,28 +171,36 @@ class Committer:
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 failure = e
                 self.store.discard(staging)
-                outcome = {"rank": rank, "ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-        failed = [o["error"] for o in self.peers.all_gather(outcome) if not o["ok"]]
+                error = f"rank {rank}: {type(e).__name__}: {e}"
+        failed = collect_errors(self.peers, error)
         if failed:
             raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
         seconds = time.perf_counter() - job.started
-        upload = self._uploader is not None and all(r["upload_idle"] for r in reports)
+        upload = self._uploader is not None and verdict["upload"]
         if upload:
             self._uploader.start(step)  # type: ignore[union-attr]
         self.retainer.run(protect=step)
         return CommitResult(step, size, seconds, upload)
 
+    def _share_reports(self, reports: list[dict[str, Any]] | None, *, leader: bool) -> list[dict[str, Any]] | None:
+        """Rank 0 sends the reports to every other directory leader (node-local directories), which
+        write the same manifest; the other ranks receive nothing."""
+        if reports is not None:
+            for other in (r["rank"] for r in reports if r.get("leader") and r["rank"] != 0):
+                send_json(self.peers, reports, other)
+            return reports
+        return receive_json(self.peers, 0) if leader else None
+
     def _prepare(self, step: int) -> Any:
         """Round 1: each directory's leader creates the staging location; every rank learns it is ready."""
-        status: dict[str, Any] = {"ok": True}
-        staging, failure = None, None
+        staging, failure, error = None, None, None
         if self.leader:
             try:
                 staging = self.store.staging_dir(step, self.token)
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 failure = e
-                status = {"ok": False, "error": f"rank {self.peers.rank}: {type(e).__name__}: {e}"}
-        failed = [s["error"] for s in self.peers.all_gather(status) if not s["ok"]]
+                error = f"rank {self.peers.rank}: {type(e).__name__}: {e}"
+        failed = collect_errors(self.peers, error)
         if failed:
             raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
         return staging if staging is not None else self.store.staging_dir(step, self.token, create=False)
@@ -200,17 +212,27 @@ def agreement_digest(share: dict[str, Any]) -> str:
     return xxhash.xxh3_64_hexdigest(doc.encode())
 
 
-def _judge(reports: list[dict[str, Any]], peers: Peers, share: dict[str, Any] | None) -> Exception | None:
-    """Why these reports cannot be committed (the same answer on every rank), or None.
-
-    Only when the ranks' digests differ (they all see it) do they exchange their claims in full,
-    to name what differs.
-    """
+def _verdict(reports: list[dict[str, Any]], share: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's judgement of every rank's report, broadcast to every rank: the ranks' errors, or
+    whether the replicated state differs, or (committable) whether every uploader was idle."""
     errors = [r["error"] for r in reports if not r.get("ok")]
     if errors:
-        return PersistError("; ".join(errors))
-    if share is None or len({r["agree"] for r in reports}) == 1:
+        return {"errors": errors}
+    if share is not None and len({r["agree"] for r in reports}) > 1:
+        return {"mismatch": True}
+    return {"upload": all(r["upload_idle"] for r in reports)}
+
+
+def _problem(verdict: dict[str, Any], peers: Peers, share: dict[str, Any] | None) -> Exception | None:
+    """Why the checkpoint cannot be committed (the same answer on every rank), or None.
+
+    Only when the ranks' digests differ do they exchange their claims in full, to name what differs.
+    """
+    if "errors" in verdict:
+        return PersistError("; ".join(verdict["errors"]))
+    if not verdict.get("mismatch"):
         return None
+    assert share is not None  # a world of one has nothing to disagree with
     sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
     claims = peers.all_gather({"replicas": share["replicas"], "sharded": sharded})
     problem = replicas.disagreement([c["replicas"] for c in claims]) or replicas.sharded_disagreement(

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from checkfreq.collectives import Peers
+from checkfreq.collectives import Peers, collect_errors
 from checkfreq.commit import Retainer
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
@@ -109,27 +109,27 @@ class Uploader:
 
     def _upload(self, step: int) -> None:
         rank = self.peers.rank
-        status: dict[str, Any] = {"ok": True}
+        error: str | None = None
         if rank == 0:
             try:
                 self.remote.staging_dir(step, self.token)
             except Exception as e:  # noqa: BLE001 - every rank hears it
-                status = {"ok": False, "error": f"rank 0: {type(e).__name__}: {e}"}
-        _raise_failures(self.peers.all_gather(status), step)
+                error = f"rank 0: {type(e).__name__}: {e}"
+        _raise_failures(collect_errors(self.peers, error), step)
         staging = self.remote.staging_dir(step, self.token, create=False)
         source = self.local.location(step)
-        report: dict[str, Any] = {"ok": True}
+        error = None
         try:
             manifest = Manifest.from_json((source / MANIFEST_NAME).read_bytes())
             name = data_file_name(rank)
             self._copy(source / name, staging, name, manifest.files[name]["xxh3_64"])
         except Exception as e:  # noqa: BLE001 - every rank hears it
-            report = {"ok": False, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-        reports = self.peers.all_gather(report)
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+        errors = self.peers.gather(error)  # on rank 0 only
         outcome: dict[str, Any] = {"ok": True}
-        if rank == 0:
+        if errors is not None:
             try:
-                _raise_failures(reports, step)
+                _raise_failures([e for e in errors if e], step)
                 self.remote.write_file(staging, MANIFEST_NAME, [(source / MANIFEST_NAME).read_bytes()])
                 self.remote.commit(staging, step)
                 listed = dict(self.remote.checkpoints())
@@ -151,8 +151,7 @@ class Uploader:
             raise CorruptCheckpointError(f"{path} changed or is damaged; not uploaded")
 
 
-def _raise_failures(statuses: list[dict[str, Any]], step: int) -> None:
-    failed = [s["error"] for s in statuses if not s["ok"]]
+def _raise_failures(failed: list[str], step: int) -> None:
     if failed:
         raise PersistError(f"step {step} not copied: {'; '.join(failed)}")
 
