@@ -86,6 +86,7 @@ def costs(world: int, state: str) -> dict[str, Any]:
     share = {"rank": own, "shared": shared, "replicas": claim}
     report = {"rank": world - 1, "created": 1.8e9, "ok": True, "file": data_file_name(world - 1), "size": 2**40,
               "xxh3_64": "0123456789abcdef", "upload_idle": True, "agree": agreement_digest(share), "directory": world - 1}
+    report["leader"] = False
     reports = [{**report, "rank": r, "file": data_file_name(r), "directory": r} for r in range(world)]
     manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
     header = encode_header(plan_layout(arrays), {"state": skeleton(tensors), "tensors": own})
@@ -94,13 +95,25 @@ def costs(world: int, state: str) -> dict[str, Any]:
     return {
         "state": state, "world": world,
         "report_bytes": len(json.dumps(report)),
-        "reports_into_each_rank": world * len(json.dumps(report)),
+        **commit_messages(world, report),
         "manifest_bytes": len(manifest.to_json()),
         "header_bytes": len(header),
         "identity_bytes": len(json.dumps(identity)),
         "restore_note_bytes": len(json.dumps(restore_note)),
         "replicated_pieces": sum(len(e["parts"]) for e in shared.values() if e["kind"] == REPLICATED),
     }
+
+
+def commit_messages(world: int, report: dict[str, Any]) -> dict[str, int]:
+    """Bytes one rank other than 0 sends and receives per checkpoint, and rank 0 receives, in the
+    three rounds of :class:`checkfreq.commit.Committer` (each message: an 8-byte length, then its
+    JSON); and, for comparison, what each rank received when every round was an all-gather."""
+    def size(value: Any) -> int:
+        return 8 + len(json.dumps(value))
+    sent = size(None) + size(report) + size(None)  # prepare, report, outcome: gathered on rank 0
+    received = size([]) + size({"upload": True}) + size([])  # the verdicts rank 0 broadcasts
+    return {"rank_sends": sent, "rank_receives": received, "rank0_receives": (world - 1) * sent,
+            "all_gather_receives": world * (size({"ok": True}) + size(report) + size({"rank": world - 1, "ok": True}))}
 
 
 def main() -> None:
@@ -110,10 +123,11 @@ def main() -> None:
     rows = [costs(world, state) for state in ("ddp", "fsdp2") for world in map(int, args.worlds.split(","))]
     for row in rows:
         print(json.dumps(row))
-    print("\n| state | N | report | reports into each rank | manifest.json | data file header | identity | restore note |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| state | N | report | a rank sends / receives | rank 0 receives | (all-gathers) | manifest.json | data file header | identity | restore note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['reports_into_each_rank']:,} B | "
+        print(f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['rank_sends']} B / {r['rank_receives']} B | "
+              f"{r['rank0_receives']:,} B | {r['all_gather_receives']:,} B | "
               f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | {r['restore_note_bytes']} B |")
 
 

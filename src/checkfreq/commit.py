@@ -8,12 +8,14 @@ passes them to itself, :class:`~checkfreq.collectives.Solo`):
 2. *report*: every rank writes its own data file (``rankNNNNN.safetensors``) through the store,
    fsynced, with its skeleton and its own tensors' index in the file's header, and reports a few
    fixed-size fields: ok or its error, the file's size and checksum, and a digest of what the ranks
-   must agree on (the replicated and sharded tensors, and the replicas' fingerprints); every rank
-   then judges the same reports the same way (a rank failed, or the replicated state differs: only
-   then the ranks exchange their claims in full, to say what differs);
+   must agree on (the replicated and sharded tensors, and the replicas' fingerprints), to rank 0
+   only; rank 0 judges them and broadcasts its verdict (a rank failed, or the replicated state
+   differs: only then the ranks exchange their claims in full, to say what differs), and sends the
+   reports to the other directories' leaders;
 3. *outcome*: each leader writes ``manifest.json`` last, through the store, and commits it
    (an atomic rename on a local disk; the manifest itself on an object store); the ranks hear
-   whether every leader committed. The manifest holds nothing per rank but each file's size and
+   whether every leader committed. Every round is gathered on rank 0 and answered by a broadcast,
+   so a rank other than 0 (and not a leader) sends and receives O(1) bytes per checkpoint. The manifest holds nothing per rank but each file's size and
    checksum (:class:`~checkfreq.format.Manifest`), so a rank's report and the manifest's growth per
    rank stay the same at any world size.
 
