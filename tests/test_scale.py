@@ -41,6 +41,7 @@ def _rank(rank: int, world: int, store_path: str, directory: str) -> None:
         ckpt.step()
     ckpt.save(blocking=True)
     ckpt.close()
+    torch.save(model.state_dict(), f"{directory}.final{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -189,11 +190,11 @@ class _CountingPeers(GroupPeers):
             self.received += _size(value)
         return value
 
-    def send(self, payload: bytes, to: int) -> None:
+    def send(self, payload: torch.Tensor, to: int) -> None:
         super().send(payload, to)
-        self.sent += len(payload)
+        self.sent += payload.numel()
 
-    def receive(self, size: int, sender: int) -> bytes:
+    def receive(self, size: int, sender: int) -> torch.Tensor:
         self.received += size
         return super().receive(size, sender)
 
@@ -245,3 +246,44 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     nodes = _commit_bytes(tmp_path, 4, True)
     assert nodes[1]["received"] == nodes[3]["received"] == two[1]["received"]
     assert nodes[2]["received"] > four[0]["received"] > nodes[1]["received"], nodes
+
+
+def _restore_counted(rank: int, world: int, store_path: str, directory: str) -> None:
+    """Restore ``directory`` and write down the data files this rank read from storage, and its state."""
+    reads: list[list[object]] = []
+    original = LocalStore.read_data
+
+    def counted(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
+        reads.append([name, size])
+        return original(store, location, name, size, checksum)
+
+    LocalStore.read_data = counted  # type: ignore[method-assign] - counts, the file is still read and verified
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
+    ckpt["rank"] = -1
+    assert ckpt.restore() == 2
+    torch.save({"reads": reads, "model": model.state_dict(), "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def test_each_rank_reads_its_share_of_a_shared_directory_and_receives_the_rest(tmp_path: Path) -> None:
+    """Four DDP ranks restore from the one directory they saved to: each rank reads (and verifies)
+    one data file from storage, its own (its quarter of the replicated tensors and its private
+    ones), and receives the other three from their readers; every rank restores the saved state."""
+    path = _save(tmp_path, 4)
+    sizes = json.loads((path / MANIFEST_NAME).read_bytes())["files"]
+    directory = str(tmp_path / "ckpt4")
+    mp.spawn(_restore_counted, args=(4, str(tmp_path / "store-restore"), directory), nprocs=4, join=True)
+    saved = torch.load(f"{directory}.final0.pt")
+    total = sum(entry["size"] for entry in sizes.values())
+    for rank in range(4):
+        restored = torch.load(f"{directory}.restored{rank}.pt")
+        name = f"rank{rank:05d}.safetensors"
+        assert restored["reads"] == [[name, sizes[name]["size"]]], restored["reads"]
+        assert sizes[name]["size"] < 0.3 * total
+        assert restored["rank"] == rank
+        assert all(torch.equal(restored["model"][k], v) for k, v in saved.items())

@@ -119,7 +119,7 @@ def test_the_token_is_fresh_whatever_earlier_processes_left_in_the_store() -> No
 
     earlier = agree()
     assert len(earlier) == 1
-    store.set(f"{keys}/ask/2", "a-dead-rank's-nonce")  # a rank killed after asking, before any answer
+    store.append(f"{keys}/asks", "2:a-dead-rank's-nonce,")  # a rank killed after asking, before any answer
     store.set(f"{keys}/token", earlier.pop())  # what a protocol with one fixed key would read
     tokens = agree()
     assert len(tokens) == 1 and store.get(f"{keys}/token").decode() not in tokens

@@ -10,7 +10,6 @@ JSON, never pickles.
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any, Protocol
 
 import torch
@@ -35,12 +34,13 @@ class Peers(Protocol):
         """Rank 0's JSON-able ``value`` on every rank (other ranks pass anything)."""
         ...
 
-    def send(self, payload: bytes, to: int) -> None:
-        """Send ``payload`` to rank ``to``, which receives it with :meth:`receive` (blocks until it does)."""
+    def send(self, payload: torch.Tensor, to: int) -> None:
+        """Send the flat ``uint8`` tensor ``payload`` to rank ``to``, which receives it with
+        :meth:`receive` (blocks until it does)."""
         ...
 
-    def receive(self, size: int, sender: int) -> bytes:
-        """The ``size`` bytes rank ``sender`` sends with :meth:`send`."""
+    def receive(self, size: int, sender: int) -> torch.Tensor:
+        """The ``size`` bytes (a flat ``uint8`` tensor) rank ``sender`` sends with :meth:`send`."""
         ...
 
 
@@ -59,10 +59,10 @@ class Solo:
     def broadcast(self, value: Any) -> Any:
         return json.loads(json.dumps(value))
 
-    def send(self, payload: bytes, to: int) -> None:
+    def send(self, payload: torch.Tensor, to: int) -> None:
         raise RuntimeError("a world of one has no other rank to send to")
 
-    def receive(self, size: int, sender: int) -> bytes:
+    def receive(self, size: int, sender: int) -> torch.Tensor:
         raise RuntimeError("a world of one has no other rank to receive from")
 
 
@@ -82,13 +82,15 @@ class GroupPeers:
     def broadcast(self, value: Any) -> Any:
         return broadcast_json(value, self.group)
 
-    def send(self, payload: bytes, to: int) -> None:
-        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group=self.group, group_dst=to)
+    def send(self, payload: torch.Tensor, to: int) -> None:
+        if payload.numel():
+            dist.send(payload, group=self.group, group_dst=to)
 
-    def receive(self, size: int, sender: int) -> bytes:
+    def receive(self, size: int, sender: int) -> torch.Tensor:
         buffer = torch.empty(size, dtype=torch.uint8)
-        dist.recv(buffer, group=self.group, group_src=sender)
-        return buffer.numpy().tobytes()
+        if size:
+            dist.recv(buffer, group=self.group, group_src=sender)
+        return buffer
 
 
 def broadcast_json(value: Any, group: Any) -> Any:
@@ -137,15 +139,15 @@ def collect_errors(peers: Peers, error: str | None) -> list[str]:
 
 def send_json(peers: Peers, value: Any, to: int) -> None:
     """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
-    payload = json.dumps(value).encode()
-    peers.send(struct.pack("<q", len(payload)), to)
+    payload = _encode(value)
+    peers.send(torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8), to)
     peers.send(payload, to)
 
 
 def receive_json(peers: Peers, sender: int) -> Any:
     """The value rank ``sender`` sends with :func:`send_json`."""
-    (length,) = struct.unpack("<q", peers.receive(8, sender))
-    return json.loads(peers.receive(length, sender))
+    length = int(peers.receive(8, sender).view(torch.int64).item())
+    return _decode(peers.receive(length, sender))
 
 
 def all_gather_json(value: Any, group: Any) -> list[Any]:

@@ -15,9 +15,10 @@ passes them to itself, :class:`~checkfreq.collectives.Solo`):
 3. *outcome*: each leader writes ``manifest.json`` last, through the store, and commits it
    (an atomic rename on a local disk; the manifest itself on an object store); the ranks hear
    whether every leader committed. Every round is gathered on rank 0 and answered by a broadcast,
-   so a rank other than 0 (and not a leader) sends and receives O(1) bytes per checkpoint. The manifest holds nothing per rank but each file's size and
-   checksum (:class:`~checkfreq.format.Manifest`), so a rank's report and the manifest's growth per
-   rank stay the same at any world size.
+   so a rank other than 0 (and not a leader) sends and receives O(1) bytes per checkpoint. The
+   manifest holds nothing per rank but each file's size and checksum
+   (:class:`~checkfreq.format.Manifest`), so a rank's report and the manifest's growth per rank stay
+   the same at any world size.
 
 The job is a value (:class:`CommitJob`) and the answer too (:class:`CommitResult`): the writer
 thread runs :meth:`Committer.run` and the training thread applies its result.

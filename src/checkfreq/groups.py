@@ -12,7 +12,7 @@ restarted rank can therefore read the address its dead predecessor published and
 and hands every rank through the store, in a way no key left by an earlier process can fool:
 each rank asks with a fresh random nonce and waits for the answer under a key named after its
 nonce; rank 0 answers every nonce it sees until every rank has confirmed under a key named
-after the token. Neither the restart count (local to each torchrun agent) nor any other value
+after the token, in a constant number of store operations per rank (rank 0: per poll). Neither the restart count (local to each torchrun agent) nor any other value
 the ranks would have to agree on beforehand is needed. See docs/distributed.md.
 """
 
@@ -36,8 +36,7 @@ def new_gloo_groups(purposes: Sequence[str], timeout: timedelta) -> list[dist.Pr
     """New gloo groups of every rank, one per purpose, whose rendezvous no dead predecessor's keys can disturb.
 
     Collective: every rank calls it at the same point with the same ``purposes`` (short names, part
-    of the store keys and of each group's description). One token is agreed for the call (its
-    store round trips grow with the number of ranks, so they are paid once, not once per group);
+    of the store keys and of each group's description). One token is agreed for the call (once, not once per group);
     each group's keys live under the token and its purpose. ``timeout`` bounds the agreement and is
     the groups' collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
     """
@@ -50,11 +49,18 @@ def new_gloo_groups(purposes: Sequence[str], timeout: timedelta) -> list[dist.Pr
 
 def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, timeout: timedelta) -> str:
     """A token drawn by rank 0 for this call, returned on every rank; keys left in ``store`` under
-    ``keys`` by earlier calls or dead processes cannot change it. Collective over ``world_size`` ranks."""
+    ``keys`` by earlier calls or dead processes cannot change it. Collective over ``world_size`` ranks.
+
+    A constant number of store operations per rank: each other rank appends ``<rank>:<nonce>`` to
+    one key, waits for the answer under a key named after its nonce, and counts itself in under a
+    key named after the token; rank 0 reads the appended asks and the count (a few operations per
+    poll) and answers every new ask at once. Past ``timeout``, rank 0 names the ranks it heard no
+    ask from.
+    """
     if rank != 0:
         nonce = uuid.uuid4().hex
         answer = f"{keys}/answer/{nonce}"
-        store.set(f"{keys}/ask/{rank}", nonce)
+        store.append(f"{keys}/asks", f"{rank}:{nonce},")
         try:
             store.wait([answer], timeout)
         except RuntimeError as e:  # torch's DistStoreError
@@ -64,32 +70,25 @@ def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, tim
             ) from e
         token = store.get(answer).decode()
         store.delete_key(answer)
-        store.set(f"{keys}/{token}/joined/{rank}", b"1")
+        store.add(f"{keys}/{token}/joined", 1)
         return token
     token = uuid.uuid4().hex
-    answered: dict[int, bytes] = {}
-    waiting = set(range(1, world_size))
+    answered: dict[str, str] = {}  # rank -> the nonce last answered
     deadline = time.monotonic() + timeout.total_seconds()
-    while waiting:
-        for peer in sorted(waiting):
-            joined = f"{keys}/{token}/joined/{peer}"
-            if store.check([joined]):
-                store.delete_key(joined)
-                waiting.discard(peer)
-                continue
-            ask = f"{keys}/ask/{peer}"
-            if store.check([ask]):
-                nonce = store.get(ask)
-                if answered.get(peer) != nonce:  # a fresh ask, or one an earlier process left
-                    if peer in answered:  # the one answered before was left by an earlier process
-                        store.delete_key(f"{keys}/answer/{answered[peer].decode()}")
-                    store.set(f"{keys}/answer/{nonce.decode()}", token)
-                    answered[peer] = nonce
-        if waiting and time.monotonic() > deadline:
+    while store.add(f"{keys}/{token}/joined", 0) < world_size - 1:
+        asks = store.get(f"{keys}/asks").decode() if store.check([f"{keys}/asks"]) else ""
+        newest = dict(ask.split(":", 1) for ask in asks.split(",") if ask)  # an earlier process's ask comes first
+        fresh = {peer: nonce for peer, nonce in newest.items() if answered.get(peer) != nonce}
+        if fresh:
+            store.multi_set([f"{keys}/answer/{nonce}" for nonce in fresh.values()], [token] * len(fresh))
+            answered.update(fresh)
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(1, world_size)) - {int(peer) for peer in answered})
+            who = f"ranks {missing}" if missing else "some ranks that asked"
             raise CheckfreqError(
-                f"ranks {sorted(waiting)} did not join checkfreq's process group ({keys}) within "
+                f"{who} did not join checkfreq's process group ({keys}) within "
                 f"{timeout.total_seconds():.0f} s: every rank must construct its Checkpointer at the same point"
             )
-        if waiting:
-            time.sleep(_POLL_S)
+        time.sleep(_POLL_S)
+    store.delete_key(f"{keys}/asks")  # every rank has its answer: the next call starts from no asks
     return token

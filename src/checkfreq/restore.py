@@ -4,11 +4,13 @@ The same code for one process and for N ranks (:mod:`checkfreq.collectives`). Ea
 the checkpoints whose manifest it can read (from its local directory or the remote tier) and which
 of their data files its local directory holds; the ranks all-gather this. A checkpoint can be
 restored if every rank can read its manifest and each data file is in some rank's directory or, for
-each rank that lacks it, in the remote tier. The ranks take the newest such step; each rank reads
-the files its directory holds, receives each other file from the lowest rank whose directory holds
-an intact copy (node-local directories: no node reads another node's files from the remote tier),
-and reads from the remote tier only what no rank holds intact. Every file is verified against the
-manifest's checksum. If any rank fails, every rank moves on to the next older common step.
+each rank that lacks it, in the remote tier. The ranks take the newest such step. Each file a
+directory holds is read from storage by one of the ranks holding it (they take turns, so on one
+shared directory each rank reads about 1/N of the checkpoint), verified against the manifest's
+checksum, and sent to the other ranks (node-local directories: no node reads another node's files
+from the remote tier); a damaged copy is replaced by another directory's intact copy, and only what
+no rank holds intact is read from the remote tier. If any rank fails, every rank moves on to the
+next older common step.
 
 With a memory tier, its newest snapshot every rank holds wins when it is not older than the
 newest checkpoint listed on disk (it reads fastest); it is also the fallback when no checkpoint
@@ -17,7 +19,6 @@ on disk is valid.
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +26,13 @@ from typing import Any
 
 import torch
 
-from checkfreq.collectives import Peers
+from checkfreq.collectives import Peers, receive_json, send_json
 from checkfreq.distributed_plan import complete
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import Manifest, entry_view
 from checkfreq.memory_tier import MemoryTier
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore, checkpoint_name
-from checkfreq.storage.posix import read_data_stream
 
 log = logging.getLogger("checkfreq.restore")
 
@@ -141,20 +141,20 @@ class Restorer:
             else:
                 mine[s] = readable
         reports = self.peers.all_gather({"steps": {str(s): r.summary() for s, r in mine.items()}, "listed": len(listed)})
-        plans: dict[int, dict[str, list[Any]]] = {}
+        candidates: list[int] = []
         for s in mine:
             views = [r["steps"].get(str(s)) for r in reports]
-            plan = _exchange_plan(mine[s].manifest, views) if None not in views else "another rank cannot read its manifest"
-            if isinstance(plan, str):
-                problems[s] = plan
+            problem = _unreachable(mine[s].manifest, views) if None not in views else "another rank cannot read its manifest"
+            if problem is not None:
+                problems[s] = problem
             else:
-                plans[s] = plan
+                candidates.append(s)
         skipped: Skipped = []
-        for s in sorted(plans, reverse=True):  # the same steps on every rank: plans depend on the reports only
+        for s in sorted(candidates, reverse=True):  # the same steps on every rank: they depend on the reports only
             skipped += self._skip_newer_than(s, problems)
             problem = None
             try:
-                found = self._read(mine[s], plans[s], [r["steps"][str(s)] for r in reports])
+                found = self._read(mine[s], [r["steps"][str(s)] for r in reports])
             except CorruptCheckpointError as e:
                 problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
             failed = [p for p in self.peers.all_gather(problem) if p]
@@ -196,50 +196,53 @@ class Restorer:
         held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
         return _Readable(step, manifest, held, remote is not None)
 
-    def _read(self, readable: _Readable, plan: dict[str, list[Any]], views: list[dict[str, Any]]) -> Found:
-        """Read and verify every data file of a checkpoint: those in this rank's directory from there,
-        the others from a rank whose directory holds them (over the control group), else from the
-        remote tier; a damaged local copy is replaced the same way.
+    def _read(self, readable: _Readable, views: list[dict[str, Any]]) -> Found:
+        """Read and verify every data file of a checkpoint, each file from storage by one rank only.
 
-        Collective, in three steps every rank takes: read the local files; hear which local copies
-        failed their checksum (their holders no longer send them); send and receive the files
-        planned, in one order every rank follows, then read what only the remote tier has.
+        Collective, in steps every rank takes in the same order: each file that some directory holds
+        is read and verified by one of the ranks holding it (the holders take turns over the files,
+        so on one shared directory each rank reads about 1/N of the checkpoint); the ranks hear which
+        copies failed their checksum, and then every other holder of a damaged file checks its own
+        copy; each file's reader (or the lowest holder of an intact copy) sends it, verified, to every
+        rank that has not read it itself (over the control group); last, each rank reads from the
+        remote tier what no rank holds intact.
         """
         step, manifest = readable.step, readable.manifest
         locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
+        names = sorted(manifest.files)
+        holders = {name: [r for r, view in enumerate(views) if view["held"] == "all" or name in view["held"]] for name in names}
+        checked = {name: {held[i % len(held)]} for i, (name, held) in enumerate(holders.items()) if held}
+        """Who reads each file from storage: one holder (then, for a damaged copy, every holder)."""
+        me = self.peers.rank
         files: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
         damaged: dict[str, str] = {}
-        for name in sorted(readable.held):
-            try:
-                files[name] = self._read_file("local", locations["local"], name, manifest.files[name])
-            except CorruptCheckpointError as e:
-                damaged[name] = str(e)
+        self._read_local(locations["local"], [n for n in names if checked.get(n) == {me}], manifest, files, damaged)
         bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
-        used = {"local"} if files else set()
-        problem: CorruptCheckpointError | None = None
-        me = self.peers.rank
-        for name in sorted(set(plan).union(*bad)):
-            sender = _sender(name, views, bad)
-            receivers = sorted((set(plan.get(name, ())) | {r for r, b in enumerate(bad) if name in b}) - {sender})
-            entry = manifest.files[name]
-            if sender is None:
+        if any(bad):  # another directory may hold an intact copy: every holder checks its own
+            retry = sorted(set().union(*bad))
+            self._read_local(locations["local"], [n for n in retry if me in holders[n] and n not in damaged], manifest,
+                             files, damaged)
+            bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
+            checked.update({n: set(holders[n]) for n in retry})
+        for name in names:
+            intact = [r for r in sorted(checked.get(name, ())) if name not in bad[r]]
+            if not intact:
                 continue  # from the remote tier, below
-            if sender == me:
-                payload = self._raw(locations["local"], name, entry["size"])
+            receivers = [r for r in range(self.peers.size) if r not in intact]
+            if me == intact[0]:
+                data, header = files[name]
                 for receiver in receivers:
-                    self.peers.send(payload, receiver)
+                    send_json(self.peers, {"header": header, "size": data.numel()}, receiver)
+                    self.peers.send(data, receiver)
             elif me in receivers:
-                raw = self.peers.receive(entry["size"], sender)
-                try:
-                    files[name] = read_data_stream(io.BytesIO(raw), name, len(raw), entry["size"], entry["xxh3_64"])
-                    used.add("peer")
-                    if name in damaged:
-                        log.warning("checkpoint %s: local %s is damaged (%s); received rank %d's copy",
-                                    checkpoint_name(step), name, damaged[name], sender)
-                except CorruptCheckpointError as e:  # every transfer still takes place: the others wait for theirs
-                    problem = problem or e
+                sent = receive_json(self.peers, intact[0])
+                files[name] = (self.peers.receive(sent["size"], intact[0]), sent["header"])
+                if name in damaged:
+                    log.warning("checkpoint %s: local %s is damaged (%s); received rank %d's copy",
+                                checkpoint_name(step), name, damaged[name], intact[0])
+        used = {"local" if name in readable.held and name not in damaged else "peer" for name in files}
         for name, entry in manifest.files.items():
-            if name in files or problem is not None:
+            if name in files:
                 continue
             if locations.get("remote") is None:
                 raise CorruptCheckpointError(damaged.get(name, f"data file {name} is neither in {self.local.root} nor in "
@@ -249,19 +252,17 @@ class Restorer:
                             damaged[name])
             files[name] = self._read_file("remote", locations["remote"], name, entry)
             used.add("remote")
-        if problem is not None:
-            raise problem
         manifest, tensors = _views(manifest, files)
         return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "peer", "remote") if t in used) or "local")
 
-    def _raw(self, location: Any, name: str, size: int) -> bytes:
-        """The ``size`` bytes of a local data file to send (zeros if it cannot be read at that size:
-        the receiver's checksum says so, and every transfer keeps the size the receiver expects)."""
-        try:
-            raw = (Path(location) / name).read_bytes()
-        except OSError:
-            raw = b""
-        return raw if len(raw) == size else bytes(size)
+    def _read_local(self, location: Any, names: list[str], manifest: Manifest,
+                    files: dict[str, tuple[torch.Tensor, dict[str, Any]]], damaged: dict[str, str]) -> None:
+        """Read and verify ``names`` from this rank's directory into ``files``, or say in ``damaged`` why not."""
+        for name in names:
+            try:
+                files[name] = self._read_file("local", location, name, manifest.files[name])
+            except CorruptCheckpointError as e:
+                damaged[name] = str(e)
 
     def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
@@ -273,34 +274,19 @@ class Restorer:
         return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
 
 
-def _exchange_plan(manifest: Manifest, views: list[dict[str, Any]]) -> dict[str, list[int]] | str:
-    """Which ranks lack each data file in their own directory (``views``: every rank's
-    :meth:`_Readable.summary`), sorted by file; or why some rank could get a file from nowhere.
-
-    The same on every rank: it depends on the gathered views only.
-    """
-    plan: dict[str, list[int]] = {}
+def _unreachable(manifest: Manifest, views: list[dict[str, Any]]) -> str | None:
+    """Why some rank could get a data file from nowhere (``views``: every rank's
+    :meth:`_Readable.summary`), or None. The same on every rank: it depends on the views only."""
     partial = [(rank, set(view["held"])) for rank, view in enumerate(views) if view["held"] != "all"]
     anywhere = any(view["held"] == "all" for view in views)
     for name in sorted(manifest.files):
         lacking = [rank for rank, held in partial if name not in held]
-        if not lacking:
-            continue
         held_somewhere = anywhere or len(lacking) < len(partial)
         stranded = [rank for rank in lacking if not held_somewhere and not views[rank]["remote"]]
         if stranded and len(views) == 1:
             return f"data file {name} is missing"
         if stranded:
             return f"data file {name} is in no rank's directory, and no remote tier lists the checkpoint for ranks {stranded}"
-        plan[name] = lacking
-    return plan
-
-
-def _sender(name: str, views: list[dict[str, Any]], bad: list[set[str]]) -> int | None:
-    """The lowest rank whose directory holds an intact copy of ``name``, or None."""
-    for rank, view in enumerate(views):
-        if (view["held"] == "all" or name in view["held"]) and name not in bad[rank]:
-            return rank
     return None
 
 
