@@ -18,6 +18,7 @@ import torch
 
 import checkfreq
 from checkfreq.collectives import Peers, Solo
+from checkfreq.ddp_order import warn_if_buckets_reorder
 from checkfreq.commit import CommitJob, CommitResult, Committer, Retainer
 from checkfreq.distributed import Cluster, attach, open_directories
 from checkfreq.distributed_plan import is_dtensor, local_view, note_world_size_change
@@ -303,6 +304,7 @@ class Checkpointer:
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
+        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._world_size)
         self._timeline = Timeline.restored(manifest.step)
         self._step_order.begin_session()
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk

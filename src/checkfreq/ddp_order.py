@@ -1,0 +1,56 @@
+"""DistributedDataParallel's gradient buckets after a restore, at three ranks or more.
+
+DDP sums gradients in flat buckets. After its first iteration it rebuilds them in the order the
+gradients became ready (unless ``find_unused_parameters=True``), which can move a parameter to
+another place in its bucket. Where a tensor lies in the bucket decides, at three ranks or more, in
+which order an all-reduce adds the ranks' values, and floating-point sums round differently in
+another order (two ranks' ``a + b`` is the same either way). A resumed process starts with the
+initial buckets again: its first iteration rounds differently from the uninterrupted run's, which
+had rebuilt them long before, and the run is no longer bit-identical (it still trains correctly).
+With ``find_unused_parameters=True`` DDP never rebuilds its buckets, so both runs reduce alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterable
+
+from torch import nn
+
+log = logging.getLogger("checkfreq.ddp_order")
+
+
+def ddp_wrappers(modules: Iterable[nn.Module]) -> list[nn.parallel.DistributedDataParallel]:
+    """The DDP modules among ``modules`` and those that wrap one of them, found through the garbage
+    collector's referrers: DDP holds the module it wraps in its ``_modules`` dict, which its instance
+    dict (or, with inline attribute values, the instance itself) holds."""
+    found: dict[int, nn.parallel.DistributedDataParallel] = {}
+    for module in modules:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            found[id(module)] = module
+            continue
+        holders = [h for h in gc.get_referrers(module) if isinstance(h, dict) and h.get("module") is module]
+        for _ in range(2):  # _modules, then possibly the instance dict
+            owners = [o for h in holders for o in gc.get_referrers(h)]
+            found.update((id(o), o) for o in owners
+                         if isinstance(o, nn.parallel.DistributedDataParallel) and o.module is module)
+            holders = [o for o in owners if isinstance(o, dict)]
+    return list(found.values())
+
+
+def warn_if_buckets_reorder(modules: Iterable[nn.Module], world_size: int) -> bool:
+    """Warn (and return True) when a restored run at ``world_size`` >= 3 trains through a DDP that
+    rebuilds its buckets: its first iteration after the restore is not bit-identical."""
+    if world_size < 3:
+        return False
+    rebuilding = [ddp for ddp in ddp_wrappers(modules) if not ddp.find_unused_parameters]
+    if rebuilding:
+        log.warning(
+            "DistributedDataParallel with find_unused_parameters=False at %d ranks: it rebuilds its gradient "
+            "buckets after its first iteration, so the first iteration after this restore sums the ranks' "
+            "gradients in another order than the uninterrupted run did and the resumed run is not bit-identical "
+            "to it. Construct DDP with find_unused_parameters=True for bit-identical resumes (docs/exactness.md).",
+            world_size,
+        )
+    return bool(rebuilding)

@@ -1,0 +1,56 @@
+"""A restore at three ranks or more warns when DDP will rebuild its gradient buckets, which makes the
+first iteration after the restore round differently (docs/exactness.md, "Under DDP"); with
+``find_unused_parameters=True`` (no rebuild) it does not. Real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkfreq import Checkpointer
+from checkfreq.ddp_order import ddp_wrappers, warn_if_buckets_reorder
+from conftest import make_model
+
+WARNING = "rebuilds its gradient buckets"
+CASES = {"wrapped": (False, False), "ddp-registered": (False, True), "find-unused": (True, False)}
+"""name: (find_unused_parameters, the DDP itself registered rather than the module it wraps)"""
+
+
+def _restore_cases(rank: int, world: int, workdir: str) -> None:
+    """For each case, save once and restore into a fresh Checkpointer; count checkfreq's warnings."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{workdir}/store", world), rank=rank, world_size=world)
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("checkfreq").addHandler(handler)
+    counts = {}
+    for name, (find_unused, register_wrapper) in CASES.items():
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        registered = ddp if register_wrapper else model
+        assert ddp_wrappers([registered]) == [ddp] and ddp_wrappers([make_model()]) == []
+        assert not warn_if_buckets_reorder([registered], 2)  # two ranks' sums do not depend on the order
+        with Checkpointer(f"{workdir}/{name}", policy=1000, model=registered, optimizer=optimizer) as ckpt:
+            ddp(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            ckpt.step()
+            ckpt.save(blocking=True)
+        warnings.clear()
+        with Checkpointer(f"{workdir}/{name}", policy=1000, model=registered, optimizer=optimizer) as ckpt:
+            assert ckpt.restore() == 1
+        counts[name] = sum(WARNING in w for w in warnings)
+    Path(f"{workdir}/warned{rank}.json").write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+def test_restore_at_three_ranks_warns_when_ddp_reorders_its_buckets(tmp_path: Path) -> None:
+    mp.spawn(_restore_cases, args=(3, str(tmp_path)), nprocs=3, join=True)
+    expected = {"wrapped": 1, "ddp-registered": 1, "find-unused": 0}
+    assert [json.loads((tmp_path / f"warned{rank}.json").read_text()) for rank in range(3)] == [expected] * 3
