@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkfreq.distributed
 import checkfreq.format
 from checkfreq import Checkpointer, replicas, sharing
 from checkfreq.collectives import GroupPeers
@@ -248,16 +249,33 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     assert nodes[2]["received"] > four[0]["received"] > nodes[1]["received"], nodes
 
 
-def _restore_counted(rank: int, world: int, store_path: str, directory: str) -> None:
-    """Restore ``directory`` and write down the data files this rank read from storage, and its state."""
+def _restore_counted(rank: int, world: int, store_path: str, directory: str, network_fs: bool) -> None:
+    """Restore ``directory`` and write down the data files this rank read from storage (and
+    verified), those it mapped after another rank verified them, the bytes it received from other
+    ranks, and its state. ``network_fs``: the directory is taken for one on a network file system
+    (no page cache shared between the ranks), as on NFS or Lustre."""
     reads: list[list[object]] = []
-    original = LocalStore.read_data
+    mapped: list[str] = []
+    received = [0]
+    read, map_data, receive = LocalStore.read_data, LocalStore.map_data, GroupPeers.receive
 
-    def counted(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
+    def counted_read(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
         reads.append([name, size])
-        return original(store, location, name, size, checksum)
+        return read(store, location, name, size, checksum)
 
-    LocalStore.read_data = counted  # type: ignore[method-assign] - counts, the file is still read and verified
+    def counted_map(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
+        mapped.append(name)
+        return map_data(store, location, name, size, checksum)
+
+    def counted_receive(peers: GroupPeers, size: int, sender: int) -> torch.Tensor:
+        received[0] += size
+        return receive(peers, size, sender)
+
+    # counted: the files are still read, verified and mapped, the messages still received
+    LocalStore.read_data, LocalStore.map_data = counted_read, counted_map  # type: ignore[method-assign]
+    GroupPeers.receive = counted_receive  # type: ignore[method-assign]
+    if network_fs:
+        checkfreq.distributed.on_machine_local_file_system = lambda path: False
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
@@ -265,25 +283,34 @@ def _restore_counted(rank: int, world: int, store_path: str, directory: str) -> 
     ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
     ckpt["rank"] = -1
     assert ckpt.restore() == 2
-    torch.save({"reads": reads, "model": model.state_dict(), "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")
+    torch.save({"reads": reads, "mapped": mapped, "received": received[0], "model": model.state_dict(),
+                "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")
     ckpt.close()
     dist.destroy_process_group()
 
 
-def test_each_rank_reads_its_share_of_a_shared_directory_and_receives_the_rest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("network_fs", [False, True], ids=["machine-local-fs", "network-fs"])
+def test_each_rank_reads_its_share_of_a_shared_directory(tmp_path: Path, network_fs: bool) -> None:
     """Four DDP ranks restore from the one directory they saved to: each rank reads (and verifies)
     one data file from storage, its own (its quarter of the replicated tensors and its private
-    ones), and receives the other three from their readers; every rank restores the saved state."""
+    ones). On a machine-local file system the ranks share a page cache: each maps the three other
+    files, which their readers verified, and receives nothing; on a network file system each
+    receives the three other files from their readers. Every rank restores the saved state."""
     path = _save(tmp_path, 4)
     sizes = json.loads((path / MANIFEST_NAME).read_bytes())["files"]
     directory = str(tmp_path / "ckpt4")
-    mp.spawn(_restore_counted, args=(4, str(tmp_path / "store-restore"), directory), nprocs=4, join=True)
+    mp.spawn(_restore_counted, args=(4, str(tmp_path / "store-restore"), directory, network_fs), nprocs=4, join=True)
     saved = torch.load(f"{directory}.final0.pt")
     total = sum(entry["size"] for entry in sizes.values())
     for rank in range(4):
         restored = torch.load(f"{directory}.restored{rank}.pt")
         name = f"rank{rank:05d}.safetensors"
+        others = sorted(set(sizes) - {name})
         assert restored["reads"] == [[name, sizes[name]["size"]]], restored["reads"]
         assert sizes[name]["size"] < 0.3 * total
+        if network_fs:
+            assert restored["mapped"] == [] and restored["received"] > sum(sizes[n]["size"] for n in others) // 2
+        else:
+            assert sorted(restored["mapped"]) == others and restored["received"] == 0, restored
         assert restored["rank"] == rank
         assert all(torch.equal(restored["model"][k], v) for k, v in saved.items())

@@ -153,7 +153,8 @@ class Checkpointer:
         self._memory = None if memory_cadence is None else MemoryTier.open(
             self._local.root, memory_cadence, control, distributed=self._cluster is not None
         )
-        self._restorer = Restorer(self._local, self._remote, control, self._memory)
+        self._restorer = Restorer(self._local, self._remote, control, self._memory,
+                                  page_cache=None if self._cluster is None else self._cluster.page_cache)
         retention = Retention.of(keep)
         retainer = Retainer(self._local, retention, leader=self._cluster is None or self._cluster.leader)
         self._uploader = None if self._remote is None else Uploader(

@@ -53,9 +53,10 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
 from checkfreq.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq.sharing import directory_leader
+from checkfreq.sharing import directory_leader, on_machine_local_file_system
 from checkfreq.state import flatten
 from checkfreq.storage.base import Store
+from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
 
@@ -134,6 +135,9 @@ class Cluster:
         self.directory = directory_leader(local, self.token, self.control)
         """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory == self.rank
+        local_pages = isinstance(local, LocalStore) and on_machine_local_file_system(local.root)
+        self.page_cache = self.directory if local_pages else None
+        """Ranks with the same value read their directory through one page cache (see :class:`Restorer`)."""
         open_directories(local, remote, self.control, leader=self.leader)
 
     # -------------------------------------------------------------- training thread

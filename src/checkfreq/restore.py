@@ -76,10 +76,15 @@ class Restorer:
         remote: the durable tier, if any.
         peers: the ranks restoring together.
         memory: this rank's memory tier, if any.
+        page_cache: ranks passing the same value read their directory through one page cache (a
+            directory on a machine-local file system that they share: the lowest rank sharing it);
+            None where each rank's reads go to storage (a network file system, an object store).
     """
 
-    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None) -> None:
+    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None,
+                 page_cache: int | None = None) -> None:
         self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
+        self.page_cache = page_cache
         self._locations: dict[str, dict[int, Any]] = {}
 
     def listed(self) -> list[int]:
@@ -140,7 +145,8 @@ class Restorer:
                 problems[s] = readable
             else:
                 mine[s] = readable
-        reports = self.peers.all_gather({"steps": {str(s): r.summary() for s, r in mine.items()}, "listed": len(listed)})
+        reports = self.peers.all_gather({"steps": {str(s): r.summary() for s, r in mine.items()}, "listed": len(listed),
+                                         "page_cache": self.page_cache})
         candidates: list[int] = []
         for s in mine:
             views = [r["steps"].get(str(s)) for r in reports]
@@ -154,7 +160,7 @@ class Restorer:
             skipped += self._skip_newer_than(s, problems)
             problem = None
             try:
-                found = self._read(mine[s], [r["steps"][str(s)] for r in reports])
+                found = self._read(mine[s], [r["steps"][str(s)] for r in reports], [r["page_cache"] for r in reports])
             except CorruptCheckpointError as e:
                 problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
             failed = [p for p in self.peers.all_gather(problem) if p]
@@ -196,16 +202,17 @@ class Restorer:
         held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
         return _Readable(step, manifest, held, remote is not None)
 
-    def _read(self, readable: _Readable, views: list[dict[str, Any]]) -> Found:
+    def _read(self, readable: _Readable, views: list[dict[str, Any]], caches: list[int | None]) -> Found:
         """Read and verify every data file of a checkpoint, each file from storage by one rank only.
 
         Collective, in steps every rank takes in the same order: each file that some directory holds
         is read and verified by one of the ranks holding it (the holders take turns over the files,
         so on one shared directory each rank reads about 1/N of the checkpoint); the ranks hear which
         copies failed their checksum, and then every other holder of a damaged file checks its own
-        copy; each file's reader (or the lowest holder of an intact copy) sends it, verified, to every
-        rank that has not read it itself (over the control group); last, each rank reads from the
-        remote tier what no rank holds intact.
+        copy. A rank that shares a page cache (``caches``) with a file's intact reader maps the same
+        file, verified by that reader, without hashing it again; each file's reader (or the lowest
+        holder of an intact copy) sends it to every other rank that has not read it (over the control
+        group); last, each rank reads from the remote tier what no rank holds intact.
         """
         step, manifest = readable.step, readable.manifest
         locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
@@ -228,8 +235,11 @@ class Restorer:
             intact = [r for r in sorted(checked.get(name, ())) if name not in bad[r]]
             if not intact:
                 continue  # from the remote tier, below
-            receivers = [r for r in range(self.peers.size) if r not in intact]
-            if me == intact[0]:
+            mapped = {r for r in holders[name] if caches[r] is not None and caches[r] in {caches[i] for i in intact}}
+            receivers = [r for r in range(self.peers.size) if r not in intact and r not in mapped]
+            if me in mapped and me not in intact:
+                files[name] = self._map_file(locations["local"], name, manifest.files[name])
+            elif me == intact[0]:
                 data, header = files[name]
                 for receiver in receivers:
                     send_json(self.peers, {"header": header, "size": data.numel()}, receiver)
@@ -263,6 +273,11 @@ class Restorer:
                 files[name] = self._read_file("local", location, name, manifest.files[name])
             except CorruptCheckpointError as e:
                 damaged[name] = str(e)
+
+    def _map_file(self, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A file of this rank's directory that a rank sharing its page cache verified."""
+        assert isinstance(self.local, LocalStore)  # only a local directory shares a page cache
+        return self.local.map_data(location, name, entry["size"], entry["xxh3_64"])
 
     def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:

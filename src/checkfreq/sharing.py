@@ -76,6 +76,12 @@ def _check_probes(root: Path, token: str, rank: int, leader: int) -> str | None:
     return None
 
 
+def on_machine_local_file_system(path: Path) -> bool:
+    """Whether ``path`` lies on a file system no other machine sees (so the ranks that share the
+    directory share one page cache too)."""
+    return file_system_type(path.resolve()) in LOCAL_FILE_SYSTEMS
+
+
 def directory_identity(path: Path) -> str:
     """A short name for the directory ``path``, the same on every rank that sees it (module docstring)."""
     resolved = path.resolve()

@@ -106,14 +106,15 @@ def _write_all(fd: int, chunk: memoryview, offset: int) -> None:
         chunk, offset = chunk[written:], offset + written
 
 
-def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+def read_data_file(path: Path, size: int, checksum: str, *, verified: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
     """Verify a data file; return its data section (flat ``uint8``) and parsed header.
 
     The section is a private, copy-on-write memory mapping of the file: the checksum is computed
     straight from the page cache and nothing is copied until the caller copies tensors out
     (writes to the section never reach the file). Where a file cannot be mapped, it is read
-    into memory instead. Raises :class:`CorruptCheckpointError` if the size, checksum or
-    header is wrong.
+    into memory instead. ``verified``: another process on this machine has just verified this very
+    file, so a mapping (the same pages of the page cache) is not hashed again. Raises
+    :class:`CorruptCheckpointError` if the size, checksum or header is wrong.
     """
     f = _open_regular(path, f"data file {path.name}")
     actual = os.fstat(f.fileno()).st_size
@@ -124,11 +125,13 @@ def read_data_file(path: Path, size: int, checksum: str) -> tuple[torch.Tensor, 
     except OSError:  # a filesystem that cannot map files
         return read_data_stream(f, path.name, actual, size, checksum)
     f.close()  # the mapping keeps the file
-    return _verified_mapping(mapping, path.name, checksum)
+    if not verified:
+        _verify_mapping(mapping, path.name, checksum)
+    return _parse_mapping(mapping, path.name)
 
 
-def _verified_mapping(mapping: mmap.mmap, name: str, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Hash a mapped data file, then parse it; the data section is a view of the mapping."""
+def _verify_mapping(mapping: mmap.mmap, name: str, checksum: str) -> None:
+    """Hash a mapped data file against its checksum."""
     if hasattr(mapping, "madvise"):
         mapping.madvise(mmap.MADV_SEQUENTIAL)  # aggressive readahead when cold (measured best)
     hasher = xxhash.xxh3_64()
@@ -140,6 +143,10 @@ def _verified_mapping(mapping: mmap.mmap, name: str, checksum: str) -> tuple[tor
             raise CorruptCheckpointError(f"data file {name} cannot be read: {e.strerror or e}") from None
     if hasher.hexdigest() != checksum:
         raise CorruptCheckpointError(f"data file {name} fails its checksum (content changed or torn)")
+
+
+def _parse_mapping(mapping: mmap.mmap, name: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Parse a mapped data file; the data section is a view of the mapping."""
     header_len = decode_header_length(mapping[:8], len(mapping), name)
     header = decode_header(mapping[8 : 8 + header_len], name)
     begin = 8 + header_len
