@@ -22,21 +22,13 @@ log = logging.getLogger("checkfreq.ddp_order")
 
 
 def ddp_wrappers(modules: Iterable[nn.Module]) -> list[nn.parallel.DistributedDataParallel]:
-    """The DDP modules among ``modules`` and those that wrap one of them, found through the garbage
-    collector's referrers: DDP holds the module it wraps in its ``_modules`` dict, which its instance
-    dict (or, with inline attribute values, the instance itself) holds."""
-    found: dict[int, nn.parallel.DistributedDataParallel] = {}
-    for module in modules:
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            found[id(module)] = module
-            continue
-        holders = [h for h in gc.get_referrers(module) if isinstance(h, dict) and h.get("module") is module]
-        for _ in range(2):  # _modules, then possibly the instance dict
-            owners = [o for h in holders for o in gc.get_referrers(h)]
-            found.update((id(o), o) for o in owners
-                         if isinstance(o, nn.parallel.DistributedDataParallel) and o.module is module)
-            holders = [o for o in owners if isinstance(o, dict)]
-    return list(found.values())
+    """The live DDP modules that are, or wrap at any depth (a framework's own wrapper between
+    them), one of ``modules``: found among the garbage collector's objects, once per restore."""
+    wanted = {id(m) for m in modules}
+    if not wanted:
+        return []
+    return [obj for obj in gc.get_objects() if isinstance(obj, nn.parallel.DistributedDataParallel)
+            and (id(obj) in wanted or any(id(sub) in wanted for sub in obj.module.modules()))]
 
 
 def warn_if_buckets_reorder(modules: Iterable[nn.Module], world_size: int) -> bool:
