@@ -17,8 +17,19 @@ from checkfreq.ddp_order import ddp_wrappers, warn_if_buckets_reorder
 from conftest import make_model
 
 WARNING = "rebuilds its gradient buckets"
-CASES = {"wrapped": (False, False), "ddp-registered": (False, True), "find-unused": (True, False)}
-"""name: (find_unused_parameters, the DDP itself registered rather than the module it wraps)"""
+CASES = {"wrapped": (False, "module"), "ddp-registered": (False, "ddp"), "nested": (False, "nested"),
+         "find-unused": (True, "module")}
+"""name: (find_unused_parameters, what is registered: the module DDP wraps, the DDP itself, or a module
+that DDP wraps inside a framework's wrapper, as Lightning does)"""
+
+
+class _FrameworkWrapper(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
 
 
 def _restore_cases(rank: int, world: int, workdir: str) -> None:
@@ -30,11 +41,12 @@ def _restore_cases(rank: int, world: int, workdir: str) -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("checkfreq").addHandler(handler)
     counts = {}
-    for name, (find_unused, register_wrapper) in CASES.items():
+    for name, (find_unused, registered_kind) in CASES.items():
         model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+        wrapped = _FrameworkWrapper(model) if registered_kind == "nested" else model
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped, find_unused_parameters=find_unused)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        registered = ddp if register_wrapper else model
+        registered = ddp if registered_kind == "ddp" else model
         assert ddp_wrappers([registered]) == [ddp] and ddp_wrappers([make_model()]) == []
         assert not warn_if_buckets_reorder([registered], 2)  # two ranks' sums do not depend on the order
         with Checkpointer(f"{workdir}/{name}", policy=1000, model=registered, optimizer=optimizer) as ckpt:
@@ -52,5 +64,5 @@ def _restore_cases(rank: int, world: int, workdir: str) -> None:
 
 def test_restore_at_three_ranks_warns_when_ddp_reorders_its_buckets(tmp_path: Path) -> None:
     mp.spawn(_restore_cases, args=(3, str(tmp_path)), nprocs=3, join=True)
-    expected = {"wrapped": 1, "ddp-registered": 1, "find-unused": 0}
+    expected = {"wrapped": 1, "ddp-registered": 1, "nested": 1, "find-unused": 0}
     assert [json.loads((tmp_path / f"warned{rank}.json").read_text()) for rank in range(3)] == [expected] * 3
