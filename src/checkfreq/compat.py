@@ -2,7 +2,9 @@
 
 checkfreq supports torch >= 2.6 (see pyproject.toml): the public ``torch.distributed.tensor``
 (DTensor) and ``torch.distributed.fsdp.fully_shard`` (FSDP2) exist from there on. The few
-private APIs used are reached only here, each with an error that names what is missing.
+private APIs used are reached only here, each with an error that names what is missing; where
+gloo cannot connect its pairs of ranks on demand (before torch 2.8), checkfreq's groups connect
+every pair at creation instead, as ``dist.new_group`` does (logged once).
 """
 
 from __future__ import annotations
@@ -93,11 +95,11 @@ def lazy_gloo_backend() -> str | None:
 
         ProcessGroupGloo.create_default_device(lazy_init=True)
         ProcessGroupGloo._Options()
-    except (ImportError, AttributeError, TypeError) as e:
+        dist.Backend.register_backend(_LAZY_GLOO, _lazy_gloo, devices=["cpu"])
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
         log.info("torch %s cannot connect gloo pairs on demand (%s): checkfreq's groups connect every pair of "
                  "ranks when they are created", torch.__version__, e)
         return None
-    dist.Backend.register_backend(_LAZY_GLOO, _lazy_gloo, devices=["cpu"])
     return _LAZY_GLOO
 
 

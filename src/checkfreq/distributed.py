@@ -140,7 +140,9 @@ class Cluster:
         self.leader = self.directory == self.rank
         open_directories(local, remote, self.control, leader=self.leader)
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
-        self.decide: Callable[[DecisionContext], bool] = policy.should_save if self._decider is None else self._decider.should_save
+        self.decide: Callable[[DecisionContext], bool] = (
+            policy.should_save if self._decider is None else self._decider.should_save
+        )
         """``policy.should_save``, agreed by all ranks (a step-count policy needs no messages)."""
 
     # -------------------------------------------------------------- training thread
