@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,37 @@ def test_seventeen_ranks_voting_through_the_tree_checkpoint_at_the_same_steps() 
         return taken
 
     assert _on_every_rank(17, rank) == [[52, 77]] * 17
+
+
+def _failing_rank(rank: int, store_path: str, out: str, peer: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    agreed = AgreedPolicy(Scripted([], 0), GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(seconds=2))),
+                          timeout=2)
+    for step in range(1, STEPS + 1):  # votes at every step: the iteration time is unknown
+        if rank == 1 and step == 4:
+            if peer == "dies":
+                os._exit(0)
+            time.sleep(30)  # alive, and silent
+        try:
+            agreed.should_save(_ctx(step, math.nan))
+        except CheckfreqError as e:
+            Path(out, "error.json").write_text(json.dumps({"step": step, "error": str(e)}))
+            os._exit(0)
+
+
+@pytest.mark.parametrize("peer", ["dies", "is silent"])
+def test_a_vote_whose_peer_dies_or_is_silent_is_a_clear_error_on_the_training_thread(tmp_path: Path, peer: str) -> None:
+    """Rank 1 stops voting after step 3 (it exits, or sleeps): rank 0's vote of step 4 fails, or
+    brings nothing within the 2 s timeout, and its step 5 raises CheckfreqError (step 4 when rank 1
+    exits before its vote thread has answered the vote of step 3)."""
+    context = mp.spawn(_failing_rank, args=(str(tmp_path / "store"), str(tmp_path), peer), nprocs=2, join=False)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "error.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for process in context.processes:
+        process.kill()
+    failure = json.loads((tmp_path / "error.json").read_text())
+    assert failure["step"] in (4, 5) and "rank 0: the ranks' vote on when to checkpoint" in failure["error"], failure
 
 
 class _Silent(_ThreadPeers):
