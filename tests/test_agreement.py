@@ -175,7 +175,8 @@ def _failing_rank(rank: int, store_path: str, out: str, peer: str) -> None:
         try:
             agreed.should_save(_ctx(step, math.nan))
         except CheckfreqError as e:
-            Path(out, "error.json").write_text(json.dumps({"step": step, "error": str(e)}))
+            Path(out, "error.tmp").write_text(json.dumps({"step": step, "error": str(e)}))
+            Path(out, "error.tmp").rename(Path(out, "error.json"))  # whole when the test sees it
             os._exit(0)
 
 
@@ -203,6 +204,8 @@ class _Silent(_ThreadPeers):
 
 
 class _Broken(_ThreadPeers):
+    """A rank whose connection to its parent is gone."""
+
     def send(self, payload: torch.Tensor, to: int) -> None:
         raise RuntimeError("Connection reset by peer")
 
