@@ -4,6 +4,7 @@ checkpoint readable, and how the ranks learn who shares a directory."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkfreq.compat
 import checkfreq.distributed
 import checkfreq.format
-from checkfreq import Checkpointer, replicas, sharing
+from checkfreq import Checkpointer, Every, replicas, sharing
 from checkfreq.collectives import GroupPeers
 from checkfreq.distributed_plan import complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
@@ -314,3 +316,65 @@ def test_each_rank_reads_its_share_of_a_shared_directory(tmp_path: Path, network
             assert sorted(restored["mapped"]) == others and restored["received"] == 0, restored
         assert restored["rank"] == rank
         assert all(torch.equal(restored["model"][k], v) for k, v in saved.items())
+
+
+def _established_connections() -> int:
+    """This process's TCP connections in the ESTABLISHED state (its sockets found in /proc/net/tcp*)."""
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:["):-1])
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            established += sum(1 for row in rows if row.split()[3] == "01" and row.split()[9] in sockets)
+    return established
+
+
+def _connections_rank(rank: int, world: int, store_path: str, directory: str, out: str, lazy: bool) -> None:
+    if not lazy:  # as with torch 2.6 and 2.7, which cannot connect gloo pairs on demand
+        checkfreq.compat.lazy_gloo_backend = lambda: None
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    train_step(ddp, optimizer)
+    before = _established_connections()  # the default group's: a full mesh (a FileStore opens none)
+    ckpt = Checkpointer(directory, policy=Every(seconds=3600), model=model, optimizer=optimizer)
+    votes = 0
+    for step in range(12):
+        train_step(ddp, optimizer)
+        ckpt.step()
+        votes += ckpt._cluster._decider._calls == ckpt._cluster._decider._next_vote
+        if step % 4 == 3:
+            ckpt.save(blocking=True)
+    ckpt.close()
+    counts = {"default": before, "checkfreq": _established_connections() - before, "votes": votes}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["on first message", "every pair at creation"])
+def test_a_rank_connects_only_to_the_ranks_it_talks_to(tmp_path: Path, lazy: bool) -> None:
+    """5 DDP ranks (gloo, a FileStore: the default group's full mesh is every TCP connection a rank
+    has before the Checkpointer, 4 each), a time-based policy (control, commit and vote groups), 3
+    checkpoints and the votes of 12 steps. Connected on first message, checkfreq's groups held, on
+    the 2-core test VM: rank 0 11 connections (every rank's commit report and vote come to it), the
+    other ranks 4 to 6. Where torch cannot connect on demand, every rank holds three full meshes: 12."""
+    world = 5
+    args = (world, str(tmp_path / "store"), str(tmp_path / "ckpt"), str(tmp_path), lazy)
+    mp.spawn(_connections_rank, args=args, nprocs=world, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    full_mesh = 3 * (world - 1)
+    assert all(r["default"] == world - 1 and r["votes"] >= 2 for r in ranks), ranks  # the count sees a full mesh
+    if lazy:
+        assert all(0 < r["checkfreq"] < full_mesh for r in ranks[1:]), ranks
+        assert ranks[0]["checkfreq"] <= full_mesh, ranks
+    else:
+        assert all(r["checkfreq"] == full_mesh for r in ranks), ranks

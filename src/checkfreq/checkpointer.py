@@ -142,13 +142,13 @@ class Checkpointer:
             self._objects["rng"] = RNGState()
 
         self._local, self._remote = open_tiers(directory, remote)
-        self._cluster: Cluster | None = attach(self._local, self._remote, persist_timeout)  # under torch.distributed
+        self._cluster: Cluster | None = attach(self._local, self._remote, persist_timeout, self._policy)  # under torch.distributed
         control, commit, upload = self._peers()
         self._control = control
         if self._cluster is None:
             open_directories(self._local, self._remote, control, leader=True)
         token = uuid.uuid4().hex[:12] if self._cluster is None else self._cluster.token
-        self._decide = self._policy.should_save if self._cluster is None else self._cluster.decider(self._policy)
+        self._decide = self._policy.should_save if self._cluster is None else self._cluster.decide
         self.directory = self._local.root
         self._memory = None if memory_cadence is None else MemoryTier.open(
             self._local.root, memory_cadence, control, distributed=self._cluster is not None

@@ -137,6 +137,34 @@ def collect_errors(peers: Peers, error: str | None) -> list[str]:
     return peers.broadcast(None if gathered is None else [e for e in gathered if e])
 
 
+TREE_ARITY = 8
+"""Children per rank in :func:`tree_max`'s tree: rank ``r``'s parent is ``(r - 1) // TREE_ARITY``."""
+
+
+def tree_max(peers: Peers, value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of every rank's ``value`` (an int64 vector of the same length on every
+    rank), on every rank.
+
+    Reduced up a tree of the ranks (rank ``r``'s children are ``TREE_ARITY * r + 1`` to
+    ``TREE_ARITY * r + TREE_ARITY``) and sent back down, point to point only: a rank receives at
+    most ``TREE_ARITY + 1`` messages and sends as many, whatever the number of ranks, and the
+    result reaches every rank after ``O(TREE_ARITY * log N)`` message latencies.
+    """
+    result = value.to(torch.int64).flatten().clone()
+    width = result.numel() * result.element_size()
+    first = TREE_ARITY * peers.rank + 1
+    children = range(first, min(first + TREE_ARITY, peers.size))
+    for child in children:
+        result = torch.maximum(result, peers.receive(width, child).view(torch.int64))
+    if peers.rank:
+        parent = (peers.rank - 1) // TREE_ARITY
+        peers.send(result.view(torch.uint8), parent)
+        result = peers.receive(width, parent).view(torch.int64)
+    for child in children:
+        peers.send(result.view(torch.uint8), child)
+    return result
+
+
 def send_json(peers: Peers, value: Any, to: int) -> None:
     """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
     payload = _encode(value)

@@ -4,10 +4,15 @@ A :class:`Cluster` is attached by the Checkpointer when a default process group 
 (``torchrun``); users write no extra code. It creates dedicated gloo groups and never uses the
 training process group after that:
 
-* the **control** group, used only from the training thread: agreeing on *when* to checkpoint
-  (for policies whose answer may differ between ranks) and on *which* checkpoint to restore;
+* the **control** group, used only from the training thread: agreeing on *which* checkpoint to
+  restore, and the start-up exchanges;
+* the **vote** group, for a policy whose answer may differ between ranks, used only from each
+  rank's vote thread: agreeing on *when* to checkpoint (:mod:`checkfreq.agreement`);
 * the **commit** group, used only from each rank's background writer (:mod:`checkfreq.commit`);
 * the **upload** group, with a remote tier, used only from each rank's uploader (:mod:`checkfreq.upload`).
+
+Each group connects a pair of ranks only when the pair first exchanges a message (with torch >= 2.8,
+:func:`checkfreq.compat.gloo_group_on_store`), so a rank holds connections to the few ranks it talks to.
 
 Parameters and optimizer state, the same on every rank, are split over the ranks and verified
 at each commit (:mod:`checkfreq.replicas`); everything else each rank writes for itself. See
@@ -31,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq import replicas
-from checkfreq.agreement import AgreedPolicy
+from checkfreq.agreement import AgreedPolicy, needs_agreement
 from checkfreq.collectives import GroupPeers, Peers
 from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
@@ -52,7 +57,7 @@ from checkfreq.distributed_plan import (
 from checkfreq.errors import CheckfreqError
 from checkfreq.format import Manifest
 from checkfreq.groups import new_gloo_groups
-from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.policies import DecisionContext, Policy
 from checkfreq.sharing import directory_leader, on_machine_local_file_system
 from checkfreq.state import flatten
 from checkfreq.storage.base import Store
@@ -60,11 +65,11 @@ from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
 
-def attach(local: Store, remote: Store | None, timeout: float) -> Cluster | None:
-    """A :class:`Cluster` if a default process group is initialised, else ``None`` (one process)."""
+def attach(local: Store, remote: Store | None, timeout: float, policy: Policy) -> Cluster | None:
+    """A :class:`Cluster` for ``policy`` if a default process group is initialised, else ``None`` (one process)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return Cluster(local, remote, timeout)
+    return Cluster(local, remote, timeout, policy)
 
 
 JOIN_TIMEOUT = 600.0
@@ -121,16 +126,15 @@ class Cluster:
     the remote tier, before any rank goes on.
     """
 
-    def __init__(self, local: Store, remote: Store | None, timeout: float) -> None:
+    def __init__(self, local: Store, remote: Store | None, timeout: float, policy: Policy) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
-        wait = timedelta(seconds=timeout)
-        purposes = ["control", "commit", *(["upload"] if remote is not None else [])]
-        groups = [GroupPeers(group) for group in new_gloo_groups(purposes, wait)]
-        self.control, self.commit = groups[0], groups[1]
-        self.upload = groups[2] if remote is not None else None
+        vote = needs_agreement(policy)
+        purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if remote is not None else [])]
+        groups = dict(zip(purposes, (GroupPeers(g) for g in new_gloo_groups(purposes, timedelta(seconds=timeout)))))
+        self.control, self.commit = groups["control"], groups["commit"]
+        self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: Plan | None = None
-        self._decider: AgreedPolicy | None = None
         self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
         self.directory = directory_leader(local, self.token, self.control)
         """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
@@ -139,15 +143,13 @@ class Cluster:
         self.page_cache = self.directory if local_pages else None
         """Ranks with the same value read their directory through one page cache (see :class:`Restorer`)."""
         open_directories(local, remote, self.control, leader=self.leader)
+        self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
+        self.decide: Callable[[DecisionContext], bool] = (
+            policy.should_save if self._decider is None else self._decider.should_save
+        )
+        """``policy.should_save``, agreed by all ranks (a step-count policy needs no messages)."""
 
     # -------------------------------------------------------------- training thread
-
-    def decider(self, policy: Policy) -> Callable[[DecisionContext], bool]:
-        """``policy.should_save``, agreed by all ranks (a step-count policy needs no messages)."""
-        if isinstance(policy, Every) and policy.n is not None:
-            return policy.should_save
-        self._decider = AgreedPolicy(policy, self.control.group)
-        return self._decider.should_save
 
     def select(
         self, tensors: Mapping[str, torch.Tensor], owned: set[str], replicated: set[str]
@@ -195,7 +197,7 @@ class Cluster:
         return local_view(manifest, stored, self.rank, restore_targets(live, optimizers, names))
 
     def close(self) -> None:
-        """Finish the decision exchange in flight (every rank has started the same number)."""
+        """Finish the vote in flight (every rank has started the same number)."""
         if self._decider is not None:
             self._decider.close()
 
@@ -209,7 +211,7 @@ class Cluster:
         """
         if not dist.is_initialized():  # the user destroyed every group already
             return
-        for peers in (self.control, self.commit, self.upload):
+        for peers in (self.control, self.commit, self.vote, self.upload):
             if peers is not None:
                 with contextlib.suppress(ValueError):  # gone with a default group the user replaced
                     dist.destroy_process_group(peers.group)

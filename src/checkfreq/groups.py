@@ -13,7 +13,9 @@ and hands every rank through the store, in a way no key left by an earlier proce
 each rank asks with a fresh random nonce and waits for the answer under a key named after its
 nonce; rank 0 answers every nonce it sees until every rank has confirmed under a key named
 after the token, in a constant number of store operations per rank (rank 0: per poll). Neither the restart count (local to each torchrun agent) nor any other value
-the ranks would have to agree on beforehand is needed. See docs/distributed.md.
+the ranks would have to agree on beforehand is needed. Where two ranks connect only when they
+first exchange a message (:func:`checkfreq.compat.gloo_group_on_store`), each looks the other's
+address up then, under the same keys. See docs/distributed.md.
 """
 
 from __future__ import annotations
