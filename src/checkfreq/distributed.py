@@ -72,14 +72,16 @@ _JOIN_WARNING_S = 30.0
 _joins = itertools.count()
 
 
-def wait_for_every_rank(world_size: int, timeout: float) -> None:
+def wait_for_every_rank(world_size: int, timeout: float, store: dist.Store | None = None, join: int | None = None) -> None:
     """Return once every rank has constructed its Checkpointer; raise after ``timeout`` seconds.
 
     The habit ``torch.save`` teaches (checkpoint on rank 0 only) would otherwise hang in the
-    collective creation of the Cluster's groups, with no word of why.
+    collective creation of the Cluster's groups, with no word of why. ``store``: the job's
+    key-value store (the default group's when None); ``join``: which of this process's
+    Checkpointers this is (counted here when None).
     """
-    store = default_store()
-    key = f"checkfreq/join/{_incarnation()}/{next(_joins)}"
+    store = default_store() if store is None else store
+    key = f"checkfreq/join/{_incarnation()}/{next(_joins) if join is None else join}"
     arrived = store.add(key, 1)
     start = warned = time.monotonic()
     while arrived < world_size:
@@ -130,11 +132,9 @@ class Cluster:
         self.upload = groups[2] if remote is not None else None
         self._plan: Plan | None = None
         self._decider: AgreedPolicy | None = None
-        self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.directory = directory_leader(local, self.token, self.control)
-        """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
+        self.token, self.directory = meet(local, remote, self.control)
+        """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory == self.rank
-        open_directories(local, remote, self.control, leader=self.leader)
 
     # -------------------------------------------------------------- training thread
 
@@ -255,6 +255,15 @@ def _label(piece: Piece) -> str:
 
 def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
+
+
+def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
+    """The token naming this job's staging locations (rank 0's) and this rank's directory leader,
+    each directory opened once (:func:`open_directories`). Collective, over ``peers``."""
+    token = peers.broadcast(uuid.uuid4().hex[:12] if peers.rank == 0 else None)
+    directory = directory_leader(local, token, peers)
+    open_directories(local, remote, peers, leader=directory == peers.rank)
+    return token, directory
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:
