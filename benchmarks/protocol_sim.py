@@ -326,11 +326,29 @@ class MemoryPeers:
 
 
 class MemoryStore:
-    """The job's key-value store, in memory, shared by the simulated ranks."""
+    """The job's key-value store, in memory, shared by the simulated ranks. A write wakes only the
+    ranks waiting for its key (thousands of ranks wait at once at start-up)."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
-        self.changed = threading.Condition()
+        self.lock = threading.Lock()
+        self._waiting: dict[str, threading.Condition] = {}
+
+    def written(self, key: str) -> None:
+        """Wake the ranks waiting for ``key`` (with :attr:`lock` held)."""
+        condition = self._waiting.pop(key, None)
+        if condition is not None:
+            condition.notify_all()
+
+    def wait_for(self, keys: Sequence[str], timeout: float) -> None:
+        """Block until every key in ``keys`` is set (with :attr:`lock` held)."""
+        deadline = time.monotonic() + timeout
+        for key in keys:
+            while key not in self.data:
+                left = deadline - time.monotonic()
+                condition = self._waiting.setdefault(key, threading.Condition(self.lock))
+                if left <= 0 or not condition.wait(left) and key not in self.data:
+                    raise RuntimeError(f"key {key} not set within {timeout:.0f} s")
 
 
 class StoreView:
@@ -345,55 +363,50 @@ class StoreView:
         return self._store
 
     def set(self, key: str, value: str | bytes) -> None:
-        store = self._op()
-        with store.changed:
-            store.data[key] = value.encode() if isinstance(value, str) else value
-            store.changed.notify_all()
+        self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         store = self._op()
-        with store.changed:
+        with store.lock:
             for key, value in zip(keys, values):
                 store.data[key] = value.encode() if isinstance(value, str) else value
-            store.changed.notify_all()
+                store.written(key)
 
     def get(self, key: str) -> bytes:
         store = self._op()
-        with store.changed:
-            if not store.changed.wait_for(lambda: key in store.data, TIMEOUT_S):
-                raise RuntimeError(f"key {key} not set within {TIMEOUT_S:.0f} s")
+        with store.lock:
+            store.wait_for([key], TIMEOUT_S)
             return store.data[key]
 
     def add(self, key: str, amount: int) -> int:
         store = self._op()
         if amount == 0:
             self._ledger.now.store_polls += 1
-        with store.changed:
+        with store.lock:
             value = int(store.data.get(key, b"0")) + amount
             store.data[key] = str(value).encode()
-            store.changed.notify_all()
+            store.written(key)
             return value
 
     def append(self, key: str, value: str | bytes) -> None:
         store = self._op()
-        with store.changed:
+        with store.lock:
             store.data[key] = store.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
-            store.changed.notify_all()
+            store.written(key)
 
     def check(self, keys: Sequence[str]) -> bool:
         store = self._op()
-        with store.changed:
+        with store.lock:
             return all(key in store.data for key in keys)
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
         store = self._op()
-        with store.changed:
-            if not store.changed.wait_for(lambda: all(k in store.data for k in keys), timeout.total_seconds()):
-                raise RuntimeError(f"keys {list(keys)} not set within {timeout.total_seconds():.0f} s")
+        with store.lock:
+            store.wait_for(keys, timeout.total_seconds())
 
     def delete_key(self, key: str) -> bool:
         store = self._op()
-        with store.changed:
+        with store.lock:
             return store.data.pop(key, None) is not None
 
 
