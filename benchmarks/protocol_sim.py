@@ -102,6 +102,7 @@ class Counts:
     store_polls: int = 0
     """Of ``store_ops``, those that only look (an ``add`` of 0), repeated while waiting."""
     cpu_s: float = 0.0
+    wall_s: float = 0.0
     files_read: list[str] = field(default_factory=list)
     peers: set[int] = field(default_factory=set)
     everyone: bool = False
@@ -131,11 +132,11 @@ class Ledger:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[Counts]:
         self.now = self.phases[name] = Counts()
-        started = time.thread_time()
+        started, began = time.thread_time(), time.perf_counter()
         try:
             yield self.now
         finally:
-            self.now.cpu_s = time.thread_time() - started
+            self.now.cpu_s, self.now.wall_s = time.thread_time() - started, time.perf_counter() - began
 
 
 class Gathered(list):
@@ -434,6 +435,8 @@ class Job:
     pieces: list[list[Any]]
     """Each rank's pieces of the replicated tensors (``distributed_plan.partition``)."""
     claim: dict[str, Any]
+    skeleton: dict[str, Any]
+    """The state's skeleton, one object for every rank (the protocol only reads it)."""
 
     @classmethod
     def of(cls, world: int, layers: int) -> Job:
@@ -442,7 +445,7 @@ class Job:
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         plan = Plan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
         claim = replicas.report(layout, {n: replicas.fingerprint(tensors[n]) for n in names})
-        return cls(tensors, plan, partition(plan.sizes, world), claim)
+        return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(tensors))
 
     def commit_job(self, rank: int) -> CommitJob:
         """Rank ``rank``'s snapshot, as ``Cluster.select`` shares it out."""
@@ -457,7 +460,7 @@ class Job:
         buffer.zero_()
         pending = PendingSnapshot(layout, buffer, [])
         share = {"rank": own, "shared": self.plan.shared, "replicas": self.claim}
-        return CommitJob(STEP, 0, pending, skeleton(self.tensors), share, {"checkfreq": "sim"}, time.perf_counter())
+        return CommitJob(STEP, 0, pending, self.skeleton, share, {"checkfreq": "sim"}, time.perf_counter())
 
 
 @dataclass
@@ -485,9 +488,10 @@ class Outcome:
     restored_files: int
 
 
-def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, job: CommitJob,
+def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
           start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
     try:
+        job = checkpoint.commit_job(rank)
         peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
         store = StoreView(kv, ledger)
         local = CountedLocalStore(root, ledger)
@@ -552,7 +556,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         began = time.perf_counter()
         try:
             threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True,
-                                        args=(r, world, root, fabric, kv, ledgers[r], job.commit_job(r), start, restore, outcomes))
+                                        args=(r, world, root, fabric, kv, ledgers[r], job, start, restore, outcomes))
                        for r in range(world)]
             for thread in threads:
                 thread.start()
@@ -632,6 +636,7 @@ def summary(run: Run) -> dict[str, Any]:
     total = sum(run.file_bytes)
     return {
         "world": run.world, "wall_s": round(run.wall_s, 2), "threads_s": round(run.threads_s, 2),
+        **{f"{phase}_wall_s": round(run.counts(phase)[0].wall_s, 2) for phase in PHASES},
         "commit_bytes_max": max(commit[r].bytes_in + commit[r].bytes_out for r in others),
         "commit_cpu_ms_median": 1000 * statistics.median(commit[r].cpu_s for r in others),
         "commit_cpu_ms_max": 1000 * max(commit[r].cpu_s for r in others),
