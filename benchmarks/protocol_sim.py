@@ -24,7 +24,10 @@ real thing:
 
 All-gathered lists are decoded once and shared by the ranks that receive them (the protocol code
 only reads them), so the JSON parse of an all-gather is in no rank's CPU time; a gather's and a
-broadcast's are in the receiver's. Per rank, ``time.thread_time()`` of its thread is its CPU time.
+broadcast's are in the receiver's. Per rank, ``time.thread_time()`` of its thread is its CPU time;
+one rank computes at a time (:class:`Baton`), and the cyclic garbage collector is off while the
+ranks run, so that neither thousands of threads contending for the interpreter nor a collection of
+every rank's objects is counted as some rank's work.
 
 The restore runs on every rank up to ``--restore-up-to`` ranks (every rank receives every other
 rank's file: N² transfers in all); above, rank 0's share of it is measured alone: reading the
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -206,6 +210,48 @@ class CountingPeers:
 # ---------------------------------------------------------------------------------- the transport
 
 
+_SLEEP = time.sleep
+
+
+class Baton:
+    """One simulated rank computes at a time: a rank holds the baton while it runs and passes it on
+    whenever it waits (for a message, a store key, or in ``time.sleep``), so that its CPU time is its
+    own work, not thousands of threads contending for the interpreter."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mine = threading.local()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._lock.acquire()
+        self._mine.held = True
+        try:
+            yield
+        finally:
+            self._mine.held = False
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def passed(self) -> Iterator[None]:
+        """Let the other ranks run meanwhile (if this thread holds the baton)."""
+        held = getattr(self._mine, "held", False)
+        if held:
+            self._mine.held = False
+            self._lock.release()
+        try:
+            yield
+        finally:
+            if held:
+                self._lock.acquire()
+                self._mine.held = True
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep`` while the simulation runs: polling ranks pass the baton."""
+        with self.passed():
+            _SLEEP(seconds)
+
+
 class _Round:
     """One collective call, as every rank makes it: each rank's encoded message, in rank order."""
 
@@ -230,8 +276,8 @@ class _Round:
 class Fabric:
     """The in-memory network of a simulated world."""
 
-    def __init__(self, size: int, timeout: float = TIMEOUT_S) -> None:
-        self.size, self.timeout = size, timeout
+    def __init__(self, size: int, baton: Baton, timeout: float = TIMEOUT_S) -> None:
+        self.size, self.baton, self.timeout = size, baton, timeout
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
         self._channels: dict[tuple[int, int], tuple[threading.Condition, deque[bytes]]] = {}
@@ -260,7 +306,9 @@ class Fabric:
             return found
 
     def wait(self, event: threading.Event, rank: int, what: str) -> None:
-        if not event.wait(self.timeout):
+        with self.baton.passed():
+            arrived = event.wait(self.timeout)
+        if not arrived:
             raise RuntimeError(f"simulated rank {rank} waited more than {self.timeout:.0f} s for {what}")
 
 
@@ -314,7 +362,7 @@ class MemoryPeers:
 
     def receive(self, size: int, sender: int) -> torch.Tensor:
         condition, queue = self.fabric.channel(sender, self.rank)
-        with condition:
+        with self.fabric.baton.passed(), condition:
             if not condition.wait_for(lambda: queue, self.fabric.timeout):
                 raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}")
             data = queue.popleft()
@@ -330,7 +378,8 @@ class MemoryStore:
     """The job's key-value store, in memory, shared by the simulated ranks. A write wakes only the
     ranks waiting for its key (thousands of ranks wait at once at start-up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, baton: Baton) -> None:
+        self.baton = baton
         self.data: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self._waiting: dict[str, threading.Condition] = {}
@@ -375,7 +424,7 @@ class StoreView:
 
     def get(self, key: str) -> bytes:
         store = self._op()
-        with store.lock:
+        with store.baton.passed(), store.lock:
             store.wait_for([key], TIMEOUT_S)
             return store.data[key]
 
@@ -402,7 +451,7 @@ class StoreView:
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
         store = self._op()
-        with store.lock:
+        with store.baton.passed(), store.lock:
             store.wait_for(keys, timeout.total_seconds())
 
     def delete_key(self, key: str) -> bool:
@@ -459,7 +508,7 @@ class Job:
         buffer = aligned_empty(layout.nbytes, False)
         buffer.zero_()
         pending = PendingSnapshot(layout, buffer, [])
-        share = {"rank": own, "shared": self.plan.shared, "replicas": self.claim}
+        share = {"rank": own, "shared": self.plan.shared, "replicas": self.claim, "plan": self.plan.digest}
         return CommitJob(STEP, 0, pending, self.skeleton, share, {"checkfreq": "sim"}, time.perf_counter())
 
 
@@ -491,31 +540,37 @@ class Outcome:
 def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
           start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
     try:
-        job = checkpoint.commit_job(rank)
-        peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
-        store = StoreView(kv, ledger)
-        local = CountedLocalStore(root, ledger)
-        fabric.wait(start, rank, "the start")
-        with ledger.phase("startup"):
-            wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
-            agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
-            token, directory = meet(local, None, peers)
-        leader = directory == rank
-        with ledger.phase("commit"):
-            committer = Committer(local, peers, leader=leader, token=token, directory=directory,
-                                  retainer=Retainer(local, Retention(3), leader=leader))
-            result = committer.run(job)
-        vote(peers)
-        found: Found | None = None
-        if restore:
-            with ledger.phase("restore"):
-                found = Restorer(local, None, peers).find()
-        if leader:
-            local.unlock()
-        outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
-                                 0 if found is None else len(found.manifest.files))
+        with fabric.baton.held():
+            _run_rank(rank, world, root, fabric, kv, ledger, checkpoint, start, restore, outcomes)
     except BaseException as e:  # noqa: BLE001 - reported by the caller with the rank
         outcomes[rank] = e
+
+
+def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
+              start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
+    job = checkpoint.commit_job(rank)
+    peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
+    store = StoreView(kv, ledger)
+    local = CountedLocalStore(root, ledger)
+    fabric.wait(start, rank, "the start")
+    with ledger.phase("startup"):
+        wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
+        agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
+        token, directory = meet(local, None, peers)
+    leader = directory == rank
+    with ledger.phase("commit"):
+        committer = Committer(local, peers, leader=leader, token=token, directory=directory,
+                              retainer=Retainer(local, Retention(3), leader=leader))
+        result = committer.run(job)
+    vote(peers)
+    found: Found | None = None
+    if restore:
+        with ledger.phase("restore"):
+            found = Restorer(local, None, peers).find()
+    if leader:
+        local.unlock()
+    outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
+                             0 if found is None else len(found.manifest.files))
 
 
 @dataclass
@@ -545,7 +600,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
     """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank threads."""
     job = Job.of(world, layers)
     ledgers = [Ledger() for _ in range(world)]
-    fabric, kv = Fabric(world), MemoryStore()
+    baton = Baton()
+    fabric, kv = Fabric(world, baton), MemoryStore(baton)
     outcomes: list[Any] = [None] * world
     restore = world <= restore_up_to
     start = threading.Event()
@@ -553,6 +609,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         root = Path(tmp) / "ckpt"
         root.mkdir()
         previous = threading.stack_size(STACK_BYTES)
+        time.sleep = baton.sleep  # the protocol's polls pass the baton
+        gc.disable()  # else a collection of every rank's objects lands in the CPU time of whichever rank triggers it
         began = time.perf_counter()
         try:
             threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True,
@@ -564,8 +622,12 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             threading.stack_size(previous)
         threads_s = time.perf_counter() - began
         start.set()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.join()
+        finally:
+            time.sleep = _SLEEP
+            gc.enable()
         wall_s = time.perf_counter() - began
         failed = [(r, o) for r, o in enumerate(outcomes) if not isinstance(o, Outcome)]
         if failed:

@@ -83,7 +83,7 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
     for name, (dtype, shape) in PRIVATE_TENSORS.items():
         own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [private_name(name, 0)]}
         arrays[private_name(name, 0)] = (dtype, shape)
-    share = {"rank": own, "shared": shared, "replicas": claim}
+    share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest}
     report = {"rank": world - 1, "created": 1.8e9, "ok": True, "file": data_file_name(world - 1), "size": 2**40,
               "xxh3_64": "0123456789abcdef", "upload_idle": True, "agree": agreement_digest(share), "directory": world - 1}
     report["leader"] = False

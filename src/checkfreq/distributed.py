@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from checkfreq import replicas
 from checkfreq.agreement import AgreedPolicy
@@ -180,7 +182,7 @@ class Cluster:
                 arrays[stored] = tensor
                 own[name] = _entry(tensor, PRIVATE, [stored])
         fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
-        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim}
+        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim, "plan": plan.digest}
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
@@ -222,6 +224,9 @@ class Plan:
     """This rank's share of the replicated bytes."""
     shared: dict[str, Any]
     """The manifest's entry of every replicated tensor: its pieces on every rank, in rank order."""
+    digest: str
+    """xxh3-64 of ``shared`` (O(T + N) bytes of JSON), computed once: what each commit's agreement
+    digest covers of the replicated tensors."""
     checks: int = 0
 
     @classmethod
@@ -233,7 +238,8 @@ class Plan:
             for piece in pieces:
                 entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
                 entry["parts"].append([piece.stored_name, piece.begin, piece.end])
-        return cls(layout, sizes, plans[cluster.rank], shared)
+        digest = xxhash.xxh3_64_hexdigest(json.dumps(shared, sort_keys=True, separators=(",", ":")).encode())
+        return cls(layout, sizes, plans[cluster.rank], shared, digest)
 
     def verify_all(self) -> list[Piece]:
         """Every tensor, whole: the layout was just planned."""
