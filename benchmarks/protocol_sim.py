@@ -24,10 +24,11 @@ real thing:
 
 All-gathered lists are decoded once and shared by the ranks that receive them (the protocol code
 only reads them), so the JSON parse of an all-gather is in no rank's CPU time; a gather's and a
-broadcast's are in the receiver's. Per rank, ``time.thread_time()`` of its thread is its CPU time;
-one rank computes at a time (:class:`Baton`), and the cyclic garbage collector is off while the
-ranks run, so that neither thousands of threads contending for the interpreter nor a collection of
-every rank's objects is counted as some rank's work.
+broadcast's are in the receiver's. A rank's CPU time is ``time.thread_time()`` of its thread
+but for what the thread spends blocked in the transport or the store; one rank computes at a time
+(:class:`Baton`), and the cyclic garbage collector is off while the ranks run, so that neither
+thousands of threads contending for the interpreter nor a collection of every rank's objects is
+counted as some rank's work.
 
 The restore runs on every rank up to ``--restore-up-to`` ranks (every rank receives every other
 rank's file: N² transfers in all); above, rank 0's share of it is measured alone: reading the
@@ -127,20 +128,26 @@ class Counts:
 
 
 class Ledger:
-    """One rank's counts, phase by phase; the phase now running takes what its calls cost."""
+    """One rank's counts, phase by phase; the phase now running takes what its calls cost.
 
-    def __init__(self) -> None:
+    ``baton``: the simulation's, whose waits are left out of the rank's CPU time."""
+
+    def __init__(self, baton: Baton | None = None) -> None:
         self.phases: dict[str, Counts] = {}
         self.now = Counts()
+        self._baton = baton
+
+    def _cpu(self) -> float:
+        return time.thread_time() - (self._baton.waited() if self._baton is not None else 0.0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[Counts]:
         self.now = self.phases[name] = Counts()
-        started, began = time.thread_time(), time.perf_counter()
+        started, began = self._cpu(), time.perf_counter()
         try:
             yield self.now
         finally:
-            self.now.cpu_s, self.now.wall_s = time.thread_time() - started, time.perf_counter() - began
+            self.now.cpu_s, self.now.wall_s = self._cpu() - started, time.perf_counter() - began
 
 
 class Gathered(list):
@@ -216,7 +223,9 @@ _SLEEP = time.sleep
 class Baton:
     """One simulated rank computes at a time: a rank holds the baton while it runs and passes it on
     whenever it waits (for a message, a store key, or in ``time.sleep``), so that its CPU time is its
-    own work, not thousands of threads contending for the interpreter."""
+    own work, not thousands of threads contending for the interpreter. The CPU a thread spends
+    waiting (thousands of threads woken at once by one broadcast contend to run again) is kept
+    apart (:meth:`waited`): a process blocked on a socket spends none."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -236,6 +245,7 @@ class Baton:
     def passed(self) -> Iterator[None]:
         """Let the other ranks run meanwhile (if this thread holds the baton)."""
         held = getattr(self._mine, "held", False)
+        began = time.thread_time()
         if held:
             self._mine.held = False
             self._lock.release()
@@ -245,6 +255,11 @@ class Baton:
             if held:
                 self._lock.acquire()
                 self._mine.held = True
+            self._mine.waited = self.waited() + time.thread_time() - began
+
+    def waited(self) -> float:
+        """CPU seconds this thread has spent waiting so far."""
+        return getattr(self._mine, "waited", 0.0)
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep`` while the simulation runs: polling ranks pass the baton."""
@@ -599,8 +614,8 @@ class Run:
 def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None) -> Run:
     """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank threads."""
     job = Job.of(world, layers)
-    ledgers = [Ledger() for _ in range(world)]
     baton = Baton()
+    ledgers = [Ledger(baton) for _ in range(world)]
     fabric, kv = Fabric(world, baton), MemoryStore(baton)
     outcomes: list[Any] = [None] * world
     restore = world <= restore_up_to
