@@ -151,7 +151,8 @@ class Ledger:
 
 
 class Gathered(list):
-    """An all-gathered list that knows its bytes on the wire (summed once, not by every receiver)."""
+    """A gathered or all-gathered list that knows its bytes on the wire (summed by the transport
+    as it carries them, so that counting costs no rank a second encoding of every message)."""
 
     nbytes: int
 
@@ -184,7 +185,8 @@ class CountingPeers:
             counts.bytes_out += message_bytes(value)
             counts.peers.add(0)
         else:
-            counts.from_all(sum(message_bytes(v) for v in values[1:]), self.size)
+            total = values.nbytes if isinstance(values, Gathered) else sum(message_bytes(v) for v in values)
+            counts.from_all(total - message_bytes(value), self.size)
         return values
 
     def broadcast(self, value: Any) -> Any:
@@ -357,7 +359,8 @@ class MemoryPeers:
             self.fabric.leave(index, now)
             return None
         self.fabric.wait(now.full, self.rank, f"a gather (call {index})")
-        values = [json.loads(p) for p in now.payloads]  # type: ignore[arg-type]
+        values = Gathered(json.loads(p) for p in now.payloads)  # type: ignore[arg-type]
+        values.nbytes = sum(8 + len(p) for p in now.payloads)  # type: ignore[arg-type]
         self.fabric.leave(index, now)
         return values
 
@@ -625,7 +628,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         root.mkdir()
         previous = threading.stack_size(STACK_BYTES)
         time.sleep = baton.sleep  # the protocol's polls pass the baton
-        gc.disable()  # else a collection of every rank's objects lands in the CPU time of whichever rank triggers it
+        gc.disable()  # else a collection of every rank's objects lands in the CPU time of whatever triggers it
         began = time.perf_counter()
         try:
             threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True,
@@ -640,28 +643,28 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         try:
             for thread in threads:
                 thread.join()
+            wall_s = time.perf_counter() - began
+            failed = [(r, o) for r, o in enumerate(outcomes) if not isinstance(o, Outcome)]
+            if failed:
+                rank, error = failed[0]
+                raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
+                    error if isinstance(error, BaseException) else None)
+            reader = LocalStore(root, create=False)
+            ((_, location),) = reader.checkpoints()
+            manifest_bytes = (location / "manifest.json").stat().st_size
+            parse: list[float] = []
+            for _ in range(3):
+                began = time.thread_time()
+                manifest = reader.read_manifest(location)
+                parse.append(time.thread_time() - began)
+            views = [_summary(reader, STEP)] * world
+            began = time.thread_time()
+            _, readers = read_plan(sorted(manifest.files), views)
+            plan_cpu_s = time.thread_time() - began
+            file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
         finally:
             time.sleep = _SLEEP
             gc.enable()
-        wall_s = time.perf_counter() - began
-        failed = [(r, o) for r, o in enumerate(outcomes) if not isinstance(o, Outcome)]
-        if failed:
-            rank, error = failed[0]
-            raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
-                error if isinstance(error, BaseException) else None)
-        reader = LocalStore(root, create=False)
-        ((_, location),) = reader.checkpoints()
-        manifest_bytes = (location / "manifest.json").stat().st_size
-        parse: list[float] = []
-        for _ in range(3):
-            began = time.thread_time()
-            manifest = reader.read_manifest(location)
-            parse.append(time.thread_time() - began)
-        views = [_summary(reader, STEP)] * world
-        began = time.thread_time()
-        _, readers = read_plan(sorted(manifest.files), views)
-        plan_cpu_s = time.thread_time() - began
-        file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
     return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore, plan_cpu_s,
                {name: sorted(ranks) for name, ranks in readers.items()}, file_bytes)
 
