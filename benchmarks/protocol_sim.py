@@ -649,6 +649,10 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 rank, error = failed[0]
                 raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
                     error if isinstance(error, BaseException) else None)
+            first = outcomes[0]
+            ended = {(o.token, o.directory, o.commit.step, o.restored, o.restored_files) for o in outcomes}
+            if ended != {(first.token, first.directory, first.commit.step, first.restored, first.restored_files)}:
+                raise RuntimeError(f"the ranks ended differently: {sorted(ended)[:4]}")
             reader = LocalStore(root, create=False)
             ((_, location),) = reader.checkpoints()
             manifest_bytes = (location / "manifest.json").stat().st_size
