@@ -729,6 +729,7 @@ def summary(run: Run) -> dict[str, Any]:
         "manifest_bytes": run.manifest_bytes, "manifest_parse_ms": 1000 * run.manifest_parse_s,
         "restore_plan_ms": 1000 * run.plan_cpu_s,
         "restore_readers": sorted({len(ranks) for ranks in run.readers.values()}),
+        "restore_each_reads_its_own": all(ranks == [int(name[len("rank"):].split(".")[0])] for name, ranks in run.readers.items()),
         "restore_files_per_rank": max(sum(1 for ranks in run.readers.values() if r in ranks) for r in range(run.world)),
         "restore_bytes_in_max": total - min(run.file_bytes),
     }

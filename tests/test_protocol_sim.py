@@ -56,6 +56,7 @@ def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.Captur
     main(["--worlds", "8,16", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "| 8 | restore | files read | 1 | 1 | 1 |" in out and "| 16 | restore |" not in out
+    assert '"restore_readers": [1], "restore_each_reads_its_own": true' in out
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 5, out
     assert verdicts[0].startswith("PASS  a rank's bytes per checkpoint within 2x")
