@@ -38,10 +38,10 @@ PRIVATE_TENSORS = {"rng/torch": (torch.uint8, (5056,)), "rng/numpy": (torch.uint
                    "rng/python": (torch.int64, (625,)), "rng/cuda": (torch.uint8, (0,))}
 
 
-def replicated_state() -> dict[str, torch.Tensor]:
-    """The model's parameters and AdamW's state, by the names checkfreq gives them."""
+def replicated_state(layers: int = LAYERS) -> dict[str, torch.Tensor]:
+    """The parameters of ``layers`` linear layers and AdamW's state (8 tensors a layer), by the names checkfreq gives them."""
     tensors: dict[str, torch.Tensor] = {}
-    for layer in range(LAYERS):
+    for layer in range(layers):
         for index, (kind, shape) in enumerate((("weight", (32, 32)), ("bias", (32,)))):
             position = 2 * layer + index
             tensors[f"model/{layer}.{kind}"] = torch.zeros(shape)
@@ -55,12 +55,12 @@ def skeleton(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A skeleton of the size :func:`checkfreq.state.flatten` gives this state (a reference per tensor)."""
     refs = {name: {"__tensor__": name} for name in [*tensors, *PRIVATE_TENSORS]}
     groups = [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
-               "params": list(range(2 * LAYERS))}]
+               "params": list(range(len(tensors) // 4))}]
     return {"refs": refs, "optimizer": {"param_groups": groups}, "checkfreq": {"profile": {"iteration_s": 0.01}}}
 
 
-def costs(world: int, state: str) -> dict[str, Any]:
-    tensors = replicated_state()
+def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
+    tensors = replicated_state(layers)
     names = sorted(tensors)
     cluster = SimpleNamespace(world_size=world, rank=0)
     if state == "ddp":
@@ -83,7 +83,7 @@ def costs(world: int, state: str) -> dict[str, Any]:
     for name, (dtype, shape) in PRIVATE_TENSORS.items():
         own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [private_name(name, 0)]}
         arrays[private_name(name, 0)] = (dtype, shape)
-    share = {"rank": own, "shared": shared, "replicas": claim}
+    share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest}
     report = {"rank": world - 1, "created": 1.8e9, "ok": True, "file": data_file_name(world - 1), "size": 2**40,
               "xxh3_64": "0123456789abcdef", "upload_idle": True, "agree": agreement_digest(share), "directory": world - 1}
     report["leader"] = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,11 @@ from checkfreq.format import MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from checkfreq.restore import read_checkpoint
 from checkfreq.storage import LocalStore
 from conftest import make_model, train_step
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.protocol_sim import CountingPeers, simulate  # noqa: E402
 
 LAYERS = 18
 """18 linear layers and AdamW: 36 parameters and 108 optimizer state tensors."""
@@ -163,48 +169,11 @@ def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: ob
         complete(manifest, {"rank00000.safetensors": header})
 
 
-class _CountingPeers(GroupPeers):
-    """A real gloo group that counts the bytes of the messages this rank sends and receives through it."""
+class _CountingPeers(CountingPeers):
+    """A real gloo group whose messages this rank counts, as the protocol simulator counts its ranks'."""
 
     def __init__(self, group: object) -> None:
-        super().__init__(group)
-        self.sent = self.received = self.all_gathers = 0
-
-    def all_gather(self, value: object) -> list:
-        self.all_gathers += 1
-        values = super().all_gather(value)
-        self.sent += _size(value) * (self.size - 1)
-        self.received += sum(_size(v) for v in values) - _size(value)
-        return values
-
-    def gather(self, value: object) -> list | None:
-        values = super().gather(value)
-        if values is None:
-            self.sent += _size(value)
-        else:
-            self.received += sum(_size(v) for v in values[1:])
-        return values
-
-    def broadcast(self, value: object) -> object:
-        value = super().broadcast(value)
-        if self.rank == 0:
-            self.sent += _size(value) * (self.size - 1)
-        else:
-            self.received += _size(value)
-        return value
-
-    def send(self, payload: torch.Tensor, to: int) -> None:
-        super().send(payload, to)
-        self.sent += payload.numel()
-
-    def receive(self, size: int, sender: int) -> torch.Tensor:
-        self.received += size
-        return super().receive(size, sender)
-
-
-def _size(value: object) -> int:
-    """A message's bytes on the wire: its length (8 bytes), then its JSON."""
-    return 8 + len(json.dumps(value))
+        super().__init__(GroupPeers(group))
 
 
 def _counted_rank(rank: int, world: int, store_path: str, directories: list[str], out: str) -> None:
@@ -222,7 +191,8 @@ def _counted_rank(rank: int, world: int, store_path: str, directories: list[str]
         ckpt.step()
         ckpt.save(blocking=True)
     ckpt.close()
-    counts = {"sent": peers.sent / 3, "received": peers.received / 3, "all_gathers": peers.all_gathers}
+    counted = peers.ledger.now
+    counts = {"sent": counted.bytes_out / 3, "received": counted.bytes_in / 3, "all_gathers": counted.all_gathers}
     Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
     dist.destroy_process_group()
 
@@ -239,8 +209,14 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     """Real DDP ranks, three checkpoints: a rank other than 0 sends its report to rank 0 and hears the
     verdict, the same few hundred bytes at 2 and 4 ranks; rank 0 receives one report per rank; no
     all-gather. With a directory per node (ranks 0-1 and 2-3), rank 2 leads its node's directory and
-    also receives the reports, to write the same manifest."""
+    also receives the reports, to write the same manifest. The protocol simulator's 4 ranks count the
+    same bytes (but for the digits of the file sizes in the reports)."""
     two, four = _commit_bytes(tmp_path, 2, False), _commit_bytes(tmp_path, 4, False)
+    simulated = simulate(4, layers=LAYERS, restore_up_to=0, directory=str(tmp_path)).counts("commit")
+    for rank in range(4):
+        assert simulated[rank].all_gathers == 0
+        assert simulated[rank].bytes_in == pytest.approx(four[rank]["received"], abs=8 * 3), (rank, simulated[rank], four[rank])
+        assert simulated[rank].bytes_out == pytest.approx(four[rank]["sent"], abs=8), (rank, simulated[rank], four[rank])
     assert all(c["all_gathers"] == 0 for c in two + four)
     for counts in (two[1], four[1], four[2], four[3]):
         assert counts["sent"] < 400 and counts["received"] < 100, counts

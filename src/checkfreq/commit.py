@@ -37,7 +37,7 @@ import xxhash
 
 from checkfreq import replicas
 from checkfreq.collectives import Peers, collect_errors, receive_json, send_json
-from checkfreq.distributed_plan import SHARDED
+from checkfreq.distributed_plan import REPLICATED, SHARDED
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.format import Manifest, data_file_name, encode_header, tensor_entries
 from checkfreq.retention import Retention
@@ -210,8 +210,15 @@ class Committer:
 
 
 def agreement_digest(share: dict[str, Any]) -> str:
-    """A digest of what every rank must report the same: the shared tensors and the replica claim."""
-    doc = json.dumps({"shared": share["shared"], "replicas": share["replicas"]}, sort_keys=True, separators=(",", ":"))
+    """A digest of what every rank must report the same: the shared tensors and the replica claim.
+
+    The replicated tensors' entries (every rank's pieces: O(T + N)) enter through the plan's own
+    digest (``share["plan"]``, computed once per layout), so each checkpoint hashes O(T) bytes
+    at any number of ranks.
+    """
+    shared = {name: entry for name, entry in share["shared"].items() if entry["kind"] != REPLICATED}
+    doc = json.dumps({"plan": share["plan"], "shared": shared, "replicas": share["replicas"]}, sort_keys=True,
+                     separators=(",", ":"))
     return xxhash.xxh3_64_hexdigest(doc.encode())
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from checkfreq import replicas
 from checkfreq.agreement import AgreedPolicy, needs_agreement
@@ -78,14 +80,16 @@ _JOIN_WARNING_S = 30.0
 _joins = itertools.count()
 
 
-def wait_for_every_rank(world_size: int, timeout: float) -> None:
+def wait_for_every_rank(world_size: int, timeout: float, store: dist.Store | None = None, join: int | None = None) -> None:
     """Return once every rank has constructed its Checkpointer; raise after ``timeout`` seconds.
 
     The habit ``torch.save`` teaches (checkpoint on rank 0 only) would otherwise hang in the
-    collective creation of the Cluster's groups, with no word of why.
+    collective creation of the Cluster's groups, with no word of why. ``store``: the job's
+    key-value store (the default group's when None); ``join``: which of this process's
+    Checkpointers this is (counted here when None).
     """
-    store = default_store()
-    key = f"checkfreq/join/{_incarnation()}/{next(_joins)}"
+    store = default_store() if store is None else store
+    key = f"checkfreq/join/{_incarnation()}/{next(_joins) if join is None else join}"
     arrived = store.add(key, 1)
     start = warned = time.monotonic()
     while arrived < world_size:
@@ -135,14 +139,12 @@ class Cluster:
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: Plan | None = None
-        self.token = self.control.broadcast(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.directory = directory_leader(local, self.token, self.control)
-        """The lowest rank that sees this rank's local directory: it holds the lock and commits."""
+        self.token, self.directory = meet(local, remote, self.control)
+        """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory == self.rank
         local_pages = isinstance(local, LocalStore) and on_machine_local_file_system(local.root)
         self.page_cache = self.directory if local_pages else None
         """Ranks with the same value read their directory through one page cache (see :class:`Restorer`)."""
-        open_directories(local, remote, self.control, leader=self.leader)
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
         self.decide: Callable[[DecisionContext], bool] = (
             policy.should_save if self._decider is None else self._decider.should_save
@@ -186,7 +188,7 @@ class Cluster:
                 arrays[stored] = tensor
                 own[name] = _entry(tensor, PRIVATE, [stored])
         fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
-        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim}
+        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim, "plan": plan.digest}
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
@@ -228,6 +230,9 @@ class Plan:
     """This rank's share of the replicated bytes."""
     shared: dict[str, Any]
     """The manifest's entry of every replicated tensor: its pieces on every rank, in rank order."""
+    digest: str
+    """xxh3-64 of ``shared`` (O(T + N) bytes of JSON), computed once: what each commit's agreement
+    digest covers of the replicated tensors."""
     checks: int = 0
 
     @classmethod
@@ -239,7 +244,8 @@ class Plan:
             for piece in pieces:
                 entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
                 entry["parts"].append([piece.stored_name, piece.begin, piece.end])
-        return cls(layout, sizes, plans[cluster.rank], shared)
+        digest = xxhash.xxh3_64_hexdigest(json.dumps(shared, sort_keys=True, separators=(",", ":")).encode())
+        return cls(layout, sizes, plans[cluster.rank], shared, digest)
 
     def verify_all(self) -> list[Piece]:
         """Every tensor, whole: the layout was just planned."""
@@ -261,6 +267,15 @@ def _label(piece: Piece) -> str:
 
 def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
+
+
+def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
+    """The token naming this job's staging locations (rank 0's) and this rank's directory leader,
+    each directory opened once (:func:`open_directories`). Collective, over ``peers``."""
+    token = peers.broadcast(uuid.uuid4().hex[:12] if peers.rank == 0 else None)
+    directory = directory_leader(local, token, peers)
+    open_directories(local, remote, peers, leader=directory == peers.rank)
+    return token, directory
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:

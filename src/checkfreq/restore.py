@@ -217,8 +217,7 @@ class Restorer:
         step, manifest = readable.step, readable.manifest
         locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
         names = sorted(manifest.files)
-        holders = {name: [r for r, view in enumerate(views) if view["held"] == "all" or name in view["held"]] for name in names}
-        checked = {name: {held[i % len(held)]} for i, (name, held) in enumerate(holders.items()) if held}
+        holders, checked = read_plan(names, views)
         """Who reads each file from storage: one holder (then, for a damaged copy, every holder)."""
         me = self.peers.rank
         files: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
@@ -287,6 +286,14 @@ class Restorer:
 
     def _where(self) -> str:
         return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
+
+
+def read_plan(names: list[str], views: list[dict[str, Any]]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
+    """For each data file in ``names``: the ranks whose directory holds it (``views``: every rank's
+    :meth:`_Readable.summary`), and the one of them that reads it from storage (the holders take
+    turns over the files). The same on every rank: it depends on the views only."""
+    holders = {name: [r for r, view in enumerate(views) if view["held"] == "all" or name in view["held"]] for name in names}
+    return holders, {name: {held[i % len(held)]} for i, (name, held) in enumerate(holders.items()) if held}
 
 
 def _unreachable(manifest: Manifest, views: list[dict[str, Any]]) -> str | None:

@@ -1,0 +1,790 @@
+"""checkfreq's distributed protocol at N ranks, each rank's real code on a thread of its own.
+
+Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--restore-up-to 64]``
+
+Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``agree_on_token`` over a
+key-value store, then ``distributed.meet``: the job's token, who shares a directory, each directory
+opened), one commit (``commit.Committer.run``, which writes a real data file per rank and rank 0's
+``manifest.json`` into one shared directory), and the restore (``restore.Restorer.find``: the choice
+of step, the file plan, each file read by one rank and sent to the others). What stands in for the
+real thing:
+
+* the transport: :class:`MemoryPeers` implements :class:`checkfreq.collectives.Peers` in memory.
+  Collectives are matched by their order, point-to-point messages by (sender, receiver). A message
+  counts as ``tests/test_scale.py`` counts it on real gloo groups (:class:`CountingPeers`, shared
+  with that test): its JSON and an 8-byte length; a gather is each rank's message to rank 0, a
+  broadcast rank 0's message to each rank, an all-gather each rank's message to every other rank.
+  A rank's *connections* are the distinct ranks it exchanged messages with (gloo pairs connected
+  on first use);
+* the key-value store: :class:`MemoryStore`, the operations of ``torch.distributed.Store`` that
+  start-up uses, each call counted as one operation (a round trip); an ``add`` of 0 is a poll;
+* the training: each rank's snapshot is the state of a DDP job (``--layers`` linear layers and
+  AdamW, 8 replicated tensors a layer, split over the ranks by checkfreq's plan, and each rank's
+  random-generator tensors), zeros, built with ``benchmarks/scale_costs.py``'s helpers.
+
+All-gathered lists are decoded once and shared by the ranks that receive them (the protocol code
+only reads them), so the JSON parse of an all-gather is in no rank's CPU time; a gather's and a
+broadcast's are in the receiver's. A rank's CPU time is ``time.thread_time()`` of its thread
+but for what the thread spends blocked in the transport or the store; one rank computes at a time
+(:class:`Baton`), and the cyclic garbage collector is off while the ranks run, so that neither
+thousands of threads contending for the interpreter nor a collection of every rank's objects is
+counted as some rank's work.
+
+The restore runs on every rank up to ``--restore-up-to`` ranks (every rank receives every other
+rank's file: N² transfers in all); above, rank 0's share of it is measured alone: reading the
+manifest, and the file plan (``restore.read_plan``) over the N views the ranks all-gather (on one
+shared directory, every rank's view is rank 0's).
+
+The vote (``agreement.AgreedPolicy``) is not simulated: it exchanges the ranks' wishes with a
+``torch.distributed`` all-reduce, not through ``Peers`` (see :func:`vote`).
+
+Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks,
+and a verdict per acceptance criterion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
+from checkfreq import replicas  # noqa: E402
+from checkfreq.collectives import Peers, Solo  # noqa: E402
+from checkfreq.commit import CommitJob, Committer, CommitResult, Retainer  # noqa: E402
+from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
+from checkfreq.distributed_plan import PRIVATE, partition, private_name  # noqa: E402
+from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
+from checkfreq.groups import agree_on_token  # noqa: E402
+from checkfreq.restore import Found, Restorer, read_plan  # noqa: E402
+from checkfreq.retention import Retention  # noqa: E402
+from checkfreq.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
+from checkfreq.storage.local import LocalStore  # noqa: E402
+
+WORLDS = "64,1024,4096,16384"
+LAYERS = 50
+"""50 linear layers and AdamW: 400 replicated tensors."""
+STEP = 100
+TIMEOUT_S = 1800.0
+STACK_BYTES = 256 << 10
+"""Each rank thread's stack: 16,384 threads reserve 4 GiB of address space, of which they touch little."""
+PHASES = ("startup", "commit", "restore")
+
+
+def message_bytes(value: Any) -> int:
+    """A JSON message's bytes on the wire: its length (8 bytes), then its JSON."""
+    return 8 + len(json.dumps(value))
+
+
+@dataclass
+class Counts:
+    """What one rank did in one phase."""
+
+    messages_out: int = 0
+    messages_in: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    all_gathers: int = 0
+    store_ops: int = 0
+    store_polls: int = 0
+    """Of ``store_ops``, those that only look (an ``add`` of 0), repeated while waiting."""
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    files_read: list[str] = field(default_factory=list)
+    peers: set[int] = field(default_factory=set)
+    everyone: bool = False
+    """It exchanged messages with every other rank (an all-gather)."""
+
+    def connections(self, rank: int, size: int) -> int:
+        return size - 1 if self.everyone else len(self.peers - {rank})
+
+    def to_all(self, nbytes: int, size: int) -> None:
+        self.messages_out += size - 1
+        self.bytes_out += nbytes * (size - 1)
+        self.everyone = self.everyone or size > 1
+
+    def from_all(self, nbytes: int, size: int) -> None:
+        self.messages_in += size - 1
+        self.bytes_in += nbytes
+        self.everyone = self.everyone or size > 1
+
+
+class Ledger:
+    """One rank's counts, phase by phase; the phase now running takes what its calls cost.
+
+    ``baton``: the simulation's, whose waits are left out of the rank's CPU time."""
+
+    def __init__(self, baton: Baton | None = None) -> None:
+        self.phases: dict[str, Counts] = {}
+        self.now = Counts()
+        self._baton = baton
+
+    def _cpu(self) -> float:
+        return time.thread_time() - (self._baton.waited() if self._baton is not None else 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[Counts]:
+        self.now = self.phases[name] = Counts()
+        started, began = self._cpu(), time.perf_counter()
+        try:
+            yield self.now
+        finally:
+            self.now.cpu_s, self.now.wall_s = self._cpu() - started, time.perf_counter() - began
+
+
+class Gathered(list):
+    """A gathered or all-gathered list that knows its bytes on the wire (summed by the transport
+    as it carries them, so that counting costs no rank a second encoding of every message)."""
+
+    nbytes: int
+
+
+class CountingPeers:
+    """Any :class:`~checkfreq.collectives.Peers`, counting the messages this rank sends and receives
+    through it into ``ledger`` (see the module docstring); the messages still go through ``inner``."""
+
+    def __init__(self, inner: Peers, ledger: Ledger | None = None) -> None:
+        self.inner, self.ledger = inner, ledger if ledger is not None else Ledger()
+        self.rank, self.size = inner.rank, inner.size
+
+    def __getattr__(self, name: str) -> Any:  # what else ``inner`` has (a gloo group's ``group``)
+        return getattr(self.inner, name)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        values = self.inner.all_gather(value)
+        counts, own = self.ledger.now, message_bytes(value)
+        total = values.nbytes if isinstance(values, Gathered) else sum(message_bytes(v) for v in values)
+        counts.all_gathers += 1
+        counts.to_all(own, self.size)
+        counts.from_all(total - own, self.size)
+        return values
+
+    def gather(self, value: Any) -> list[Any] | None:
+        values = self.inner.gather(value)
+        counts = self.ledger.now
+        if values is None:
+            counts.messages_out += 1
+            counts.bytes_out += message_bytes(value)
+            counts.peers.add(0)
+        else:
+            total = values.nbytes if isinstance(values, Gathered) else sum(message_bytes(v) for v in values)
+            counts.from_all(total - message_bytes(value), self.size)
+        return values
+
+    def broadcast(self, value: Any) -> Any:
+        value = self.inner.broadcast(value)
+        counts = self.ledger.now
+        if self.rank == 0:
+            counts.to_all(message_bytes(value), self.size)
+        else:
+            counts.messages_in += 1
+            counts.bytes_in += message_bytes(value)
+            counts.peers.add(0)
+        return value
+
+    def send(self, payload: torch.Tensor, to: int) -> None:
+        self.inner.send(payload, to)
+        counts = self.ledger.now
+        counts.messages_out += 1
+        counts.bytes_out += payload.numel()
+        counts.peers.add(to)
+
+    def receive(self, size: int, sender: int) -> torch.Tensor:
+        payload = self.inner.receive(size, sender)
+        counts = self.ledger.now
+        counts.messages_in += 1
+        counts.bytes_in += size
+        counts.peers.add(sender)
+        return payload
+
+
+# ---------------------------------------------------------------------------------- the transport
+
+
+_SLEEP = time.sleep
+
+
+class Baton:
+    """One simulated rank computes at a time: a rank holds the baton while it runs and passes it on
+    whenever it waits (for a message, a store key, or in ``time.sleep``), so that its CPU time is its
+    own work, not thousands of threads contending for the interpreter. The CPU a thread spends
+    waiting (thousands of threads woken at once by one broadcast contend to run again) is kept
+    apart (:meth:`waited`): a process blocked on a socket spends none."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mine = threading.local()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._lock.acquire()
+        self._mine.held = True
+        try:
+            yield
+        finally:
+            self._mine.held = False
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def passed(self) -> Iterator[None]:
+        """Let the other ranks run meanwhile (if this thread holds the baton)."""
+        held = getattr(self._mine, "held", False)
+        began = time.thread_time()
+        if held:
+            self._mine.held = False
+            self._lock.release()
+        try:
+            yield
+        finally:
+            if held:
+                self._lock.acquire()
+                self._mine.held = True
+            self._mine.waited = self.waited() + time.thread_time() - began
+
+    def waited(self) -> float:
+        """CPU seconds this thread has spent waiting so far."""
+        return getattr(self._mine, "waited", 0.0)
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep`` while the simulation runs: polling ranks pass the baton."""
+        with self.passed():
+            _SLEEP(seconds)
+
+
+class _Round:
+    """One collective call, as every rank makes it: each rank's encoded message, in rank order."""
+
+    def __init__(self, size: int) -> None:
+        self.payloads: list[bytes | None] = [None] * size
+        self.missing = self.left = size
+        self.lock = threading.Lock()
+        self.full = threading.Event()
+        self.root = threading.Event()
+        self.shared: Gathered | None = None
+
+    def put(self, rank: int, payload: bytes | None) -> None:
+        self.payloads[rank] = payload
+        with self.lock:
+            self.missing -= 1
+            if self.missing == 0:
+                self.full.set()
+        if rank == 0:
+            self.root.set()
+
+
+class Fabric:
+    """The in-memory network of a simulated world."""
+
+    def __init__(self, size: int, baton: Baton, timeout: float = TIMEOUT_S) -> None:
+        self.size, self.baton, self.timeout = size, baton, timeout
+        self._lock = threading.Lock()
+        self._rounds: dict[int, _Round] = {}
+        self._channels: dict[tuple[int, int], tuple[threading.Condition, deque[bytes]]] = {}
+
+    def round(self, index: int) -> _Round:
+        with self._lock:
+            found = self._rounds.get(index)
+            if found is None:
+                found = self._rounds[index] = _Round(self.size)
+            return found
+
+    def leave(self, index: int, done: _Round) -> None:
+        """This rank is done with round ``index``: the last to leave frees it."""
+        with done.lock:
+            done.left -= 1
+            last = done.left == 0
+        if last:
+            with self._lock:
+                del self._rounds[index]
+
+    def channel(self, sender: int, receiver: int) -> tuple[threading.Condition, deque[bytes]]:
+        with self._lock:
+            found = self._channels.get((sender, receiver))
+            if found is None:
+                found = self._channels[(sender, receiver)] = (threading.Condition(), deque())
+            return found
+
+    def wait(self, event: threading.Event, rank: int, what: str) -> None:
+        with self.baton.passed():
+            arrived = event.wait(self.timeout)
+        if not arrived:
+            raise RuntimeError(f"simulated rank {rank} waited more than {self.timeout:.0f} s for {what}")
+
+
+class MemoryPeers:
+    """:class:`~checkfreq.collectives.Peers` over a :class:`Fabric`: JSON messages, never pickles."""
+
+    def __init__(self, fabric: Fabric, rank: int) -> None:
+        self.fabric, self.rank, self.size = fabric, rank, fabric.size
+        self._calls = 0
+
+    def _next(self) -> tuple[int, _Round]:
+        index, self._calls = self._calls, self._calls + 1
+        return index, self.fabric.round(index)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        index, now = self._next()
+        now.put(self.rank, json.dumps(value).encode())
+        self.fabric.wait(now.full, self.rank, f"an all-gather (call {index})")
+        with now.lock:
+            if now.shared is None:
+                now.shared = Gathered(json.loads(p) for p in now.payloads)  # type: ignore[arg-type]
+                now.shared.nbytes = sum(8 + len(p) for p in now.payloads)  # type: ignore[arg-type]
+            shared = now.shared
+        self.fabric.leave(index, now)
+        return shared
+
+    def gather(self, value: Any) -> list[Any] | None:
+        index, now = self._next()
+        now.put(self.rank, json.dumps(value).encode())
+        if self.rank != 0:
+            self.fabric.leave(index, now)
+            return None
+        self.fabric.wait(now.full, self.rank, f"a gather (call {index})")
+        values = Gathered(json.loads(p) for p in now.payloads)  # type: ignore[arg-type]
+        values.nbytes = sum(8 + len(p) for p in now.payloads)  # type: ignore[arg-type]
+        self.fabric.leave(index, now)
+        return values
+
+    def broadcast(self, value: Any) -> Any:
+        index, now = self._next()
+        now.put(self.rank, json.dumps(value).encode() if self.rank == 0 else None)
+        self.fabric.wait(now.root, self.rank, f"a broadcast (call {index})")
+        value = json.loads(now.payloads[0])  # type: ignore[arg-type]
+        self.fabric.leave(index, now)
+        return value
+
+    def send(self, payload: torch.Tensor, to: int) -> None:
+        condition, queue = self.fabric.channel(self.rank, to)
+        with condition:
+            queue.append(payload.numpy().tobytes())
+            condition.notify()
+
+    def receive(self, size: int, sender: int) -> torch.Tensor:
+        condition, queue = self.fabric.channel(sender, self.rank)
+        with self.fabric.baton.passed(), condition:
+            if not condition.wait_for(lambda: queue, self.fabric.timeout):
+                raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}")
+            data = queue.popleft()
+        if len(data) != size:
+            raise RuntimeError(f"rank {self.rank} expected {size} bytes from rank {sender}, got {len(data)}")
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------------- the key-value store
+
+
+class MemoryStore:
+    """The job's key-value store, in memory, shared by the simulated ranks. A write wakes only the
+    ranks waiting for its key (thousands of ranks wait at once at start-up)."""
+
+    def __init__(self, baton: Baton) -> None:
+        self.baton = baton
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self._waiting: dict[str, threading.Condition] = {}
+
+    def written(self, key: str) -> None:
+        """Wake the ranks waiting for ``key`` (with :attr:`lock` held)."""
+        condition = self._waiting.pop(key, None)
+        if condition is not None:
+            condition.notify_all()
+
+    def wait_for(self, keys: Sequence[str], timeout: float) -> None:
+        """Block until every key in ``keys`` is set (with :attr:`lock` held)."""
+        deadline = time.monotonic() + timeout
+        for key in keys:
+            while key not in self.data:
+                left = deadline - time.monotonic()
+                condition = self._waiting.setdefault(key, threading.Condition(self.lock))
+                if left <= 0 or not condition.wait(left) and key not in self.data:
+                    raise RuntimeError(f"key {key} not set within {timeout:.0f} s")
+
+
+class StoreView:
+    """The operations of ``torch.distributed.Store`` that start-up uses, on a :class:`MemoryStore`,
+    each counted in this rank's ledger as one operation."""
+
+    def __init__(self, store: MemoryStore, ledger: Ledger) -> None:
+        self._store, self._ledger = store, ledger
+
+    def _op(self) -> MemoryStore:
+        self._ledger.now.store_ops += 1
+        return self._store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        store = self._op()
+        with store.lock:
+            for key, value in zip(keys, values):
+                store.data[key] = value.encode() if isinstance(value, str) else value
+                store.written(key)
+
+    def get(self, key: str) -> bytes:
+        store = self._op()
+        with store.baton.passed(), store.lock:
+            store.wait_for([key], TIMEOUT_S)
+            return store.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        store = self._op()
+        if amount == 0:
+            self._ledger.now.store_polls += 1
+        with store.lock:
+            value = int(store.data.get(key, b"0")) + amount
+            store.data[key] = str(value).encode()
+            store.written(key)
+            return value
+
+    def append(self, key: str, value: str | bytes) -> None:
+        store = self._op()
+        with store.lock:
+            store.data[key] = store.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
+            store.written(key)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        store = self._op()
+        with store.lock:
+            return all(key in store.data for key in keys)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
+        store = self._op()
+        with store.baton.passed(), store.lock:
+            store.wait_for(keys, timeout.total_seconds())
+
+    def delete_key(self, key: str) -> bool:
+        store = self._op()
+        with store.lock:
+            return store.data.pop(key, None) is not None
+
+
+class CountedLocalStore(LocalStore):
+    """A local directory that notes, in its rank's ledger, each data file it reads."""
+
+    def __init__(self, root: Path, ledger: Ledger) -> None:
+        super().__init__(root)
+        self._ledger = ledger
+
+    def read_data(self, location: Path, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        self._ledger.now.files_read.append(name)
+        return super().read_data(location, name, size, checksum)
+
+
+# ------------------------------------------------------------------------------------- the ranks
+
+
+@dataclass
+class Job:
+    """What every rank checkpoints: the replicated plan (the same on every rank) and the state's tensors."""
+
+    tensors: dict[str, torch.Tensor]
+    plan: Plan
+    pieces: list[list[Any]]
+    """Each rank's pieces of the replicated tensors (``distributed_plan.partition``)."""
+    claim: dict[str, Any]
+    skeleton: dict[str, Any]
+    """The state's skeleton, one object for every rank (the protocol only reads it)."""
+
+    @classmethod
+    def of(cls, world: int, layers: int) -> Job:
+        tensors = replicated_state(layers)
+        names = sorted(tensors)
+        layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
+        plan = Plan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
+        claim = replicas.report(layout, {n: replicas.fingerprint(tensors[n]) for n in names})
+        return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(tensors))
+
+    def commit_job(self, rank: int) -> CommitJob:
+        """Rank ``rank``'s snapshot, as ``Cluster.select`` shares it out."""
+        arrays = {p.stored_name: (self.tensors[p.name].dtype, (p.end - p.begin,)) for p in self.pieces[rank]}
+        own: dict[str, Any] = {}
+        for name, (dtype, shape) in PRIVATE_TENSORS.items():
+            stored = private_name(name, rank)
+            arrays[stored] = (dtype, shape)
+            own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [stored]}
+        layout = plan_layout(arrays)
+        buffer = aligned_empty(layout.nbytes, False)
+        buffer.zero_()
+        pending = PendingSnapshot(layout, buffer, [])
+        share = {"rank": own, "shared": self.plan.shared, "replicas": self.claim, "plan": self.plan.digest}
+        return CommitJob(STEP, 0, pending, self.skeleton, share, {"checkfreq": "sim"}, time.perf_counter())
+
+
+@dataclass
+class _Shape:
+    world_size: int
+    rank: int = 0
+
+
+def vote(peers: Peers) -> None:
+    """VOTE SLOT. The exchange that agrees on *when* to checkpoint (``agreement.AgreedPolicy``) is a
+    ``torch.distributed`` all-reduce on the control group, not a ``Peers`` call, so it cannot run
+    here. Once it goes through ``Peers`` (send/receive), drive a few exchanges of it here, in the
+    ``"vote"`` phase of :func:`_rank`, and add ``"vote"`` to :data:`PHASES`."""
+    del peers
+
+
+@dataclass
+class Outcome:
+    """How one rank's run ended."""
+
+    token: str
+    directory: int
+    commit: CommitResult
+    restored: str
+    restored_files: int
+
+
+def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
+          start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
+    try:
+        with fabric.baton.held():
+            _run_rank(rank, world, root, fabric, kv, ledger, checkpoint, start, restore, outcomes)
+    except BaseException as e:  # noqa: BLE001 - reported by the caller with the rank
+        outcomes[rank] = e
+
+
+def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
+              start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
+    job = checkpoint.commit_job(rank)
+    peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
+    store = StoreView(kv, ledger)
+    local = CountedLocalStore(root, ledger)
+    fabric.wait(start, rank, "the start")
+    with ledger.phase("startup"):
+        wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
+        agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
+        token, directory = meet(local, None, peers)
+    leader = directory == rank
+    with ledger.phase("commit"):
+        committer = Committer(local, peers, leader=leader, token=token, directory=directory,
+                              retainer=Retainer(local, Retention(3), leader=leader))
+        result = committer.run(job)
+    vote(peers)
+    found: Found | None = None
+    if restore:
+        with ledger.phase("restore"):
+            found = Restorer(local, None, peers).find()
+    if leader:
+        local.unlock()
+    outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
+                             0 if found is None else len(found.manifest.files))
+
+
+@dataclass
+class Run:
+    """One simulated world: every rank's counts by phase, how each ended, and rank 0's measurements."""
+
+    world: int
+    wall_s: float
+    threads_s: float
+    """Seconds to start every rank's thread."""
+    ledgers: list[Ledger]
+    outcomes: list[Outcome]
+    manifest_bytes: int
+    manifest_parse_s: float
+    restored: bool
+    plan_cpu_s: float
+    """Rank 0's CPU for the restore's file plan over N views."""
+    readers: dict[str, list[int]]
+    """Who reads each data file from storage at restore, by the plan."""
+    file_bytes: list[int]
+
+    def counts(self, phase: str) -> list[Counts]:
+        return [ledger.phases.get(phase, Counts()) for ledger in self.ledgers]
+
+
+def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None) -> Run:
+    """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank threads."""
+    job = Job.of(world, layers)
+    baton = Baton()
+    ledgers = [Ledger(baton) for _ in range(world)]
+    fabric, kv = Fabric(world, baton), MemoryStore(baton)
+    outcomes: list[Any] = [None] * world
+    restore = world <= restore_up_to
+    start = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="checkfreq-sim-", dir=directory) as tmp:
+        root = Path(tmp) / "ckpt"
+        root.mkdir()
+        previous = threading.stack_size(STACK_BYTES)
+        time.sleep = baton.sleep  # the protocol's polls pass the baton
+        gc.disable()  # else a collection of every rank's objects lands in the CPU time of whatever triggers it
+        began = time.perf_counter()
+        try:
+            threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True,
+                                        args=(r, world, root, fabric, kv, ledgers[r], job, start, restore, outcomes))
+                       for r in range(world)]
+            for thread in threads:
+                thread.start()
+        finally:
+            threading.stack_size(previous)
+        threads_s = time.perf_counter() - began
+        start.set()
+        try:
+            for thread in threads:
+                thread.join()
+            wall_s = time.perf_counter() - began
+            failed = [(r, o) for r, o in enumerate(outcomes) if not isinstance(o, Outcome)]
+            if failed:
+                rank, error = failed[0]
+                raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
+                    error if isinstance(error, BaseException) else None)
+            first = outcomes[0]
+            ended = {(o.token, o.directory, o.commit.step, o.restored, o.restored_files) for o in outcomes}
+            if ended != {(first.token, first.directory, first.commit.step, first.restored, first.restored_files)}:
+                raise RuntimeError(f"the ranks ended differently: {sorted(ended)[:4]}")
+            reader = LocalStore(root, create=False)
+            ((_, location),) = reader.checkpoints()
+            manifest_bytes = (location / "manifest.json").stat().st_size
+            parse: list[float] = []
+            for _ in range(3):
+                began = time.thread_time()
+                manifest = reader.read_manifest(location)
+                parse.append(time.thread_time() - began)
+            views = [_summary(reader, STEP)] * world
+            began = time.thread_time()
+            _, readers = read_plan(sorted(manifest.files), views)
+            plan_cpu_s = time.thread_time() - began
+            file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
+        finally:
+            time.sleep = _SLEEP
+            gc.enable()
+    return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore, plan_cpu_s,
+               {name: sorted(ranks) for name, ranks in readers.items()}, file_bytes)
+
+
+def _summary(store: LocalStore, step: int) -> dict[str, Any]:
+    """What a rank of a shared directory all-gathers at restore about checkpoint ``step`` (rank 0's
+    view, by the restorer's own code; on one shared directory every rank's is the same)."""
+    restorer = Restorer(store, None, Solo())
+    restorer._locations = {"local": dict(store.checkpoints())}
+    readable = restorer._readable(step)
+    assert not isinstance(readable, str), readable
+    return readable.summary()
+
+
+# ------------------------------------------------------------------------------------- the report
+
+
+def _spread(values: Sequence[float]) -> tuple[float, float]:
+    """(median, maximum) of ``values`` (0 for none)."""
+    return (statistics.median(values), max(values)) if values else (0.0, 0.0)
+
+
+def rows(run: Run) -> list[dict[str, Any]]:
+    """One row per (phase, count): rank 0's value, and the median and maximum over the other ranks."""
+    out = []
+    for phase in PHASES:
+        counts = run.counts(phase)
+        if phase == "restore" and not run.restored:
+            continue
+        metrics = {
+            "messages in": lambda c, r: c.messages_in, "messages out": lambda c, r: c.messages_out,
+            "bytes in": lambda c, r: c.bytes_in, "bytes out": lambda c, r: c.bytes_out,
+            "CPU ms": lambda c, r: 1000 * c.cpu_s, "store operations": lambda c, r: c.store_ops,
+            "of which polls": lambda c, r: c.store_polls,
+            "connections": lambda c, r: c.connections(r, run.world), "files read": lambda c, r: len(c.files_read),
+        }
+        for name, metric in metrics.items():
+            others = [metric(c, r) for r, c in enumerate(counts) if r]
+            median, most = _spread(others)
+            out.append({"world": run.world, "phase": phase, "count": name, "rank0": metric(counts[0], 0),
+                        "median": median, "max": most})
+    return out
+
+
+def summary(run: Run) -> dict[str, Any]:
+    """The numbers the acceptance criteria read, for one world."""
+    commit, startup = run.counts("commit"), run.counts("startup")
+    others = range(1, run.world)
+    total = sum(run.file_bytes)
+    return {
+        "world": run.world, "wall_s": round(run.wall_s, 2), "threads_s": round(run.threads_s, 2),
+        **{f"{phase}_wall_s": round(run.counts(phase)[0].wall_s, 2) for phase in PHASES},
+        "commit_bytes_max": max(commit[r].bytes_in + commit[r].bytes_out for r in others),
+        "commit_cpu_ms_median": 1000 * statistics.median(commit[r].cpu_s for r in others),
+        "commit_cpu_ms_max": 1000 * max(commit[r].cpu_s for r in others),
+        "rank0_commit_cpu_s": commit[0].cpu_s,
+        "startup_store_ops_max": max(startup[r].store_ops - startup[r].store_polls for r in others),
+        "manifest_bytes": run.manifest_bytes, "manifest_parse_ms": 1000 * run.manifest_parse_s,
+        "restore_plan_ms": 1000 * run.plan_cpu_s,
+        "restore_readers": sorted({len(ranks) for ranks in run.readers.values()}),
+        "restore_each_reads_its_own": all(ranks == [int(name[len("rank"):].split(".")[0])] for name, ranks in run.readers.items()),
+        "restore_files_per_rank": max(sum(1 for ranks in run.readers.values() if r in ranks) for r in range(run.world)),
+        "restore_bytes_in_max": total - min(run.file_bytes),
+    }
+
+
+def verdicts(sums: list[dict[str, Any]], fsdp2: dict[int, int], layers: int) -> list[tuple[str, bool, str]]:
+    """Each acceptance criterion: its name, whether the numbers meet it, and the numbers."""
+    small, large = sums[0], sums[-1]
+    per_rank_bytes = large["commit_bytes_max"] <= 2 * small["commit_bytes_max"]
+    per_rank_cpu = large["commit_cpu_ms_median"] <= 2 * small["commit_cpu_ms_median"]
+    ops = {s["startup_store_ops_max"] for s in sums}
+    largest = max(s["world"] for s in sums)
+    manifests = max(large["manifest_bytes"], fsdp2[largest])
+    n0, n1 = f"N = {small['world']:,}", f"N = {large['world']:,}"
+    return [
+        ("a rank's bytes per checkpoint within 2x", per_rank_bytes,
+         f"most of a rank other than 0 (in + out): {small['commit_bytes_max']:,} B at {n0}, {large['commit_bytes_max']:,} B at {n1}"),
+        ("a rank's CPU per checkpoint within 2x", per_rank_cpu,
+         f"median of the ranks other than 0: {small['commit_cpu_ms_median']:.2f} ms at {n0}, {large['commit_cpu_ms_median']:.2f} ms at {n1}"),
+        ("rank 0's commit work <= 1 s", large["rank0_commit_cpu_s"] <= 1.0,
+         f"rank 0's CPU in Committer.run at {n1}: {large['rank0_commit_cpu_s']:.3f} s"),
+        ("start-up store operations per rank constant", len(ops) == 1,
+         f"a rank other than 0, polls left out: {sorted(ops)} at every N"),
+        ("manifest <= 16 MB (DDP and FSDP2)", manifests <= 16_000_000,
+         f"{8 * layers} tensors at N = {largest:,}: DDP {large['manifest_bytes']:,} B, FSDP2 {fsdp2[largest]:,} B"),
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", default=WORLDS, help="comma-separated numbers of ranks")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="linear layers of the DDP model (8 tensors each)")
+    parser.add_argument("--restore-up-to", type=int, default=64, help="run the restore on every rank up to this N")
+    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                        help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    sums = []
+    print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
+    for world in worlds:
+        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir)
+        for row in rows(run):
+            print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {_number(row['rank0'])} | {_number(row['median'])} | "
+                  f"{_number(row['max'])} |", flush=True)
+        sums.append(summary(run))
+        print(json.dumps(sums[-1]), flush=True)
+    fsdp2 = {world: costs(world, "fsdp2", args.layers)["manifest_bytes"] for world in worlds}
+    print("\nvote: not simulated (agreement.AgreedPolicy exchanges over torch.distributed, not Peers)")
+    for name, ok, numbers in verdicts(sums, fsdp2, args.layers):
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {numbers}")
+
+
+def _number(value: float) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) and not value.is_integer() else f"{int(value):,}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The protocol simulator (benchmarks/protocol_sim.py): checkfreq's real start-up, commit and restore
+code on a thread per rank over an in-memory transport, at a few ranks, and what its counts show."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.protocol_sim import Run, main, simulate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    return {world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}"))) for world in (8, 64)}
+
+
+def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> None:
+    """Every rank agreed on rank 0's token and directory, committed the same step, and restored it
+    with every rank's file; each rank read one file from storage, its own, and received the rest."""
+    for world, run in runs.items():
+        first = run.outcomes[0]
+        assert first.restored == "step_000000100" and first.restored_files == world
+        for rank, outcome in enumerate(run.outcomes):
+            assert (outcome.token, outcome.directory, outcome.commit.step) == (first.token, 0, 100), rank
+            assert (outcome.restored, outcome.restored_files) == (first.restored, world), rank
+            assert run.ledgers[rank].phases["restore"].files_read == [f"rank{rank:05d}.safetensors"]
+        assert run.readers == {f"rank{r:05d}.safetensors": [r] for r in range(world)}
+
+
+def test_a_rank_other_than_0_costs_the_same_at_8_and_64_ranks(runs: dict[int, Run]) -> None:
+    """Per checkpoint: the same messages, the same bytes (but for the digits of its rank and file
+    size), one connection (rank 0); at start-up, the same store operations."""
+    small, large = runs[8].counts("commit"), runs[64].counts("commit")
+    for counts in (small[1], small[7], large[1], large[63]):
+        assert (counts.messages_out, counts.messages_in) == (small[1].messages_out, small[1].messages_in), counts
+        assert abs(counts.bytes_out - small[1].bytes_out) <= 8 and counts.bytes_in == small[1].bytes_in, counts
+        assert counts.connections(1, 8) == 1 and counts.peers == {0} and counts.all_gathers == 0
+        assert counts.bytes_out < 300 and counts.bytes_in < 60
+    ops = {c.store_ops - c.store_polls for run in runs.values() for c in run.counts("startup")[1:]}
+    assert ops == {6}, ops  # wait_for_every_rank: 1; agree_on_token: append, wait, get, delete, add
+
+
+def test_rank_0s_commit_traffic_grows_linearly(runs: dict[int, Run]) -> None:
+    small, large = runs[8].counts("commit")[0], runs[64].counts("commit")[0]
+    assert small.messages_in / 7 == large.messages_in / 63 == 3  # prepare, report, outcome from each rank
+    assert small.connections(0, 8) == 7 and large.connections(0, 64) == 63
+    assert 0.95 < (large.bytes_in / 63) / (small.bytes_in / 7) < 1.05
+
+
+def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--worlds", "8,16", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| 8 | restore | files read | 1 | 1 | 1 |" in out and "| 16 | restore |" not in out
+    assert '"restore_readers": [1], "restore_each_reads_its_own": true' in out
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 5, out
+    assert verdicts[0].startswith("PASS  a rank's bytes per checkpoint within 2x")
+    assert verdicts[3].startswith("PASS  start-up store operations per rank constant")
+    assert verdicts[4].startswith("PASS  manifest <= 16 MB")
