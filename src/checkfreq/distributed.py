@@ -142,9 +142,7 @@ class Cluster:
         self.token, self.directory = meet(local, remote, self.control)
         """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory == self.rank
-        local_pages = isinstance(local, LocalStore) and on_machine_local_file_system(local.root)
-        self.page_cache = self.directory if local_pages else None
-        """Ranks with the same value read their directory through one page cache (see :class:`Restorer`)."""
+        self.page_cache = page_cache(local, self.directory)
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
         self.decide: Callable[[DecisionContext], bool] = (
             policy.should_save if self._decider is None else self._decider.should_save
@@ -276,6 +274,13 @@ def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
     directory = directory_leader(local, token, peers)
     open_directories(local, remote, peers, leader=directory == peers.rank)
     return token, directory
+
+
+def page_cache(local: Store, directory: int) -> int | None:
+    """What tells the ranks that read their directory through one page cache (the ``page_cache``
+    of :class:`~checkfreq.restore.Restorer`): the directory's leader where it is a directory on a
+    machine-local file system, else None."""
+    return directory if isinstance(local, LocalStore) and on_machine_local_file_system(local.root) else None
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:

@@ -20,6 +20,7 @@ on disk is valid.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,7 @@ class Restorer:
         names = sorted(manifest.files)
         holders, checked = read_plan(names, views)
         """Who reads each file from storage: one holder (then, for a damaged copy, every holder)."""
+        held = [None if view["held"] == "all" else set(view["held"]) for view in views]
         me = self.peers.rank
         files: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
         damaged: dict[str, str] = {}
@@ -231,19 +233,25 @@ class Restorer:
             bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
             checked.update({n: set(holders[n]) for n in retry})
         for name in names:
-            intact = [r for r in sorted(checked.get(name, ())) if name not in bad[r]]
+            intact = sorted(r for r in checked.get(name, ()) if name not in bad[r])
             if not intact:
                 continue  # from the remote tier, below
-            mapped = {r for r in holders[name] if caches[r] is not None and caches[r] in {caches[i] for i in intact}}
-            receivers = [r for r in range(self.peers.size) if r not in intact and r not in mapped]
-            if me in mapped and me not in intact:
-                files[name] = self._map_file(locations["local"], name, manifest.files[name])
-            elif me == intact[0]:
+            readers, pages = set(intact), {caches[r] for r in intact} - {None}
+
+            def maps(rank: int) -> bool:
+                """``rank`` maps the file: its directory, which holds it, shares a page cache with a reader."""
+                return caches[rank] in pages and (held[rank] is None or name in held[rank])  # noqa: B023
+
+            if me == intact[0]:
                 data, header = files[name]
-                for receiver in receivers:
+                for receiver in (r for r in range(self.peers.size) if r not in readers and not maps(r)):
                     send_json(self.peers, {"header": header, "size": data.numel()}, receiver)
                     self.peers.send(data, receiver)
-            elif me in receivers:
+            elif me in readers:
+                continue
+            elif maps(me):
+                files[name] = self._map_file(locations["local"], name, manifest.files[name])
+            else:
                 sent = receive_json(self.peers, intact[0])
                 files[name] = (self.peers.receive(sent["size"], intact[0]), sent["header"])
                 if name in damaged:
@@ -291,20 +299,31 @@ class Restorer:
 def read_plan(names: list[str], views: list[dict[str, Any]]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
     """For each data file in ``names``: the ranks whose directory holds it (``views``: every rank's
     :meth:`_Readable.summary`), and the one of them that reads it from storage (the holders take
-    turns over the files). The same on every rank: it depends on the views only."""
-    holders = {name: [r for r, view in enumerate(views) if view["held"] == "all" or name in view["held"]] for name in names}
+    turns over the files). The same on every rank: it depends on the views only.
+
+    O(N + the files the views list) per rank: the ranks that hold every file (a shared directory)
+    are one list, shared by every file no other rank lists.
+    """
+    everyone = [r for r, view in enumerate(views) if view["held"] == "all"]
+    some: dict[str, list[int]] = {}
+    for r, view in enumerate(views):
+        if view["held"] != "all":
+            for name in view["held"]:
+                some.setdefault(name, []).append(r)
+    holders = {name: sorted(everyone + some[name]) if name in some else everyone for name in names}
     return holders, {name: {held[i % len(held)]} for i, (name, held) in enumerate(holders.items()) if held}
 
 
 def _unreachable(manifest: Manifest, views: list[dict[str, Any]]) -> str | None:
     """Why some rank could get a data file from nowhere (``views``: every rank's
     :meth:`_Readable.summary`), or None. The same on every rank: it depends on the views only."""
-    partial = [(rank, set(view["held"])) for rank, view in enumerate(views) if view["held"] != "all"]
-    anywhere = any(view["held"] == "all" for view in views)
+    if any(view["held"] == "all" for view in views):
+        return None  # a directory holds every file: every rank gets them from there
+    held_by = Counter(name for view in views for name in view["held"])
     for name in sorted(manifest.files):
-        lacking = [rank for rank, held in partial if name not in held]
-        held_somewhere = anywhere or len(lacking) < len(partial)
-        stranded = [rank for rank in lacking if not held_somewhere and not views[rank]["remote"]]
+        if held_by[name]:
+            continue
+        stranded = [rank for rank, view in enumerate(views) if not view["remote"]]
         if stranded and len(views) == 1:
             return f"data file {name} is missing"
         if stranded:
