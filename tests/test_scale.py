@@ -260,6 +260,7 @@ def _restore_counted(rank: int, world: int, store_path: str, directory: str, net
     optimizer = torch.optim.AdamW(model.parameters())
     ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
     ckpt["rank"] = -1
+    received[0] = 0  # what start-up received (each rank its directory's leader) is not the restore's
     assert ckpt.restore() == 2
     torch.save({"reads": reads, "mapped": mapped, "received": received[0], "model": model.state_dict(),
                 "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")

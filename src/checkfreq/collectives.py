@@ -165,6 +165,17 @@ def tree_max(peers: Peers, value: torch.Tensor) -> torch.Tensor:
     return result
 
 
+def scatter_json(peers: Peers, values: list[Any] | None) -> Any:
+    """Rank 0's ``values[r]`` on each rank ``r`` (other ranks pass None): rank 0 sends each rank its
+    own value, point to point, so a rank other than 0 receives one message whatever the number of ranks."""
+    if peers.rank != 0:
+        return receive_json(peers, 0)
+    assert values is not None and len(values) == peers.size
+    for rank in range(1, peers.size):
+        send_json(peers, values[rank], rank)
+    return values[0]
+
+
 def send_json(peers: Peers, value: Any, to: int) -> None:
     """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
     payload = _encode(value)

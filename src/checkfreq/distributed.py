@@ -39,7 +39,7 @@ import xxhash
 
 from checkfreq import replicas
 from checkfreq.agreement import AgreedPolicy, needs_agreement
-from checkfreq.collectives import GroupPeers, Peers
+from checkfreq.collectives import GroupPeers, Peers, collect_errors
 from checkfreq.compat import default_store
 from checkfreq.distributed_plan import (
     PRIVATE,
@@ -296,7 +296,7 @@ def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader
             remote.remove_staging()
     except (OSError, CheckfreqError) as e:
         own = e
-    failed = [f for f in peers.all_gather(None if own is None else f"rank {peers.rank}: {own}") if f]
+    failed = collect_errors(peers, None if own is None else f"rank {peers.rank}: {own}")
     if own is not None:
         raise own
     if failed:

@@ -3,9 +3,10 @@
 Each rank names its directory by a short identity: on a file system known to be local to a machine,
 the machine's boot id and the directory's device and inode (two containers on one machine see one
 directory as one); on any other (NFS, Lustre, a FUSE mount: possibly the same directory on several
-machines), the file-system type, the directory's resolved path and inode. The ranks all-gather the
-identities and each takes as its directory's leader the lowest rank with its identity, in one pass
-over the list.
+machines), the file-system type, the directory's resolved path and inode. Rank 0 gathers the
+identities, takes as each directory's leader the lowest rank with its identity, in one pass over
+the list, and sends each rank its leader: a rank other than 0 sends and receives a few messages of
+a few dozen bytes whatever the number of ranks.
 
 An identity can be wrong only on a file system that is not known to be local, so it is checked at
 the cost of one file per directory: each leader drops a probe into its directory; each rank checks
@@ -21,7 +22,7 @@ import re
 import socket
 from pathlib import Path
 
-from checkfreq.collectives import Peers
+from checkfreq.collectives import Peers, collect_errors, scatter_json
 from checkfreq.errors import CheckfreqError
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
@@ -42,18 +43,15 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
     """
     if not isinstance(local, LocalStore):
         return 0
-    identities = peers.all_gather(directory_identity(local.root))
-    leaders: dict[str, int] = {}
-    for rank, identity in enumerate(identities):
-        leaders.setdefault(identity, rank)
-    leader = leaders[identities[peers.rank]]
+    identities = peers.gather(directory_identity(local.root))
+    leaders = None if identities is None else _leaders(identities)
+    leader = scatter_json(peers, leaders)
     probe = local.root / _PROBE.format(token=token, rank=peers.rank)
     if leader == peers.rank:
         probe.write_bytes(b"")
     try:
-        peers.all_gather(None)  # every leader's probe is written
-        problem = _check_probes(local.root, token, peers.rank, leader)
-        problems = [p for p in peers.all_gather(problem) if p]
+        collect_errors(peers, None)  # every leader's probe is written
+        problems = collect_errors(peers, _check_probes(local.root, token, peers.rank, leader))
     finally:
         probe.unlink(missing_ok=True)
     if problems:
@@ -62,6 +60,12 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
             "own local directory, or one directory every rank sees at once"
         )
     return leader
+
+
+def _leaders(identities: list[str]) -> list[int]:
+    """Each rank's directory leader: the lowest rank with its identity (one pass)."""
+    first: dict[str, int] = {}
+    return [first.setdefault(identity, rank) for rank, identity in enumerate(identities)]
 
 
 def _check_probes(root: Path, token: str, rank: int, leader: int) -> str | None:
