@@ -202,30 +202,35 @@ def test_checkpoint_not_uploaded_by_every_rank_is_never_restored_from_remote(
 
 
 @pytest.mark.slow
-def test_healthy_restart_on_other_nodes_reads_nothing_from_remote_tier(tmp_path: Path) -> None:
-    """Two nodes of two ranks each stop at step 4 (world size 4: 2 steps per epoch, 6 in all) with
-    every checkpoint uploaded; the remote tier then loses every data file (its manifests stay). The
-    next job runs each rank on the other node than before (the nodes' directories swapped, as c10d
-    may place them): every node holds only the other node's ranks' files, and every rank resumes at
-    step 4 from the nodes' directories and its peers, reading nothing from the remote tier, and ends
-    as one uninterrupted job (DDP with find_unused_parameters=True, as docs/exactness.md advises
-    at three ranks or more)."""
-    ranks, stop = (0, 1, 2, 3), 4
+def test_healthy_restarts_read_nothing_from_remote_tier(tmp_path: Path) -> None:
+    """Two nodes of two ranks each (world size 4: 2 steps per epoch, 6 in all), every checkpoint
+    uploaded. The job stops at step 2 and the remote tier loses every data file (its manifests
+    stay); the next job, each rank on the same node, resumes at 2 from the nodes' directories (each
+    node's own ranks' files locally, the other node's from its ranks) and stops at 4; the remote
+    tier loses its data files again, and the last job runs each rank on the other node than before
+    (the nodes' directories swapped, as c10d may place them), so each node holds only the other
+    node's ranks' files: it resumes at 4 the same way. No rank reads the remote tier, and the job
+    ends as one uninterrupted job (DDP with find_unused_parameters=True, as docs/exactness.md
+    advises at three ranks or more)."""
+    ranks = (0, 1, 2, 3)
     reference, work, remote = tmp_path / "reference", tmp_path / "work", tmp_path / "remote"
     reference.mkdir()
     run_nodes(reference, (reference / "ckpt",) * 2, "--find-unused", per_node=2)
     work.mkdir()
     node0, node1 = node_dirs(work)
-    run_nodes(work, (node0, node1), "--remote", str(remote), "--stop-at", str(stop), "--find-unused", per_node=2)
-    assert [step for step, _ in LocalStore(str(remote), create=False).checkpoints()][0] == stop
-    data = sorted(remote.glob("step_*/*.safetensors"))
-    assert len(data) == 2 * len(ranks)  # checkpoints 3 and 4, one file per rank
-    for path in data:
-        path.unlink()
-    out = run_nodes(work, (node1, node0), "--remote", str(remote), "--find-unused", per_node=2)
-    assert restored(out) == {rank: [stop] for rank in ranks}, out[-4000:]
-    assert "rebuilds its gradient buckets" not in out
-    tiers = {**restore_tiers(node0), **restore_tiers(node1)}
-    assert sorted(tiers) == list(ranks) and all(t == [(stop, "local+peer")] for t in tiers.values()), tiers
+    for placement, resumed, stop in (((node0, node1), 0, 2), ((node0, node1), 2, 4), ((node1, node0), 4, None)):
+        until = () if stop is None else ("--stop-at", str(stop))
+        out = run_nodes(work, placement, "--remote", str(remote), *until, "--find-unused", per_node=2)
+        assert restored(out) == {rank: [resumed] for rank in ranks}, out[-4000:]
+        assert "rebuilds its gradient buckets" not in out
+        if resumed:
+            tiers = {**restore_tiers(node0), **restore_tiers(node1)}
+            assert all(t[-1] == (resumed, "local+peer") for t in tiers.values()) and sorted(tiers) == list(ranks), tiers
+        if stop is not None:
+            assert [step for step, _ in LocalStore(str(remote), create=False).checkpoints()][0] == stop
+            data = list(remote.glob("step_*/*.safetensors"))
+            assert data
+            for path in data:
+                path.unlink()
     assert_same_final_state(work, reference, ranks)
     _assert_each_sample_once_per_epoch(work / "batches.log")
