@@ -142,9 +142,9 @@ def _aborted_at_exit(out: str) -> bool:
     """Whether the only failures torchrun reports are workers that torch aborted at exit, and the
     peers its agent then stopped.
 
-    A gloo worker thread of a DDP job's default group can drop its last gradient allreduce after
-    the interpreter began to finalize; the thread-local state that work holds keeps a Python
-    object, whose release ends the thread inside a C++ destructor: "terminate called without an
+    A gloo worker thread can let go of a finished collective (a DDP gradient all-reduce) after
+    the interpreter began to shut down; when the collective holds the last reference to a Python
+    object, releasing it ends the thread inside a C++ destructor: "terminate called without an
     active exception", SIGABRT (docs/distributed.md, "Rules"). The agent then sends SIGTERM to
     the other workers.
     """
