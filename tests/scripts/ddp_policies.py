@@ -74,6 +74,7 @@ def main() -> None:
         results[name] = {"first": first, "resumed": resumed, "seeded": restore_event["seeded"]}
     results["groups"] = [groups_before, len(_world.pg_map)]
     (args.directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.barrier()  # every rank's results are written before any rank exits, where torch may abort it
     dist.destroy_process_group()
 
 
