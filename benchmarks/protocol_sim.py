@@ -75,7 +75,7 @@ from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
 from checkfreq.distributed_plan import PRIVATE, partition, private_name  # noqa: E402
 from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.groups import agree_on_token  # noqa: E402
-from checkfreq.restore import Found, Restorer, _Plan, _Stream  # noqa: E402
+from checkfreq.restore import Found, Restorer, _Plan, _Readable  # noqa: E402
 from checkfreq.retention import Retention  # noqa: E402
 from checkfreq.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
@@ -691,15 +691,16 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 began = time.thread_time()
                 manifest = reader.read_manifest(location)
                 parse.append(time.thread_time() - began)
-            views = [_summary(reader, STEP)] * world
+            readable = _readable(reader, STEP)
+            views = [readable.summary(None, 0)] * world
             began = time.thread_time()
-            plan = _Plan(manifest, views)
+            plan = _Plan(readable, views)
             plan.orders()
             plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began
             readers = {name: [rank] for name, rank in plan.reader.items()}
             began = time.thread_time()
-            stream = _Stream.of(manifest)
+            stream = readable.stream
             stream_cpu_s = time.thread_time() - began
             assert stream is not None
             stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 16 * (world - 1)
@@ -711,14 +712,14 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                stream_cpu_s, stream_bytes, readers, file_bytes)
 
 
-def _summary(store: LocalStore, step: int) -> dict[str, Any]:
-    """What a rank of a shared directory sends rank 0 at restore about checkpoint ``step`` (rank 0's
-    view, by the restorer's own code; on one shared directory every rank's is the same)."""
+def _readable(store: LocalStore, step: int) -> _Readable:
+    """What a rank of a shared directory has of checkpoint ``step`` at restore, by the restorer's own
+    code (on one shared directory every rank's is rank 0's)."""
     restorer = Restorer(store, None, Solo())
     restorer._locations = {"local": dict(store.checkpoints())}
     readable = restorer._readable(step)
     assert not isinstance(readable, str), readable
-    return readable.summary(None, 0)
+    return readable
 
 
 # ------------------------------------------------------------------------------------- the report

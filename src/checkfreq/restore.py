@@ -30,6 +30,7 @@ on disk is valid.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -81,6 +82,11 @@ class _Readable:
     manifest: Manifest
     held: set[str]
     remote: bool
+
+    @functools.cached_property
+    def stream(self) -> _Stream | None:
+        """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
+        return _Stream.of(self.manifest)
 
     def summary(self, page_cache: int | None, directory: int) -> dict[str, Any]:
         """What rank 0 learns of it (``"all"`` stands for every file: a shared directory)."""
@@ -243,7 +249,7 @@ class Restorer:
                        tiers: set[str]) -> dict[str, str]:
         """Read and verify the files ``order`` gives this rank (packing their replicated pieces if
         it says so); return why each damaged one is."""
-        stream = _Stream.of(readable.manifest) if order["pack"] else None
+        stream = readable.stream if order["pack"] else None
         damaged = {}
         for name, tier in order["read"]:
             try:
@@ -279,7 +285,7 @@ class Restorer:
                 tiers.add("peer")
         stored: dict[str, torch.Tensor] = {}
         if order["stream"]:
-            stream = _Stream.of(manifest)
+            stream = readable.stream
             assert stream is not None  # rank 0 streams only a manifest whose pieces follow the plan
             for payload in self.peers.all_gather_bytes(stream.encode(packs)):
                 for name, pack in stream.decode(payload).items():
@@ -341,7 +347,8 @@ class _Plan:
     every rank every file); a rank's orders name the files it reads, maps, receives and sends.
     """
 
-    def __init__(self, manifest: Manifest, views: list[dict[str, Any]]) -> None:
+    def __init__(self, readable: _Readable, views: list[dict[str, Any]]) -> None:
+        manifest = readable.manifest
         self.manifest, self.views = manifest, views
         self.names = sorted(manifest.files)
         self.holders, checked = read_plan(self.names, views)
@@ -353,7 +360,7 @@ class _Plan:
         self._to_remote([name for name in self.names if name not in self.reader])
         caches = {view["cache"] for view in views}
         one_cache = len(caches) == 1 and None not in caches and all(view["held"] == "all" for view in views)
-        self.lean = not manifest.complete and not one_cache and _Stream.of(manifest) is not None and not any(
+        self.lean = not one_cache and readable.stream is not None and not any(
             entry["kind"] == SHARDED for entry in manifest.distributed["tensors"].values())  # type: ignore[union-attr]
         self.fresh = set(self.names)
         """The files whose reader has not read them yet."""
@@ -368,7 +375,7 @@ class _Plan:
         differs = next((r for r, view in enumerate(views) if view["files"] != views[0]["files"]), None)
         if differs is not None:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
-        return _unreachable(readable.manifest, views) or cls(readable.manifest, views)
+        return _unreachable(readable.manifest, views) or cls(readable, views)
 
     def _to_remote(self, names: list[str]) -> None:
         """Give each of ``names`` a reader of the remote tier, the least busy first."""
