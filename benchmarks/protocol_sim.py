@@ -7,8 +7,9 @@ key-value store, then ``distributed.meet``: the job's token, who shares a direct
 opened), one commit (``commit.Committer.run``, which writes a real data file per rank and rank 0's
 ``manifest.json`` into one shared directory), three exchanges of the vote on when to checkpoint
 (``collectives.tree_max``, what ``agreement.AgreedPolicy``'s vote thread runs), and the restore
-(``restore.Restorer.find``: the choice of step, the file plan, each file read and verified by one
-rank; the directory is on a machine-local file system, so the others map it, as in a real job).
+(``restore.Restorer.find``: the choice of step, rank 0's plan, each file read and verified by one
+rank, and the replicated tensors all-gathered; the directory is taken for one on a network file
+system, where no two ranks share a page cache, as in a job of many nodes).
 What stands in for the real thing:
 
 * the transport: :class:`MemoryPeers` implements :class:`checkfreq.collectives.Peers` in memory.
@@ -32,10 +33,11 @@ but for what the thread spends blocked in the transport or the store; one rank c
 thousands of threads contending for the interpreter nor a collection of every rank's objects is
 counted as some rank's work.
 
-The restore runs on every rank up to ``--restore-up-to`` ranks (every rank opens every file: N²
-opens in all); above, rank 0's share of it is measured alone: reading the
-manifest, and the file plan (``restore.read_plan``) over the N views the ranks all-gather (on one
-shared directory, every rank's view is rank 0's).
+The restore runs on every rank up to ``--restore-up-to`` ranks (each rank decodes every rank's part
+of the all-gather, so the simulator's restore costs O(N²) in all); above, what it would cost is
+measured alone: rank 0's plan (``restore._Plan``) over N views (on one shared directory, every
+rank's view is rank 0's, built by the restorer's own code), and the stream's layout
+(``restore._Stream.of``), which every rank computes.
 
 Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks,
 and a verdict per acceptance criterion.
@@ -69,11 +71,11 @@ from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, ske
 from checkfreq import replicas  # noqa: E402
 from checkfreq.collectives import Peers, Solo, tree_max  # noqa: E402
 from checkfreq.commit import CommitJob, Committer, CommitResult, Retainer  # noqa: E402
-from checkfreq.distributed import Plan, meet, page_cache, wait_for_every_rank  # noqa: E402
+from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
 from checkfreq.distributed_plan import PRIVATE, partition, private_name  # noqa: E402
 from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.groups import agree_on_token  # noqa: E402
-from checkfreq.restore import Found, Restorer, read_plan  # noqa: E402
+from checkfreq.restore import Found, Restorer, _Plan, _Readable  # noqa: E402
 from checkfreq.retention import Retention  # noqa: E402
 from checkfreq.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
@@ -198,6 +200,14 @@ class CountingPeers:
             counts.bytes_in += message_bytes(value)
             counts.peers.add(0)
         return value
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        payloads = self.inner.all_gather_bytes(payload)
+        counts, own = self.ledger.now, 8 + payload.numel()
+        counts.all_gathers += 1
+        counts.to_all(own, self.size)
+        counts.from_all(sum(8 + p.numel() for p in payloads) - own, self.size)
+        return payloads
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         self.inner.send(payload, to)
@@ -370,6 +380,18 @@ class MemoryPeers:
         value = json.loads(now.payloads[0])  # type: ignore[arg-type]
         self.fabric.leave(index, now)
         return value
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        index, now = self._next()
+        now.put(self.rank, payload.numpy().tobytes())
+        self.fabric.wait(now.full, self.rank, f"an all-gather of bytes (call {index})")
+        with now.lock:
+            if now.shared is None:
+                now.shared = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
+                              for p in now.payloads]  # type: ignore[union-attr]
+            shared = now.shared
+        self.fabric.leave(index, now)
+        return shared
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         condition, queue = self.fabric.channel(self.rank, to)
@@ -588,7 +610,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     found: Found | None = None
     if restore:
         with ledger.phase("restore"):
-            found = Restorer(local, None, peers, page_cache=page_cache(local, directory)).find()
+            found = Restorer(local, None, peers, directory=directory).find()  # no page cache shared: a network file system
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
@@ -609,7 +631,11 @@ class Run:
     manifest_parse_s: float
     restored: bool
     plan_cpu_s: float
-    """Rank 0's CPU for the restore's file plan over N views."""
+    """Rank 0's CPU for the restore's plan over N views: each file's reader, and the orders."""
+    stream_cpu_s: float
+    """A rank's CPU for the layout of the all-gathered replicated pieces."""
+    stream_bytes: int
+    """What a rank receives of the all-gathered replicated pieces: every other file's pack and its length."""
     readers: dict[str, list[int]]
     """Who reads each data file from storage at restore, by the plan."""
     file_bytes: list[int]
@@ -665,26 +691,35 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 began = time.thread_time()
                 manifest = reader.read_manifest(location)
                 parse.append(time.thread_time() - began)
-            views = [_summary(reader, STEP)] * world
+            readable = _readable(reader, STEP)
+            views = [readable.summary(None, 0)] * world
             began = time.thread_time()
-            _, readers = read_plan(sorted(manifest.files), views)
+            plan = _Plan(readable, views)
+            plan.orders()
+            plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began
+            readers = {name: [rank] for name, rank in plan.reader.items()}
+            began = time.thread_time()
+            stream = readable.stream
+            stream_cpu_s = time.thread_time() - began
+            assert stream is not None
+            stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 16 * (world - 1)
             file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
         finally:
             time.sleep = _SLEEP
             gc.enable()
     return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore, plan_cpu_s,
-               {name: sorted(ranks) for name, ranks in readers.items()}, file_bytes)
+               stream_cpu_s, stream_bytes, readers, file_bytes)
 
 
-def _summary(store: LocalStore, step: int) -> dict[str, Any]:
-    """What a rank of a shared directory all-gathers at restore about checkpoint ``step`` (rank 0's
-    view, by the restorer's own code; on one shared directory every rank's is the same)."""
+def _readable(store: LocalStore, step: int) -> _Readable:
+    """What a rank of a shared directory has of checkpoint ``step`` at restore, by the restorer's own
+    code (on one shared directory every rank's is rank 0's)."""
     restorer = Restorer(store, None, Solo())
     restorer._locations = {"local": dict(store.checkpoints())}
     readable = restorer._readable(step)
     assert not isinstance(readable, str), readable
-    return readable.summary()
+    return readable
 
 
 # ------------------------------------------------------------------------------------- the report
@@ -735,8 +770,10 @@ def summary(run: Run) -> dict[str, Any]:
         "restore_readers": sorted({len(ranks) for ranks in run.readers.values()}),
         "restore_each_reads_its_own": all(ranks == [int(name[len("rank"):].split(".")[0])] for name, ranks in run.readers.items()),
         "restore_files_per_rank": max(sum(1 for ranks in run.readers.values() if r in ranks) for r in range(run.world)),
+        "restore_stream_ms": 1000 * run.stream_cpu_s,
         "restore_bytes_in_max": max(c.bytes_in for c in run.counts("restore")) if run.restored else None,
-        "restore_bytes_in_network_fs": total - min(run.file_bytes),  # every file but its own, from its reader
+        "restore_bytes_in_planned": run.stream_bytes,
+        "restore_bytes_in_whole_files": total - min(run.file_bytes),  # every file but its own, as before
     }
 
 

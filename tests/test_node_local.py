@@ -95,6 +95,34 @@ def test_ranks_restore_from_each_others_directories_without_the_remote_tier(node
             assert "fails its checksum" in restores[0]["skipped"][0][1]
 
 
+def test_a_damaged_copy_is_replaced_by_another_directorys_intact_one(nodes: Path, tmp_path: Path) -> None:
+    """Both directories hold every file of the newest checkpoint (the other node's copied in), and
+    rank 0's own file is damaged in rank 0's directory: rank 1's directory gives its intact copy, read
+    there once and sent to rank 0, and both ranks restore the newest step, exactly."""
+    import shutil
+
+    directories = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    for rank, directory in enumerate(directories):
+        shutil.copytree(nodes / f"node{rank}", directory)
+        newest = directory / f"step_{STEPS:09d}"
+        other = f"rank{1 - rank:05d}.safetensors"
+        shutil.copy(nodes / f"node{1 - rank}" / newest.name / other, newest / other)
+    path = directories[0] / f"step_{STEPS:09d}" / "rank00000.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    mp.spawn(_restore, args=(str(tmp_path), [str(d) for d in directories]), nprocs=2, join=True)
+    final = torch.load(nodes / "final0.pt")
+    for rank, directory in enumerate(directories):
+        restored = torch.load(tmp_path / f"restored{rank}.pt")
+        assert restored["step"] == STEPS
+        assert all(torch.equal(restored["model"][k], v) for k, v in final.items())
+        events = [json.loads(line) for line in (directory / "events.jsonl").read_text().splitlines()]
+        restores = [e for e in events if e["event"] == "restore"]
+        # rank 0: its file from rank 1, rank 1's pieces from rank 1; rank 1: both files read itself
+        assert [(e["step"], e["tier"], e["skipped"]) for e in restores] == [(STEPS, "peer" if rank == 0 else "local", [])]
+
+
 def test_a_node_directory_holds_its_ranks_files_and_names_the_others(nodes: Path) -> None:
     for rank, other in ((0, 1), (1, 0)):
         statuses = list_checkpoints(nodes / f"node{rank}")

@@ -164,7 +164,8 @@ def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remot
 @pytest.mark.slow
 def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote, tmp_path: Path) -> None:
     """The job stops at step 6; node 1 is replaced (its local directory is gone); the next job
-    resumes at step 6: the file only node 1 held from the remote tier, node 0's from node 0."""
+    resumes at step 6: the file only node 1 held from the remote tier (read once, by rank 1, which
+    has no other file to read), node 0's from node 0."""
     node0, node1 = node_dirs(tmp_path)
     out = run_nodes(tmp_path, (node0, node1), *remote.args, "--stop-at", str(HALF))
     assert restored(out) == {0: [0], 1: [0]}
@@ -173,7 +174,7 @@ def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote,
     out = run_nodes(tmp_path, (node0, node1), *remote.args)
     assert restored(out) == {0: [HALF], 1: [HALF]}, out[-4000:]
     assert restore_tiers(node1) == {1: [(HALF, "peer+remote")]}  # a fresh machine: node 0's file from it, its own remotely
-    assert restore_tiers(node0) == {0: [(HALF, "local+remote")]}  # its own file locally, node 1's remotely
+    assert restore_tiers(node0) == {0: [(HALF, "local+peer")]}  # its own file locally, node 1's pieces from rank 1
     assert_same_final_state(tmp_path, reference)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 
@@ -196,7 +197,8 @@ def test_checkpoint_not_uploaded_by_every_rank_is_never_restored_from_remote(
         shutil.rmtree(local_dir)
     out = run_nodes(tmp_path, local_dirs, *remote.args)
     assert restored(out) == {0: [EVERY], 1: [EVERY]}, out[-4000:]
-    assert [restore_tiers(d) for d in local_dirs] == [{0: [(EVERY, "remote")]}, {1: [(EVERY, "remote")]}]
+    # each rank reads one of the two files from the remote tier and gets the other's pieces from its peer
+    assert [restore_tiers(d) for d in local_dirs] == [{0: [(EVERY, "peer+remote")]}, {1: [(EVERY, "peer+remote")]}]
     assert_same_final_state(tmp_path, reference)
     _assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 

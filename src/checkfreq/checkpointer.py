@@ -154,7 +154,8 @@ class Checkpointer:
             self._local.root, memory_cadence, control, distributed=self._cluster is not None
         )
         self._restorer = Restorer(self._local, self._remote, control, self._memory,
-                                  page_cache=None if self._cluster is None else self._cluster.page_cache)
+                                  page_cache=None if self._cluster is None else self._cluster.page_cache,
+                                  directory=None if self._cluster is None else self._cluster.directory)
         retention = Retention.of(keep)
         retainer = Retainer(self._local, retention, leader=self._cluster is None or self._cluster.leader)
         self._uploader = None if self._remote is None else Uploader(

@@ -1,5 +1,5 @@
-"""Small JSON messages between ranks (and whole files sent from one rank to another at restore),
-and the same calls for a world of one.
+"""Small JSON messages between ranks (and, at restore, whole files sent from one rank to another
+and the replicated tensors all-gathered), and the same calls for a world of one.
 
 The commit, upload and restore protocols are written once against :class:`Peers`: under
 ``torch.distributed`` a :class:`GroupPeers` carries the messages over a dedicated gloo group; a
@@ -34,6 +34,10 @@ class Peers(Protocol):
         """Rank 0's JSON-able ``value`` on every rank (other ranks pass anything)."""
         ...
 
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's flat ``uint8`` tensor ``payload`` (of any length), in rank order."""
+        ...
+
     def send(self, payload: torch.Tensor, to: int) -> None:
         """Send the flat ``uint8`` tensor ``payload`` to rank ``to``, which receives it with
         :meth:`receive` (blocks until it does)."""
@@ -59,6 +63,9 @@ class Solo:
     def broadcast(self, value: Any) -> Any:
         return json.loads(json.dumps(value))
 
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        return [payload]
+
     def send(self, payload: torch.Tensor, to: int) -> None:
         raise RuntimeError("a world of one has no other rank to send to")
 
@@ -81,6 +88,9 @@ class GroupPeers:
 
     def broadcast(self, value: Any) -> Any:
         return broadcast_json(value, self.group)
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        return all_gather_bytes(payload, self.group)
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         if payload.numel():
@@ -191,7 +201,12 @@ def receive_json(peers: Peers, sender: int) -> Any:
 
 def all_gather_json(value: Any, group: Any) -> list[Any]:
     """Every rank's JSON-able ``value``, in rank order (no pickling)."""
-    payload = _encode(value)
+    return [_decode(payload) for payload in all_gather_bytes(_encode(value), group)]
+
+
+def all_gather_bytes(payload: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's flat ``uint8`` ``payload``, in rank order: the lengths all-gathered, then the
+    payloads padded to the longest (so each one starts a tensor of its own, aligned)."""
     size = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
@@ -200,7 +215,7 @@ def all_gather_json(value: Any, group: Any) -> list[Any]:
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths)]
+    return [g[: int(n.item())] for g, n in zip(gathered, lengths)]
 
 
 def _encode(value: Any) -> torch.Tensor:

@@ -20,6 +20,7 @@ Three kinds of tensors, by where they come from:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from collections.abc import Container, Mapping, Sequence
@@ -132,21 +133,31 @@ def _starts(items: Sequence[tuple[str, int, int]]) -> tuple[list[int], int]:
 
 
 def _cut(items: Sequence[tuple[str, int, int]], starts: Sequence[int], ideal: int, share: int) -> int:
-    """Where the byte stream is cut near ``ideal``: at an element boundary, or a small tensor's edge."""
-    for (_, numel, itemsize), start in zip(items, starts):
-        end = start + numel * itemsize
-        if start <= ideal < end:
-            if end - start < max(share // SMALL_FRACTION, 1):
-                return start if ideal - start <= end - ideal else end
-            return start + round((ideal - start) / itemsize) * itemsize
-    return ideal
+    """Where the byte stream is cut near ``ideal``: at an element boundary, or a small tensor's edge.
+
+    O(log T): the tensor holding byte ``ideal`` is found by bisection.
+    """
+    i = bisect.bisect_right(starts, ideal) - 1
+    if i < 0:
+        return ideal
+    _, numel, itemsize = items[i]
+    start = starts[i]
+    end = start + numel * itemsize
+    if ideal >= end:
+        return ideal
+    if end - start < max(share // SMALL_FRACTION, 1):
+        return start if ideal - start <= end - ideal else end
+    return start + round((ideal - start) / itemsize) * itemsize
 
 
 def _pieces_between(items: Sequence[tuple[str, int, int]], starts: Sequence[int], lo: int, hi: int) -> list[Piece]:
+    """The pieces covering bytes ``[lo, hi)``, from the tensor holding byte ``lo`` (found by bisection) on."""
     pieces = []
-    for (name, numel, itemsize), start in zip(items, starts):
-        end = start + numel * itemsize
-        a, b = max(lo, start), min(hi, end)
+    for i in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(items)):
+        (name, numel, itemsize), start = items[i], starts[i]
+        if start >= hi:
+            break
+        a, b = max(lo, start), min(hi, start + numel * itemsize)
         if a < b:
             begin, stop = (a - start) // itemsize, (b - start) // itemsize
             pieces.append(Piece(name, begin, stop, begin == 0 and stop == numel))
@@ -186,6 +197,8 @@ def local_view(
             ranks = meta["ranks"]
             source = source_rank(rank, len(ranks))
             skeleton = ranks[source]
+            if skeleton is None:
+                raise ValueError(f"saved rank {source}'s record was not read")
             sources = {n: _source(e, stored, source) for n, e in meta["tensors"].items() if _holds(e, source)}
         except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
             raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
@@ -193,24 +206,28 @@ def local_view(
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
 
 
-def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]]) -> Manifest:
+def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], partial: bool = False) -> Manifest:
     """``manifest`` with every rank's part added from its data file's header (``headers``: file name →
     parsed header): the index of every stored array, each rank's skeleton, and each tensor's parts.
 
-    A manifest that holds them already (one process, or schema version 1) is returned as it is.
+    With ``partial``, ``headers`` may hold some of the files only: the ranks of the others get no
+    skeleton (None) and no private or sharded parts, and their arrays are not indexed. A manifest
+    that holds every rank's part already (one process, or schema version 1) is returned as it is.
     """
     if manifest.complete:
         return manifest
     try:
-        index: dict[str, dict[str, Any]] = {}
-        for name in manifest.files:
-            index.update(header_entries(headers[name], name))
         files = [data_file_name(rank) for rank in range(manifest.world_size)]
         if sorted(files) != sorted(manifest.files):
             raise CorruptCheckpointError(f"manifest of {manifest.world_size} ranks lists the files {sorted(manifest.files)}")
-        records = [rank_record(headers[name], name) for name in files]
-        tensors = _merge(manifest.distributed["tensors"], [r["tensors"] for r in records], index)  # type: ignore[index]
-        ranks = [r["state"] for r in records]
+        read = [name for name in files if name in headers or not partial]
+        index: dict[str, dict[str, Any]] = {}
+        for name in read:
+            index.update(header_entries(headers[name], name))
+        records = {name: rank_record(headers[name], name) for name in read}
+        per_rank = [records[name]["tensors"] if name in records else {} for name in files]
+        tensors = _merge(manifest.distributed["tensors"], per_rank, index)  # type: ignore[index]
+        ranks = [records[name]["state"] if name in records else None for name in files]
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise CorruptCheckpointError(f"checkpoint's per-rank records are malformed: {type(e).__name__}: {e}") from None
     distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}  # type: ignore[dict-item]

@@ -1,16 +1,27 @@
 """Restore: the newest checkpoint every rank can read, found in any tier, read and verified.
 
-The same code for one process and for N ranks (:mod:`checkfreq.collectives`). Each rank lists
-the checkpoints whose manifest it can read (from its local directory or the remote tier) and which
-of their data files its local directory holds; the ranks all-gather this. A checkpoint can be
-restored if every rank can read its manifest and each data file is in some rank's directory or, for
-each rank that lacks it, in the remote tier. The ranks take the newest such step. Each file a
-directory holds is read from storage by one of the ranks holding it (they take turns, so on one
-shared directory each rank reads about 1/N of the checkpoint), verified against the manifest's
-checksum, and sent to the other ranks (node-local directories: no node reads another node's files
-from the remote tier); a damaged copy is replaced by another directory's intact copy, and only what
-no rank holds intact is read from the remote tier. If any rank fails, every rank moves on to the
-next older common step.
+The same code for one process and for N ranks (:mod:`checkfreq.collectives`), in rounds that rank
+0 leads, so that a rank other than 0 sends and receives a few small messages at any number of ranks:
+
+1. Rank 0 gathers the steps each rank lists (in its local directory or the remote tier) and the
+   ranks try the steps every rank lists, newest first.
+2. For a step, each rank reads that checkpoint's manifest (no other) and tells rank 0 which data
+   files its local directory holds and whether the remote tier lists the checkpoint. Rank 0 checks
+   that every file can be had and gives each file one reader: one of the ranks whose directory
+   holds it (they take turns, so on one shared directory each rank reads about 1/N of the
+   checkpoint) or, for a file no directory holds, a rank that reads it from the remote tier.
+3. The readers read and verify their files. A damaged copy goes to a holder in another directory,
+   then to the remote tier; every byte read from storage is verified once, by its reader.
+4. Each rank gets what it needs from the readers: whole, the data file of the saved rank whose
+   private state it restores (its own at the same world size); and, all-gathered over the control
+   group, the replicated tensors (parameters and optimizer state under DDP) of every other file:
+   about the size of the replicated state per rank, at any number of ranks. A rank whose directory
+   shares its page cache with a file's reader maps the file rather than receive it. When every rank
+   shares one page cache (one machine, one directory), or the checkpoint holds sharded tensors
+   (FSDP2) or has a version 1 manifest, every rank gets every file whole instead.
+
+If any rank fails, every rank moves on to the next older step. With node-local directories no node
+reads another node's files from the remote tier: only what no directory holds intact comes from it.
 
 With a memory tier, its newest snapshot every rank holds wins when it is not older than the
 newest checkpoint listed on disk (it reads fastest); it is also the fallback when no checkpoint
@@ -19,18 +30,22 @@ on disk is valid.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from checkfreq.collectives import Peers, receive_json, send_json
-from checkfreq.distributed_plan import complete
+from checkfreq.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
+from checkfreq.distributed_plan import REPLICATED, SHARDED, Piece, complete, partition, source_rank
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.format import Manifest, entry_view
+from checkfreq.format import DTYPES_BY_CODE, Manifest, data_file_name, entry_view, header_entries
 from checkfreq.memory_tier import MemoryTier
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore, checkpoint_name
@@ -39,6 +54,10 @@ log = logging.getLogger("checkfreq.restore")
 
 Skipped = list[tuple[str, str]]
 """(checkpoint or memory slot, why it was not restored)."""
+Files = dict[str, tuple[torch.Tensor, dict[str, Any]]]
+"""Data files a rank holds whole: name → (verified data section, parsed header)."""
+ALIGN = 8
+"""Every replicated piece starts at a multiple of this many bytes in the all-gathered stream."""
 
 
 @dataclass
@@ -49,7 +68,8 @@ class Found:
     tensors: dict[str, torch.Tensor]
     name: str
     tier: str
-    """``"local"``, ``"remote"``, ``"local+remote"`` (files read from each) or ``"memory"``."""
+    """Where this rank's data came from: ``"local"``, ``"peer"`` (other ranks), ``"remote"``, joined
+    with ``+`` (``"local+peer"``), or ``"memory"``."""
     skipped: Skipped = field(default_factory=list)
 
 
@@ -63,10 +83,17 @@ class _Readable:
     held: set[str]
     remote: bool
 
-    def summary(self) -> dict[str, Any]:
-        """What the other ranks learn of it (``"all"`` stands for every file: a shared directory)."""
+    @functools.cached_property
+    def stream(self) -> _Stream | None:
+        """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
+        return _Stream.of(self.manifest)
+
+    def summary(self, page_cache: int | None, directory: int) -> dict[str, Any]:
+        """What rank 0 learns of it (``"all"`` stands for every file: a shared directory)."""
         held = "all" if len(self.held) == len(self.manifest.files) else sorted(self.held)
-        return {"held": held, "remote": self.remote}
+        files = json.dumps(self.manifest.files, sort_keys=True).encode()
+        return {"held": held, "remote": self.remote, "cache": page_cache, "dir": directory,
+                "files": xxhash.xxh3_64_hexdigest(files)}
 
 
 class Restorer:
@@ -80,12 +107,15 @@ class Restorer:
         page_cache: ranks passing the same value read their directory through one page cache (a
             directory on a machine-local file system that they share: the lowest rank sharing it);
             None where each rank's reads go to storage (a network file system, an object store).
+        directory: ranks passing the same value share one local directory (its lowest rank; the
+            default: this rank's own).
     """
 
     def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None,
-                 page_cache: int | None = None) -> None:
+                 page_cache: int | None = None, directory: int | None = None) -> None:
         self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
         self.page_cache = page_cache
+        self.directory = peers.rank if directory is None else directory
         self._locations: dict[str, dict[int, Any]] = {}
 
     def listed(self) -> list[int]:
@@ -121,12 +151,10 @@ class Restorer:
         assert self.memory is not None
         states, skipped = self.memory.read_all(step)
         by_step = {state.manifest.step: state for state in states}
-        reports = self.peers.all_gather({"steps": sorted(by_step), "disk": listed[0] if listed else None})
-        common = set.intersection(*(set(r["steps"]) for r in reports))
-        disk = max((r["disk"] for r in reports if r["disk"] is not None), default=None)
-        best = max(common, default=None)
-        if best is None or (disk is not None and best < disk):
-            if by_step and best is None:
+        reports = self.peers.gather({"steps": sorted(by_step), "disk": listed[0] if listed else None})
+        best, common = self.peers.broadcast(None if reports is None else _memory_choice(reports))
+        if best is None:
+            if by_step and not common:
                 log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
             return None
         state = by_step[best]
@@ -138,41 +166,21 @@ class Restorer:
         self._locations = {"local": dict(self.local.checkpoints())}
         if self.remote is not None:
             self._locations["remote"] = dict(self.remote.checkpoints())
-        mine: dict[int, _Readable] = {}
-        problems: dict[int, str] = {}  # why this rank cannot read a listed step
-        for s in listed:
-            readable = self._readable(s)
-            if isinstance(readable, str):
-                problems[s] = readable
-            else:
-                mine[s] = readable
-        reports = self.peers.all_gather({"steps": {str(s): r.summary() for s, r in mine.items()}, "listed": len(listed),
-                                         "page_cache": self.page_cache})
-        candidates: list[int] = []
-        for s in mine:
-            views = [r["steps"].get(str(s)) for r in reports]
-            problem = _unreachable(mine[s].manifest, views) if None not in views else "another rank cannot read its manifest"
-            if problem is not None:
-                problems[s] = problem
-            else:
-                candidates.append(s)
+        lists = self.peers.gather(listed)
+        agenda = self.peers.broadcast(None if lists is None else _agenda(lists))
+        problems = {int(s): why for s, why in agenda["passed"]}
         skipped: Skipped = []
-        for s in sorted(candidates, reverse=True):  # the same steps on every rank: they depend on the reports only
+        for s in agenda["steps"]:  # the same steps on every rank, in the same order
             skipped += self._skip_newer_than(s, problems)
-            problem = None
-            try:
-                found = self._read(mine[s], [r["steps"][str(s)] for r in reports], [r["page_cache"] for r in reports])
-            except CorruptCheckpointError as e:
-                problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
-            failed = [p for p in self.peers.all_gather(problem) if p]
-            if not failed:
+            found = self._restore_step(s)
+            if isinstance(found, Found):
                 found.skipped = skipped
                 return found
-            problems[s] = "; ".join(failed)
+            problems[s] = found
         skipped += self._skip_newer_than(-1, problems)
         if step is not None:
             raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self._where()}" + _reasons(skipped))
-        if any(r["listed"] for r in reports):
+        if agenda["listed"]:
             raise NoValidCheckpointError(f"no valid checkpoint in {self._where()}" + _reasons(skipped))
         return None
 
@@ -203,83 +211,94 @@ class Restorer:
         held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
         return _Readable(step, manifest, held, remote is not None)
 
-    def _read(self, readable: _Readable, views: list[dict[str, Any]], caches: list[int | None]) -> Found:
-        """Read and verify every data file of a checkpoint, each file from storage by one rank only.
+    def _restore_step(self, step: int) -> Found | str:
+        """Checkpoint ``step`` read, verified and shared as rank 0 plans it, or why it cannot be.
 
-        Collective, in steps every rank takes in the same order: each file that some directory holds
-        is read and verified by one of the ranks holding it (the holders take turns over the files,
-        so on one shared directory each rank reads about 1/N of the checkpoint); the ranks hear which
-        copies failed their checksum, and then every other holder of a damaged file checks its own
-        copy. A rank that shares a page cache (``caches``) with a file's intact reader maps the same
-        file, verified by that reader, without hashing it again; each file's reader (or the lowest
-        holder of an intact copy) sends it to every other rank that has not read it (over the control
-        group); last, each rank reads from the remote tier what no rank holds intact.
+        Collective: every rank sends rank 0 its summary, then takes rank 0's orders (read these
+        files; again after a damaged copy; then what to map, receive and send) until rank 0 says
+        the step fails or the files are all verified.
         """
-        step, manifest = readable.step, readable.manifest
-        locations = {tier: listing.get(step) for tier, listing in self._locations.items()}
-        names = sorted(manifest.files)
-        holders, checked = read_plan(names, views)
-        """Who reads each file from storage: one holder (then, for a damaged copy, every holder)."""
-        held = [None if view["held"] == "all" else set(view["held"]) for view in views]
-        me = self.peers.rank
-        files: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
-        damaged: dict[str, str] = {}
-        self._read_local(locations["local"], [n for n in names if checked.get(n) == {me}], manifest, files, damaged)
-        bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
-        if any(bad):  # another directory may hold an intact copy: every holder checks its own
-            retry = sorted(set().union(*bad))
-            self._read_local(locations["local"], [n for n in retry if me in holders[n] and n not in damaged], manifest,
-                             files, damaged)
-            bad = [set(b) for b in self.peers.all_gather(sorted(damaged))]
-            checked.update({n: set(holders[n]) for n in retry})
-        for name in names:
-            intact = sorted(r for r in checked.get(name, ()) if name not in bad[r])
-            if not intact:
-                continue  # from the remote tier, below
-            readers, pages = set(intact), {caches[r] for r in intact} - {None}
+        readable = self._readable(step)
+        summary = readable if isinstance(readable, str) else readable.summary(self.page_cache, self.directory)
+        views = self.peers.gather(summary)
+        plan = None if views is None else _Plan.of(readable, views)
+        if isinstance(plan, str):
+            order = scatter_json(self.peers, [{"problem": plan}] * self.peers.size)
+        else:
+            order = scatter_json(self.peers, None if plan is None else plan.orders())
+        files: Files = {}
+        packs: dict[str, torch.Tensor] = {}
+        tiers: set[str] = set()
+        while "read" in order:
+            assert isinstance(readable, _Readable)
+            damaged = self._read_assigned(readable, order, files, packs, tiers)
+            reports = self.peers.gather(damaged)
+            order = scatter_json(self.peers, None if reports is None else plan.after(reports))  # type: ignore[union-attr]
+        if "problem" in order:
+            return order["problem"]
+        assert isinstance(readable, _Readable)
+        problem, found = None, None
+        try:
+            found = self._exchange(readable, order, files, packs, tiers)
+        except CorruptCheckpointError as e:
+            problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
+        failed = collect_errors(self.peers, problem)
+        return "; ".join(failed) if failed else found  # type: ignore[return-value]
 
-            def maps(rank: int) -> bool:
-                """``rank`` maps the file: its directory, which holds it, shares a page cache with a reader."""
-                return caches[rank] in pages and (held[rank] is None or name in held[rank])  # noqa: B023
-
-            if me == intact[0]:
-                data, header = files[name]
-                for receiver in (r for r in range(self.peers.size) if r not in readers and not maps(r)):
-                    send_json(self.peers, {"header": header, "size": data.numel()}, receiver)
-                    self.peers.send(data, receiver)
-            elif me in readers:
-                continue
-            elif maps(me):
-                files[name] = self._map_file(locations["local"], name, manifest.files[name])
-            else:
-                sent = receive_json(self.peers, intact[0])
-                files[name] = (self.peers.receive(sent["size"], intact[0]), sent["header"])
-                if name in damaged:
-                    log.warning("checkpoint %s: local %s is damaged (%s); received rank %d's copy",
-                                checkpoint_name(step), name, damaged[name], intact[0])
-        used = {"local" if name in readable.held and name not in damaged else "peer" for name in files}
-        for name, entry in manifest.files.items():
-            if name in files:
-                continue
-            if locations.get("remote") is None:
-                raise CorruptCheckpointError(damaged.get(name, f"data file {name} is neither in {self.local.root} nor in "
-                                                                "another rank's directory, and no remote tier lists it"))
-            if name in damaged:
-                log.warning("checkpoint %s: local %s is damaged (%s); reading the remote copy", checkpoint_name(step), name,
-                            damaged[name])
-            files[name] = self._read_file("remote", locations["remote"], name, entry)
-            used.add("remote")
-        manifest, tensors = _views(manifest, files)
-        return Found(manifest, tensors, checkpoint_name(step), "+".join(t for t in ("local", "peer", "remote") if t in used) or "local")
-
-    def _read_local(self, location: Any, names: list[str], manifest: Manifest,
-                    files: dict[str, tuple[torch.Tensor, dict[str, Any]]], damaged: dict[str, str]) -> None:
-        """Read and verify ``names`` from this rank's directory into ``files``, or say in ``damaged`` why not."""
-        for name in names:
+    def _read_assigned(self, readable: _Readable, order: dict[str, Any], files: Files, packs: dict[str, torch.Tensor],
+                       tiers: set[str]) -> dict[str, str]:
+        """Read and verify the files ``order`` gives this rank (packing their replicated pieces if
+        it says so); return why each damaged one is."""
+        stream = readable.stream if order["pack"] else None
+        damaged = {}
+        for name, tier in order["read"]:
             try:
-                files[name] = self._read_file("local", location, name, manifest.files[name])
+                files[name] = self._read_file(tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name])
+                if stream is not None:
+                    packs[name] = stream.pack(name, *files[name])
+                tiers.add(tier)
             except CorruptCheckpointError as e:
+                files.pop(name, None)
                 damaged[name] = str(e)
+                log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
+                            "the remote" if tier == "remote" else "this rank's", name, e)
+        return damaged
+
+    def _exchange(self, readable: _Readable, order: dict[str, Any], files: Files, packs: dict[str, torch.Tensor],
+                  tiers: set[str]) -> Found:
+        """Send and receive the whole files ``order`` says, all-gather the replicated pieces if it
+        says so, map the files a reader verified in the page cache this rank shares; then this
+        rank's manifest and stored arrays."""
+        step, manifest = readable.step, readable.manifest
+        position = {name: i for i, name in enumerate(sorted(manifest.files))}
+        me = self.peers.rank
+        operations = sorted([(position[name], to, name, None) for name, to in order["send"]]
+                            + [(position[name], me, name, sender) for name, sender in order["receive"]])
+        for _, to, name, sender in operations:  # one order on every rank: each pair meets in turn
+            if sender is None:
+                data, header = files[name]
+                send_json(self.peers, {"header": header, "size": data.numel()}, to)
+                self.peers.send(data, to)
+            else:
+                sent = receive_json(self.peers, sender)
+                files[name] = (self.peers.receive(sent["size"], sender), sent["header"])
+                tiers.add("peer")
+        stored: dict[str, torch.Tensor] = {}
+        if order["stream"]:
+            stream = readable.stream
+            assert stream is not None  # rank 0 streams only a manifest whose pieces follow the plan
+            for payload in self.peers.all_gather_bytes(stream.encode(packs)):
+                for name, pack in stream.decode(payload).items():
+                    if name not in files and name not in packs:
+                        stored.update(stream.unpack(name, pack))
+                        tiers.add("peer")
+        for name in order["map"]:
+            files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
+            tiers.add("local")
+        manifest, tensors = _views(manifest, files, partial=bool(order["stream"]))
+        stored.update(tensors)
+        used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
+        return Found(manifest, stored, checkpoint_name(step), used)
 
     def _map_file(self, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         """A file of this rank's directory that a rank sharing its page cache verified."""
@@ -296,13 +315,218 @@ class Restorer:
         return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
 
 
+def _memory_choice(reports: list[dict[str, Any]]) -> tuple[int | None, bool]:
+    """Rank 0's choice of memory snapshot: the newest step every rank holds unless disk lists a newer
+    one (or None), and whether every rank holds some step."""
+    common = set.intersection(*(set(r["steps"]) for r in reports))
+    disk = max((r["disk"] for r in reports if r["disk"] is not None), default=None)
+    best = max(common, default=None)
+    if best is not None and disk is not None and best < disk:
+        best = None
+    return best, bool(common)
+
+
+def _agenda(lists: list[list[int]]) -> dict[str, Any]:
+    """Rank 0's agenda from every rank's listed steps: the steps every rank lists, newest first, and
+    why each other step is passed over."""
+    count = Counter(s for steps in lists for s in set(steps))
+    passed = []
+    for s, n in count.items():
+        if n < len(lists):
+            first = next(r for r, steps in enumerate(lists) if s not in steps)
+            passed.append([s, f"{len(lists) - n} of {len(lists)} ranks list no such checkpoint (rank {first} first)"])
+    every = sorted((s for s, n in count.items() if n == len(lists)), reverse=True)
+    return {"steps": every, "passed": passed, "listed": bool(count)}
+
+
+class _Plan:
+    """Rank 0's plan for one checkpoint: who reads each data file from which tier, after a damaged
+    copy who reads it next, and then who gets which file from whom.
+
+    O(N + files) to make (but for what every rank gets whole, every file in the modes that give
+    every rank every file); a rank's orders name the files it reads, maps, receives and sends.
+    """
+
+    def __init__(self, readable: _Readable, views: list[dict[str, Any]]) -> None:
+        manifest = readable.manifest
+        self.manifest, self.views = manifest, views
+        self.names = sorted(manifest.files)
+        self.holders, checked = read_plan(self.names, views)
+        self.reader = {name: next(iter(ranks)) for name, ranks in checked.items()}
+        self.tier = dict.fromkeys(self.reader, "local")
+        self.tried = {name: {views[r]["dir"] for r in ranks} for name, ranks in checked.items()}
+        self.remote_ranks = [r for r, view in enumerate(views) if view["remote"]]
+        self.load = Counter(self.reader.values())
+        self._to_remote([name for name in self.names if name not in self.reader])
+        caches = {view["cache"] for view in views}
+        one_cache = len(caches) == 1 and None not in caches and all(view["held"] == "all" for view in views)
+        self.lean = not one_cache and readable.stream is not None and not any(
+            entry["kind"] == SHARDED for entry in manifest.distributed["tensors"].values())  # type: ignore[union-attr]
+        self.fresh = set(self.names)
+        """The files whose reader has not read them yet."""
+
+    @classmethod
+    def of(cls, readable: _Readable | str, views: list[Any]) -> _Plan | str:
+        """The plan, or why the ranks cannot restore this checkpoint."""
+        for rank, view in enumerate(views):
+            if isinstance(view, str):
+                return f"rank {rank} cannot read its manifest: {view}" if len(views) > 1 else view
+        assert isinstance(readable, _Readable)
+        differs = next((r for r, view in enumerate(views) if view["files"] != views[0]["files"]), None)
+        if differs is not None:
+            return f"rank {differs}'s manifest lists other data files than rank 0's"
+        return _unreachable(readable.manifest, views) or cls(readable, views)
+
+    def _to_remote(self, names: list[str]) -> None:
+        """Give each of ``names`` a reader of the remote tier, the least busy first."""
+        ranks = sorted(self.remote_ranks, key=lambda r: (self.load[r], r))
+        for i, name in enumerate(names):
+            reader = ranks[i % len(ranks)]
+            self.reader[name], self.tier[name] = reader, "remote"
+            self.load[reader] += 1
+
+    def orders(self) -> list[dict[str, Any]] | str:
+        """Every rank's next orders, in rank order."""
+        reads: list[list[list[str]]] = [[] for _ in self.views]
+        for name in sorted(self.fresh):
+            reads[self.reader[name]].append([name, self.tier[name]])
+        self.fresh = set()
+        return [{"read": read, "pack": self.lean} for read in reads]
+
+    def after(self, reports: list[dict[str, str]]) -> list[dict[str, Any]]:
+        """The orders once every rank said which of its files were damaged (``reports``)."""
+        to_remote = []
+        for rank, damaged in enumerate(reports):
+            for name, why in damaged.items():
+                if self.tier[name] == "local" and self._next_holder(name):
+                    pass
+                elif self.tier[name] == "local" and self.remote_ranks:
+                    to_remote.append(name)
+                else:  # no intact copy left
+                    return [{"problem": f"rank {rank}: {why}" if len(reports) > 1 else why}] * len(reports)
+                self.fresh.add(name)
+        self._to_remote(to_remote)
+        return self.orders() if self.fresh else self._exchange_orders()
+
+    def _next_holder(self, name: str) -> bool:
+        """Give ``name`` to a holder in a directory not tried yet, if there is one."""
+        for rank in self.holders[name]:
+            if self.views[rank]["dir"] not in self.tried[name]:
+                self.tried[name].add(self.views[rank]["dir"])
+                self.reader[name] = rank
+                return True
+        return False
+
+    def _exchange_orders(self) -> list[dict[str, Any]]:
+        """What each rank maps, receives and sends (and whether the replicated pieces are all-gathered)."""
+        orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": self.lean} for _ in self.views]
+        held: dict[int, set[str]] = {}
+        for rank, order in enumerate(orders):
+            needs = [data_file_name(source_rank(rank, self.manifest.world_size))] if self.lean else self.names
+            for name in needs:
+                reader = self.reader[name]
+                if reader == rank:
+                    continue
+                view = self.views[rank]
+                holds = view["held"] == "all" or name in held.setdefault(rank, set(view["held"]))
+                if holds and self.tier[name] == "local" and view["cache"] is not None and view["cache"] == self.views[reader]["cache"]:
+                    order["map"].append(name)
+                else:
+                    order["receive"].append([name, reader])
+                    orders[reader]["send"].append([name, rank])
+        return orders
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """The replicated pieces of a checkpoint by data file, as the ranks all-gather them: each file's
+    pieces laid end to end (each at a multiple of :data:`ALIGN`) in a pack, each rank's packs
+    behind the indices of their files."""
+
+    slots: dict[str, list[tuple[Piece, str, tuple[int, ...], int]]]
+    """file → (piece, dtype code, shape of its tensor, offset in the pack) of each piece it holds."""
+    sizes: dict[str, int]
+    """file → its pack's length in bytes."""
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> _Stream | None:
+        """The packs of a checkpoint written by several ranks, or None if its manifest's pieces are
+        not those the plan gives (then every rank gets every file whole)."""
+        if manifest.complete:
+            return None
+        try:
+            replicated = {n: e for n, e in manifest.distributed["tensors"].items() if e["kind"] == REPLICATED}  # type: ignore[union-attr]
+            sizes = [(n, math.prod(e["shape"]), DTYPES_BY_CODE[e["dtype"]].itemsize) for n, e in replicated.items()]
+        except (KeyError, TypeError, AttributeError):
+            return None
+        plans = partition(sizes, manifest.world_size)
+        parts: dict[str, list[list[Any]]] = {name: [] for name in replicated}
+        for pieces in plans:
+            for piece in pieces:
+                parts[piece.name].append([piece.stored_name, piece.begin, piece.end])
+        if any(parts[name] != entry["parts"] for name, entry in replicated.items()):
+            return None
+        slots, lengths = {}, {}
+        for rank, pieces in enumerate(plans):
+            offset, slots[data_file_name(rank)] = 0, []
+            for piece in pieces:
+                entry = replicated[piece.name]
+                slots[data_file_name(rank)].append((piece, entry["dtype"], tuple(entry["shape"]), offset))
+                offset += -(-(piece.end - piece.begin) * DTYPES_BY_CODE[entry["dtype"]].itemsize // ALIGN) * ALIGN
+            lengths[data_file_name(rank)] = offset
+        return cls(slots, lengths)
+
+    def pack(self, name: str, data: torch.Tensor, header: dict[str, Any]) -> torch.Tensor:
+        """The pieces of the verified data file ``name`` (its data section and header), packed."""
+        index = header_entries(header, name)
+        out = torch.zeros(self.sizes[name], dtype=torch.uint8)
+        for piece, code, _, offset in self.slots[name]:
+            entry = index.get(piece.stored_name)
+            try:
+                begin, end = entry["offsets"]  # type: ignore[index]
+                fits = entry["dtype"] == code and math.prod(entry["shape"]) == piece.end - piece.begin  # type: ignore[index]
+            except (TypeError, ValueError):
+                fits = False
+            if not fits or not 0 <= begin <= end <= data.numel():
+                raise CorruptCheckpointError(f"data file {name} does not hold {piece.stored_name} as its manifest says")
+            out[offset : offset + end - begin] = data[begin:end]
+        return out
+
+    def encode(self, packs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's part of the stream: how many packs, their files' indices, the packs."""
+        names = sorted(packs)
+        index = torch.tensor([len(names)] + [int(n[len("rank"):].split(".")[0]) for n in names], dtype=torch.int64)
+        return torch.cat([index.view(torch.uint8), *(packs[n] for n in names)])
+
+    def decode(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A rank's part of the stream: file name → pack."""
+        count = int(payload[:8].view(torch.int64).item())
+        offset, packs = 8 * (count + 1), {}
+        for rank in payload[8:offset].view(torch.int64).tolist():
+            name = data_file_name(rank)
+            packs[name] = payload[offset : offset + self.sizes[name]]
+            offset += self.sizes[name]
+        if offset != payload.numel():
+            raise CorruptCheckpointError(f"a rank's replicated pieces take {payload.numel()} bytes, not the {offset} planned")
+        return packs
+
+    def unpack(self, name: str, pack: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stored arrays of a pack: whole tensors in their shape, pieces flat."""
+        arrays = {}
+        for piece, code, shape, offset in self.slots[name]:
+            dtype = DTYPES_BY_CODE[code]
+            flat = pack[offset : offset + (piece.end - piece.begin) * dtype.itemsize].view(dtype)
+            arrays[piece.stored_name] = flat.view(shape) if piece.whole else flat
+        return arrays
+
+
 def read_plan(names: list[str], views: list[dict[str, Any]]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
     """For each data file in ``names``: the ranks whose directory holds it (``views``: every rank's
     :meth:`_Readable.summary`), and the one of them that reads it from storage (the holders take
-    turns over the files). The same on every rank: it depends on the views only.
+    turns over the files). A file no directory holds has no holder and no reader.
 
-    O(N + the files the views list) per rank: the ranks that hold every file (a shared directory)
-    are one list, shared by every file no other rank lists.
+    O(N + the files the views list): the ranks that hold every file (a shared directory) are one
+    list, shared by every file no other rank lists.
     """
     everyone = [r for r, view in enumerate(views) if view["held"] == "all"]
     some: dict[str, list[int]] = {}
@@ -315,20 +539,16 @@ def read_plan(names: list[str], views: list[dict[str, Any]]) -> tuple[dict[str, 
 
 
 def _unreachable(manifest: Manifest, views: list[dict[str, Any]]) -> str | None:
-    """Why some rank could get a data file from nowhere (``views``: every rank's
-    :meth:`_Readable.summary`), or None. The same on every rank: it depends on the views only."""
-    if any(view["held"] == "all" for view in views):
-        return None  # a directory holds every file: every rank gets them from there
-    held_by = Counter(name for view in views for name in view["held"])
-    for name in sorted(manifest.files):
-        if held_by[name]:
-            continue
-        stranded = [rank for rank, view in enumerate(views) if not view["remote"]]
-        if stranded and len(views) == 1:
-            return f"data file {name} is missing"
-        if stranded:
-            return f"data file {name} is in no rank's directory, and no remote tier lists the checkpoint for ranks {stranded}"
-    return None
+    """Why no rank can get some data file (``views``: every rank's :meth:`_Readable.summary`), or None."""
+    if any(view["held"] == "all" for view in views) or any(view["remote"] for view in views):
+        return None  # a directory holds every file, or some rank reads what no directory holds from the remote tier
+    held_by = {name for view in views for name in view["held"]}
+    missing = next((name for name in sorted(manifest.files) if name not in held_by), None)
+    if missing is None:
+        return None
+    if len(views) == 1:
+        return f"data file {missing} is missing"
+    return f"data file {missing} is in no rank's directory, and no remote tier lists the checkpoint"
 
 
 def _reasons(skipped: Skipped) -> str:
@@ -351,10 +571,11 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
     return _views(manifest, files)
 
 
-def _views(manifest: Manifest, files: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """The manifest completed from the files' headers (``files``: name → (data section, header)), and
-    every stored array as a view of its file's data section."""
-    manifest = complete(manifest, {name: header for name, (_, header) in files.items()})
+def _views(manifest: Manifest, files: Files, partial: bool = False) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest completed from the files' headers (``files``: name → (data section, header); with
+    ``partial``, some of them: the other ranks' parts stay unknown), and every stored array of
+    ``files`` as a view of its file's data section."""
+    manifest = complete(manifest, {name: header for name, (_, header) in files.items()}, partial=partial)
     try:
         tensors = {name: entry_view(files[e["file"]][0], e) for name, e in manifest.tensors.items()}
     except RuntimeError as e:
