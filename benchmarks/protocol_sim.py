@@ -375,6 +375,7 @@ class Fabric:
 
 
 def _notify(condition: threading.Condition, every: bool = False) -> None:
+    """Wake one thread waiting on ``condition`` (every one with ``every``)."""
     with condition:
         if every:
             condition.notify_all()
