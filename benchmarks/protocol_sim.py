@@ -28,10 +28,12 @@ What stands in for the real thing:
 All-gathered lists are decoded once and shared by the ranks that receive them (the protocol code
 only reads them), so the JSON parse of an all-gather is in no rank's CPU time; a gather's and a
 broadcast's are in the receiver's. A rank's CPU time is ``time.thread_time()`` of its thread
-but for what the thread spends blocked in the transport or the store; one rank computes at a time
-(:class:`Baton`), and the cyclic garbage collector is off while the ranks run, so that neither
-thousands of threads contending for the interpreter nor a collection of every rank's objects is
-counted as some rank's work.
+but for what the thread spends blocked in the transport or the store, waking the ranks its
+messages and store writes reach, and carrying point-to-point messages (the transport's own work);
+one rank computes at a time and wakes the others only when it waits (:class:`Baton`), and the
+cyclic garbage collector is off while the ranks run, so that neither thousands of threads
+contending for the interpreter nor a collection of every rank's objects is counted as some rank's
+work.
 
 The restore runs on every rank up to ``--restore-up-to`` ranks (each rank decodes every rank's part
 of the all-gather, so the simulator's restore costs O(N²) in all); above, what it would cost is
@@ -55,7 +57,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -131,7 +133,7 @@ class Counts:
 class Ledger:
     """One rank's counts, phase by phase; the phase now running takes what its calls cost.
 
-    ``baton``: the simulation's, whose waits are left out of the rank's CPU time."""
+    ``baton``: the simulation's, whose uncounted CPU is left out of the rank's CPU time."""
 
     def __init__(self, baton: Baton | None = None) -> None:
         self.phases: dict[str, Counts] = {}
@@ -139,7 +141,7 @@ class Ledger:
         self._baton = baton
 
     def _cpu(self) -> float:
-        return time.thread_time() - (self._baton.waited() if self._baton is not None else 0.0)
+        return time.thread_time() - (self._baton.uncounted() if self._baton is not None else 0.0)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[Counts]:
@@ -234,9 +236,14 @@ _SLEEP = time.sleep
 class Baton:
     """One simulated rank computes at a time: a rank holds the baton while it runs and passes it on
     whenever it waits (for a message, a store key, or in ``time.sleep``), so that its CPU time is its
-    own work, not thousands of threads contending for the interpreter. The CPU a thread spends
-    waiting (thousands of threads woken at once by one broadcast contend to run again) is kept
-    apart (:meth:`waited`): a process blocked on a socket spends none."""
+    own work, not thousands of threads contending for the interpreter. What the holder's messages and
+    store writes wake (:meth:`wake`) is woken only when it passes the baton on, so that no other rank
+    thread becomes runnable while it computes.
+
+    The CPU a thread spends waiting, waking the ranks it delivered to (a broadcast to thousands of
+    threads wakes every one) and in the simulated transport's bookkeeping (:meth:`aside`) is kept
+    apart (:meth:`uncounted`): a process blocked on a socket spends none, and the rest is the
+    stand-in's work, not the protocol's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -245,32 +252,51 @@ class Baton:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         self._lock.acquire()
-        self._mine.held = True
+        self._mine.held, self._mine.wakes = True, []
         try:
             yield
         finally:
+            self._wake_all()
             self._mine.held = False
             self._lock.release()
 
     @contextlib.contextmanager
     def passed(self) -> Iterator[None]:
-        """Let the other ranks run meanwhile (if this thread holds the baton)."""
+        """Wake the ranks this thread delivered to, and let the other ranks run meanwhile (if this
+        thread holds the baton); uncounted."""
         held = getattr(self._mine, "held", False)
-        began = time.thread_time()
-        if held:
-            self._mine.held = False
-            self._lock.release()
-        try:
-            yield
-        finally:
+        with self.aside():
             if held:
-                self._lock.acquire()
-                self._mine.held = True
-            self._mine.waited = self.waited() + time.thread_time() - began
+                self._wake_all()
+                self._mine.held = False
+                self._lock.release()
+            try:
+                yield
+            finally:
+                if held:
+                    self._lock.acquire()
+                    self._mine.held = True
 
-    def waited(self) -> float:
-        """CPU seconds this thread has spent waiting so far."""
-        return getattr(self._mine, "waited", 0.0)
+    def aside(self) -> _Aside:
+        """Keep this thread's CPU in the block out of its rank's (nested blocks count once)."""
+        return _Aside(self._mine)
+
+    def uncounted(self) -> float:
+        """CPU seconds this thread has spent so far outside its rank's own work (see the class)."""
+        return getattr(self._mine, "uncounted", 0.0)
+
+    def wake(self, action: Callable[[], None]) -> None:
+        """Run ``action``, which wakes the ranks waiting for what this thread delivered: when this
+        thread next passes the baton on if it holds it, else now."""
+        if getattr(self._mine, "held", False):
+            self._mine.wakes.append(action)
+        else:
+            action()
+
+    def _wake_all(self) -> None:
+        wakes, self._mine.wakes = self._mine.wakes, []
+        for action in wakes:
+            action()
 
     def sleep(self, seconds: float) -> None:
         """``time.sleep`` while the simulation runs: polling ranks pass the baton."""
@@ -278,10 +304,30 @@ class Baton:
             _SLEEP(seconds)
 
 
+class _Aside:
+    """:meth:`Baton.aside`'s block: a class, not a generator, so that little of its own cost is counted."""
+
+    __slots__ = ("_mine", "_began")
+
+    def __init__(self, mine: threading.local) -> None:
+        self._mine = mine
+
+    def __enter__(self) -> None:
+        self._mine.depth = getattr(self._mine, "depth", 0) + 1
+        self._began = time.thread_time()
+
+    def __exit__(self, *_: object) -> None:
+        ended = time.thread_time()
+        self._mine.depth -= 1
+        if self._mine.depth == 0:
+            self._mine.uncounted = getattr(self._mine, "uncounted", 0.0) + ended - self._began
+
+
 class _Round:
     """One collective call, as every rank makes it: each rank's encoded message, in rank order."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, baton: Baton) -> None:
+        self.baton = baton
         self.payloads: list[bytes | None] = [None] * size
         self.missing = self.left = size
         self.lock = threading.Lock()
@@ -294,9 +340,9 @@ class _Round:
         with self.lock:
             self.missing -= 1
             if self.missing == 0:
-                self.full.set()
+                self.baton.wake(self.full.set)
         if rank == 0:
-            self.root.set()
+            self.baton.wake(self.root.set)
 
 
 class Fabric:
@@ -312,7 +358,7 @@ class Fabric:
         with self._lock:
             found = self._rounds.get(index)
             if found is None:
-                found = self._rounds[index] = _Round(self.size)
+                found = self._rounds[index] = _Round(self.size, self.baton)
             return found
 
     def leave(self, index: int, done: _Round) -> None:
@@ -336,6 +382,15 @@ class Fabric:
             arrived = event.wait(self.timeout)
         if not arrived:
             raise RuntimeError(f"simulated rank {rank} waited more than {self.timeout:.0f} s for {what}")
+
+
+def _notify(condition: threading.Condition, every: bool = False) -> None:
+    """Wake one thread waiting on ``condition`` (every one with ``every``)."""
+    with condition:
+        if every:
+            condition.notify_all()
+        else:
+            condition.notify()
 
 
 class MemoryPeers:
@@ -394,20 +449,22 @@ class MemoryPeers:
         return shared
 
     def send(self, payload: torch.Tensor, to: int) -> None:
-        condition, queue = self.fabric.channel(self.rank, to)
-        with condition:
-            queue.append(payload.numpy().tobytes())
-            condition.notify()
+        with self.fabric.baton.aside():  # the transport's work
+            condition, queue = self.fabric.channel(self.rank, to)
+            with condition:
+                queue.append(payload.numpy().tobytes())
+            self.fabric.baton.wake(lambda: _notify(condition))
 
     def receive(self, size: int, sender: int) -> torch.Tensor:
-        condition, queue = self.fabric.channel(sender, self.rank)
-        with self.fabric.baton.passed(), condition:
-            if not condition.wait_for(lambda: queue, self.fabric.timeout):
-                raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}")
-            data = queue.popleft()
-        if len(data) != size:
-            raise RuntimeError(f"rank {self.rank} expected {size} bytes from rank {sender}, got {len(data)}")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        with self.fabric.baton.aside():  # the transport's work, and the wait
+            condition, queue = self.fabric.channel(sender, self.rank)
+            with self.fabric.baton.passed(), condition:
+                if not condition.wait_for(lambda: queue, self.fabric.timeout):
+                    raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}")
+                data = queue.popleft()
+            if len(data) != size:
+                raise RuntimeError(f"rank {self.rank} expected {size} bytes from rank {sender}, got {len(data)}")
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
 
 
 # --------------------------------------------------------------------------------- the key-value store
@@ -427,7 +484,7 @@ class MemoryStore:
         """Wake the ranks waiting for ``key`` (with :attr:`lock` held)."""
         condition = self._waiting.pop(key, None)
         if condition is not None:
-            condition.notify_all()
+            self.baton.wake(lambda: _notify(condition, every=True))
 
     def wait_for(self, keys: Sequence[str], timeout: float) -> None:
         """Block until every key in ``keys`` is set (with :attr:`lock` held)."""

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.protocol_sim import Run, main, simulate  # noqa: E402
+from benchmarks.protocol_sim import Baton, Run, main, simulate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,29 @@ def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.Captur
     assert verdicts[0].startswith("PASS  a rank's bytes per checkpoint within 2x")
     assert verdicts[3].startswith("PASS  start-up store operations per rank constant")
     assert verdicts[4].startswith("PASS  manifest <= 16 MB")
+
+
+def test_rank_0s_start_up_traffic_grows_linearly(runs: dict[int, Run]) -> None:
+    """Rank 0 receives 4 messages from every rank (the identities, the probe barrier and check,
+    opening the directories) and sends each 6 (the token, its leader's length and value, and three
+    verdicts): no step of the start-up costs it more than a constant per rank."""
+    for world, run in runs.items():
+        counts = run.counts("startup")[0]
+        assert (counts.messages_in, counts.messages_out) == (4 * (world - 1), 6 * (world - 1)), world
+    small, large = runs[8].counts("startup")[0], runs[64].counts("startup")[0]
+    assert 0.95 < (large.bytes_in / 63) / (small.bytes_in / 7) < 1.05
+
+
+def test_a_rank_wakes_the_ranks_it_delivered_to_when_it_passes_the_baton() -> None:
+    """While a rank computes no other rank thread is woken: what its messages would wake waits
+    until it waits itself (or ends), and the CPU it then spends waking them is not its own."""
+    baton, woken = Baton(), []
+    with baton.held():
+        baton.wake(lambda: woken.append("message"))
+        assert woken == []
+        with baton.passed():
+            assert woken == ["message"]
+        baton.wake(lambda: woken.append("store key"))
+    assert woken == ["message", "store key"]
+    baton.wake(lambda: woken.append("unheld"))
+    assert woken[-1] == "unheld"

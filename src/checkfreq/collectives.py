@@ -10,6 +10,7 @@ JSON, never pickles.
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Protocol
 
 import torch
@@ -189,7 +190,7 @@ def scatter_json(peers: Peers, values: list[Any] | None) -> Any:
 def send_json(peers: Peers, value: Any, to: int) -> None:
     """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
     payload = _encode(value)
-    peers.send(torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8), to)
+    peers.send(torch.frombuffer(bytearray(struct.pack("=q", payload.numel())), dtype=torch.uint8), to)  # int64, as received
     peers.send(payload, to)
 
 

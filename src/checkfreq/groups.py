@@ -56,8 +56,8 @@ def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, tim
     A constant number of store operations per rank: each other rank appends ``<rank>:<nonce>`` to
     one key, waits for the answer under a key named after its nonce, and counts itself in under a
     key named after the token; rank 0 reads the appended asks and the count (a few operations per
-    poll) and answers every new ask at once. Past ``timeout``, rank 0 names the ranks it heard no
-    ask from.
+    poll), parses only the asks appended since its last poll and answers them at once. Past
+    ``timeout``, rank 0 names the ranks it heard no ask from.
     """
     if rank != 0:
         nonce = uuid.uuid4().hex
@@ -76,11 +76,12 @@ def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, tim
         return token
     token = uuid.uuid4().hex
     answered: dict[str, str] = {}  # rank -> the nonce last answered
+    read = 0  # bytes of the asks already answered: the asks only grow until every rank has joined
     deadline = time.monotonic() + timeout.total_seconds()
     while store.add(f"{keys}/{token}/joined", 0) < world_size - 1:
-        asks = store.get(f"{keys}/asks").decode() if store.check([f"{keys}/asks"]) else ""
-        newest = dict(ask.split(":", 1) for ask in asks.split(",") if ask)  # an earlier process's ask comes first
-        fresh = {peer: nonce for peer, nonce in newest.items() if answered.get(peer) != nonce}
+        asks = store.get(f"{keys}/asks") if store.check([f"{keys}/asks"]) else b""
+        new, read = asks[read:].decode(), len(asks)  # each ask parsed once, not once per poll
+        fresh = dict(ask.split(":", 1) for ask in new.split(",") if ask)  # an earlier process's ask comes first
         if fresh:
             store.multi_set([f"{keys}/answer/{nonce}" for nonce in fresh.values()], [token] * len(fresh))
             answered.update(fresh)
