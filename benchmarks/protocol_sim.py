@@ -77,7 +77,7 @@ from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
 from checkfreq.distributed_plan import PRIVATE, partition, private_name  # noqa: E402
 from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.groups import agree_on_token  # noqa: E402
-from checkfreq.restore import Found, Restorer, _Plan, _Readable  # noqa: E402
+from checkfreq.restore import Found, Restorer, _Plan, _Readable, _Stream  # noqa: E402
 from checkfreq.retention import Retention  # noqa: E402
 from checkfreq.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
@@ -757,7 +757,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             plan_cpu_s = time.thread_time() - began
             readers = {name: [rank] for name, rank in plan.reader.items()}
             began = time.thread_time()
-            stream = readable.stream
+            stream = _Stream.of(manifest)  # what every rank computes once (rank 0's plan cached its own)
             stream_cpu_s = time.thread_time() - began
             assert stream is not None
             stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 16 * (world - 1)
