@@ -90,8 +90,8 @@ class Checkpointer:
             valid state of memory and disk. ``True`` takes memory snapshots as often as the
             overhead bound allows (every step when the copy is cheap), an int ``n`` every ``n``
             steps; the policy still decides when to persist to disk. Falls back to disk only,
-            with one warning, when /dev/shm has no room. Under torch.distributed it must be a
-            number of steps (every rank snapshots the same steps).
+            with one warning, when /dev/shm has no room. Under torch.distributed with several
+            ranks it must be a number of steps (every rank snapshots the same steps).
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -149,7 +149,8 @@ class Checkpointer:
         retainer = Retainer(self._local, retention, leader=cluster.leader)
         self._uploader = None if self._remote is None else Uploader(
             self._local, self._remote, cluster.commit if cluster.upload is None else cluster.upload,  # type: ignore[arg-type]
-            token=cluster.token, retention=retention if remote_keep is None else Retention.of(remote_keep), local_retainer=retainer,
+            token=cluster.token, retention=retention if remote_keep is None else Retention.of(remote_keep),
+            local_retainer=retainer,
         )
         self._committer = Committer(self._local, cluster.commit, leader=retainer.leader, token=cluster.token,
                                     retainer=retainer, uploader=self._uploader, directory=cluster.directory)
