@@ -91,7 +91,8 @@ class Cluster(Protocol):
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],
              objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        """This rank's skeleton and tensors of a checkpoint read from disk, written at any world size."""
+        """This rank's skeleton and tensors of a checkpoint read from storage (``stored``: its data
+        files' arrays), written at any world size."""
         ...
 
     def close(self) -> None:
