@@ -593,7 +593,7 @@ class Job:
         return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(tensors))
 
     def commit_job(self, rank: int) -> CommitJob:
-        """Rank ``rank``'s snapshot, as ``Cluster.select`` shares it out."""
+        """Rank ``rank``'s snapshot, as ``GroupCluster.select`` shares it out."""
         arrays = {p.stored_name: (self.tensors[p.name].dtype, (p.end - p.begin,)) for p in self.pieces[rank]}
         own: dict[str, Any] = {}
         for name, (dtype, shape) in PRIVATE_TENSORS.items():

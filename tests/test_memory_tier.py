@@ -178,6 +178,19 @@ def test_a_run_that_did_not_restore_refuses_to_overwrite_memory_snapshots(shm_di
     assert region_path(tmp_path / "run", 0).exists()  # closing never removes another run's snapshots
 
 
+def test_one_process_removes_the_regions_of_ranks_it_does_not_have(shm_dir: Path, tmp_path: Path) -> None:
+    """An earlier 2-rank job left its regions: a single process (a world of one) on the directory
+    removes rank 1's as it starts, as any job does with the ranks it lacks, and keeps its own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in (0, 1):
+        region = MemoryRegion.for_directory(run, rank)
+        region.reserve(4096, 100)
+        region.release(remove=False)
+    with cf.Checkpointer(run, memory=1, model=make_model()):
+        assert sorted(p.name for p in shm_dir.iterdir()) == [region_path(run, 0).name]
+
+
 def test_memory_option_is_checked(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="memory must be"):
         cf.Checkpointer(tmp_path, memory=0.5, model=make_model())  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ import logging
 import os
 import platform
 import time
-import uuid
 import weakref
 from collections.abc import Iterable, Mapping
 from types import TracebackType
@@ -17,10 +16,9 @@ from typing import Any
 import torch
 
 import checkfreq
-from checkfreq.collectives import Peers, Solo
 from checkfreq.ddp_order import warn_if_buckets_reorder
 from checkfreq.commit import CommitJob, CommitResult, Committer, Retainer
-from checkfreq.distributed import Cluster, attach, open_directories
+from checkfreq.cluster import Cluster, attach
 from checkfreq.distributed_plan import is_dtensor, local_view, note_world_size_change
 from checkfreq.errors import (
     CheckfreqError,
@@ -47,7 +45,7 @@ from checkfreq.session import run_state, seed_session
 from checkfreq.signals import SignalTrap
 from checkfreq.timeline import Timeline
 from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
-from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, replicated, unflatten
+from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, unflatten
 from checkfreq.step_order import StepOrder
 from checkfreq.storage import Store, open_tiers
 from checkfreq.upload import Uploader
@@ -92,8 +90,8 @@ class Checkpointer:
             valid state of memory and disk. ``True`` takes memory snapshots as often as the
             overhead bound allows (every step when the copy is cheap), an int ``n`` every ``n``
             steps; the policy still decides when to persist to disk. Falls back to disk only,
-            with one warning, when /dev/shm has no room. Under torch.distributed it must be a
-            number of steps (every rank snapshots the same steps).
+            with one warning, when /dev/shm has no room. Under torch.distributed with several
+            ranks it must be a number of steps (every rank snapshots the same steps).
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -142,34 +140,27 @@ class Checkpointer:
             self._objects["rng"] = RNGState()
 
         self._local, self._remote = open_tiers(directory, remote)
-        self._cluster: Cluster | None = attach(self._local, self._remote, persist_timeout, self._policy)  # under torch.distributed
-        control, commit, upload = self._peers()
-        self._control = control
-        if self._cluster is None:
-            open_directories(self._local, self._remote, control, leader=True)
-        token = uuid.uuid4().hex[:12] if self._cluster is None else self._cluster.token
-        self._decide = self._policy.should_save if self._cluster is None else self._cluster.decide
+        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy)  # at every world size
+        control = self._control = cluster.control
         self.directory = self._local.root
-        self._memory = None if memory_cadence is None else MemoryTier.open(
-            self._local.root, memory_cadence, control, distributed=self._cluster is not None
-        )
-        self._restorer = Restorer(self._local, self._remote, control, self._memory,
-                                  page_cache=None if self._cluster is None else self._cluster.page_cache,
-                                  directory=None if self._cluster is None else self._cluster.directory)
+        self._memory = None if memory_cadence is None else MemoryTier.open(self._local.root, memory_cadence, control)
+        self._restorer = Restorer(self._local, self._remote, control, self._memory, page_cache=cluster.page_cache,
+                                  directory=cluster.directory)
         retention = Retention.of(keep)
-        retainer = Retainer(self._local, retention, leader=self._cluster is None or self._cluster.leader)
+        retainer = Retainer(self._local, retention, leader=cluster.leader)
         self._uploader = None if self._remote is None else Uploader(
-            self._local, self._remote, upload, token=token,  # type: ignore[arg-type]
-            retention=retention if remote_keep is None else Retention.of(remote_keep), local_retainer=retainer,
+            self._local, self._remote, cluster.commit if cluster.upload is None else cluster.upload,  # type: ignore[arg-type]
+            token=cluster.token, retention=retention if remote_keep is None else Retention.of(remote_keep),
+            local_retainer=retainer,
         )
-        self._committer = Committer(self._local, commit, leader=retainer.leader, token=token, retainer=retainer,
-                                    uploader=self._uploader, directory=0 if self._cluster is None else self._cluster.directory)
+        self._committer = Committer(self._local, cluster.commit, leader=retainer.leader, token=cluster.token,
+                                    retainer=retainer, uploader=self._uploader, directory=cluster.directory)
         newest = self._restorer.listed()[:1]
         if self._memory is not None:
             newest += [s for s in [self._memory.newest_step()] if s is not None]
-        self._foreign_step: int | None = max(  # until restore() adopts them; every rank sees them
-            (s for s in control.all_gather(max(newest, default=None)) if s is not None), default=None
-        )
+        steps = control.gather(max(newest, default=None))  # until restore() adopts them; every rank sees them
+        self._foreign_step: int | None = control.broadcast(
+            None if steps is None else max((s for s in steps if s is not None), default=None))
         self._closed = False
         self._events = EventLog(self._local.events_directory, rank=control.rank)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep, keep_every=retention.every)
@@ -205,17 +196,6 @@ class Checkpointer:
         return self._timeline.step
 
     @property
-    def _world_size(self) -> int:
-        return 1 if self._cluster is None else self._cluster.world_size
-
-    def _peers(self) -> tuple[Peers, Peers, Peers]:
-        """The ranks this Checkpointer agrees with on decisions and restores, commits, and uploads."""
-        if self._cluster is None:
-            return Solo(), Solo(), Solo()
-        upload = self._cluster.upload if self._cluster.upload is not None else self._cluster.commit
-        return self._cluster.control, self._cluster.commit, upload
-
-    @property
     def policy(self) -> Policy:
         return self._policy
 
@@ -248,7 +228,7 @@ class Checkpointer:
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         ctx = self._timeline.context(now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss)
-        if self._decide(ctx):
+        if self._cluster.decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
         if self._memory is not None and self._memory.enabled and self._memory.cadence.due(ctx.step, ctx.iteration_time):
@@ -298,15 +278,14 @@ class Checkpointer:
             return 0
         manifest = found.manifest
         from_memory = found.tier == "memory"
-        if not from_memory:  # a memory snapshot is this rank's whole state, taken by this very job
-            note_world_size_change(manifest, self._control.rank, self._world_size)
-        if from_memory or self._cluster is None:
+        if from_memory:  # this rank's whole state, taken by this very job
             skeleton, tensors = local_view(manifest, found.tensors)
         else:
+            note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         self._apply(state)
-        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._world_size)
+        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size)
         self._timeline = Timeline.restored(manifest.step)
         self._step_order.begin_session()
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
@@ -316,7 +295,7 @@ class Checkpointer:
             self._memory.cadence.taken(manifest.step)
         self._profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
-                           world_size=self._world_size, saved_world_size=manifest.world_size)
+                           world_size=self._cluster.world_size, saved_world_size=manifest.world_size)
         log.info("restored %s (step %d, %s tier)", found.name, manifest.step, found.tier)
         return manifest.step
 
@@ -351,10 +330,9 @@ class Checkpointer:
         self._hook_handles = []
         self._step_order.close()
         self._fence = None
-        if self._cluster is not None:
-            if self._memory is not None:
-                self._persist_newest_state()
-            self._cluster.close()
+        if self._memory is not None and not self._cluster.writes_whole_state:
+            self._persist_newest_state()
+        self._cluster.close()
         try:
             self.wait()
             if self._memory is not None:
@@ -432,13 +410,11 @@ class Checkpointer:
         self._finish_fence()
         step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
-        share = None
-        if self._cluster is not None:  # this rank writes its share only
-            tensors, owned, share = self._cluster.select(tensors, owned, replicated(tensors, self._objects))
+        tensors, owned, share = self._cluster.select(tensors, owned, self._objects)
         self._profiler.begin_checkpoint()
         layout = layout_of(tensors)
         target = None
-        if self._memory is not None and self._cluster is None:  # several ranks persist shares: their own buffer
+        if self._memory is not None and self._cluster.writes_whole_state:  # else the share has a buffer of its own
             target = self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
         job = functools.partial(self._committer.run, CommitJob(step, epoch, pending, skeleton, share, _versions(), start))
@@ -490,7 +466,7 @@ class Checkpointer:
         self._finish_fence()
         step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
-        if self._cluster is not None and any(is_dtensor(t) for t in tensors.values()):
+        if any(is_dtensor(t) for t in tensors.values()):
             log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
             memory.enabled = False
             self._profiler.record_memory_stall(time.perf_counter() - start)
@@ -519,20 +495,22 @@ class Checkpointer:
             self._report_failure(PersistError(f"memory snapshot failed: {error}"), error)
 
     def _persist_newest_state(self) -> None:
-        """Under torch.distributed, before a clean close removes the regions: a collective blocking
-        checkpoint if the ranks' newest memory snapshot (the same step on every rank) is newer than disk."""
+        """Where a rank writes a share of its state (not a memory snapshot as it stands), before a clean
+        close removes the regions: a collective blocking checkpoint if the ranks' newest memory
+        snapshot (the same step on every rank) is at the current step and newer than disk."""
         self._wait_memory()
         newest = self._memory.newest  # type: ignore[union-attr]
         if newest is not None and newest.step == self._timeline.step and self._durable_step < self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
 
     def _close_memory_tier(self) -> None:
-        """Persist the newest memory snapshot if disk is behind it, then remove the region (a clean close)."""
+        """Persist the newest memory snapshot as it stands if disk is behind it and it is the whole
+        checkpoint, then remove the region (a clean close)."""
         memory = self._memory
         assert memory is not None
         self._wait_memory()
         newest = memory.newest
-        if newest is not None and newest.step > self._durable_step and self._cluster is None:
+        if newest is not None and newest.step > self._durable_step and self._cluster.writes_whole_state:
             start = time.perf_counter()
             self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
                                policy=type(self._policy).__name__, epoch=newest.epoch)
@@ -632,15 +610,14 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
 
 
 def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], timeout: float,
-              trap: SignalTrap | None, cluster: Cluster | None) -> None:
+              trap: SignalTrap | None, cluster: Cluster) -> None:
     try:
         if trap is not None:
             trap.uninstall()
         writer.close(timeout)
         if uploader is not None:
             uploader.wait(timeout)
-        if cluster is not None:
-            cluster.release()
+        cluster.release()
     finally:
         for store in stores:
             if store is not None:

@@ -59,8 +59,9 @@ class CommitJob:
     pending: PendingSnapshot
     skeleton: Any
     share: dict[str, Any] | None
-    """Under torch.distributed: this rank's own tensor index, the tensors every rank shares and the
-    replica claim (``Cluster.select``)."""
+    """Where a rank writes a share of the state (``GroupCluster.select``): this rank's own tensor
+    index, the tensors every rank shares and the replica claim; None where the snapshot is the
+    whole state (one process)."""
     versions: dict[str, str]
     started: float
     """``time.perf_counter()`` when the snapshot began."""

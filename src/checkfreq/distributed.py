@@ -1,8 +1,8 @@
 """Checkpointing under ``torch.distributed``: what each rank writes, and the groups it talks on.
 
-A :class:`Cluster` is attached by the Checkpointer when a default process group is initialised
-(``torchrun``); users write no extra code. It creates dedicated gloo groups and never uses the
-training process group after that:
+A :class:`GroupCluster` is the Checkpointer's :class:`~checkfreq.cluster.Cluster` when a default
+process group is initialised (``torchrun``); users write no extra code. It creates dedicated gloo
+groups and never uses the training process group after that:
 
 * the **control** group, used only from the training thread: agreeing on *which* checkpoint to
   restore, and the start-up exchanges;
@@ -61,18 +61,11 @@ from checkfreq.format import Manifest
 from checkfreq.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.sharing import directory_leader, on_machine_local_file_system
-from checkfreq.state import flatten
+from checkfreq.state import flatten, replicated as replicated_names
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
-
-def attach(local: Store, remote: Store | None, timeout: float, policy: Policy) -> Cluster | None:
-    """A :class:`Cluster` for ``policy`` if a default process group is initialised, else ``None`` (one process)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return Cluster(local, remote, timeout, policy)
-
 
 JOIN_TIMEOUT = 600.0
 """At most this many seconds for every rank to construct its Checkpointer (``persist_timeout`` if shorter)."""
@@ -84,7 +77,7 @@ def wait_for_every_rank(world_size: int, timeout: float, store: dist.Store | Non
     """Return once every rank has constructed its Checkpointer; raise after ``timeout`` seconds.
 
     The habit ``torch.save`` teaches (checkpoint on rank 0 only) would otherwise hang in the
-    collective creation of the Cluster's groups, with no word of why. ``store``: the job's
+    collective creation of the GroupCluster's groups, with no word of why. ``store``: the job's
     key-value store (the default group's when None); ``join``: which of this process's
     Checkpointers this is (counted here when None).
     """
@@ -120,8 +113,9 @@ def _incarnation() -> str:
     return "fresh-store"
 
 
-class Cluster:
-    """This rank's part in checkpointing: its share of the state, its directory, its groups.
+class GroupCluster:
+    """This rank's part in checkpointing under torch.distributed: its share of the state, its
+    directory, its groups (a :class:`~checkfreq.cluster.Cluster`).
 
     Created collectively (every rank must construct its Checkpointer at the same point). The
     ranks agree on a token naming this job's staging locations and find out which of them share
@@ -143,6 +137,8 @@ class Cluster:
         """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory == self.rank
         self.page_cache = page_cache(local, self.directory)
+        self.writes_whole_state = False
+        """Every rank writes a share (even alone): its data file holds per-rank names and an index."""
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
         self.decide: Callable[[DecisionContext], bool] = (
             policy.should_save if self._decider is None else self._decider.should_save
@@ -152,14 +148,16 @@ class Cluster:
     # -------------------------------------------------------------- training thread
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], replicated: set[str]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
     ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any]]:
-        """This rank's share of ``tensors``: (arrays to write, which of them are fenced, their index).
+        """This rank's share of ``tensors`` (the state of ``objects``): (arrays to write, which of
+        them are fenced, their index).
 
-        ``replicated`` names the tensors that are the same on every rank (parameters and optimizer
-        state): they are split over the ranks, and fingerprinted for rank 0 to verify at the commit
+        The tensors that are the same on every rank (the parameters and optimizer state of
+        ``objects``) are split over the ranks, and fingerprinted for rank 0 to verify at the commit
         (:mod:`checkfreq.replicas`); every other tensor is written by each rank for itself.
         """
+        replicated = replicated_names(tensors, objects)
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         if self._plan is None or self._plan.layout != layout:
@@ -234,7 +232,7 @@ class Plan:
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Layout, tensors: Mapping[str, torch.Tensor], cluster: Cluster) -> Plan:
+    def of(cls, layout: replicas.Layout, tensors: Mapping[str, torch.Tensor], cluster: GroupCluster) -> Plan:
         sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
         plans = partition(sizes, cluster.world_size)
         shared: dict[str, Any] = {}

@@ -95,14 +95,12 @@ class MemoryTier:
         self.newest: MemorySnapshot | None = None
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, distributed: bool) -> MemoryTier:
-        """This rank's memory tier for ``directory``; under torch.distributed rank 0 first removes
-        the regions of ranks this job does not have."""
-        if not distributed:
-            return cls(directory, cadence, data_file=data_file_name(0))
-        if cadence.every is None:  # ranks measuring different costs would snapshot different steps
-            raise InvalidArgumentError("under torch.distributed, memory= takes a number of steps (e.g. memory=1), so that "
-                             "every rank snapshots the same steps")
+    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:
+        """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
+        removes the regions of ranks this job does not have (an earlier job ran with more)."""
+        if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
+            raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
+                                       "(e.g. memory=1), so that every rank snapshots the same steps")
         if peers.rank == 0:
             remove_regions_beyond(directory, peers.size)
         return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank)
