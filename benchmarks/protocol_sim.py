@@ -760,7 +760,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             stream = _Stream.of(manifest)  # what every rank computes once (rank 0's plan cached its own)
             stream_cpu_s = time.thread_time() - began
             assert stream is not None
-            stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 16 * (world - 1)
+            # every other rank's pack, each behind its length, count and file index (8 B each)
+            stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 24 * (world - 1)
             file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
         finally:
             time.sleep = _SLEEP
