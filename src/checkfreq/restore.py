@@ -398,12 +398,13 @@ class _Plan:
         to_remote = []
         for rank, damaged in enumerate(reports):
             for name, why in damaged.items():
-                if self.tier[name] == "local" and self._next_holder(name):
-                    pass
-                elif self.tier[name] == "local" and self.remote_ranks:
+                no_copy_left = [{"problem": f"rank {rank}: {why}" if len(reports) > 1 else why}] * len(reports)
+                if self.tier[name] == "remote":
+                    return no_copy_left
+                if not self._next_holder(name):  # no other directory holds it: the remote tier, if listed
+                    if not self.remote_ranks:
+                        return no_copy_left
                     to_remote.append(name)
-                else:  # no intact copy left
-                    return [{"problem": f"rank {rank}: {why}" if len(reports) > 1 else why}] * len(reports)
                 self.fresh.add(name)
         self._to_remote(to_remote)
         return self.orders() if self.fresh else self._exchange_orders()
