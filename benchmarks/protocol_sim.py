@@ -35,11 +35,11 @@ cyclic garbage collector is off while the ranks run, so that neither thousands o
 contending for the interpreter nor a collection of every rank's objects is counted as some rank's
 work.
 
-The restore runs on every rank up to ``--restore-up-to`` ranks (each rank decodes every rank's part
-of the all-gather, so the simulator's restore costs O(N²) in all); above, what it would cost is
+The restore runs on every rank up to ``--restore-up-to`` ranks (each rank receives a row from every rank,
+so the simulator's restore moves O(N²) bytes in all); above, what it would cost is
 measured alone: rank 0's plan (``restore._Plan``) over N views (on one shared directory, every
-rank's view is rank 0's, built by the restorer's own code), and the stream's layout
-(``restore._Stream.of``), which every rank computes.
+rank's view is rank 0's, built by the restorer's own code), and what every rank computes of the
+stream (``restore._Stream``: its layout, and the replicated tensors taken out of the N rows).
 
 Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks,
 and a verdict per acceptance criterion.
@@ -203,13 +203,13 @@ class CountingPeers:
             counts.peers.add(0)
         return value
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        payloads = self.inner.all_gather_bytes(payload)
-        counts, own = self.ledger.now, 8 + payload.numel()
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        rows = self.inner.all_gather_rows(row)
+        counts = self.ledger.now
         counts.all_gathers += 1
-        counts.to_all(own, self.size)
-        counts.from_all(sum(8 + p.numel() for p in payloads) - own, self.size)
-        return payloads
+        counts.to_all(row.numel(), self.size)
+        counts.from_all(row.numel() * (self.size - 1), self.size)
+        return rows
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         self.inner.send(payload, to)
@@ -436,14 +436,13 @@ class MemoryPeers:
         self.fabric.leave(index, now)
         return value
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         index, now = self._next()
-        now.put(self.rank, payload.numpy().tobytes())
-        self.fabric.wait(now.full, self.rank, f"an all-gather of bytes (call {index})")
+        now.put(self.rank, row.numpy().tobytes())
+        self.fabric.wait(now.full, self.rank, f"an all-gather of rows (call {index})")
         with now.lock:
             if now.shared is None:
-                now.shared = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else torch.empty(0, dtype=torch.uint8)
-                              for p in now.payloads]  # type: ignore[union-attr]
+                now.shared = torch.frombuffer(bytearray(b"".join(now.payloads)), dtype=torch.uint8).view(self.size, -1)  # type: ignore[arg-type]
             shared = now.shared
         self.fabric.leave(index, now)
         return shared
@@ -690,9 +689,9 @@ class Run:
     plan_cpu_s: float
     """Rank 0's CPU for the restore's plan over N views: each file's reader, and the orders."""
     stream_cpu_s: float
-    """A rank's CPU for the layout of the all-gathered replicated pieces."""
+    """A rank's CPU for the stream's layout and for taking the replicated tensors out of the all-gathered rows."""
     stream_bytes: int
-    """What a rank receives of the all-gathered replicated pieces: every other file's pack and its length."""
+    """What a rank receives of the all-gathered rows: every other rank's."""
     readers: dict[str, list[int]]
     """Who reads each data file from storage at restore, by the plan."""
     file_bytes: list[int]
@@ -756,12 +755,14 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began
             readers = {name: [rank] for name, rank in plan.reader.items()}
-            began = time.thread_time()
             stream = _Stream.of(manifest)  # what every rank computes once (rank 0's plan cached its own)
-            stream_cpu_s = time.thread_time() - began
             assert stream is not None
-            # every other rank's pack, each behind its length, count and file index (8 B each)
-            stream_bytes = sum(stream.sizes.values()) - min(stream.sizes.values()) + 24 * (world - 1)
+            rows = torch.zeros(world, stream.width, dtype=torch.uint8)  # each rank's row: its own file
+            rows.view(torch.int64)[:, 0] = torch.arange(world)
+            began = time.thread_time()
+            _Stream.of(manifest).tensors_of(rows)  # type: ignore[union-attr]
+            stream_cpu_s = time.thread_time() - began
+            stream_bytes = stream.width * (world - 1)  # every other rank's row
             file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
         finally:
             time.sleep = _SLEEP

@@ -238,7 +238,7 @@ def _restore_counted(rank: int, world: int, store_path: str, directory: str, net
     mapped: list[str] = []
     received, gathered = [0], [0]
     read, map_data, receive = LocalStore.read_data, LocalStore.map_data, GroupPeers.receive
-    all_gather_bytes = GroupPeers.all_gather_bytes
+    all_gather_rows = GroupPeers.all_gather_rows
 
     def counted_read(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
         reads.append([name, size])
@@ -252,14 +252,14 @@ def _restore_counted(rank: int, world: int, store_path: str, directory: str, net
         received[0] += size
         return receive(peers, size, sender)
 
-    def counted_all_gather(peers: GroupPeers, payload: torch.Tensor) -> list[torch.Tensor]:
-        payloads = all_gather_bytes(peers, payload)
-        gathered[0] += sum(p.numel() for r, p in enumerate(payloads) if r != peers.rank)
-        return payloads
+    def counted_all_gather(peers: GroupPeers, row: torch.Tensor) -> torch.Tensor:
+        rows = all_gather_rows(peers, row)
+        gathered[0] += row.numel() * (peers.size - 1)
+        return rows
 
     # counted: the files are still read, verified and mapped, the messages still received
     LocalStore.read_data, LocalStore.map_data = counted_read, counted_map  # type: ignore[method-assign]
-    GroupPeers.receive, GroupPeers.all_gather_bytes = counted_receive, counted_all_gather  # type: ignore[method-assign]
+    GroupPeers.receive, GroupPeers.all_gather_rows = counted_receive, counted_all_gather  # type: ignore[method-assign]
     if network_fs:
         checkfreq.distributed.on_machine_local_file_system = lambda path: False
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Small JSON messages between ranks (and, at restore, whole files sent from one rank to another
-and the replicated tensors all-gathered), and the same calls for a world of one.
+and the replicated tensors all-gathered in rows of one tensor), and the same calls for a world of one.
 
 The commit, upload and restore protocols are written once against :class:`Peers`: under
 ``torch.distributed`` a :class:`GroupPeers` carries the messages over a dedicated gloo group; a
@@ -35,8 +35,9 @@ class Peers(Protocol):
         """Rank 0's JSON-able ``value`` on every rank (other ranks pass anything)."""
         ...
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's flat ``uint8`` tensor ``payload`` (of any length), in rank order."""
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's flat ``uint8`` tensor ``row`` (the same length on every rank), one row per
+        rank in rank order: an ``(N, len(row))`` tensor."""
         ...
 
     def send(self, payload: torch.Tensor, to: int) -> None:
@@ -64,8 +65,8 @@ class Solo:
     def broadcast(self, value: Any) -> Any:
         return json.loads(json.dumps(value))
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return [payload]
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        return row.reshape(1, -1)
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         raise RuntimeError("a world of one has no other rank to send to")
@@ -90,8 +91,10 @@ class GroupPeers:
     def broadcast(self, value: Any) -> Any:
         return broadcast_json(value, self.group)
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        return all_gather_bytes(payload, self.group)
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        rows = torch.empty(self.size, row.numel(), dtype=torch.uint8)
+        _all_gather_single(rows.view(-1), row, group=self.group)
+        return rows
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         if payload.numel():
@@ -200,14 +203,13 @@ def receive_json(peers: Peers, sender: int) -> Any:
     return _decode(peers.receive(length, sender))
 
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""One all-gather into one tensor (``all_gather_into_tensor`` before torch named it ``all_gather_single``)."""
+
+
 def all_gather_json(value: Any, group: Any) -> list[Any]:
     """Every rank's JSON-able ``value``, in rank order (no pickling)."""
-    return [_decode(payload) for payload in all_gather_bytes(_encode(value), group)]
-
-
-def all_gather_bytes(payload: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    """Every rank's flat ``uint8`` ``payload``, in rank order: the lengths all-gathered, then the
-    payloads padded to the longest (so each one starts a tensor of its own, aligned)."""
+    payload = _encode(value)
     size = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
@@ -216,7 +218,7 @@ def all_gather_bytes(payload: torch.Tensor, group: Any) -> list[torch.Tensor]:
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [g[: int(n.item())] for g, n in zip(gathered, lengths)]
+    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths)]
 
 
 def _encode(value: Any) -> torch.Tensor:

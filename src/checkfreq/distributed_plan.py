@@ -103,14 +103,23 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     """
     items = sorted(s for s in sizes if s[1] > 0)
     empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]
-    starts, total = _starts(items)
-    cuts = [0]
-    for k in range(1, world_size):
-        cuts.append(max(cuts[-1], _cut(items, starts, total * k // world_size, total // world_size)))
-    cuts.append(total)
-    plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    starts, _ = _starts(items)
+    bounds = cuts(sizes, world_size)
+    plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
     plans[0][:0] = empty  # nothing to balance; rank 0 records them
     return plans
+
+
+def cuts(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[int]:
+    """Where :func:`partition` cuts the replicated byte stream: rank ``k`` writes bytes
+    ``[cuts[k], cuts[k + 1])`` of the tensors laid end to end in name order. O(N log T)."""
+    items = sorted(s for s in sizes if s[1] > 0)
+    starts, total = _starts(items)
+    bounds = [0]
+    for k in range(1, world_size):
+        bounds.append(max(bounds[-1], _cut(items, starts, total * k // world_size, total // world_size)))
+    bounds.append(total)
+    return bounds
 
 
 def stream_range(sizes: Sequence[tuple[str, int, int]], begin: int, end: int) -> list[Piece]:

@@ -30,6 +30,7 @@ on disk is valid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -43,7 +44,7 @@ import torch
 import xxhash
 
 from checkfreq.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
-from checkfreq.distributed_plan import REPLICATED, SHARDED, Piece, complete, partition, source_rank
+from checkfreq.distributed_plan import REPLICATED, SHARDED, complete, cuts, source_rank, stream_range
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import DTYPES_BY_CODE, Manifest, data_file_name, entry_view, header_entries
 from checkfreq.memory_tier import MemoryTier
@@ -56,8 +57,6 @@ Skipped = list[tuple[str, str]]
 """(checkpoint or memory slot, why it was not restored)."""
 Files = dict[str, tuple[torch.Tensor, dict[str, Any]]]
 """Data files a rank holds whole: name → (verified data section, parsed header)."""
-ALIGN = 8
-"""Every replicated piece starts at a multiple of this many bytes in the all-gathered stream."""
 
 
 @dataclass
@@ -255,7 +254,7 @@ class Restorer:
             try:
                 files[name] = self._read_file(tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name])
                 if stream is not None:
-                    packs[name] = stream.pack(name, *files[name])
+                    packs[name] = stream.row(name, *files[name])
                 tiers.add(tier)
             except CorruptCheckpointError as e:
                 files.pop(name, None)
@@ -283,20 +282,22 @@ class Restorer:
                 sent = receive_json(self.peers, sender)
                 files[name] = (self.peers.receive(sent["size"], sender), sent["header"])
                 tiers.add("peer")
-        stored: dict[str, torch.Tensor] = {}
+        replicated: dict[str, torch.Tensor] = {}
         if order["stream"]:
             stream = readable.stream
-            assert stream is not None  # rank 0 streams only a manifest whose pieces follow the plan
-            for payload in self.peers.all_gather_bytes(stream.encode(packs)):
-                for name, pack in stream.decode(payload).items():
-                    if name not in files and name not in packs:
-                        stored.update(stream.unpack(name, pack))
-                        tiers.add("peer")
+            assert stream is not None  # rank 0 streams only a checkpoint written by several ranks
+            mine = [packs[name] for name in sorted(packs)]
+            rows = torch.cat([self.peers.all_gather_rows(mine[r] if r < len(mine) else stream.row(None))
+                              for r in range(order["stream"])])
+            replicated = stream.tensors_of(rows)
+            manifest = stream.whole(manifest)
+            if len(packs) < len(manifest.files):
+                tiers.add("peer")
         for name in order["map"]:
             files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
             tiers.add("local")
-        manifest, tensors = _views(manifest, files, partial=bool(order["stream"]))
-        stored.update(tensors)
+        manifest, stored = _views(manifest, files, partial=bool(order["stream"]))
+        stored.update(replicated)
         used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
         return Found(manifest, stored, checkpoint_name(step), used)
 
@@ -420,7 +421,8 @@ class _Plan:
 
     def _exchange_orders(self) -> list[dict[str, Any]]:
         """What each rank maps, receives and sends (and whether the replicated pieces are all-gathered)."""
-        orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": self.lean} for _ in self.views]
+        rounds = max(Counter(self.reader.values()).values()) if self.lean else 0  # the most files a rank read
+        orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": rounds} for _ in self.views]
         held: dict[int, set[str]] = {}
         for rank, order in enumerate(orders):
             needs = [data_file_name(source_rank(rank, self.manifest.world_size))] if self.lean else self.names
@@ -440,85 +442,100 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Stream:
-    """The replicated pieces of a checkpoint by data file, as the ranks all-gather them: each file's
-    pieces laid end to end (each at a multiple of :data:`ALIGN`) in a pack, each rank's packs
-    behind the indices of their files."""
+    """The replicated tensors of a checkpoint as one byte stream (laid end to end in name order, as
+    the plan that wrote them split it), and how the ranks all-gather it: in rounds, each rank a row
+    per round holding the index of a file it read and that file's range of the stream, so that the
+    rows sorted by file index and cut to their lengths are the stream."""
 
-    slots: dict[str, list[tuple[Piece, str, tuple[int, ...], int]]]
-    """file → (piece, dtype code, shape of its tensor, offset in the pack) of each piece it holds."""
-    sizes: dict[str, int]
-    """file → its pack's length in bytes."""
+    tensors: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    """(name, dtype code, shape, first byte in the stream) of each replicated tensor."""
+    sizes: tuple[tuple[str, int, int], ...]
+    """(name, numel, itemsize) of each, as the plan takes them."""
+    cuts: tuple[int, ...]
+    """File ``k`` holds bytes ``[cuts[k], cuts[k + 1])`` of the stream."""
 
     @classmethod
     def of(cls, manifest: Manifest) -> _Stream | None:
-        """The packs of a checkpoint written by several ranks, or None if its manifest's pieces are
-        not those the plan gives (then every rank gets every file whole)."""
+        """The stream of a checkpoint written by several ranks (None for one written by one process,
+        or a version 1 manifest). O(T + N log T): no piece of any other file is listed."""
         if manifest.complete:
             return None
         try:
-            replicated = {n: e for n, e in manifest.distributed["tensors"].items() if e["kind"] == REPLICATED}  # type: ignore[union-attr]
-            sizes = [(n, math.prod(e["shape"]), DTYPES_BY_CODE[e["dtype"]].itemsize) for n, e in replicated.items()]
+            replicated = sorted((n, e) for n, e in manifest.distributed["tensors"].items() if e["kind"] == REPLICATED)  # type: ignore[union-attr]
+            sizes = tuple((n, math.prod(e["shape"]), DTYPES_BY_CODE[e["dtype"]].itemsize) for n, e in replicated)
         except (KeyError, TypeError, AttributeError):
             return None
-        plans = partition(sizes, manifest.world_size)
-        parts: dict[str, list[list[Any]]] = {name: [] for name in replicated}
-        for pieces in plans:
-            for piece in pieces:
-                parts[piece.name].append([piece.stored_name, piece.begin, piece.end])
-        if any(parts[name] != entry["parts"] for name, entry in replicated.items()):
-            return None
-        slots, lengths = {}, {}
-        for rank, pieces in enumerate(plans):
-            offset, slots[data_file_name(rank)] = 0, []
-            for piece in pieces:
-                entry = replicated[piece.name]
-                slots[data_file_name(rank)].append((piece, entry["dtype"], tuple(entry["shape"]), offset))
-                offset += -(-(piece.end - piece.begin) * DTYPES_BY_CODE[entry["dtype"]].itemsize // ALIGN) * ALIGN
-            lengths[data_file_name(rank)] = offset
-        return cls(slots, lengths)
+        tensors, start = [], 0
+        for (name, entry), (_, numel, itemsize) in zip(replicated, sizes):
+            tensors.append((name, entry["dtype"], tuple(entry["shape"]), start))
+            start += numel * itemsize
+        return cls(tuple(tensors), sizes, tuple(cuts(sizes, manifest.world_size)))
 
-    def pack(self, name: str, data: torch.Tensor, header: dict[str, Any]) -> torch.Tensor:
-        """The pieces of the verified data file ``name`` (its data section and header), packed."""
-        index = header_entries(header, name)
-        out = torch.zeros(self.sizes[name], dtype=torch.uint8)
-        for piece, code, _, offset in self.slots[name]:
+    @property
+    def width(self) -> int:
+        """A row's length: a file index (8 bytes) and the longest file's range, in whole 8-byte words."""
+        longest = max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+        return 8 + -(-longest // 8) * 8
+
+    def row(self, name: str | None, data: torch.Tensor | None = None, header: dict[str, Any] | None = None) -> torch.Tensor:
+        """The row of the verified data file ``name`` (its data section and header): its index and
+        its range of the stream, taken from its pieces; with no file, index −1."""
+        out = torch.zeros(self.width, dtype=torch.uint8)
+        if name is None:
+            out[:8].view(torch.int64)[0] = -1
+            return out
+        k = _file_index(name)
+        out[:8].view(torch.int64)[0] = k
+        index = header_entries(header or {}, name)
+        codes = {n: code for n, code, _, _ in self.tensors}
+        offset = 8
+        for piece in stream_range(self.sizes, self.cuts[k], self.cuts[k + 1]):
             entry = index.get(piece.stored_name)
             try:
                 begin, end = entry["offsets"]  # type: ignore[index]
-                fits = entry["dtype"] == code and math.prod(entry["shape"]) == piece.end - piece.begin  # type: ignore[index]
+                fits = entry["dtype"] == codes[piece.name] and math.prod(entry["shape"]) == piece.end - piece.begin  # type: ignore[index]
             except (TypeError, ValueError):
                 fits = False
-            if not fits or not 0 <= begin <= end <= data.numel():
+            if not fits or not 0 <= begin <= end <= data.numel():  # type: ignore[union-attr]
                 raise CorruptCheckpointError(f"data file {name} does not hold {piece.stored_name} as its manifest says")
-            out[offset : offset + end - begin] = data[begin:end]
+            out[offset : offset + end - begin] = data[begin:end]  # type: ignore[index]
+            offset += end - begin
+        if offset - 8 != self.cuts[k + 1] - self.cuts[k]:
+            raise CorruptCheckpointError(f"data file {name} holds {offset - 8} bytes of replicated tensors, not the "
+                                         f"{self.cuts[k + 1] - self.cuts[k]} its manifest says")
         return out
 
-    def encode(self, packs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """This rank's part of the stream: how many packs, their files' indices, the packs."""
-        names = sorted(packs)
-        index = torch.tensor([len(names)] + [int(n[len("rank"):].split(".")[0]) for n in names], dtype=torch.int64)
-        return torch.cat([index.view(torch.uint8), *(packs[n] for n in names)])
-
-    def decode(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A rank's part of the stream: file name → pack."""
-        count = int(payload[:8].view(torch.int64).item())
-        offset, packs = 8 * (count + 1), {}
-        for rank in payload[8:offset].view(torch.int64).tolist():
-            name = data_file_name(rank)
-            packs[name] = payload[offset : offset + self.sizes[name]]
-            offset += self.sizes[name]
-        if offset != payload.numel():
-            raise CorruptCheckpointError(f"a rank's replicated pieces take {payload.numel()} bytes, not the {offset} planned")
-        return packs
-
-    def unpack(self, name: str, pack: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The stored arrays of a pack: whole tensors in their shape, pieces flat."""
-        arrays = {}
-        for piece, code, shape, offset in self.slots[name]:
+    def tensors_of(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every replicated tensor, whole, from the all-gathered ``rows`` (one per file read, and
+        rows of index −1), in vectorised steps whatever the number of files."""
+        index = rows.view(torch.int64)[:, 0]
+        rows = rows[index >= 0]
+        index = index[index >= 0]
+        files = len(self.cuts) - 1
+        order = torch.argsort(index)
+        if not torch.equal(index[order], torch.arange(files)):
+            raise CorruptCheckpointError(f"the ranks' rows hold files {sorted(index.tolist())[:8]}…, not each of the {files} once")
+        lengths = torch.tensor(self.cuts[1:]) - torch.tensor(self.cuts[:-1])
+        mask = torch.arange(self.width - 8).unsqueeze(0) < lengths.unsqueeze(1)
+        stream = rows[order][:, 8:][mask]
+        out = {}
+        for name, code, shape, start in self.tensors:
             dtype = DTYPES_BY_CODE[code]
-            flat = pack[offset : offset + (piece.end - piece.begin) * dtype.itemsize].view(dtype)
-            arrays[piece.stored_name] = flat.view(shape) if piece.whole else flat
-        return arrays
+            flat = stream[start : start + math.prod(shape) * dtype.itemsize]
+            out[name] = (flat if start % dtype.itemsize == 0 else flat.clone()).view(dtype).view(shape)
+        return out
+
+    def whole(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with each replicated tensor recorded as one whole part (as :meth:`tensors_of` gives them)."""
+        shared = dict(manifest.distributed["tensors"])  # type: ignore[index]
+        for name, _, shape, _ in self.tensors:
+            shared[name] = {**shared[name], "parts": [[name, 0, math.prod(shape)]]}
+        return dataclasses.replace(manifest, distributed={**manifest.distributed, "tensors": shared})  # type: ignore[dict-item]
+
+
+def _file_index(name: str) -> int:
+    """The rank that wrote the data file ``name`` (``rank00003.safetensors``: 3)."""
+    return int(name[len("rank") :].split(".")[0])
 
 
 def read_plan(names: list[str], views: list[dict[str, Any]]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
