@@ -750,7 +750,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             readable = _readable(reader, STEP)
             views = [readable.summary(None, 0)] * world
             began = time.thread_time()
-            plan = _Plan(readable, views)
+            plan = _Plan(readable, views, own_shards=False)
             plan.orders()
             plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -228,33 +229,30 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     assert nodes[2]["received"] > four[0]["received"] > nodes[1]["received"], nodes
 
 
-def _restore_counted(rank: int, world: int, store_path: str, directory: str, network_fs: bool) -> None:
-    """Restore ``directory`` and write down the data files this rank read from storage (and
-    verified), those it mapped after another rank verified them, the bytes it received from other
-    ranks point to point and those the other ranks all-gathered to it, and its state.
-    ``network_fs``: the directory is taken for one on a network file system (no page cache shared
-    between the ranks), as on NFS or Lustre."""
-    reads: list[list[object]] = []
-    mapped: list[str] = []
-    received, gathered = [0], [0]
+def _count_restore_io(network_fs: bool) -> dict[str, Any]:
+    """Count, from now on in this process, the data files read from storage (and verified), those
+    mapped after another rank verified them, the bytes received from other ranks point to point and
+    those the other ranks all-gathered to it. ``network_fs``: directories are taken for ones on a
+    network file system (no page cache shared between the ranks), as on NFS or Lustre."""
+    counts: dict[str, Any] = {"reads": [], "mapped": [], "received": 0, "gathered": 0}
     read, map_data, receive = LocalStore.read_data, LocalStore.map_data, GroupPeers.receive
     all_gather_rows = GroupPeers.all_gather_rows
 
     def counted_read(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
-        reads.append([name, size])
+        counts["reads"].append([name, size])
         return read(store, location, name, size, checksum)
 
     def counted_map(store: LocalStore, location: Path, name: str, size: int, checksum: str) -> tuple:
-        mapped.append(name)
+        counts["mapped"].append(name)
         return map_data(store, location, name, size, checksum)
 
     def counted_receive(peers: GroupPeers, size: int, sender: int) -> torch.Tensor:
-        received[0] += size
+        counts["received"] += size
         return receive(peers, size, sender)
 
     def counted_all_gather(peers: GroupPeers, row: torch.Tensor) -> torch.Tensor:
         rows = all_gather_rows(peers, row)
-        gathered[0] += row.numel() * (peers.size - 1)
+        counts["gathered"] += row.numel() * (peers.size - 1)
         return rows
 
     # counted: the files are still read, verified and mapped, the messages still received
@@ -262,16 +260,22 @@ def _restore_counted(rank: int, world: int, store_path: str, directory: str, net
     GroupPeers.receive, GroupPeers.all_gather_rows = counted_receive, counted_all_gather  # type: ignore[method-assign]
     if network_fs:
         checkfreq.distributed.on_machine_local_file_system = lambda path: False
+    return counts
+
+
+def _restore_counted(rank: int, world: int, store_path: str, directory: str, network_fs: bool) -> None:
+    """Restore ``directory`` and write down what it read, mapped and received (:func:`_count_restore_io`)
+    and its state."""
+    counts = _count_restore_io(network_fs)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(LAYERS)])
     optimizer = torch.optim.AdamW(model.parameters())
     ckpt = Checkpointer(directory, policy=1000, model=model, optimizer=optimizer)
     ckpt["rank"] = -1
-    received[0] = 0  # what start-up received (each rank its directory's leader) is not the restore's
+    counts["received"] = 0  # what start-up received (each rank its directory's leader) is not the restore's
     assert ckpt.restore() == 2
-    torch.save({"reads": reads, "mapped": mapped, "received": received[0], "gathered": gathered[0], "model": model.state_dict(),
-                "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")
+    torch.save({**counts, "model": model.state_dict(), "rank": ckpt["rank"]}, f"{directory}.restored{rank}.pt")
     ckpt.close()
     dist.destroy_process_group()
 
@@ -308,6 +312,85 @@ def test_each_rank_reads_its_share_of_a_shared_directory(tmp_path: Path, network
             assert sorted(restored["mapped"]) == others and restored["gathered"] == 0, restored
         assert restored["rank"] == rank
         assert all(torch.equal(restored["model"][k], v) for k, v in saved.items())
+
+
+def _fsdp_model(seed: int, sharded: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Three linear layers, 37 rows each (uneven shards over 4 ranks), each ``fully_shard``-ed
+    (with ``sharded``), and Adam."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 37), torch.nn.Linear(37, 37), torch.nn.Linear(37, 37))
+    if sharded:
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every tensor gathered to its global value, and the model's local shards."""
+    state = {f"model/{k}": _full(v) for k, v in model.state_dict().items()}
+    state.update({f"optimizer/{i}/{k}": _full(v) for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()})
+    return {"state": state, "local": {k: v.to_local() for k, v in model.state_dict().items() if hasattr(v, "to_local")}}
+
+
+def _fsdp_rank(rank: int, world: int, root: str) -> None:
+    """Train an FSDP2 model two steps and checkpoint it; then restore it on a network file system,
+    counted (:func:`_count_restore_io`), into the same layout ("same") and into whole, unsharded
+    models on every rank ("plain"). Write down each phase's state and counts."""
+    counts = _count_restore_io(network_fs=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", world), rank=rank, world_size=world)
+    model, optimizer = _fsdp_model(seed=0)
+    with Checkpointer(f"{root}/ckpt", policy=1000, model=model, optimizer=optimizer) as ckpt:
+        for step in range(2):
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(5, 8, generator=generator)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ckpt.step()
+        ckpt.save(blocking=True)
+    out = {"save": _fsdp_state(model, optimizer)}
+    for phase in ("same", "plain"):
+        model, optimizer = _fsdp_model(seed=1, sharded=phase == "same")
+        with Checkpointer(f"{root}/ckpt", policy=1000, model=model, optimizer=optimizer) as ckpt:
+            counts.update(reads=[], mapped=[], received=0, gathered=0)  # the restore's, not the start-up's
+            assert ckpt.restore() == 2
+            out[phase] = {**counts, **_fsdp_state(model, optimizer)}
+    torch.save(out, f"{root}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_ranks_restore_from_their_own_files_and_every_file_only_for_another_layout(tmp_path: Path) -> None:
+    """Four FSDP2 ranks on a network file system restore their checkpoint at the same layout: each
+    reads (and verifies) its own data file only, which holds its shards, and receives no other
+    rank's file. Four ranks with whole, unsharded models restore it too: their own files do not
+    cover their blocks (the whole tensors), so the ranks take the step again, each getting every
+    file. Both end with the saved state, bit for bit."""
+    world = 4
+    mp.spawn(_fsdp_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
+    sizes = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())["files"]
+    for rank in range(world):
+        name = f"rank{rank:05d}.safetensors"
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        saved, same, plain = out["save"], out["same"], out["plain"]
+        assert same["reads"] == [[name, sizes[name]["size"]]] and same["mapped"] == [], same["reads"]
+        assert same["received"] < 1000 and same["gathered"] < 100, same  # orders, and empty rows of the stream
+        assert saved["local"].keys() == same["local"].keys()
+        for key, shard in saved["local"].items():
+            assert torch.equal(same["local"][key], shard), key
+        assert plain["reads"][0] == [name, sizes[name]["size"]], plain["reads"]  # the first try, its own file
+        others = sum(size["size"] for n, size in sizes.items() if n not in {r for r, _ in plain["reads"]})
+        assert plain["received"] > 0.8 * others, plain  # then every file: read, or received from its reader
+        for restored in (same, plain):
+            assert restored["state"].keys() == saved["state"].keys()
+            for key, value in saved["state"].items():
+                assert torch.equal(restored["state"][key], value), key
 
 
 def _established_connections() -> int:

@@ -272,7 +272,7 @@ class Checkpointer:
         """
         self._check_open("restore()")
         self.wait()
-        found = self._restorer.find(step)
+        found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects))
         if found is None:
             self._foreign_step = None
             return 0

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from checkfreq.collectives import Peers, Solo
 from checkfreq.distributed import GroupCluster, open_directories
-from checkfreq.distributed_plan import local_view
+from checkfreq.distributed_plan import Box, local_view, sharded_blocks
 from checkfreq.format import Manifest
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.storage.base import Store
@@ -95,6 +95,11 @@ class Cluster(Protocol):
         files' arrays), written at any world size."""
         ...
 
+    def blocks(self, manifest: Manifest, objects: Mapping[str, Any]) -> dict[str, Box]:
+        """The block of each sharded tensor of ``manifest`` that this rank restores into ``objects``
+        (what :meth:`view` cuts from the saved shards)."""
+        ...
+
     def close(self) -> None:
         """Finish what the ranks do together in the background (a vote in flight)."""
         ...
@@ -138,6 +143,9 @@ class SoloCluster:
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],
              objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         return local_view(manifest, stored)
+
+    def blocks(self, manifest: Manifest, objects: Mapping[str, Any]) -> dict[str, Box]:
+        return sharded_blocks(manifest, {})  # no DTensor without a process group: every tensor whole
 
     def close(self) -> None:
         """Nothing runs in the background between ranks."""

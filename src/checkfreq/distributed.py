@@ -45,6 +45,7 @@ from checkfreq.distributed_plan import (
     PRIVATE,
     REPLICATED,
     SHARDED,
+    Box,
     Piece,
     dtype_entry,
     kind_of,
@@ -54,6 +55,7 @@ from checkfreq.distributed_plan import (
     piece_view,
     private_name,
     restore_targets,
+    sharded_blocks,
     stream_range,
 )
 from checkfreq.errors import CheckfreqError
@@ -188,11 +190,11 @@ class GroupCluster:
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
-        _, live = flatten({n: o.state_dict() for n, o in objects.items()}, allow_pickle=True)
-        optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
-        saved = manifest.distributed.get("tensors") if manifest.distributed else None
-        names = list(saved) if isinstance(saved, dict) else list(stored)
-        return local_view(manifest, stored, self.rank, restore_targets(live, optimizers, names))
+        return local_view(manifest, stored, self.rank, _targets(manifest, list(stored), objects))
+
+    def blocks(self, manifest: Manifest, objects: Mapping[str, Any]) -> dict[str, Box]:
+        """The block of each sharded tensor of ``manifest`` that this rank restores into ``objects``."""
+        return sharded_blocks(manifest, _targets(manifest, [], objects))
 
     def close(self) -> None:
         """Finish the vote in flight (every rank has started the same number)."""
@@ -254,6 +256,15 @@ class Plan:
         windows = max(1, -(-total // replicas.VERIFY_BYTES))
         k = self.checks % windows
         return stream_range(self.sizes, k * total // windows, (k + 1) * total // windows)
+
+
+def _targets(manifest: Manifest, stored: list[str], objects: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The live DTensor of ``objects`` each saved tensor is restored to, by saved name (the
+    manifest's names, else those of the ``stored`` arrays)."""
+    _, live = flatten({n: o.state_dict() for n, o in objects.items()}, allow_pickle=True)
+    optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+    saved = manifest.distributed.get("tensors") if manifest.distributed else None
+    return restore_targets(live, optimizers, list(saved) if isinstance(saved, dict) else stored)
 
 
 def _label(piece: Piece) -> str:

@@ -178,9 +178,42 @@ def piece_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     return tensor if piece.whole else tensor.reshape(-1)[piece.begin : piece.end]
 
 
-def local_box(target: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""(offset, shape) of a block of a global tensor."""
+
+
+def local_box(target: torch.Tensor) -> Box:
     """(offset, shape) of this rank's block of a DTensor ``target`` in its global tensor."""
     return dtensor_local_box(target)
+
+
+def restored_block(shape: Sequence[int], target: torch.Tensor | None) -> Box:
+    """The block a rank restores of a saved tensor of global ``shape``: its live DTensor ``target``'s
+    own block, or the whole tensor (no target, or one of another shape: the loader reports that)."""
+    shape = tuple(int(d) for d in shape)
+    if target is None or tuple(target.shape) != shape:
+        return (0,) * len(shape), shape
+    return local_box(target)
+
+
+def sharded_blocks(manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> dict[str, Box]:
+    """The block this rank restores of every sharded tensor of ``manifest`` (``targets``: the live
+    DTensors by saved name, :func:`restore_targets`)."""
+    saved = manifest.distributed["tensors"] if manifest.distributed else {}
+    return {n: restored_block(e["shape"], targets.get(n)) for n, e in saved.items() if e["kind"] == SHARDED}
+
+
+def uncovered(manifest: Manifest, blocks: Mapping[str, Box]) -> list[str]:
+    """The sharded tensors whose block in ``blocks`` the shards ``manifest`` indexes do not cover
+    (a manifest completed from some of the data files: their shards only)."""
+    saved = manifest.distributed["tensors"] if manifest.distributed else {}
+    short = []
+    for name, (offset, shape) in blocks.items():
+        parts = saved[name]["parts"] if name in saved else []
+        held = sum(_overlap(tuple(o), tuple(manifest.tensors[stored]["shape"]), offset, shape)[2] for stored, o in parts)
+        if held != _numel(shape):
+            short.append(name)
+    return short
 
 
 # ---------------------------------------------------------------------------------- restore side
@@ -315,11 +348,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 def materialize(name: str, source: Source, target: torch.Tensor | None) -> torch.Tensor:
     """The whole tensor, or (for a DTensor ``target``) a DTensor with the target's placement."""
-    if target is None:
-        return _block(name, source, (0,) * len(source.shape), source.shape)
-    if tuple(target.shape) != source.shape:
-        return _block(name, source, (0,) * len(source.shape), source.shape)  # the loader reports the mismatch
-    offset, shape = local_box(target)
+    offset, shape = restored_block(source.shape, target)
+    if target is None or tuple(target.shape) != source.shape:
+        return _block(name, source, offset, shape)
     local = _block(name, source, offset, shape).to(target.to_local().device)
     return dtensor_class().from_local(
         local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
@@ -334,18 +365,26 @@ def _block(name: str, source: Source, offset: tuple[int, ...], shape: tuple[int,
     out = torch.empty(shape, dtype=source.dtype)
     covered = 0
     for chunk in source.chunks:
-        src, dst, n = [], [], 1
-        for o, s, bo, bs in zip(chunk.offset, chunk.data.shape, offset, shape):
-            lo, hi = max(o, bo), min(o + s, bo + bs)
-            n *= max(hi - lo, 0)
-            src.append(slice(lo - o, hi - o))
-            dst.append(slice(lo - bo, hi - bo))
+        src, dst, n = _overlap(chunk.offset, tuple(chunk.data.shape), offset, shape)
         if n:
-            out[tuple(dst)] = chunk.data[tuple(src)]
+            out[dst] = chunk.data[src]
             covered += n
     if covered != out.numel():
         raise CorruptCheckpointError(f"saved shards of {name!r} cover {covered} of the {out.numel()} elements needed")
     return out
+
+
+def _overlap(offset: tuple[int, ...], shape: tuple[int, ...], box_offset: tuple[int, ...],
+             box_shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...], int]:
+    """Where the block ``offset``/``shape`` meets the box ``box_offset``/``box_shape``: the slices
+    of each that hold the common elements, and their number."""
+    src, dst, n = [], [], 1
+    for o, s, bo, bs in zip(offset, shape, box_offset, box_shape):
+        lo, hi = max(o, bo), min(o + s, bo + bs)
+        n *= max(hi - lo, 0)
+        src.append(slice(lo - o, hi - o))
+        dst.append(slice(lo - bo, hi - bo))
+    return tuple(src), tuple(dst), n
 
 
 def optimizer_targets(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[str, torch.Tensor]:

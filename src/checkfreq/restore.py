@@ -16,9 +16,13 @@ The same code for one process and for N ranks (:mod:`checkfreq.collectives`), in
    private state it restores (its own at the same world size); and, all-gathered over the control
    group, the replicated tensors (parameters and optimizer state under DDP) of every other file:
    about the size of the replicated state per rank, at any number of ranks. A rank whose directory
-   shares its page cache with a file's reader maps the file rather than receive it. When every rank
-   shares one page cache (one machine, one directory), or the checkpoint holds sharded tensors
-   (FSDP2) or has a version 1 manifest, every rank gets every file whole instead.
+   shares its page cache with a file's reader maps the file rather than receive it. Sharded tensors
+   (FSDP2) are restored the same way when the job has as many ranks as the one that saved them:
+   a rank's own file holds its shards, and each rank checks that they cover its live blocks. If any
+   rank's do not (the shards were laid out otherwise), the ranks take the step again, each getting
+   every file. When every rank shares one page cache (one machine, one directory), the world size
+   changed under sharded tensors, or the checkpoint has a version 1 manifest, every rank gets every
+   file whole at once.
 
 If any rank fails, every rank moves on to the next older step. With node-local directories no node
 reads another node's files from the remote tier: only what no directory holds intact comes from it.
@@ -38,13 +42,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
 
 from checkfreq.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
-from checkfreq.distributed_plan import REPLICATED, SHARDED, complete, cuts, source_rank, stream_range
+from checkfreq.distributed_plan import REPLICATED, SHARDED, Box, complete, cuts, source_rank, stream_range, uncovered
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import DTYPES_BY_CODE, Manifest, data_file_name, entry_view, header_entries
 from checkfreq.memory_tier import MemoryTier
@@ -57,6 +61,8 @@ Skipped = list[tuple[str, str]]
 """(checkpoint or memory slot, why it was not restored)."""
 Files = dict[str, tuple[torch.Tensor, dict[str, Any]]]
 """Data files a rank holds whole: name → (verified data section, parsed header)."""
+Blocks = Callable[[Manifest], dict[str, Box]]
+"""The block of each sharded tensor of a checkpoint (its manifest) that this rank restores."""
 
 
 @dataclass
@@ -81,6 +87,12 @@ class _Readable:
     manifest: Manifest
     held: set[str]
     remote: bool
+
+    @functools.cached_property
+    def sharded(self) -> bool:
+        """Whether the checkpoint holds sharded tensors (DTensors)."""
+        return self.manifest.distributed is not None and any(
+            entry["kind"] == SHARDED for entry in self.manifest.distributed["tensors"].values())
 
     @functools.cached_property
     def stream(self) -> _Stream | None:
@@ -116,6 +128,7 @@ class Restorer:
         self.page_cache = page_cache
         self.directory = peers.rank if directory is None else directory
         self._locations: dict[str, dict[int, Any]] = {}
+        self._blocks: Blocks | None = None
 
     def listed(self) -> list[int]:
         """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
@@ -124,9 +137,15 @@ class Restorer:
             steps |= {s for s, _ in self.remote.checkpoints()}
         return sorted(steps, reverse=True)
 
-    def find(self, step: int | None = None) -> Found | None:
+    def find(self, step: int | None = None, blocks: Blocks | None = None) -> Found | None:
         """The newest valid checkpoint (or the one at ``step``) every rank can read; None if no
-        rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid."""
+        rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
+
+        ``blocks`` gives the blocks of the sharded tensors this rank restores: with it a rank gets
+        only the files that hold them (its own, when the layout is the saved one); without it, every
+        rank gets every file of a checkpoint with sharded tensors.
+        """
+        self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
         if self.memory is not None:
             found = self._from_memory(step, listed)
@@ -210,17 +229,19 @@ class Restorer:
         held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
         return _Readable(step, manifest, held, remote is not None)
 
-    def _restore_step(self, step: int) -> Found | str:
+    def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
         """Checkpoint ``step`` read, verified and shared as rank 0 plans it, or why it cannot be.
 
         Collective: every rank sends rank 0 its summary, then takes rank 0's orders (read these
         files; again after a damaged copy; then what to map, receive and send) until rank 0 says
-        the step fails or the files are all verified.
+        the step fails or the files are all verified. With ``own_shards``, a rank may get only its
+        own file of a checkpoint with sharded tensors; if its shards then do not cover its blocks,
+        on any rank, the ranks take the step again without.
         """
         readable = self._readable(step)
         summary = readable if isinstance(readable, str) else readable.summary(self.page_cache, self.directory)
         views = self.peers.gather(summary)
-        plan = None if views is None else _Plan.of(readable, views)
+        plan = None if views is None else _Plan.of(readable, views, own_shards and self._blocks is not None)
         if isinstance(plan, str):
             order = scatter_json(self.peers, [{"problem": plan}] * self.peers.size)
         else:
@@ -236,13 +257,29 @@ class Restorer:
         if "problem" in order:
             return order["problem"]
         assert isinstance(readable, _Readable)
-        problem, found = None, None
+        problem, found, short = None, None, None
         try:
             found = self._exchange(readable, order, files, packs, tiers)
+            if order["stream"] and readable.sharded:
+                assert self._blocks is not None  # rank 0 streams a sharded checkpoint only then
+                short = next(iter(uncovered(found.manifest, self._blocks(readable.manifest))), None)
         except CorruptCheckpointError as e:
             problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
+        if order["stream"] and readable.sharded and self._laid_out_otherwise(step, short):
+            return self._restore_step(step, own_shards=False)
         failed = collect_errors(self.peers, problem)
         return "; ".join(failed) if failed else found  # type: ignore[return-value]
+
+    def _laid_out_otherwise(self, step: int, short: str | None) -> bool:
+        """Whether some rank's files miss a part of its blocks (``short``: this rank's first such
+        tensor, or None). Collective."""
+        shorts = self.peers.gather(short)
+        first = self.peers.broadcast(None if shorts is None else next(
+            ([rank, name] for rank, name in enumerate(shorts) if name is not None), None))
+        if first is not None and self.peers.rank == 0:
+            log.info("checkpoint %s: rank %d's own data file does not hold its block of %s (the shards were laid "
+                     "out otherwise); every rank gets every file", checkpoint_name(step), *first)
+        return first is not None
 
     def _read_assigned(self, readable: _Readable, order: dict[str, Any], files: Files, packs: dict[str, torch.Tensor],
                        tiers: set[str]) -> dict[str, str]:
@@ -291,7 +328,7 @@ class Restorer:
                               for r in range(order["stream"])])
             replicated = stream.tensors_of(rows)
             manifest = stream.whole(manifest)
-            if len(packs) < len(manifest.files):
+            if len(packs) < len(manifest.files) and stream.cuts[-1] > 0:
                 tiers.add("peer")
         for name in order["map"]:
             files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
@@ -348,7 +385,7 @@ class _Plan:
     every rank every file); a rank's orders name the files it reads, maps, receives and sends.
     """
 
-    def __init__(self, readable: _Readable, views: list[dict[str, Any]]) -> None:
+    def __init__(self, readable: _Readable, views: list[dict[str, Any]], own_shards: bool) -> None:
         manifest = readable.manifest
         self.manifest, self.views = manifest, views
         self.names = sorted(manifest.files)
@@ -361,14 +398,16 @@ class _Plan:
         self._to_remote([name for name in self.names if name not in self.reader])
         caches = {view["cache"] for view in views}
         one_cache = len(caches) == 1 and None not in caches and all(view["held"] == "all" for view in views)
-        self.lean = not one_cache and readable.stream is not None and not any(
-            entry["kind"] == SHARDED for entry in manifest.distributed["tensors"].values())  # type: ignore[union-attr]
+        same_shards = own_shards and manifest.world_size == len(views)
+        self.lean = not one_cache and readable.stream is not None and (not readable.sharded or same_shards)
+        """Each rank gets its own file whole and the replicated tensors all-gathered, not every file."""
         self.fresh = set(self.names)
         """The files whose reader has not read them yet."""
 
     @classmethod
-    def of(cls, readable: _Readable | str, views: list[Any]) -> _Plan | str:
-        """The plan, or why the ranks cannot restore this checkpoint."""
+    def of(cls, readable: _Readable | str, views: list[Any], own_shards: bool) -> _Plan | str:
+        """The plan, or why the ranks cannot restore this checkpoint (``own_shards``: a rank may get
+        only its own file of a checkpoint with sharded tensors written at this world size)."""
         for rank, view in enumerate(views):
             if isinstance(view, str):
                 return f"rank {rank} cannot read its manifest: {view}" if len(views) > 1 else view
@@ -376,7 +415,7 @@ class _Plan:
         differs = next((r for r, view in enumerate(views) if view["files"] != views[0]["files"]), None)
         if differs is not None:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
-        return _unreachable(readable.manifest, views) or cls(readable, views)
+        return _unreachable(readable.manifest, views) or cls(readable, views, own_shards)
 
     def _to_remote(self, names: list[str]) -> None:
         """Give each of ``names`` a reader of the remote tier, the least busy first."""
