@@ -748,9 +748,9 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 manifest = reader.read_manifest(location)
                 parse.append(time.thread_time() - began)
             readable = _readable(reader, STEP)
-            views = [readable.summary(None, 0)] * world
+            views = [readable.summary(None, 0, [rank]) for rank in range(world)]
             began = time.thread_time()
-            plan = _Plan(readable, views, own_shards=False)
+            plan = _Plan(readable, views)
             plan.orders()
             plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began

@@ -366,15 +366,37 @@ def _fsdp_rank(rank: int, world: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def test_fsdp2_ranks_restore_from_their_own_files_and_every_file_only_for_another_layout(tmp_path: Path) -> None:
+def _fsdp_resharded(rank: int, world: int, root: str) -> None:
+    """Restore the four ranks' FSDP2 checkpoint on ``world`` ranks, counted; write down the state."""
+    counts = _count_restore_io(network_fs=True)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store{world}", world), rank=rank, world_size=world)
+    model, optimizer = _fsdp_model(seed=1)
+    with Checkpointer(f"{root}/ckpt", policy=1000, model=model, optimizer=optimizer) as ckpt:
+        counts.update(reads=[], mapped=[], received=0, gathered=0)
+        assert ckpt.restore() == 2
+    torch.save({**counts, **_fsdp_state(model, optimizer)}, f"{root}/resharded{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
     """Four FSDP2 ranks on a network file system restore their checkpoint at the same layout: each
     reads (and verifies) its own data file only, which holds its shards, and receives no other
     rank's file. Four ranks with whole, unsharded models restore it too: their own files do not
     cover their blocks (the whole tensors), so the ranks take the step again, each getting every
-    file. Both end with the saved state, bit for bit."""
+    file. Two FSDP2 ranks restore it: rank 0's rows (0-18 of 37) lie in saved ranks 0 and 1's
+    files, rank 1's (19-36) in 1, 2 and 3's; the files are read in turns (0 and 2 by rank 0, 1
+    and 3 by rank 1), so each receives one file, not two. Every restore ends with the saved state,
+    bit for bit."""
     world = 4
     mp.spawn(_fsdp_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_fsdp_resharded, args=(2, str(tmp_path)), nprocs=2, join=True)
     sizes = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())["files"]
+    for rank, (reads, received) in enumerate([(["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
+                                              (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors")]):
+        resharded = torch.load(tmp_path / f"resharded{rank}.pt")
+        assert [name for name, _ in resharded["reads"]] == reads, resharded["reads"]
+        assert 0.9 * sizes[received]["size"] < resharded["received"] < 1.1 * sizes[received]["size"], (resharded, sizes)
     for rank in range(world):
         name = f"rank{rank:05d}.safetensors"
         out = torch.load(tmp_path / f"rank{rank}.pt")
@@ -387,7 +409,8 @@ def test_fsdp2_ranks_restore_from_their_own_files_and_every_file_only_for_anothe
         assert plain["reads"][0] == [name, sizes[name]["size"]], plain["reads"]  # the first try, its own file
         others = sum(size["size"] for n, size in sizes.items() if n not in {r for r, _ in plain["reads"]})
         assert plain["received"] > 0.8 * others, plain  # then every file: read, or received from its reader
-        for restored in (same, plain):
+        restores = [same, plain] + ([torch.load(tmp_path / f"resharded{rank}.pt")] if rank < 2 else [])
+        for restored in restores:
             assert restored["state"].keys() == saved["state"].keys()
             for key, value in saved["state"].items():
                 assert torch.equal(restored["state"][key], value), key

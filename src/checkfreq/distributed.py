@@ -47,6 +47,7 @@ from checkfreq.distributed_plan import (
     SHARDED,
     Box,
     Piece,
+    chunked_dim,
     dtype_entry,
     kind_of,
     local_box,
@@ -172,6 +173,7 @@ class GroupCluster:
         arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
         own: dict[str, Any] = {}  # this rank's tensors but its replicated pieces: in its file's header
         shared = dict(plan.shared)  # what every rank records the same: in the manifest
+        meshes: dict[int, bool] = {}
         for name, tensor in tensors.items():
             kind = kind_of(name, tensor, replicated)
             if kind == REPLICATED:
@@ -182,6 +184,9 @@ class GroupCluster:
                 offset, _ = local_box(tensor)
                 own[name] = _entry(tensor, SHARDED, [[stored, list(offset)]])
                 shared[name] = _entry(tensor, SHARDED, [])
+                dim = chunked_dim(tensor, self.world_size, meshes)
+                if dim is not None:  # where each rank's shard lies, for a restore at another world size
+                    shared[name]["chunked"] = dim
             else:
                 arrays[stored] = tensor
                 own[name] = _entry(tensor, PRIVATE, [stored])

@@ -196,6 +196,31 @@ def restored_block(shape: Sequence[int], target: torch.Tensor | None) -> Box:
     return local_box(target)
 
 
+def chunked_dim(tensor: torch.Tensor, world_size: int, meshes: dict[int, bool]) -> int | None:
+    """The dimension a DTensor is cut along when its mesh is every rank in order and its one
+    placement is ``Shard(dim)`` (FSDP2's layout): rank ``k`` then holds block ``k`` of that
+    dimension as ``torch.chunk`` cuts it. None for any other layout. ``meshes`` caches, by ``id``,
+    whether each mesh seen (alive meanwhile) is every rank in order."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if len(placements) != 1 or type(placements[0]) is not Shard:
+        return None
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = mesh.ndim == 1 and torch.equal(mesh.mesh.cpu(), torch.arange(world_size))
+    return placements[0].dim if meshes[id(mesh)] else None
+
+
+def chunk_holders(shape: Sequence[int], dim: int, parts: int, box: Box) -> range:
+    """The blocks, of the ``parts`` that ``torch.chunk`` cuts dimension ``dim`` of a tensor of
+    global ``shape`` into, that hold some of ``box`` (the saved ranks whose shards it needs)."""
+    offset, size = box
+    step = -(-int(shape[dim]) // parts)
+    if step == 0 or size[dim] == 0 or any(d == 0 for d in size):
+        return range(0)
+    return range(offset[dim] // step, min((offset[dim] + size[dim] - 1) // step + 1, parts))
+
+
 def sharded_blocks(manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> dict[str, Box]:
     """The block this rank restores of every sharded tensor of ``manifest`` (``targets``: the live
     DTensors by saved name, :func:`restore_targets`)."""

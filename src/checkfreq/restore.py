@@ -13,16 +13,16 @@ The same code for one process and for N ranks (:mod:`checkfreq.collectives`), in
 3. The readers read and verify their files. A damaged copy goes to a holder in another directory,
    then to the remote tier; every byte read from storage is verified once, by its reader.
 4. Each rank gets what it needs from the readers: whole, the data file of the saved rank whose
-   private state it restores (its own at the same world size); and, all-gathered over the control
-   group, the replicated tensors (parameters and optimizer state under DDP) of every other file:
-   about the size of the replicated state per rank, at any number of ranks. A rank whose directory
-   shares its page cache with a file's reader maps the file rather than receive it. Sharded tensors
-   (FSDP2) are restored the same way when the job has as many ranks as the one that saved them:
-   a rank's own file holds its shards, and each rank checks that they cover its live blocks. If any
-   rank's do not (the shards were laid out otherwise), the ranks take the step again, each getting
-   every file. When every rank shares one page cache (one machine, one directory), the world size
-   changed under sharded tensors, or the checkpoint has a version 1 manifest, every rank gets every
-   file whole at once.
+   private state it restores (its own at the same world size) and, under FSDP2, those holding the
+   shards its live blocks overlap (its own at the same layout; at another world size, the few
+   whose ``torch.chunk`` blocks meet its own, as the manifest records the layout); and,
+   all-gathered over the control group, the replicated tensors (parameters and optimizer state
+   under DDP) of every other file: about the size of the replicated state per rank, at any number
+   of ranks. A rank whose directory shares its page cache with a file's reader maps the file
+   rather than receive it. Each rank checks that the shards it got cover its blocks; if they do
+   not on some rank (a layout the manifest does not record), the ranks take the step again, each
+   getting every file. When every rank shares one page cache (one machine, one directory), or the
+   checkpoint has a version 1 manifest, every rank gets every file whole at once.
 
 If any rank fails, every rank moves on to the next older step. With node-local directories no node
 reads another node's files from the remote tier: only what no directory holds intact comes from it.
@@ -48,7 +48,17 @@ import torch
 import xxhash
 
 from checkfreq.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
-from checkfreq.distributed_plan import REPLICATED, SHARDED, Box, complete, cuts, source_rank, stream_range, uncovered
+from checkfreq.distributed_plan import (
+    REPLICATED,
+    SHARDED,
+    Box,
+    chunk_holders,
+    complete,
+    cuts,
+    source_rank,
+    stream_range,
+    uncovered,
+)
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.format import DTYPES_BY_CODE, Manifest, data_file_name, entry_view, header_entries
 from checkfreq.memory_tier import MemoryTier
@@ -99,12 +109,33 @@ class _Readable:
         """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
         return _Stream.of(self.manifest)
 
-    def summary(self, page_cache: int | None, directory: int) -> dict[str, Any]:
-        """What rank 0 learns of it (``"all"`` stands for every file: a shared directory)."""
+    def summary(self, page_cache: int | None, directory: int, needs: list[int] | None) -> dict[str, Any]:
+        """What rank 0 learns of it (``"all"`` stands for every file: a shared directory; ``needs``:
+        the saved ranks whose files this rank needs whole, None for every file)."""
         held = "all" if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
         return {"held": held, "remote": self.remote, "cache": page_cache, "dir": directory,
-                "files": xxhash.xxh3_64_hexdigest(files)}
+                "files": xxhash.xxh3_64_hexdigest(files), "needs": needs}
+
+    def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
+        """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
+        replicated tensors: the one whose private state it restores, and those whose shards its
+        ``blocks`` overlap. None: every file (a sharded tensor laid out in a way not recorded, at
+        another world size, or no ``blocks`` given)."""
+        saved_world = self.manifest.world_size
+        needs = {source_rank(rank, saved_world)}
+        if not self.sharded:
+            return sorted(needs)
+        if blocks is None:
+            return None
+        saved = self.manifest.distributed["tensors"]  # type: ignore[index]
+        for name, box in blocks(self.manifest).items():
+            entry = saved[name]
+            if "chunked" in entry:
+                needs.update(chunk_holders(entry["shape"], entry["chunked"], saved_world, box))
+            elif saved_world != world_size:
+                return None
+        return sorted(needs)  # at the same world size, a layout not recorded is taken for the saved one: checked once read
 
 
 class Restorer:
@@ -234,14 +265,19 @@ class Restorer:
 
         Collective: every rank sends rank 0 its summary, then takes rank 0's orders (read these
         files; again after a damaged copy; then what to map, receive and send) until rank 0 says
-        the step fails or the files are all verified. With ``own_shards``, a rank may get only its
-        own file of a checkpoint with sharded tensors; if its shards then do not cover its blocks,
-        on any rank, the ranks take the step again without.
+        the step fails or the files are all verified. With ``own_shards``, a rank may get only the
+        files of a checkpoint with sharded tensors that hold its blocks (:meth:`_Readable.needs`); if
+        their shards then do not cover them, on any rank, the ranks take the step again, each
+        getting every file.
         """
         readable = self._readable(step)
-        summary = readable if isinstance(readable, str) else readable.summary(self.page_cache, self.directory)
+        if isinstance(readable, str):
+            summary: str | dict[str, Any] = readable
+        else:
+            needs = readable.needs(self.peers.rank, self.peers.size, self._blocks if own_shards else None)
+            summary = readable.summary(self.page_cache, self.directory, needs)
         views = self.peers.gather(summary)
-        plan = None if views is None else _Plan.of(readable, views, own_shards and self._blocks is not None)
+        plan = None if views is None else _Plan.of(readable, views)
         if isinstance(plan, str):
             order = scatter_json(self.peers, [{"problem": plan}] * self.peers.size)
         else:
@@ -385,7 +421,7 @@ class _Plan:
     every rank every file); a rank's orders name the files it reads, maps, receives and sends.
     """
 
-    def __init__(self, readable: _Readable, views: list[dict[str, Any]], own_shards: bool) -> None:
+    def __init__(self, readable: _Readable, views: list[dict[str, Any]]) -> None:
         manifest = readable.manifest
         self.manifest, self.views = manifest, views
         self.names = sorted(manifest.files)
@@ -398,16 +434,14 @@ class _Plan:
         self._to_remote([name for name in self.names if name not in self.reader])
         caches = {view["cache"] for view in views}
         one_cache = len(caches) == 1 and None not in caches and all(view["held"] == "all" for view in views)
-        same_shards = own_shards and manifest.world_size == len(views)
-        self.lean = not one_cache and readable.stream is not None and (not readable.sharded or same_shards)
-        """Each rank gets its own file whole and the replicated tensors all-gathered, not every file."""
+        self.lean = not one_cache and readable.stream is not None and all(view["needs"] is not None for view in views)
+        """Each rank gets the files it needs whole and the replicated tensors all-gathered, not every file."""
         self.fresh = set(self.names)
         """The files whose reader has not read them yet."""
 
     @classmethod
-    def of(cls, readable: _Readable | str, views: list[Any], own_shards: bool) -> _Plan | str:
-        """The plan, or why the ranks cannot restore this checkpoint (``own_shards``: a rank may get
-        only its own file of a checkpoint with sharded tensors written at this world size)."""
+    def of(cls, readable: _Readable | str, views: list[Any]) -> _Plan | str:
+        """The plan, or why the ranks cannot restore this checkpoint."""
         for rank, view in enumerate(views):
             if isinstance(view, str):
                 return f"rank {rank} cannot read its manifest: {view}" if len(views) > 1 else view
@@ -415,7 +449,7 @@ class _Plan:
         differs = next((r for r, view in enumerate(views) if view["files"] != views[0]["files"]), None)
         if differs is not None:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
-        return _unreachable(readable.manifest, views) or cls(readable, views, own_shards)
+        return _unreachable(readable.manifest, views) or cls(readable, views)
 
     def _to_remote(self, names: list[str]) -> None:
         """Give each of ``names`` a reader of the remote tier, the least busy first."""
@@ -464,7 +498,7 @@ class _Plan:
         orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": rounds} for _ in self.views]
         held: dict[int, set[str]] = {}
         for rank, order in enumerate(orders):
-            needs = [data_file_name(source_rank(rank, self.manifest.world_size))] if self.lean else self.names
+            needs = [data_file_name(k) for k in self.views[rank]["needs"]] if self.lean else self.names
             for name in needs:
                 reader = self.reader[name]
                 if reader == rank:
