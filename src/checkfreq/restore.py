@@ -296,12 +296,12 @@ class Restorer:
         problem, found, short = None, None, None
         try:
             found = self._exchange(readable, order, files, packs, tiers)
-            if order["stream"] and readable.sharded:
-                assert self._blocks is not None  # rank 0 streams a sharded checkpoint only then
+            if order["partial"] and readable.sharded:
+                assert self._blocks is not None  # rank 0 plans a sharded checkpoint so only then
                 short = next(iter(uncovered(found.manifest, self._blocks(readable.manifest))), None)
         except CorruptCheckpointError as e:
             problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
-        if order["stream"] and readable.sharded and self._laid_out_otherwise(step, short):
+        if order["partial"] and readable.sharded and self._laid_out_otherwise(step, short):
             return self._restore_step(step, own_shards=False)
         failed = collect_errors(self.peers, problem)
         return "; ".join(failed) if failed else found  # type: ignore[return-value]
@@ -364,12 +364,12 @@ class Restorer:
                               for r in range(order["stream"])])
             replicated = stream.tensors_of(rows)
             manifest = stream.whole(manifest)
-            if len(packs) < len(manifest.files) and stream.cuts[-1] > 0:
+            if len(packs) < len(manifest.files):
                 tiers.add("peer")
         for name in order["map"]:
             files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
             tiers.add("local")
-        manifest, stored = _views(manifest, files, partial=bool(order["stream"]))
+        manifest, stored = _views(manifest, files, partial=order["partial"])
         stored.update(replicated)
         used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
         return Found(manifest, stored, checkpoint_name(step), used)
@@ -436,6 +436,8 @@ class _Plan:
         one_cache = len(caches) == 1 and None not in caches and all(view["held"] == "all" for view in views)
         self.lean = not one_cache and readable.stream is not None and all(view["needs"] is not None for view in views)
         """Each rank gets the files it needs whole and the replicated tensors all-gathered, not every file."""
+        self.streamed = self.lean and bool(readable.stream.tensors)  # type: ignore[union-attr]
+        """The ranks all-gather the replicated tensors (a lean plan, and the checkpoint has some)."""
         self.fresh = set(self.names)
         """The files whose reader has not read them yet."""
 
@@ -465,7 +467,7 @@ class _Plan:
         for name in sorted(self.fresh):
             reads[self.reader[name]].append([name, self.tier[name]])
         self.fresh = set()
-        return [{"read": read, "pack": self.lean} for read in reads]
+        return [{"read": read, "pack": self.streamed} for read in reads]
 
     def after(self, reports: list[dict[str, str]]) -> list[dict[str, Any]]:
         """The orders once every rank said which of its files were damaged (``reports``)."""
@@ -493,9 +495,11 @@ class _Plan:
         return False
 
     def _exchange_orders(self) -> list[dict[str, Any]]:
-        """What each rank maps, receives and sends (and whether the replicated pieces are all-gathered)."""
-        rounds = max(Counter(self.reader.values()).values()) if self.lean else 0  # the most files a rank read
-        orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": rounds} for _ in self.views]
+        """What each rank maps, receives and sends, in how many rounds it all-gathers the replicated
+        pieces, and whether it gets only some files (``partial``)."""
+        rounds = max(Counter(self.reader.values()).values()) if self.streamed else 0  # the most files a rank read
+        orders: list[dict[str, Any]] = [{"map": [], "receive": [], "send": [], "stream": rounds, "partial": self.lean}
+                                        for _ in self.views]
         held: dict[int, set[str]] = {}
         for rank, order in enumerate(orders):
             needs = [data_file_name(k) for k in self.views[rank]["needs"]] if self.lean else self.names
