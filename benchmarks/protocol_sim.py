@@ -1,6 +1,6 @@
 """checkfreq's distributed protocol at N ranks, each rank's real code on a thread of its own.
 
-Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--restore-up-to 64]``
+Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--restore-up-to 64] [--state fsdp2]``
 
 Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``agree_on_token`` over a
 key-value store, then ``distributed.meet``: the job's token, who shares a directory, each directory
@@ -23,7 +23,10 @@ What stands in for the real thing:
   start-up uses, each call counted as one operation (a round trip); an ``add`` of 0 is a poll;
 * the training: each rank's snapshot is the state of a DDP job (``--layers`` linear layers and
   AdamW, 8 replicated tensors a layer, split over the ranks by checkfreq's plan, and each rank's
-  random-generator tensors), zeros, built with ``benchmarks/scale_costs.py``'s helpers.
+  random-generator tensors), zeros, built with ``benchmarks/scale_costs.py``'s helpers; with
+  ``--state fsdp2``, the same tensors under FSDP2: each rank holds block ``rank`` of every
+  parameter's and optimizer state's rows (``Shard(0)``), as ``GroupCluster.select`` records it,
+  and restores the same blocks (AdamW's step counts stay replicated).
 
 All-gathered lists are decoded once and shared by the ranks that receive them (the protocol code
 only reads them), so the JSON parse of an all-gather is in no rank's CPU time; a gather's and a
@@ -74,7 +77,7 @@ from checkfreq import replicas  # noqa: E402
 from checkfreq.collectives import Peers, Solo, tree_max  # noqa: E402
 from checkfreq.commit import CommitJob, Committer, CommitResult, Retainer  # noqa: E402
 from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
-from checkfreq.distributed_plan import PRIVATE, partition, private_name  # noqa: E402
+from checkfreq.distributed_plan import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
 from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.groups import agree_on_token  # noqa: E402
 from checkfreq.restore import Found, Restorer, _Plan, _Readable, _Stream  # noqa: E402
@@ -581,15 +584,26 @@ class Job:
     claim: dict[str, Any]
     skeleton: dict[str, Any]
     """The state's skeleton, one object for every rank (the protocol only reads it)."""
+    sharded: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Under FSDP2, the tensors each rank holds a block of: block ``rank`` of their rows as
+    ``torch.chunk`` cuts them (``Shard(0)`` over every rank in order)."""
 
     @classmethod
-    def of(cls, world: int, layers: int) -> Job:
-        tensors = replicated_state(layers)
+    def of(cls, world: int, layers: int, state: str = "ddp") -> Job:
+        """``state``: ``"ddp"`` (every tensor replicated) or ``"fsdp2"`` (every parameter and its
+        optimizer state sharded; AdamW's step counts, plain tensors, replicated)."""
+        everything = replicated_state(layers)
+        sharded = {n: t for n, t in everything.items() if state == "fsdp2" and t.dim()}
+        tensors = {n: t for n, t in everything.items() if n not in sharded}
         names = sorted(tensors)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         plan = Plan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
         claim = replicas.report(layout, {n: replicas.fingerprint(tensors[n]) for n in names})
-        return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(tensors))
+        return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(everything), sharded)
+
+    def blocks(self, rank: int) -> dict[str, Box]:
+        """Rank ``rank``'s block of each sharded tensor."""
+        return {name: chunk_block(tuple(t.shape), len(self.pieces), rank) for name, t in self.sharded.items()}
 
     def commit_job(self, rank: int) -> CommitJob:
         """Rank ``rank``'s snapshot, as ``GroupCluster.select`` shares it out."""
@@ -599,11 +613,18 @@ class Job:
             stored = private_name(name, rank)
             arrays[stored] = (dtype, shape)
             own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [stored]}
+        shared = dict(self.plan.shared)
+        for name, (offset, shape) in self.blocks(rank).items():
+            stored, entry = private_name(name, rank), {"dtype": DTYPE_CODES[self.sharded[name].dtype], "shape": list(self.sharded[name].shape),
+                                                       "kind": SHARDED}
+            arrays[stored] = (self.sharded[name].dtype, shape)
+            own[name] = {**entry, "parts": [[stored, list(offset)]]}
+            shared[name] = {**entry, "parts": [], "chunked": 0}  # as GroupCluster.select records FSDP2's layout
         layout = plan_layout(arrays)
         buffer = aligned_empty(layout.nbytes, False)
         buffer.zero_()
         pending = PendingSnapshot(layout, buffer, [])
-        share = {"rank": own, "shared": self.plan.shared, "replicas": self.claim, "plan": self.plan.digest}
+        share = {"rank": own, "shared": shared, "replicas": self.claim, "plan": self.plan.digest}
         return CommitJob(STEP, 0, pending, self.skeleton, share, {"checkfreq": "sim"}, time.perf_counter())
 
 
@@ -611,6 +632,13 @@ class Job:
 class _Shape:
     world_size: int
     rank: int = 0
+
+
+def chunk_block(shape: tuple[int, ...], parts: int, index: int) -> Box:
+    """Block ``index`` of the ``parts`` that ``torch.chunk`` cuts the rows of a tensor of ``shape`` into."""
+    step = -(-shape[0] // parts)
+    begin = min(index * step, shape[0])
+    return (begin, *[0] * (len(shape) - 1)), (min(step, shape[0] - begin), *shape[1:])
 
 
 VOTES = 3
@@ -666,7 +694,8 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     found: Found | None = None
     if restore:
         with ledger.phase("restore"):
-            found = Restorer(local, None, peers, directory=directory).find()  # no page cache shared: a network file system
+            blocks = (lambda manifest: checkpoint.blocks(rank)) if checkpoint.sharded else None
+            found = Restorer(local, None, peers, directory=directory).find(blocks=blocks)  # no page cache shared: a network file system
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
@@ -700,9 +729,11 @@ class Run:
         return [ledger.phases.get(phase, Counts()) for ledger in self.ledgers]
 
 
-def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None) -> Run:
-    """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank threads."""
-    job = Job.of(world, layers)
+def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None,
+             state: str = "ddp") -> Run:
+    """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank
+    threads, checkpointing a DDP or an FSDP2 ``state`` (:meth:`Job.of`)."""
+    job = Job.of(world, layers, state)
     baton = Baton()
     ledgers = [Ledger(baton) for _ in range(world)]
     fabric, kv = Fabric(world, baton), MemoryStore(baton)
@@ -864,6 +895,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--worlds", default=WORLDS, help="comma-separated numbers of ranks")
     parser.add_argument("--layers", type=int, default=LAYERS, help="linear layers of the DDP model (8 tensors each)")
     parser.add_argument("--restore-up-to", type=int, default=64, help="run the restore on every rank up to this N")
+    parser.add_argument("--state", choices=("ddp", "fsdp2"), default="ddp", help="what the ranks checkpoint and restore")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
     args = parser.parse_args(argv)
@@ -871,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sums = []
     print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
     for world in worlds:
-        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir)
+        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir, state=args.state)
         for row in rows(run):
             print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {_number(row['rank0'])} | {_number(row['median'])} | "
                   f"{_number(row['max'])} |", flush=True)

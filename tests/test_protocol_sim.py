@@ -32,6 +32,17 @@ def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> No
         assert run.readers == {f"rank{r:05d}.safetensors": [r] for r in range(world)}
 
 
+def test_fsdp2_ranks_each_read_their_own_file_and_receive_no_other(tmp_path: Path) -> None:
+    """FSDP2 at 16 ranks (rows of 32 over 16 ranks: 2 each): each rank reads its own file, which
+    holds its blocks, and receives rank 0's orders and AdamW's step counts (rank 0: every rank's
+    summary), no other file."""
+    run = simulate(16, layers=4, directory=str(tmp_path), state="fsdp2")
+    for rank, counts in enumerate(run.counts("restore")):
+        assert run.outcomes[rank].restored == "step_000000100"
+        assert counts.files_read == [f"rank{rank:05d}.safetensors"], (rank, counts.files_read)
+        assert counts.bytes_in < (300 * 16 if rank == 0 else 1000) < min(run.file_bytes), (rank, counts.bytes_in)
+
+
 def test_a_rank_other_than_0_costs_the_same_at_8_and_64_ranks(runs: dict[int, Run]) -> None:
     """Per checkpoint: the same messages, the same bytes (but for the digits of its rank and file
     size), one connection (rank 0); at start-up, the same store operations."""

@@ -20,7 +20,7 @@ import checkfreq.distributed
 import checkfreq.format
 from checkfreq import Checkpointer, Every, replicas, sharing
 from checkfreq.collectives import GroupPeers
-from checkfreq.distributed_plan import complete
+from checkfreq.distributed_plan import chunk_holders, complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
 from checkfreq.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from checkfreq.restore import read_checkpoint
@@ -414,6 +414,26 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
             assert restored["state"].keys() == saved["state"].keys()
             for key, value in saved["state"].items():
                 assert torch.equal(restored["state"][key], value), key
+
+
+def _chunks(size: int, parts: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each of ``parts`` blocks as ``torch.chunk`` cuts ``size`` rows (and the
+    empty blocks it leaves out at the end, as DTensor's ``Shard`` gives them)."""
+    blocks = [(int(c[0]), len(c)) for c in torch.arange(size).chunk(parts)] if size else []
+    return blocks + [(size, 0)] * (parts - len(blocks))
+
+
+def test_the_files_a_block_needs_are_those_whose_chunks_it_meets() -> None:
+    """At any saved and restoring world size, a rank's block of a ``Shard(0)`` tensor is met by the
+    saved ranks' blocks that ``chunk_holders`` names: no more, no fewer."""
+    for size in range(0, 41):
+        for saved in range(1, 8):
+            held = _chunks(size, saved)
+            for now in range(1, 8):
+                for begin, rows in _chunks(size, now):
+                    box = ((begin, 0), (rows, 3))
+                    meets = [k for k, (b, n) in enumerate(held) if n and rows and b < begin + rows and begin < b + n]
+                    assert list(chunk_holders((size, 3), 0, saved, box)) == meets, (size, saved, now, box)
 
 
 def _established_connections() -> int:
