@@ -158,6 +158,8 @@ def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
     assert replicas.sharded_disagreement([same, same]) is None
     message = replicas.sharded_disagreement([same, {"model/w": {"dtype": "F32", "shape": [8, 2]}}])
     assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 2) on ranks [1]" in message
+    message = replicas.sharded_disagreement([same, {"model/w": {**same["model/w"], "chunked": 0}}])
+    assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 4) chunked along dim 0 on ranks [1]" in message
 
 
 @pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}}, {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},

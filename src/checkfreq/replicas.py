@@ -72,9 +72,10 @@ def disagreement(reports: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 def sharded_disagreement(per_rank: Sequence[Mapping[str, Mapping[str, Any]]]) -> str | None:
-    """A message naming the sharded tensors (DTensors) whose global dtype or shape differs between
-    ranks, or ``None`` if none does."""
-    specs = [{n: f"{e['dtype']} {tuple(e['shape'])}" for n, e in entries.items()} for entries in per_rank]
+    """A message naming the sharded tensors (DTensors) whose global dtype, shape or recorded layout
+    differs between ranks, or ``None`` if none does."""
+    specs = [{n: f"{e['dtype']} {tuple(e['shape'])}" + (f" chunked along dim {e['chunked']}" if "chunked" in e else "")
+              for n, e in entries.items()} for entries in per_rank]
     problems = [
         f"{name!r} is " + " but ".join(f"{version} on ranks {ranks}" for version, ranks in versions.items())
         for name, versions in _disagreements(specs)
@@ -82,7 +83,7 @@ def sharded_disagreement(per_rank: Sequence[Mapping[str, Mapping[str, Any]]]) ->
     if not problems:
         return None
     return (
-        f"ranks disagree on the global dtype or shape of sharded tensors (DTensors): {_shown(problems)}. Every rank must "
+        f"ranks disagree on the global dtype, shape or layout of sharded tensors (DTensors): {_shown(problems)}. Every rank must "
         "register the same sharded model and optimizer. No checkpoint is committed while they differ."
     )
 
