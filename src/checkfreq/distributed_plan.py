@@ -207,7 +207,7 @@ def chunked_dim(tensor: torch.Tensor, world_size: int, meshes: dict[int, bool]) 
     if len(placements) != 1 or type(placements[0]) is not Shard:
         return None
     if id(mesh) not in meshes:
-        meshes[id(mesh)] = mesh.ndim == 1 and torch.equal(mesh.mesh.cpu(), torch.arange(world_size))
+        meshes[id(mesh)] = mesh.ndim == 1 and torch.equal(mesh.mesh.cpu().long(), torch.arange(world_size))
     return placements[0].dim if meshes[id(mesh)] else None
 
 
