@@ -115,6 +115,8 @@ class Counts:
     cpu_s: float = 0.0
     wall_s: float = 0.0
     files_read: list[str] = field(default_factory=list)
+    lookups: int = 0
+    """Data files whose size it asked its store for (a ``stat`` in a directory)."""
     peers: set[int] = field(default_factory=set)
     everyone: bool = False
     """It exchanged messages with every other rank (an all-gather)."""
@@ -559,7 +561,7 @@ class StoreView:
 
 
 class CountedLocalStore(LocalStore):
-    """A local directory that notes, in its rank's ledger, each data file it reads."""
+    """A local directory that notes, in its rank's ledger, each data file it reads and each it looks up."""
 
     def __init__(self, root: Path, ledger: Ledger) -> None:
         super().__init__(root)
@@ -568,6 +570,10 @@ class CountedLocalStore(LocalStore):
     def read_data(self, location: Path, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
         self._ledger.now.files_read.append(name)
         return super().read_data(location, name, size, checksum)
+
+    def file_size(self, location: Path, name: str) -> int | None:
+        self._ledger.now.lookups += 1
+        return super().file_size(location, name)
 
 
 # ------------------------------------------------------------------------------------- the ranks
@@ -833,6 +839,7 @@ def rows(run: Run) -> list[dict[str, Any]]:
             "CPU ms": lambda c, r: 1000 * c.cpu_s, "store operations": lambda c, r: c.store_ops,
             "of which polls": lambda c, r: c.store_polls,
             "connections": lambda c, r: c.connections(r, run.world), "files read": lambda c, r: len(c.files_read),
+            "files looked up": lambda c, r: c.lookups,
         }
         for name, metric in metrics.items():
             others = [metric(c, r) for r, c in enumerate(counts) if r]

@@ -21,7 +21,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
 
 def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> None:
     """Every rank agreed on rank 0's token and directory, committed the same step, and restored it
-    with every rank's file; each rank read one file from storage, its own, and received the rest."""
+    with every rank's file; each rank read one file from storage, its own, and received the rest.
+    Only the directory's leader (rank 0) looked up which files the directory holds."""
     for world, run in runs.items():
         first = run.outcomes[0]
         assert first.restored == "step_000000100" and first.restored_files == world
@@ -29,6 +30,7 @@ def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> No
             assert (outcome.token, outcome.directory, outcome.commit.step) == (first.token, 0, 100), rank
             assert (outcome.restored, outcome.restored_files) == (first.restored, world), rank
             assert run.ledgers[rank].phases["restore"].files_read == [f"rank{rank:05d}.safetensors"]
+            assert run.ledgers[rank].phases["restore"].lookups == (world if rank == 0 else 0)
         assert run.readers == {f"rank{r:05d}.safetensors": [r] for r in range(world)}
 
 

@@ -393,7 +393,10 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
     world = 4
     mp.spawn(_fsdp_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
     mp.spawn(_fsdp_resharded, args=(2, str(tmp_path)), nprocs=2, join=True)
-    sizes = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())["files"]
+    manifest = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())
+    sizes, saved_tensors = manifest["files"], manifest["distributed"]["tensors"].values()
+    layouts = [e.get("chunked") for e in saved_tensors if e["kind"] == "sharded"]
+    assert len(layouts) == 18 and set(layouts) == {0}  # 6 parameters and Adam's two moments: rows chunked over the ranks
     for rank, (reads, received) in enumerate([(["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
                                               (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors")]):
         resharded = torch.load(tmp_path / f"resharded{rank}.pt")

@@ -95,7 +95,8 @@ class _Readable:
 
     step: int
     manifest: Manifest
-    held: set[str]
+    held: set[str] | None
+    """None on a rank that is not its directory's leader: the leader says what the directory holds."""
     remote: bool
 
     @functools.cached_property
@@ -112,7 +113,10 @@ class _Readable:
     def summary(self, page_cache: int | None, directory: int, needs: list[int] | None) -> dict[str, Any]:
         """What rank 0 learns of it (``"all"`` stands for every file: a shared directory; ``needs``:
         the saved ranks whose files this rank needs whole, None for every file)."""
-        held = "all" if len(self.held) == len(self.manifest.files) else sorted(self.held)
+        if self.held is None:
+            held: str | list[str] | None = None
+        else:
+            held = "all" if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
         return {"held": held, "remote": self.remote, "cache": page_cache, "dir": directory,
                 "files": xxhash.xxh3_64_hexdigest(files), "needs": needs}
@@ -257,7 +261,10 @@ class Restorer:
                 problem = str(e)
         if manifest is None:
             return problem
-        held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
+        if self.directory != self.peers.rank:
+            held = None  # one rank of a directory looks: the others would repeat its N lookups
+        else:
+            held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
         return _Readable(step, manifest, held, remote is not None)
 
     def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
@@ -451,6 +458,9 @@ class _Plan:
         differs = next((r for r, view in enumerate(views) if view["files"] != views[0]["files"]), None)
         if differs is not None:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
+        for view in views:
+            if view["held"] is None:  # what its directory's leader found there
+                view["held"] = views[view["dir"]]["held"]
         return _unreachable(readable.manifest, views) or cls(readable, views)
 
     def _to_remote(self, names: list[str]) -> None:
