@@ -301,28 +301,34 @@ class Restorer:
             return order["problem"]
         assert isinstance(readable, _Readable)
         problem, found, short = None, None, None
+        check = order["partial"] and readable.sharded  # the same on every rank
         try:
             found = self._exchange(readable, order, files, packs, tiers)
-            if order["partial"] and readable.sharded:
+            if check:
                 assert self._blocks is not None  # rank 0 plans a sharded checkpoint so only then
                 short = next(iter(uncovered(found.manifest, self._blocks(readable.manifest))), None)
         except CorruptCheckpointError as e:
             problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
-        if order["partial"] and readable.sharded and self._laid_out_otherwise(step, short):
-            return self._restore_step(step, own_shards=False)
-        failed = collect_errors(self.peers, problem)
+        if not check:
+            failed = collect_errors(self.peers, problem)
+        else:
+            failed, short_of = self._outcome(problem, short)
+            if short_of is not None:
+                if self.peers.rank == 0:
+                        log.info("checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
+                             "shards were laid out otherwise); every rank gets every file", checkpoint_name(step), *short_of)
+                return self._restore_step(step, own_shards=False)
         return "; ".join(failed) if failed else found  # type: ignore[return-value]
 
-    def _laid_out_otherwise(self, step: int, short: str | None) -> bool:
-        """Whether some rank's files miss a part of its blocks (``short``: this rank's first such
-        tensor, or None). Collective."""
-        shorts = self.peers.gather(short)
-        first = self.peers.broadcast(None if shorts is None else next(
-            ([rank, name] for rank, name in enumerate(shorts) if name is not None), None))
-        if first is not None and self.peers.rank == 0:
-            log.info("checkpoint %s: rank %d's own data file does not hold its block of %s (the shards were laid "
-                     "out otherwise); every rank gets every file", checkpoint_name(step), *first)
-        return first is not None
+    def _outcome(self, problem: str | None, short: str | None) -> tuple[list[str], list[Any] | None]:
+        """Every rank's error, and the first rank whose files fall short of its blocks with the
+        tensor (``short``: this rank's first such, or None), the same on every rank: one gather and
+        its broadcast, as :func:`~checkfreq.collectives.collect_errors`."""
+        gathered = self.peers.gather([problem, short])
+        if gathered is None:
+            return self.peers.broadcast(None)
+        first = next(([rank, name] for rank, (_, name) in enumerate(gathered) if name is not None), None)
+        return self.peers.broadcast([[e for e, _ in gathered if e], first])
 
     def _read_assigned(self, readable: _Readable, order: dict[str, Any], files: Files, packs: dict[str, torch.Tensor],
                        tiers: set[str]) -> dict[str, str]:
