@@ -315,7 +315,7 @@ class Restorer:
             failed, short_of = self._outcome(problem, short)
             if short_of is not None:
                 if self.peers.rank == 0:
-                        log.info("checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
+                    log.info("checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
                              "shards were laid out otherwise); every rank gets every file", checkpoint_name(step), *short_of)
                 return self._restore_step(step, own_shards=False)
         return "; ".join(failed) if failed else found  # type: ignore[return-value]
