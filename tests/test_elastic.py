@@ -74,16 +74,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resizes", [
-    pytest.param(((2, 9, ()),), id="4-2-4"),
-    pytest.param(((2, 7, ("--micro", "4")), (0, 10, ("--micro", "4"))), id="4-2-1-4-micro"),
-])
-def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Path, tmp_path: Path, resizes) -> None:
-    """Killed at 4 ranks after step 5 (restored at 4), resumed on fewer ranks, finished at 4 again.
-
-    With ``--micro 4`` each rank takes at most 4 samples per batch: at 2 ranks a step is 2
-    micro-batches per rank, in one process 4.
-    """
+def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Path, tmp_path: Path) -> None:
+    """Killed at 4 ranks after step 5 (restored at 4), resumed on 2 ranks (each a batch of 8 a
+    step), then in one process with ``--micro 4`` (at most 4 samples per batch: 4 micro-batches a
+    step), finished at 4 again."""
+    resizes = ((2, 7, ()), (0, 10, ("--micro", "4")))
     launch(tmp_path, 4, "run0.log", "--die", "0:5", expect_success=False)
     restored = [4]
     for number, (nproc, stop, extra) in enumerate(resizes, start=1):
