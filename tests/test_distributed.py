@@ -273,7 +273,9 @@ def test_world_size_changes_follow_the_per_rank_rule(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()
     args = ("--dump", str(dump))
-    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "6", *args)))
+    # no restarts: a worker torch aborts as it exits would be restarted from step 6 and train to the end
+    stopped = [dump / f"stopped-w2-r{rank}.pt" for rank in (0, 1)]
+    out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "6", *args), restarts=0), done=stopped)
     assert "restored step=0" in out
     out = _finish(_launch(tmp_path, "ddp_train.py", *_train_args(tmp_path, "--stop-at", "11", *args), nproc=0))
     assert "rank=0 restored step=6 epoch=1 consumed=32" in out  # 2 -> 1
