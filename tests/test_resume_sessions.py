@@ -167,7 +167,7 @@ def test_under_torchrun_every_policy_is_seeded_and_the_ranks_agree_after_the_res
     cadence) before the first checkpoint of the resumed session, and checkpoint at the same steps. Each closed
     Checkpointer leaves no process group behind."""
     files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
-    _finish(_launch(tmp_path, "ddp_policies.py", str(tmp_path), "--steps", "400", restarts=0), done=files)
+    _finish(_launch(tmp_path, "ddp_policies.py", str(tmp_path), "--steps", "400", restarts=0))
     ranks = [json.loads(f.read_text()) for f in files]
     for rank in ranks:  # ten Checkpointers created and closed: each destroyed the groups it made
         before, after = rank.pop("groups")

@@ -34,8 +34,7 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
   Each kill happens once: it leaves ``--kill-marker`` behind (a node whose agent did not see the
   failure restarts its workers with the same incarnation number).
 
-Each rank prints ``rank=R finished`` once all its work is done (torch may still abort it as it
-exits: docs/distributed.md). Each rank appends its batches to ``--batch-log`` as ``rank epoch consumed index index ...``; a batch
+Each rank appends its batches to ``--batch-log`` as ``rank epoch consumed index index ...``; a batch
 replayed after a restore has the same (rank, epoch, consumed) key and replaces its earlier line.
 """
 
@@ -59,6 +58,7 @@ from checkfreq.storage import FsspecStore, LocalStore, Store
 from checkfreq.storage.local import checkpoint_name
 from checkfreq.storage.shm import region_path
 from noisy_points import NoisyPoints  # beside this script
+from worker_exit import exit_without_teardown  # beside this script
 
 
 def build_model() -> nn.Module:
@@ -228,13 +228,11 @@ def main() -> None:
                     if args.dump:
                         torch.save(per_rank_state(model, ckpt), f"{args.dump}/stopped-w{world}-r{rank}.pt")
                     finish(ckpt, distributed)
-                    print(f"rank={rank} finished", flush=True)
                     return
     finish(ckpt, distributed)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": torch.get_rng_state(), **per_rank_state(model, ckpt)["values"]},
                Path(args.final).with_suffix(f".rank{rank}.pt"))
-    print(f"rank={rank} finished", flush=True)
 
 
 def init_for_this_attempt() -> None:
@@ -259,3 +257,4 @@ def finish(ckpt: Checkpointer, distributed: bool) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

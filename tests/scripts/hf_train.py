@@ -30,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerC
 from ddp_train import init_for_this_attempt
 
 from checkfreq.integrations.transformers import CheckFreqTrainer
+from worker_exit import exit_without_teardown  # beside this script
 
 TEXT = "checkpoints taken often and cheaply let a killed run go on where it stopped. " * 40
 BLOCK = 16
@@ -114,5 +115,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():  # under torchrun: end the group before the interpreter exits
+    if torch.distributed.is_initialized():  # under torchrun
         torch.distributed.destroy_process_group()
+    exit_without_teardown()

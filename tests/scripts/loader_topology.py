@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from checkfreq.data import ResumableLoader
 from checkfreq.errors import TopologyError
+from worker_exit import exit_without_teardown  # beside this script
 
 
 def main() -> None:
@@ -32,3 +33,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import checkfreq as cf
 from checkfreq.compat import default_store
+from worker_exit import exit_without_teardown  # beside this script
 
 DONE_KEY = "rank0_only/done"
 
@@ -33,3 +34,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
