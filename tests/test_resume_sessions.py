@@ -113,17 +113,20 @@ def test_a_resumed_session_profiles_before_its_first_checkpoint(tmp_path: Path) 
 def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     """The session profiles first; its checkpoints per step within a factor 2 of an uninterrupted
     run's over the same steps; its overhead within the bound, or within what the uninterrupted
-    run spent over the same steps, plus noise.
+    runs spent over the same steps, plus noise.
 
     Uninterrupted runs of the same job differ among themselves here (each plans from its own noisy
-    measurements, more so under DDP on two shared cores): like the overhead rule, the rate rule
-    takes the measurement's resolution into account, as the range the uninterrupted runs span.
-    The bound is a whole-run promise (``test_overhead_real``); over a 120-step window in the middle
-    of a run, on a quiet CI machine, uninterrupted runs measured 4.5 % against 3.5 % (docs/policies.md),
-    so a resumed session is held to the higher of the two.
+    measurements, more so under DDP on two shared cores): both rules take the measurement's
+    resolution into account, as the range the uninterrupted runs span. The bound is a whole-run
+    promise (``test_overhead_real``); over a 120-step window in the middle of a run, on a quiet CI
+    machine, uninterrupted runs measured 4.5 % against 3.5 % (docs/policies.md), so a resumed
+    session is held to the higher of the bound and the costliest uninterrupted run. Measured here
+    over 18 pairs, a resumed session spent 0.8 points more than the uninterrupted run beside it,
+    with a standard deviation of 3.7 points; the no-checkpoint runs' spread alone (``noise``) is
+    often under 1 point, too fine to compare two checkpointing runs with.
     """
     overhead, noise = judge(runs.resumed, runs.bases)
-    fresh, _ = judge(runs.uninterrupted, runs.bases)
+    fresh = max(t / b for t, b in zip(runs.uninterrupted, runs.bases)) - 1
     resumed = [len(c) for c in runs.resumed_checkpoints]
     uninterrupted = [len(c) for c in runs.uninterrupted_checkpoints]
     detail = (f"killed run {killed_run}; restored {runs.restored_steps}; resumed {runs.resumed_checkpoints}; "
@@ -132,8 +135,8 @@ def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     assert all(c[0] - r >= 10 for c, r in zip(runs.resumed_checkpoints, runs.restored_steps) if c), detail  # the session's warmup
     assert min(uninterrupted) / 2 <= statistics.mean(resumed) <= 2 * max(uninterrupted), detail
     assert overhead <= max(P, fresh) + noise, (
-        f"resumed sessions: median overhead {overhead:.1%} > both the bound {P:.1%} and the uninterrupted "
-        f"runs' {fresh:.1%}, + noise {noise:.1%}; {detail}"
+        f"resumed sessions: median overhead {overhead:.1%} > both the bound {P:.1%} and the costliest uninterrupted "
+        f"run's {fresh:.1%}, + noise {noise:.1%}; {detail}"
     )
 
 
