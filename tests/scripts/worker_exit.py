@@ -4,7 +4,7 @@ torch's gloo worker threads outlive ``destroy_process_group()`` and can abort a 
 is done while its interpreter shuts down (docs/distributed.md, "Rules"); torchrun counts that as
 a failed worker, stops the other ranks and, given ``--max-restarts``, restarts a finished job. So
 that a test's verdict is about checkfreq and not that race, workers leave the way
-``multiprocessing``'s children do: flush what they wrote, then ``os._exit``.
+``multiprocessing``'s forked children do: flush what they wrote, then ``os._exit``.
 """
 
 from __future__ import annotations
