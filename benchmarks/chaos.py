@@ -46,10 +46,10 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkfreq.catalog import memory_snapshots  # noqa: E402
-from checkfreq.restore import read_checkpoint  # noqa: E402
 from checkfreq.errors import CheckfreqError  # noqa: E402
-from checkfreq.events import read_events  # noqa: E402
+from checkfreq.pipeline.restore import read_checkpoint  # noqa: E402
+from checkfreq.run.events import read_events  # noqa: E402
+from checkfreq.tools.catalog import memory_snapshots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "reliability.md"

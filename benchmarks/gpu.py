@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
+import checkfreq as cf
 from benchmarks import analysis as an
 from benchmarks.baselines import DcpAsyncThread, TorchSave
 from benchmarks.checkfreq_methods import NEVER
 from benchmarks.methods import Method, Sample, unlink
 from benchmarks.state_bench import interleave
 from benchmarks.states import State, build_state
-
-import checkfreq as cf
 
 PINNED = "pinned copy_ device→host (limit)"
 SNAPSHOT = "checkfreq snapshot (GPU)"

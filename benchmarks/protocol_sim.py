@@ -12,7 +12,7 @@ rank, and the replicated tensors all-gathered; the directory is taken for one on
 system, where no two ranks share a page cache, as in a job of many nodes).
 What stands in for the real thing:
 
-* the transport: :class:`MemoryPeers` implements :class:`checkfreq.collectives.Peers` in memory.
+* the transport: :class:`MemoryPeers` implements :class:`checkfreq.dist.collectives.Peers` in memory.
   Collectives are matched by their order, point-to-point messages by (sender, receiver). A message
   counts as ``tests/test_scale.py`` counts it on real gloo groups (:class:`CountingPeers`, shared
   with that test): its JSON and an 8-byte length; a gather is each rank's message to rank 0, a
@@ -73,16 +73,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
-from checkfreq import replicas  # noqa: E402
-from checkfreq.collectives import Peers, Solo, tree_max  # noqa: E402
-from checkfreq.commit import CommitJob, Committer, CommitResult, Retainer  # noqa: E402
-from checkfreq.distributed import Plan, meet, wait_for_every_rank  # noqa: E402
-from checkfreq.distributed_plan import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
-from checkfreq.format import DTYPE_CODES, plan_layout  # noqa: E402
-from checkfreq.groups import agree_on_token  # noqa: E402
-from checkfreq.restore import Found, Restorer, _Plan, _Readable, _Stream  # noqa: E402
-from checkfreq.retention import Retention  # noqa: E402
-from checkfreq.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
+from checkfreq.dist import replicas  # noqa: E402
+from checkfreq.dist.collectives import Peers, Solo, tree_max  # noqa: E402
+from checkfreq.dist.group_cluster import Plan, meet, wait_for_every_rank  # noqa: E402
+from checkfreq.dist.groups import agree_on_token  # noqa: E402
+from checkfreq.dist.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
+from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
+from checkfreq.pipeline.restore import Found, Restorer, _Plan, _Readable, _Stream  # noqa: E402
+from checkfreq.pipeline.retainer import Retainer  # noqa: E402
+from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
+from checkfreq.policies.retention import Retention  # noqa: E402
+from checkfreq.storage.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
 
 WORLDS = "64,1024,4096,16384"
@@ -166,7 +167,7 @@ class Gathered(list):
 
 
 class CountingPeers:
-    """Any :class:`~checkfreq.collectives.Peers`, counting the messages this rank sends and receives
+    """Any :class:`~checkfreq.dist.collectives.Peers`, counting the messages this rank sends and receives
     through it into ``ledger`` (see the module docstring); the messages still go through ``inner``."""
 
     def __init__(self, inner: Peers, ledger: Ledger | None = None) -> None:
@@ -399,7 +400,7 @@ def _notify(condition: threading.Condition, every: bool = False) -> None:
 
 
 class MemoryPeers:
-    """:class:`~checkfreq.collectives.Peers` over a :class:`Fabric`: JSON messages, never pickles."""
+    """:class:`~checkfreq.dist.collectives.Peers` over a :class:`Fabric`: JSON messages, never pickles."""
 
     def __init__(self, fabric: Fabric, rank: int) -> None:
         self.fabric, self.rank, self.size = fabric, rank, fabric.size

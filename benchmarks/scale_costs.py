@@ -3,10 +3,10 @@
 Usage: ``python benchmarks/scale_costs.py [--worlds 1,2,4,64,1024,16384]``
 
 Computed with checkfreq's own code on synthetic inputs, in one process (no ranks are started): for
-each world size N, the plan every rank computes (:class:`checkfreq.distributed.Plan`), one rank's
-commit report as :class:`checkfreq.commit.Committer` builds it, the manifest rank 0 writes
-(:func:`checkfreq.commit.merge`), each rank's record in its data file's header, the directory
-identity each rank all-gathers at start (:mod:`checkfreq.sharing`), and what each rank all-gathers
+each world size N, the plan every rank computes (:class:`checkfreq.dist.group_cluster.Plan`), one rank's
+commit report as :class:`checkfreq.pipeline.commit.Committer` builds it, the manifest rank 0 writes
+(:func:`checkfreq.pipeline.commit.merge`), each rank's record in its data file's header, the directory
+identity each rank all-gathers at start (:mod:`checkfreq.dist.sharing`), and what each rank all-gathers
 at restore. Two states:
 
 * ``ddp``: 18 linear layers of 32x32 and AdamW (36 parameters, 108 optimizer state tensors, all
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from checkfreq import replicas
-from checkfreq.commit import agreement_digest, merge
-from checkfreq.distributed import Plan
-from checkfreq.distributed_plan import PRIVATE, REPLICATED, SHARDED, private_name
-from checkfreq.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
-from checkfreq.sharing import directory_identity
+from checkfreq.dist import replicas
+from checkfreq.dist.group_cluster import Plan
+from checkfreq.dist.shares import PRIVATE, REPLICATED, SHARDED, private_name
+from checkfreq.dist.sharing import directory_identity
+from checkfreq.pipeline.commit import agreement_digest, merge
+from checkfreq.storage.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
 
 LAYERS = 18
 PRIVATE_TENSORS = {"rng/torch": (torch.uint8, (5056,)), "rng/numpy": (torch.uint32, (624,)),
@@ -52,7 +52,7 @@ def replicated_state(layers: int = LAYERS) -> dict[str, torch.Tensor]:
 
 
 def skeleton(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A skeleton of the size :func:`checkfreq.state.flatten` gives this state (a reference per tensor)."""
+    """A skeleton of the size :func:`checkfreq.run.state.flatten` gives this state (a reference per tensor)."""
     refs = {name: {"__tensor__": name} for name in [*tensors, *PRIVATE_TENSORS]}
     groups = [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
                "params": list(range(len(tensors) // 4))}]
@@ -106,7 +106,7 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
 
 def commit_messages(world: int, report: dict[str, Any]) -> dict[str, int]:
     """Bytes one rank other than 0 sends and receives per checkpoint, and rank 0 receives, in the
-    three rounds of :class:`checkfreq.commit.Committer` (each message: an 8-byte length, then its
+    three rounds of :class:`checkfreq.pipeline.commit.Committer` (each message: an 8-byte length, then its
     JSON); and, for comparison, what each rank received when every round was an all-gather."""
     def size(value: Any) -> int:
         return 8 + len(json.dumps(value))

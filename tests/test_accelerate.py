@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import SCRIPTS, assert_state_equal, run_job
 
 pytest.importorskip("accelerate")

@@ -8,10 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkfreq.intervals import convergence_interval, daly, daly_waste, exact_optimum, overhead_steps, place, two_phase_interval, young
-from checkfreq.losscurve import LossCurve
-from checkfreq.policies import Overhead
-from checkfreq.simulate import Schedule, Workload, simulate
+from checkfreq.policies.intervals import (
+    convergence_interval,
+    daly,
+    daly_waste,
+    exact_optimum,
+    overhead_steps,
+    place,
+    two_phase_interval,
+    young,
+)
+from checkfreq.policies.losscurve import LossCurve
+from checkfreq.policies.rules import Overhead
+from checkfreq.tools.simulate import Schedule, Workload, simulate
 
 DOC = " ".join((Path(__file__).parents[1] / "docs" / "algorithms.md").read_text().split())
 HOUR, MIN = 3600.0, 60.0
@@ -25,7 +34,7 @@ def says(*fragments: str) -> None:
 def test_section_1_overhead_bound_and_retuning() -> None:
     p, target = 0.035, Overhead.target
     k = overhead_steps(0.1, 0.04, 0.6, target * p)
-    says(f"0.9·p·t_i", f"`ceil({0.04 / (target * p * 0.1):.2f})` = {k}, so `k` = {k}",
+    says("0.9·p·t_i", f"`ceil({0.04 / (target * p * 0.1):.2f})` = {k}, so `k` = {k}",
          f"an overhead of 0.04/{k * 0.1:g} = {0.04 / (k * 0.1):.2%}".replace("%", " %"))
     assert target == 0.9 and Overhead().window == 3 and Overhead().hysteresis == 0.3 and Overhead().warmup == 10
     published = [6 + 2 * n for n in range(4)]  # ceil(C_p / t_i) = 6, then +2 while a window is above p

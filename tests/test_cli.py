@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
-from checkfreq.data import ResumableLoader
+from checkfreq.data.resumable import ResumableLoader
+from conftest import make_model
 
 STEPS_PER_EPOCH = 4
 runner = CliRunner()

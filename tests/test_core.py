@@ -15,11 +15,11 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import assert_state_equal, make_model, train_step
 from safetensors import safe_open
 
 import checkfreq as cf
-from checkfreq.format import MANIFEST_NAME
+from checkfreq.storage.format import MANIFEST_NAME
+from conftest import assert_state_equal, make_model, train_step
 
 
 def _stack(seed: int = 0, width: int = 32):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkfreq import Checkpointer
-from checkfreq.ddp_order import ddp_wrappers, warn_if_buckets_reorder
+from checkfreq.dist.ddp_order import ddp_wrappers, warn_if_buckets_reorder
 from conftest import make_model
 
 WARNING = "rebuilds its gradient buckets"

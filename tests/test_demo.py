@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from checkfreq.cli import app
-from checkfreq.report import load_run, session_line
+from checkfreq.tools.report import load_run, session_line
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:

@@ -14,9 +14,9 @@ import torch
 import xxhash
 
 import checkfreq.storage.posix
-from checkfreq.format import BLOCK_BYTES, data_chunks
+from checkfreq.pipeline.snapshot import aligned_empty
+from checkfreq.storage.format import BLOCK_BYTES, data_chunks
 from checkfreq.storage.posix import write_chunks, write_data_file
-from checkfreq.snapshot import aligned_empty
 
 PAGE = mmap.PAGESIZE
 direct_io = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
@@ -110,7 +110,7 @@ def test_a_filesystem_that_refuses_direct_io_gets_normal_writes(tmp_path: Path, 
 
 
 def test_snapshot_buffers_and_headers_are_block_aligned() -> None:
-    from checkfreq.format import encode_header, plan_layout
+    from checkfreq.storage.format import encode_header, plan_layout
 
     for nbytes in (0, 1, 12345, 1 << 20):
         assert aligned_empty(nbytes, pin=False).data_ptr() % BLOCK_BYTES == 0

@@ -19,15 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal
-
 from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
-from checkfreq.distributed_plan import Chunk, Source, materialize, partition, stream_range
-from checkfreq.replicas import disagreement, fingerprint, report
-from checkfreq.report import load_run, summary_text
+from checkfreq.dist.replicas import disagreement, fingerprint, report
+from checkfreq.dist.shares import Chunk, Source, materialize, partition, stream_range
+from checkfreq.tools.report import load_run, summary_text
+from conftest import SCRIPTS, assert_state_equal
 
 SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3  # world size 2: 4 steps per epoch, 12 in all
 

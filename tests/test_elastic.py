@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, free_port, run_job
-from test_distributed import _kill_tree
 from elastic_train import command, read_steps, step_samples
 
-from checkfreq.report import load_run, summary_text
+from checkfreq.tools.report import load_run, summary_text
+from conftest import SCRIPTS, free_port, run_job
+from test_distributed import _kill_tree
 
 SAMPLES, GLOBAL_BATCH, EPOCHS = 96, 16, 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import checkfreq as cf
-from checkfreq import catalog, errors
+from checkfreq import errors
 from checkfreq.storage.local import LocalStore
 from checkfreq.storage.remote import FsspecStore
+from checkfreq.tools import catalog
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -63,7 +64,7 @@ def test_a_plain_dataloader_is_refused_naming_the_loaders_that_resume(tmp_path: 
     refused = _raised(lambda: cf.Checkpointer(tmp_path, model=_model(), loader=torch.utils.data.DataLoader(data, batch_size=2)))
     assert isinstance(refused, cf.ArgumentTypeError) and isinstance(refused, TypeError)
     assert "loader=DataLoader(...)" in str(refused) and "cannot resume" in str(refused)
-    assert "checkfreq.data.ResumableLoader" in str(refused) and "StatefulDataLoader" in str(refused)
+    assert "checkfreq.data.resumable.ResumableLoader" in str(refused) and "StatefulDataLoader" in str(refused)
     with cf.Checkpointer(tmp_path, model=_model(), loader=cf.ResumableLoader(data, batch_size=2)):
         pass  # the loader it names is accepted
 

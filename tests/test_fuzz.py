@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 import torch
 import xxhash
-from conftest import make_model, train_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkfreq as cf
-from checkfreq.restore import read_checkpoint
-from checkfreq.format import MANIFEST_NAME, Manifest
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.run.state import unflatten
+from checkfreq.storage.format import MANIFEST_NAME, Manifest
 from checkfreq.storage.posix import read_data_file, read_manifest
-from checkfreq.state import unflatten
+from conftest import make_model, train_step
 
 FUZZ = settings(
     max_examples=int(os.environ.get("CHECKFREQ_FUZZ_EXAMPLES", "150")),  # 2000 for a deeper run

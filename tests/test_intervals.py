@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from checkfreq.losscurve import LossCurve, fit_power_law
-from checkfreq.intervals import (
+from checkfreq.policies.intervals import (
     convergence_interval,
     daly,
     daly_waste,
@@ -21,6 +20,7 @@ from checkfreq.intervals import (
     two_phase_interval,
     young,
 )
+from checkfreq.policies.losscurve import LossCurve, fit_power_law
 
 MIN, HOUR = 60.0, 3600.0
 

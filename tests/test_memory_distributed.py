@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_state_equal
-from test_distributed import _finish, _launch, _train_args
 
 from checkfreq.storage.shm import SHM_DIR_ENV
+from conftest import assert_state_equal
+from test_distributed import _finish, _launch, _train_args
 
 pytestmark = pytest.mark.slow
 MEMORY = ("--every", "4", "--memory", "1", "--die", "0:0:6:step")  # persists at 4, 8, 12; rank 0 dies after step 6

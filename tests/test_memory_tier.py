@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
-from checkfreq.events import read_events
-from checkfreq.memory_cadence import MemoryCadence
+from checkfreq.policies.memory_cadence import MemoryCadence
+from checkfreq.run.events import read_events
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, directory_identity, region_path
 from conftest import make_model, train_step
 
@@ -272,7 +271,7 @@ def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_
 
 
 def test_report_shows_memory_snapshots_apart_from_persists(shm_dir: Path, tmp_path: Path) -> None:
-    from checkfreq.report import load_run, render_figure, summary_text
+    from checkfreq.tools.report import load_run, render_figure, summary_text
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

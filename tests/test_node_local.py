@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
-from checkfreq.catalog import list_checkpoints
 from checkfreq.cli import app
-from checkfreq.report import load_run
+from checkfreq.tools.catalog import list_checkpoints
+from checkfreq.tools.report import load_run
 from conftest import make_model, train_step
 
 STEPS, EVERY = 6, 3

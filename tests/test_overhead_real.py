@@ -17,9 +17,9 @@ import pytest
 import torch
 from overhead_loop import judge, setup, train  # tests/scripts, on the path through conftest
 
-from checkfreq import commit
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.policies import Overhead
+from checkfreq.pipeline import commit
+from checkfreq.policies.rules import Overhead
 
 STEPS = 200
 WARMUP = 15  # Overhead takes its profiling checkpoint at step 10

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from checkfreq.losscurve import LossCurve
-from checkfreq.policies import (
+from checkfreq.policies.losscurve import LossCurve
+from checkfreq.policies.profiler import Profiler, Smoothed
+from checkfreq.policies.rules import (
     Auto,
     ConvergenceAware,
     DecisionContext,
@@ -19,7 +20,6 @@ from checkfreq.policies import (
     YoungDaly,
     resolve,
 )
-from checkfreq.profiler import Profiler, Smoothed
 
 HOUR = 3600.0
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal, make_model, train_step
 
 import checkfreq as cf
-from checkfreq.restore import read_checkpoint
+from checkfreq.pipeline.restore import read_checkpoint
+from conftest import SCRIPTS, assert_state_equal, make_model, train_step
 
 sys.path.insert(0, str(SCRIPTS))
 import chaos_train  # noqa: E402

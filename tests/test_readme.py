@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkfreq.events import read_events
+from checkfreq.run.events import read_events
 
 README = Path(__file__).parents[1] / "README.md"
 KILL_AT = 45  # an optimizer step in the second of the example's three epochs of 32 steps

@@ -27,12 +27,12 @@ from types import FrameType
 import psutil
 import pytest
 import torch
-from conftest import make_model, train_step
 
 import checkfreq as cf
 import checkfreq.storage.posix
-from checkfreq.restore import read_checkpoint
-from checkfreq.format import MANIFEST_NAME
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.storage.format import MANIFEST_NAME
+from conftest import make_model, train_step
 
 
 @contextmanager

@@ -11,13 +11,13 @@ import matplotlib.image
 import numpy as np
 import pytest
 import torch
-from conftest import make_model, train_step
 from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
-from checkfreq.events import EventLog, read_events
-from checkfreq.report import human_seconds, load_run, plotted_overhead, render_figure, summary_text
+from checkfreq.run.events import EventLog, read_events
+from checkfreq.tools.report import human_seconds, load_run, plotted_overhead, render_figure, summary_text
+from conftest import make_model, train_step
 
 runner = CliRunner()
 
@@ -43,7 +43,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def expected_summary(events: list[dict]) -> dict:
-    """The summary computed straight from the raw log, independently of checkfreq.report."""
+    """The summary computed straight from the raw log, independently of checkfreq.tools.report."""
     snapshots = [e for e in events if e["event"] == "snapshot"]
     commits = [e for e in events if e["event"] == "commit"]
     fences = {e["step"]: e["stall_s"] for e in events if e["event"] == "fence"}

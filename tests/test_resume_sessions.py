@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, make_model, train_step
 from overhead_loop import Sessions, judge, resumed_sessions, setup
-from test_distributed import _finish, _launch
 
 from checkfreq import Checkpointer
-from checkfreq.restore import read_checkpoint
-from checkfreq.events import read_events
-from checkfreq.policies import Auto, ConvergenceAware, Every, Overhead, YoungDaly
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.policies.rules import Auto, ConvergenceAware, Every, Overhead, YoungDaly
+from checkfreq.run.events import read_events
+from conftest import SCRIPTS, make_model, train_step
+from test_distributed import _finish, _launch
 
 P = 0.035  # Auto's bound
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import checkfreq as cf
-from checkfreq.commit import Retainer
-from checkfreq.retention import Retention
+from checkfreq.pipeline.retainer import Retainer
+from checkfreq.policies.retention import Retention
 from checkfreq.storage.local import LocalStore
 
 

@@ -15,16 +15,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import checkfreq.compat
-import checkfreq.distributed
-import checkfreq.format
+import checkfreq.dist.compat
+import checkfreq.dist.group_cluster
+import checkfreq.storage.format
 from checkfreq import Checkpointer, Every, replicas, sharing
-from checkfreq.collectives import GroupPeers
-from checkfreq.distributed_plan import chunk_holders, complete
+from checkfreq.dist.collectives import GroupPeers
+from checkfreq.dist.shares import chunk_holders, complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
-from checkfreq.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
-from checkfreq.restore import read_checkpoint
+from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.storage import LocalStore
+from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from conftest import make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def test_a_manifest_a_reader_would_refuse_fails_the_save(tmp_path: Path, monkeyp
     ckpt = Checkpointer(tmp_path, policy=1000, model=model, optimizer=optimizer)
     train_step(model, optimizer)
     ckpt.step()
-    monkeypatch.setattr(checkfreq.format, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(checkfreq.storage.format, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(PersistError, match="manifest.json would be .* bytes, over the 1000 bytes a reader accepts"):
         ckpt.save(blocking=True)
     ckpt.close()
@@ -181,7 +181,7 @@ class _CountingPeers(CountingPeers):
 
 
 def _counted_rank(rank: int, world: int, store_path: str, directories: list[str], out: str) -> None:
-    checkfreq.distributed.GroupPeers = _CountingPeers  # type: ignore[misc] - counts, the messages still go over gloo
+    checkfreq.dist.group_cluster.GroupPeers = _CountingPeers  # type: ignore[misc] - counts, the messages still go over gloo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -261,7 +261,7 @@ def _count_restore_io(network_fs: bool) -> dict[str, Any]:
     LocalStore.read_data, LocalStore.map_data = counted_read, counted_map  # type: ignore[method-assign]
     GroupPeers.receive, GroupPeers.all_gather_rows = counted_receive, counted_all_gather  # type: ignore[method-assign]
     if network_fs:
-        checkfreq.distributed.on_machine_local_file_system = lambda path: False
+        checkfreq.dist.group_cluster.on_machine_local_file_system = lambda path: False
     return counts
 
 
@@ -461,7 +461,7 @@ def _established_connections() -> int:
 
 def _connections_rank(rank: int, world: int, store_path: str, directory: str, out: str, lazy: bool) -> None:
     if not lazy:  # as with torch 2.6 and 2.7, which cannot connect gloo pairs on demand
-        checkfreq.compat.lazy_gloo_backend = lambda: None
+        checkfreq.dist.compat.lazy_gloo_backend = lambda: None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     model = make_model()

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, directory_identity, layout_signature, region_path, remove_regions_beyond
+from checkfreq.storage.shm import (
+    MemoryRegion,
+    ShmSnapshotError,
+    directory_identity,
+    layout_signature,
+    region_path,
+    remove_regions_beyond,
+)
 
 SIG = layout_signature(("x",))
 

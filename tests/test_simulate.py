@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from checkfreq import policy_schedules
-from checkfreq.losscurve import LossCurve
-from checkfreq.intervals import daly_waste, exact_optimum
-from checkfreq.simulate import Schedule, Workload, relative_change, simulate
+from checkfreq.policies.intervals import daly_waste, exact_optimum
+from checkfreq.policies.losscurve import LossCurve
+from checkfreq.tools import schedules as policy_schedules
+from checkfreq.tools.simulate import Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0
 

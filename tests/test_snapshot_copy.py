@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from checkfreq.snapshot import PIECE_BYTES, PendingSnapshot
+from checkfreq.pipeline.snapshot import PIECE_BYTES, PendingSnapshot
 
 SOURCES = {
     "float32": lambda: torch.randn(1000, 37),
@@ -113,10 +113,11 @@ def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
     """The writer joins the deferred copies before round 1 of the commit (creating the staging
     location; a collective under torch.distributed), so the fence never copies alone while the
     writer waits on the other ranks or the store. The checkpoint is still committed whole."""
-    from checkfreq.collectives import Solo
-    from checkfreq.commit import CommitJob, Committer, Retainer
-    from checkfreq.retention import Retention
-    from checkfreq.snapshot import Snapshotter
+    from checkfreq.dist.collectives import Solo
+    from checkfreq.pipeline.commit import CommitJob, Committer
+    from checkfreq.pipeline.retainer import Retainer
+    from checkfreq.pipeline.snapshot import Snapshotter
+    from checkfreq.policies.retention import Retention
     from checkfreq.storage.local import LocalStore
 
     tensors = {"a": torch.randn(PIECE_BYTES // 4 * 3 + 5), "b": torch.arange(1000)}

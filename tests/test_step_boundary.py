@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from conftest import assert_state_equal
 
 PAGE = Path(__file__).parents[1] / "docs" / "exactness.md"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_state_equal, make_model, train_step
 
 import checkfreq as cf
+from conftest import assert_state_equal, make_model, train_step
 
 ORDER = "before any registered optimizer stepped"
 

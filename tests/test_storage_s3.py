@@ -17,11 +17,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import SCRIPTS, assert_state_equal
 
 import checkfreq as cf
 from checkfreq.storage import FsspecStore
+from conftest import SCRIPTS, assert_state_equal
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_state_equal, free_port, run_job
 
-from checkfreq.distributed_plan import local_view
-from checkfreq.restore import read_checkpoint
-from checkfreq.state import unflatten
+from checkfreq.dist.shares import local_view
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.run.state import unflatten
+from conftest import SCRIPTS, assert_state_equal, free_port, run_job
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -242,7 +242,7 @@ def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: P
 
 def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
     """The loss of each optimizer step (summed over its micro-batches) reaches the policy, as the Trainer logs it."""
-    from checkfreq.policies import Every
+    from checkfreq.policies.rules import Every
 
     class Recording(Every):
         def should_save(self, ctx):  # type: ignore[no-untyped-def]

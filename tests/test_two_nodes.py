@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from checkfreq.run.events import read_events
+from checkfreq.storage import FsspecStore, LocalStore
+from checkfreq.storage.format import MANIFEST_NAME
 from conftest import SCRIPTS, assert_state_equal, free_port
 from test_distributed import BATCH, EPOCHS, EVERY, SAMPLES, _assert_each_sample_once_per_epoch, _kill_tree
-
-from checkfreq.events import read_events
-from checkfreq.format import MANIFEST_NAME
-from checkfreq.storage import FsspecStore, LocalStore
 
 # test_distributed's job (64 samples, batches of 8, 3 epochs, a checkpoint every 3 steps): at world
 # size 2, 4 steps per epoch, 12 in all, checkpoints 3, 6, 9, 12

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from checkfreq import Checkpointer
-from checkfreq.events import read_events
+from checkfreq.run.events import read_events
 from conftest import assert_state_equal, make_model, train_step
 
 LEG = 4

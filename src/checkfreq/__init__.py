@@ -6,10 +6,8 @@ background persist) whenever its policy says so, and ``restore()`` resumes exact
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.data import ResumableLoader, ResumableSampler
+from checkfreq.data.resumable import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
     ArgumentTypeError,
     CheckfreqError,
@@ -32,7 +30,9 @@ from checkfreq.errors import (
     UnsupportedTorchError,
     UsageError,
 )
-from checkfreq.policies import (
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.policies.retention import Retention
+from checkfreq.policies.rules import (
     Auto,
     ConvergenceAware,
     DecisionContext,
@@ -43,8 +43,7 @@ from checkfreq.policies import (
     StatefulPolicy,
     YoungDaly,
 )
-from checkfreq.restore import read_checkpoint
-from checkfreq.retention import Retention
+from checkfreq.version import __version__ as __version__
 
 __all__ = [
     "ArgumentTypeError",

@@ -15,40 +15,42 @@ from typing import Any
 
 import torch
 
-import checkfreq
-from checkfreq.ddp_order import warn_if_buckets_reorder
-from checkfreq.commit import CommitJob, CommitResult, Committer, Retainer
-from checkfreq.cluster import Cluster, attach
-from checkfreq.distributed_plan import is_dtensor, local_view, note_world_size_change
+from checkfreq.dist.cluster import Cluster, attach
+from checkfreq.dist.ddp_order import warn_if_buckets_reorder
+from checkfreq.dist.shares import local_view, note_world_size_change
 from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
     InvalidArgumentError,
-    PersistTimeoutError,
-    UnknownObjectError,
-    UsageError,
     PersistError,
+    PersistTimeoutError,
     ReplicaMismatchError,
     StateMismatchError,
+    UnknownObjectError,
+    UsageError,
 )
-from checkfreq.events import EventLog
-from checkfreq.memory_cadence import MemoryCadence
-from checkfreq.memory_tier import MemoryTier
-from checkfreq.options import check_objects, check_option_types, check_registration
-from checkfreq.persist import Writer
-from checkfreq.policies import Policy, resolve
-from checkfreq.profiler import Profiler
-from checkfreq.restore import Restorer
-from checkfreq.retention import Retention
-from checkfreq.rng import RNGState
-from checkfreq.session import run_state, seed_session
-from checkfreq.signals import SignalTrap
-from checkfreq.timeline import Timeline
-from checkfreq.snapshot import PendingSnapshot, Snapshotter, layout_of
-from checkfreq.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, unflatten
-from checkfreq.step_order import StepOrder
+from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
+from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.pipeline.restore import Restorer
+from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.snapshot import PendingSnapshot, Snapshotter, layout_of
+from checkfreq.pipeline.upload import Uploader
+from checkfreq.pipeline.writer import Writer
+from checkfreq.policies.memory_cadence import MemoryCadence
+from checkfreq.policies.profiler import Profiler
+from checkfreq.policies.retention import Retention
+from checkfreq.policies.rules import Policy, resolve
+from checkfreq.run.events import EventLog
+from checkfreq.run.options import check_objects, check_option_types, check_registration
+from checkfreq.run.rng import RNGState
+from checkfreq.run.session import run_state, seed_session
+from checkfreq.run.signals import SignalTrap
+from checkfreq.run.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, unflatten
+from checkfreq.run.step_order import StepOrder
+from checkfreq.run.tensors import is_dtensor
+from checkfreq.run.timeline import Timeline
 from checkfreq.storage import Store, open_tiers
-from checkfreq.upload import Uploader
+from checkfreq.version import __version__
 
 log = logging.getLogger("checkfreq")
 
@@ -64,7 +66,7 @@ class Checkpointer:
             local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md. Under
             torch.distributed, one directory every rank sees, or one per node on a node-local
             disk (docs/distributed.md).
-        policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
+        policy: when to checkpoint: a :class:`~checkfreq.policies.rules.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted), or a
             :class:`~checkfreq.Retention` (e.g. ``Retention(3, every=1000)`` also keeps every
@@ -625,7 +627,7 @@ def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | No
 
 
 def _versions() -> dict[str, str]:
-    return {"checkfreq": checkfreq.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    return {"checkfreq": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 CHECKPOINTER_OPTIONS = tuple(

@@ -15,12 +15,12 @@ import signal
 
 import torch
 from accelerate import Accelerator
+from noisy_points import NoisyPoints  # beside this script
 from torch import nn
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.data import ResumableLoader
-from noisy_points import NoisyPoints  # beside this script
-from worker_exit import exit_without_teardown  # beside this script
+from checkfreq.data.resumable import ResumableLoader
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The training job of the fault-injection campaign (``benchmarks/chaos.py``) and the preemption tests.
 
-A small but complete run: shuffled :class:`~checkfreq.data.ResumableLoader` over noisy
+A small but complete run: shuffled :class:`~checkfreq.data.resumable.ResumableLoader` over noisy
 samples, BatchNorm and dropout, AdamW, an LR schedule, a checkpoint every ``--every`` steps.
 It restores whatever the directory holds, trains to the end, and prints one line per event on
 ``--progress-fd`` (default stdout)::
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 import checkfreq as cf
-from checkfreq.data import ResumableLoader
-from checkfreq.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.data.resumable import ResumableLoader
+from checkfreq.pipeline.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.storage.shm import MemoryRegion
 
 HOOK_SLEEP_S = 60.0

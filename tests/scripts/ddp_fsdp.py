@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer, DecisionContext
-from worker_exit import exit_without_teardown  # beside this script
 
 
 class OnlyRankOneAtStep2:

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world  # the process groups this process holds
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.events import read_events
-from checkfreq.policies import Auto, ConvergenceAware, Every, Overhead, YoungDaly
-from worker_exit import exit_without_teardown  # beside this script
+from checkfreq.policies.rules import Auto, ConvergenceAware, Every, Overhead, YoungDaly
+from checkfreq.run.events import read_events
 
 POLICIES = {
     "Overhead": lambda: Overhead(p=0.2),

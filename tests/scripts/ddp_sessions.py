@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from overhead_loop import resumed_sessions, setup, train  # beside this script
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from worker_exit import exit_without_teardown  # beside this script
 
 
 def main() -> None:

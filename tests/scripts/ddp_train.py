@@ -49,16 +49,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from noisy_points import NoisyPoints  # beside this script
 from torch import nn
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.data import ResumableLoader
-from checkfreq.format import MANIFEST_NAME
+from checkfreq.data.resumable import ResumableLoader
 from checkfreq.storage import FsspecStore, LocalStore, Store
+from checkfreq.storage.format import MANIFEST_NAME
 from checkfreq.storage.local import checkpoint_name
 from checkfreq.storage.shm import region_path
-from noisy_points import NoisyPoints  # beside this script
-from worker_exit import exit_without_teardown  # beside this script
 
 
 def build_model() -> nn.Module:

@@ -39,13 +39,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from checkfreq import Checkpointer
-from checkfreq.data import ResumableLoader
 from noisy_points import NoisyPoints  # beside this script
+from torch import nn
 from worker_exit import exit_without_teardown  # beside this script
 
+from checkfreq import Checkpointer
+from checkfreq.data.resumable import ResumableLoader
 
 StepLog = dict[int, dict[int, tuple[float, list[int], int]]]
 """Step -> rank -> (loss of the global batch, the rank's sample ids, world size)."""

@@ -25,12 +25,18 @@ import signal
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, TrainerCallback, TrainingArguments, default_data_collator
-
 from ddp_train import init_for_this_attempt
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
+from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq.integrations.transformers import CheckFreqTrainer
-from worker_exit import exit_without_teardown  # beside this script
 
 TEXT = "checkpoints taken often and cheaply let a killed run go on where it stopped. " * 40
 BLOCK = 16

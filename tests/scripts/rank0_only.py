@@ -8,10 +8,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from worker_exit import exit_without_teardown  # beside this script
 
 import checkfreq as cf
-from checkfreq.compat import default_store
-from worker_exit import exit_without_teardown  # beside this script
+from checkfreq.dist.compat import default_store
 
 DONE_KEY = "rank0_only/done"
 

@@ -20,8 +20,8 @@ from pathlib import PurePosixPath
 import torch
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.format import MANIFEST_NAME
 from checkfreq.storage import FsspecStore
+from checkfreq.storage.format import MANIFEST_NAME
 from checkfreq.storage.local import checkpoint_name
 
 PIECE = 1 << 20

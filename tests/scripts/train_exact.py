@@ -29,11 +29,11 @@ import traceback
 
 import numpy as np
 import torch
+from noisy_points import NoisyPoints  # beside this script
 from torch import nn
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.data import ResumableLoader
-from noisy_points import NoisyPoints  # beside this script
+from checkfreq.data.resumable import ResumableLoader
 
 ACCUMULATION = 2
 PR_SET_CHILD_SUBREAPER = 36  # Linux prctl option

@@ -56,8 +56,12 @@ def _main() -> None:
 
 def _register_commands() -> None:
     # Imported for their side effect of adding commands to ``app``.
-    from checkfreq.cli import demo  # noqa: F401
-    from checkfreq.cli import inspect_cmds, plan, report_cmd  # noqa: F401
+    from checkfreq.cli import (  # noqa: F401
+        demo,  # noqa: F401
+        inspect_cmds,
+        plan,
+        report_cmd,
+    )
 
 
 _register_commands()

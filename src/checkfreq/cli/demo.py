@@ -20,7 +20,7 @@ from rich.table import Table
 from safetensors.torch import load_file
 
 from checkfreq.cli import app
-from checkfreq.report import human_seconds, load_run, session_line
+from checkfreq.tools.report import human_seconds, load_run, session_line
 
 console = Console()
 

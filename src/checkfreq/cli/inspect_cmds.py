@@ -2,7 +2,7 @@
 
 Every command takes a local path or an fsspec URL (``s3://bucket/run``, ``memory://run``).
 
-The work is done by :mod:`checkfreq.catalog`; these commands only format its results.
+The work is done by :mod:`checkfreq.tools.catalog`; these commands only format its results.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from rich.table import Table
 
 from checkfreq.cli import app
 from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fitted_table, human_age, reports_errors
-from checkfreq.report import human_bytes
+from checkfreq.tools.report import human_bytes
 
 if TYPE_CHECKING:
-    from checkfreq.catalog import CheckpointDiff
+    from checkfreq.tools.catalog import CheckpointDiff
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 RemoteOption = Annotated[str | None, typer.Option(
@@ -44,7 +44,7 @@ def ls_command(
 
     Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too.
     """
-    from checkfreq.catalog import is_url, list_checkpoints, memory_snapshots
+    from checkfreq.tools.catalog import is_url, list_checkpoints, memory_snapshots
 
     disk = list_checkpoints(directory, checksums=not quick, remote=remote)
     statuses = sorted(memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory"))
@@ -72,7 +72,7 @@ def inspect_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Show a checkpoint's tensors (name, shape, dtype, bytes), registered objects, metadata and versions."""
-    from checkfreq.catalog import describe, resolve_checkpoint
+    from checkfreq.tools.catalog import describe, resolve_checkpoint
 
     info = describe(resolve_checkpoint(target))
     if as_json:
@@ -121,8 +121,8 @@ def verify_command(
 
     In a node-local directory, the files of other nodes' ranks are checked in --remote, or named as not checked.
     """
-    from checkfreq.catalog import check_checkpoint, list_checkpoints, names_checkpoint, resolve_checkpoint
     from checkfreq.storage import open_store
+    from checkfreq.tools.catalog import check_checkpoint, list_checkpoints, names_checkpoint, resolve_checkpoint
 
     single = names_checkpoint(target)
     tier = None if remote is None else open_store(remote, create=False)
@@ -173,7 +173,7 @@ def export_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""
-    from checkfreq.catalog import export
+    from checkfreq.tools.catalog import export
 
     result = export(target, to, only=only)
     if as_json:
@@ -200,7 +200,7 @@ def diff_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor; exit 1 if they differ, like diff(1)."""
-    from checkfreq.catalog import diff
+    from checkfreq.tools.catalog import diff
 
     result = diff(a, b)
     if as_json:

@@ -9,14 +9,14 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from checkfreq import policy_schedules
 from checkfreq.cli import app
 from checkfreq.cli._output import JSON_HELP, console, emit_json, fitted_table, reports_errors
-from checkfreq.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
-from checkfreq.losscurve import LossCurve
-from checkfreq.policies import Overhead
-from checkfreq.report import human_seconds
-from checkfreq.simulate import Result, Schedule, Workload, relative_change, simulate
+from checkfreq.policies.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
+from checkfreq.policies.losscurve import LossCurve
+from checkfreq.policies.rules import Overhead
+from checkfreq.tools import schedules as policy_schedules
+from checkfreq.tools.report import human_seconds
+from checkfreq.tools.simulate import Result, Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0
 Seconds = Annotated[float, typer.Option(min=0.0)]

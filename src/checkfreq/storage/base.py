@@ -2,7 +2,7 @@
 
 The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
 staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
-lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.retention` says which). How a commit is made
+lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.policies.retention` says which). How a commit is made
 atomic is the store's business: a local directory renames a fully fsynced staging directory;
 an object store has no atomic rename, so the manifest, written last, is the commit marker and a
 checkpoint without one is never listed.
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from checkfreq.format import MANIFEST_NAME, Manifest, data_chunks
+from checkfreq.storage.format import MANIFEST_NAME, Manifest, data_chunks
 
 
 class Location(Protocol):

@@ -26,7 +26,7 @@ from checkfreq.errors import (
     DirectoryLockedError,
     DirectoryNotWritableError,
 )
-from checkfreq.format import Manifest
+from checkfreq.storage.format import Manifest
 from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")

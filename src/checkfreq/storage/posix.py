@@ -4,7 +4,7 @@ Writes go straight from the snapshot buffer (no copy): whole aligned blocks with
 everything else with ``pwrite``, then ``fsync``. Reads verify a data file's size and xxh3-64
 checksum over a private, copy-on-write memory mapping, or over a stream where a file cannot be
 mapped; :func:`read_data_stream` takes any binary file object, so other stores (fsspec) read
-through it too. The bytes themselves are laid out and decoded by :mod:`checkfreq.format`.
+through it too. The bytes themselves are laid out and decoded by :mod:`checkfreq.storage.format`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError
-from checkfreq.format import (
+from checkfreq.storage.format import (
     BLOCK_BYTES,
     CHUNK_BYTES,
     MANIFEST_NAME,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
-from checkfreq.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from checkfreq.storage.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from checkfreq.storage.local import checkpoint_name
 from checkfreq.storage.posix import read_data_stream
 

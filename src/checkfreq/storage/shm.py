@@ -39,7 +39,7 @@ import torch
 import xxhash
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.format import BLOCK_BYTES
+from checkfreq.storage.format import BLOCK_BYTES
 
 log = logging.getLogger("checkfreq.shm")
 

@@ -1,0 +1,205 @@
+"""The Checkpointer's memory tier: where each snapshot lands, its commit, restore and clean-up.
+
+Every snapshot (a memory-only one, or the one a persist writes to disk from) is copied into a
+slot of this rank's shared-memory region (:mod:`checkfreq.storage.shm`) instead of a private
+buffer, so a restarted process finds the newest state in memory. Memory-only snapshots are
+committed by a thread of their own, so they never queue behind a persist; a persist commits
+its slot before writing it to disk and keeps it from being overwritten until the write is done.
+
+If /dev/shm has no room, the tier turns itself off with one warning and checkpoints go to disk
+as without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from checkfreq.dist.collectives import Peers
+from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.pipeline.writer import Writer
+from checkfreq.policies.memory_cadence import MemoryCadence
+from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
+from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature, remove_regions_beyond
+
+log = logging.getLogger("checkfreq.memory")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MemoryTarget:
+    """A snapshot on its way into a slot: the slot, and what its header and metadata will say."""
+
+    slot: OpenSlot
+    step: int
+    layout: Layout
+    meta: bytes
+    setup_s: float
+    """Seconds spent creating the region for this snapshot (a one-time cost, not the cadence's)."""
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.slot.data[: self.layout.nbytes]
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """The newest memory-only snapshot this process took (persisted at ``close()`` if newer than disk)."""
+
+    pending: PendingSnapshot
+    skeleton: Any
+    step: int
+    epoch: int | None
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """A verified snapshot read back from the memory tier."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    slot: int
+
+    tier = "memory"
+
+    @property
+    def name(self) -> str:
+        return f"memory slot {self.slot}"
+
+
+class MemoryTier:
+    """One rank's memory tier for a Checkpointer.
+
+    Args:
+        directory: the checkpoint directory (path or URL) the region is named after.
+        cadence: when memory-only snapshots are taken.
+        data_file: the data file name the snapshot's manifest refers to.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0) -> None:
+        self.region = MemoryRegion.for_directory(directory, rank)
+        self.cadence = cadence
+        self._data_file = data_file
+        self.writer = Writer()
+        self._finalizer = weakref.finalize(self, self.writer.close, None)
+        self._persisting: int | None = None  # the slot a persist is writing to disk
+        self.enabled = True
+        self.newest: MemorySnapshot | None = None
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:
+        """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
+        removes the regions of ranks this job does not have (an earlier job ran with more)."""
+        if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
+            raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
+                                       "(e.g. memory=1), so that every rank snapshots the same steps")
+        if peers.rank == 0:
+            remove_regions_beyond(directory, peers.size)
+        return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank)
+
+    def newest_step(self) -> int | None:
+        """The step of the newest snapshot with a valid header (not verified), if any."""
+        found = self.region.snapshots()
+        return found[0].step if found else None
+
+    # ------------------------------------------------------------------ snapshots
+
+    def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float) -> MemoryTarget | None:
+        """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm)."""
+        if not self.enabled:
+            return None
+        manifest = Manifest(
+            step=step, epoch=epoch, world_size=1,
+            files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
+            tensors=tensor_entries(layout, self._data_file), state=skeleton, versions=versions, created=created,
+        )
+        meta = manifest.to_json()
+        start = time.perf_counter()
+        try:
+            self.region.reserve(layout.nbytes, len(meta))
+        except ShmCapacityError as e:
+            log.warning("memory tier off, checkpoints go to disk only: %s", e)
+            self.enabled = False
+            return None
+        return MemoryTarget(self.region.begin(keep=self._persisting), step, layout, meta, time.perf_counter() - start)
+
+    def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
+        """Wait for the snapshot's deferred copies, then publish its slot."""
+        pending.finish_copy()
+        self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta, layout_signature(target.layout.signature))
+
+    def wait(self, timeout: float) -> BaseException | None:
+        """Wait for the memory snapshot being committed; return its error if it failed."""
+        self.writer.wait(timeout)
+        error = self.writer.take_error()
+        if error is not None:
+            self.newest = None  # never committed: nothing to persist from it
+        return error
+
+    def submit(self, target: MemoryTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
+        """Commit a memory-only snapshot in the background (the previous one must be committed)."""
+        self.newest = MemorySnapshot(pending, skeleton, target.step, epoch)
+
+        def job() -> None:
+            start = time.perf_counter()
+            self.commit(target, pending)
+            self.cadence.record_background(time.perf_counter() - start)
+
+        self.writer.submit(job)
+
+    def around_persist(self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], T]) -> Callable[[], T]:
+        """The writer job of a persist: commit the slot, then write it to disk; the slot stays
+        untouched by memory snapshots until the write is done."""
+        self._persisting = target.slot.slot
+        self.newest = None  # the persist supersedes any memory-only snapshot
+
+        def job() -> T:
+            try:
+                self.commit(target, pending)
+                return persist()
+            finally:
+                self._persisting = None
+
+        return job
+
+    # ------------------------------------------------------------------ restore
+
+    def read_all(self, step: int | None = None) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+        """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those skipped."""
+        states: list[MemoryState] = []
+        skipped: list[tuple[str, str]] = []
+        for info in self.region.snapshots():
+            if step is not None and info.step != step:
+                continue
+            try:
+                meta, data = self.region.read(info, private=False)  # restore copies into the live objects
+                manifest = Manifest.from_json(meta)
+                tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+            except CheckfreqError as e:
+                log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
+                skipped.append((f"memory slot {info.slot}", str(e)))
+                continue
+            states.append(MemoryState(manifest, tensors, info.slot))
+        return states, skipped
+
+    def forget_newer_than(self, step: int) -> None:
+        """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
+        newest = self.newest_step()
+        if newest is not None and newest > step:
+            log.info("memory tier: dropping snapshots after step %d (restored an older step)", step)
+            self.region.clear()
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        """Stop the commit thread; with ``remove`` (a clean close) delete the region too."""
+        self.writer.close(timeout)
+        self._finalizer.detach()
+        self.newest = None
+        self.region.release(remove=remove)

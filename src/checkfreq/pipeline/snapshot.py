@@ -1,0 +1,213 @@
+"""Phase 1: copy the training state into host buffers that are allocated once and reused.
+
+Tensors the forward pass may mutate (BatchNorm statistics, anything not owned by an optimizer)
+are copied before :meth:`Snapshotter.take` returns. Tensors only an optimizer changes
+(parameters and optimizer state) are *deferred*: on CPU the writer thread copies them while the
+next forward/backward runs; on CUDA they are copied on a side stream. Either way the returned
+:class:`PendingSnapshot` is the fence that the next ``optimizer.step()`` waits on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from checkfreq.storage.format import BLOCK_BYTES, Layout, plan_layout, slot_view
+
+CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+PIECE_BYTES = 4 << 20
+"""Deferred copies are split into pieces of at most this size, so the writer and the fence can share them."""
+
+Piece = tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
+"""``(dst address, src address, bytes)`` for plain memory, or a ``(dst, src)`` pair for ``copy_``."""
+
+
+@dataclass
+class PendingSnapshot:
+    """A snapshot whose deferred copies may still be running.
+
+    The writer copies the deferred CPU tensors piece by piece (:meth:`finish_copy`); if the next
+    ``optimizer.step()`` arrives first, the training thread claims the remaining pieces too
+    (:meth:`copy_pieces`), so the fence lasts as long as a copy on two threads, not on one.
+    """
+
+    layout: Layout
+    buffer: torch.Tensor
+    deferred_cpu: CopyPairs
+    cuda_done: list[torch.cuda.Event] = field(default_factory=list)
+    copied: threading.Event = field(default_factory=threading.Event)
+    """Set by the writer once every deferred copy is done (or has failed)."""
+
+    def __post_init__(self) -> None:
+        self.cpu_fence = bool(self.deferred_cpu)
+        """True if the fence must wait on the CPU for the writer to copy (CPU tensors were deferred)."""
+        self._pieces = [piece for dst, src in self.deferred_cpu for piece in _pieces(dst, src)]
+        self._claims = itertools.count()  # next() on a count is atomic: each piece is claimed once
+        self._left = len(self._pieces)
+        self._lock = threading.Lock()
+        self._pieces_done = threading.Event()
+        self._failed: BaseException | None = None
+        if not self._pieces:
+            self._pieces_done.set()
+
+    @property
+    def has_deferred(self) -> bool:
+        return self.cpu_fence or bool(self.cuda_done)
+
+    def copy_pieces(self) -> None:
+        """Copy unclaimed pieces until none is left; the writer and the fence both call this."""
+        pieces = self._pieces  # the writer drops its reference once all are done
+        try:
+            while (index := next(self._claims)) < len(pieces):
+                _copy_piece(pieces[index])
+                with self._lock:
+                    self._left -= 1
+                    if self._left == 0:
+                        self._pieces_done.set()
+        except BaseException as e:
+            self._failed = e
+            self._pieces_done.set()
+            raise
+
+    def finish_copy(self) -> None:
+        """Run in the writer: copy deferred CPU pieces and wait for CUDA copies; then release the fence.
+
+        Raises if a piece failed, in this thread or in the training thread.
+        """
+        try:
+            self.copy_pieces()
+            for event in self.cuda_done:
+                event.synchronize()
+            self._pieces_done.wait()  # the training thread may still be copying a piece it claimed
+            if self._failed is not None:
+                raise RuntimeError(f"a deferred snapshot copy failed: {self._failed}") from self._failed
+        finally:
+            self.deferred_cpu, self._pieces = [], []
+            self.copied.set()
+
+    def order_after_copy(self) -> None:
+        """Make the current CUDA streams wait for the side-stream copies (no CPU wait)."""
+        for event in self.cuda_done:
+            torch.cuda.current_stream(event.device).wait_event(event)
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[Piece]:
+    """Split one deferred copy into pieces: address ranges for plain memory, else the pair itself.
+
+    Address ranges are copied with ``ctypes.memmove``, which releases the GIL and runs on the
+    calling thread only. The writer must not use ``Tensor.copy_``: ATen would start a second
+    OpenMP team in the writer thread, which oversubscribes the cores that the training loop's
+    team runs on and slows every later iteration, not only those the copy overlaps
+    (docs/performance.md). Views that are not plain contiguous memory (strided, lazily
+    conjugated or negated) are copied whole with ``copy_``.
+    """
+    if not (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())):
+        return [(dst, src)]
+    nbytes = src.numel() * src.element_size()
+    d, s = dst.data_ptr(), src.data_ptr()
+    return [(d + at, s + at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
+
+
+def _copy_piece(piece: Piece) -> None:
+    dst, src, *size = piece
+    if size:
+        ctypes.memmove(dst, src, size[0])
+    else:
+        with torch.no_grad():
+            dst.copy_(src)  # type: ignore[union-attr]
+
+
+class Snapshotter:
+    """Owns the reusable host buffer and the side CUDA streams."""
+
+    def __init__(self) -> None:
+        self._signature: tuple[object, ...] | None = None
+        self._buffer: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def _views_for(self, layout: Layout, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        signature = (layout.signature, pin)
+        if signature != self._signature or self._buffer is None:
+            self._buffer, self._views = None, []  # release the old buffer before allocating
+            self._buffer = aligned_empty(layout.nbytes, pin)
+            self._views = [slot_view(self._buffer, slot) for slot in layout.slots]
+            self._signature = signature
+        return self._buffer, self._views
+
+    def take(
+        self, tensors: Mapping[str, torch.Tensor], deferred: Collection[str], *, layout: Layout | None = None, buffer: torch.Tensor | None = None
+    ) -> PendingSnapshot:
+        """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced).
+
+        ``buffer`` (``layout.nbytes`` bytes, e.g. a slot of the memory tier) replaces the
+        snapshotter's own buffer for this snapshot; ``layout`` is ``layout_of(tensors)`` if the
+        caller planned it already.
+        """
+        layout = layout or layout_of(tensors)
+        if buffer is None:
+            pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+            buffer, views = self._views_for(layout, pin)
+        else:
+            views = [slot_view(buffer, slot) for slot in layout.slots]
+        now_cpu: CopyPairs = []
+        later_cpu: CopyPairs = []
+        cuda_now: dict[torch.device, CopyPairs] = {}
+        cuda_later: dict[torch.device, CopyPairs] = {}
+        for slot, view in zip(layout.slots, views):
+            src = tensors[slot.name]
+            later = slot.name in deferred
+            if src.is_cuda:
+                (cuda_later if later else cuda_now).setdefault(src.device, []).append((view, src))
+            else:
+                (later_cpu if later else now_cpu).append((view, src))
+        pending = PendingSnapshot(layout, buffer, later_cpu)
+        for device in set(cuda_now) | set(cuda_later):
+            pending.cuda_done.append(self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, [])))
+        with torch.no_grad():
+            for dst, src in now_cpu:
+                dst.copy_(src)
+        if not pending.has_deferred:
+            pending.copied.set()
+        return pending
+
+    def _copy_on_side_stream(self, device: torch.device, now: CopyPairs, later: CopyPairs) -> torch.cuda.Event:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for dst, src in now:
+                dst.copy_(src, non_blocking=True)
+            now_done = torch.cuda.Event()
+            now_done.record(stream)
+            for dst, src in later:
+                dst.copy_(src, non_blocking=True)
+            all_done = torch.cuda.Event()
+            all_done.record(stream)
+        current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
+        return all_done
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
+    """Where each of ``tensors`` goes in a snapshot buffer."""
+    return plan_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+
+
+def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A flat ``uint8`` host buffer starting at a :data:`BLOCK_BYTES`-aligned address (for direct I/O)."""
+    raw = torch.empty(nbytes + BLOCK_BYTES, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % BLOCK_BYTES
+    return raw[start : start + nbytes]

@@ -1,0 +1,162 @@
+"""The remote tier: each committed checkpoint copied to durable storage in the background.
+
+Every rank copies its own data file of a checkpoint from its local directory (node-local disks
+included) to the remote store; once every rank has reported its copy verified, rank 0 writes the
+remote ``manifest.json`` last, so a checkpoint whose upload never finished on some rank is never
+listed there. Uploads run in a thread of their own, one at a time, on a gloo group of their own.
+
+Every rank uploads the same checkpoints: the commit protocol hands a checkpoint over only if every
+rank's uploader was idle when it reported (:class:`~checkfreq.pipeline.commit.CommitResult`), so a slow
+remote skips checkpoints rather than queueing them; :meth:`Uploader.flush` uploads the newest
+committed one if it was skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import xxhash
+
+from checkfreq.dist.collectives import Peers, collect_errors
+from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
+from checkfreq.pipeline.retainer import Retainer
+from checkfreq.policies.retention import Retention
+from checkfreq.storage.base import Store
+from checkfreq.storage.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
+from checkfreq.storage.local import LocalStore
+
+log = logging.getLogger("checkfreq.upload")
+
+
+class Uploader:
+    """This rank's part in copying checkpoints from its local directory to the remote store.
+
+    Args:
+        local: the local tier, where checkpoints are committed first.
+        remote: the durable tier.
+        peers: the ranks uploading together (their upload group).
+        token: names this job's staging locations in ``remote``.
+        retention: what the remote tier keeps (applied by rank 0).
+        local_retainer: the local tier's retention, told which checkpoint is being read.
+    """
+
+    def __init__(
+        self, local: LocalStore, remote: Store, peers: Peers, *, token: str, retention: Retention, local_retainer: Retainer
+    ) -> None:
+        self.local, self.remote, self.peers, self.token = local, remote, peers, token
+        self._retention = retention
+        self._local_retainer = local_retainer
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.uploaded: int | None = None
+        """The newest step this job copied (the same on every rank)."""
+
+    @property
+    def idle(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def start(self, step: int) -> None:
+        """Copy checkpoint ``step`` in the background (every rank starts the same steps)."""
+        if not self.idle:
+            raise RuntimeError("an upload is already running")
+        self._local_retainer.uploading = step
+        self._thread = threading.Thread(target=self._run, args=(step,), name="checkfreq-uploader", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the upload in flight is done (its error stays for :meth:`take_error`)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise PersistTimeoutError(f"upload to {self.remote.root} still running after {timeout} s")
+
+    def flush(self, newest: int | None, timeout: float | None = None) -> None:
+        """Wait for the upload in flight, then copy ``newest`` (the newest committed step) if it was
+        skipped; raise a failed upload's error. Collective: every rank calls it with the same step."""
+        self.wait(timeout)
+        self._raise()
+        if newest is not None and (self.uploaded is None or newest > self.uploaded):
+            self._local_retainer.uploading = newest
+            self._run(newest)
+            self._raise()
+
+    def take_error(self) -> BaseException | None:
+        error, self._error = self._error, None
+        return error
+
+    def _raise(self) -> None:
+        error = self.take_error()
+        if error is not None:
+            raise PersistError(f"copying a checkpoint to {self.remote.root} failed: {error}") from error
+
+    def _run(self, step: int) -> None:
+        try:
+            start = time.perf_counter()
+            self._upload(step)
+            self.uploaded = step
+            log.info("copied step %d to %s in %.2f s", step, self.remote.root, time.perf_counter() - start)
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread
+            log.error("copying step %d to %s failed: %s", step, self.remote.root, e)
+            self._error = e
+        finally:
+            self._local_retainer.uploading = None
+            self._local_retainer.run()
+
+    def _upload(self, step: int) -> None:
+        rank = self.peers.rank
+        error: str | None = None
+        if rank == 0:
+            try:
+                self.remote.staging_dir(step, self.token)
+            except Exception as e:  # noqa: BLE001 - every rank hears it
+                error = f"rank 0: {type(e).__name__}: {e}"
+        _raise_failures(collect_errors(self.peers, error), step)
+        staging = self.remote.staging_dir(step, self.token, create=False)
+        source = self.local.location(step)
+        error = None
+        try:
+            manifest = Manifest.from_json((source / MANIFEST_NAME).read_bytes())
+            name = data_file_name(rank)
+            self._copy(source / name, staging, name, manifest.files[name]["xxh3_64"])
+        except Exception as e:  # noqa: BLE001 - every rank hears it
+            error = f"rank {rank}: {type(e).__name__}: {e}"
+        errors = self.peers.gather(error)  # on rank 0 only
+        outcome: dict[str, Any] = {"ok": True}
+        if errors is not None:
+            try:
+                _raise_failures([e for e in errors if e], step)
+                self.remote.write_file(staging, MANIFEST_NAME, [(source / MANIFEST_NAME).read_bytes()])
+                self.remote.commit(staging, step)
+                listed = dict(self.remote.checkpoints())
+                for doomed in self._retention.doomed(listed, {step}):
+                    self.remote.delete(listed[doomed])
+            except Exception as e:  # noqa: BLE001 - every rank hears it
+                self.remote.discard(staging)
+                outcome = {"ok": False, "error": str(e)}
+        outcome = self.peers.broadcast(outcome)
+        if not outcome["ok"]:
+            raise PersistError(outcome["error"])
+
+    def _copy(self, path: Path, staging: Any, name: str, checksum: str) -> None:
+        """Stream one local file to ``staging``, verifying it against the manifest as it goes."""
+        hasher = xxhash.xxh3_64()
+        with open(path, "rb") as f:
+            self.remote.write_file(staging, name, _hashed_chunks(f, hasher))
+        if hasher.hexdigest() != checksum:
+            raise CorruptCheckpointError(f"{path} changed or is damaged; not uploaded")
+
+
+def _raise_failures(failed: list[str], step: int) -> None:
+    if failed:
+        raise PersistError(f"step {step} not copied: {'; '.join(failed)}")
+
+
+def _hashed_chunks(f: BinaryIO, hasher: Any) -> Iterator[bytes]:
+    while chunk := f.read(CHUNK_BYTES):
+        hasher.update(chunk)
+        yield chunk

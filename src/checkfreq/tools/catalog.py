@@ -1,0 +1,537 @@
+"""Checkpoints as a user sees them from a shell: listing with validity, verification, inspection,
+export to a plain state dict, and tensor-by-tensor comparison.
+
+Everything here reads through a :class:`~checkfreq.storage.Store` (a local directory or any
+fsspec URL) and :func:`checkfreq.checkpointer.read_checkpoint`; nothing unpickles. The
+``checkfreq`` command only formats what these functions return.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkfreq.errors import (
+    CheckfreqError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    NoValidCheckpointError,
+    UnknownObjectError,
+)
+from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.run.state import unflatten
+from checkfreq.storage import Store, open_store
+from checkfreq.storage.format import MANIFEST_NAME, Manifest, data_file_name
+from checkfreq.storage.local import LocalStore, checkpoint_name, fsync_directory
+from checkfreq.storage.shm import listed_regions
+
+log = logging.getLogger("checkfreq.catalog")
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One checkpoint: the store holding it and its location there."""
+
+    store: Store
+    location: Any
+
+    @property
+    def name(self) -> str:
+        return self.location.name
+
+    @property
+    def address(self) -> str:
+        """A path for a local checkpoint, else ``URL/step_N``."""
+        if isinstance(self.store, LocalStore):
+            return str(self.location)
+        return f"{str(self.store.root).rstrip('/')}/{self.name}"
+
+    def read_manifest(self) -> Manifest:
+        return self.store.read_manifest(self.location)
+
+    def read(self) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """The verified manifest and tensors."""
+        return read_checkpoint(self.location, self.store)
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """One committed checkpoint and whether a restore would accept it."""
+
+    name: str
+    path: str
+    step: int
+    epoch: int | None
+    bytes: int
+    """Bytes of its files: on disk for a local directory, as the manifest lists them for a URL."""
+    created: float | None
+    """When it was written (seconds since the epoch), from its manifest; None if unreadable."""
+    valid: bool
+    reason: str | None
+    """Why it is invalid (None when valid)."""
+    checksummed: bool
+    """Whether validity includes reading every byte against its checksum (else: manifest and sizes)."""
+    tier: str = "disk"
+    """``"disk"`` (the directory or URL) or ``"memory"`` (a snapshot in this node's shared memory)."""
+    elsewhere: list[int] = field(default_factory=list)
+    """Ranks whose data files are not in this directory (a node-local directory holds its node's
+    ranks' files only) and were not checked: no remote tier was given to check them in."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def is_url(target: str | os.PathLike[str]) -> bool:
+    text = os.fspath(target)
+    return "://" in text and not text.startswith("file://")
+
+
+def names_checkpoint(target: str | os.PathLike[str]) -> bool:
+    """True if ``target`` names one checkpoint (``…/step_N`` or a directory with a manifest), False for a run."""
+    name = os.fspath(target).rstrip("/").rsplit("/", 1)[-1]
+    return bool(_STEP_DIR.match(name)) or (not is_url(target) and (Path(target) / MANIFEST_NAME).is_file())
+
+
+def resolve_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
+    """The checkpoint ``target`` names: ``RUN/step_N`` (N unpadded is fine; a path or a URL), a
+    local checkpoint directory, or, for a run, its newest valid checkpoint (checksums verified)."""
+    if names_checkpoint(target):
+        return _named_checkpoint(target)
+    invalid = []
+    for status, ref in _statuses(open_store(target, create=False), checksums=True):
+        if status.valid:
+            return ref
+        invalid.append(f"{status.name}: {status.reason}")
+    if not invalid:
+        raise NoValidCheckpointError(f"{target} holds no checkpoint")
+    raise NoValidCheckpointError(f"no valid checkpoint in {target} ({'; '.join(invalid)})")
+
+
+def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
+    text = os.fspath(target).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    match = _STEP_DIR.match(name)
+    if not is_url(text):
+        path = Path(text)
+        if not path.exists() and match:
+            path = path.with_name(checkpoint_name(int(match.group(1))))
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{target} is neither a checkpoint nor a run directory")
+        return CheckpointRef(LocalStore(path.parent, create=False), path)
+    store = open_store(parent, create=False)
+    for step, location in store.checkpoints():
+        if match and step == int(match.group(1)):
+            return CheckpointRef(store, location)
+    raise NoValidCheckpointError(f"{target} is not a committed checkpoint (no manifest there)")
+
+
+def list_checkpoints(
+    root: str | os.PathLike[str], *, checksums: bool = True, remote: str | os.PathLike[str] | None = None
+) -> list[CheckpointStatus]:
+    """Every committed checkpoint of the run at ``root`` (a path or a URL), newest first, with its validity.
+
+    With ``checksums=False`` only the manifest and (for a local directory) the file sizes are
+    checked; no data is read. A checkpoint written by several ranks into node-local directories
+    has in ``root`` only the files of that node's ranks: the others are checked in ``remote`` (the
+    job's remote tier) if given, else listed in :attr:`CheckpointStatus.elsewhere`.
+    """
+    tier = None if remote is None else open_store(remote, create=False)
+    return [status for status, _ in _statuses(open_store(root, create=False), checksums=checksums, remote=tier)]
+
+
+def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
+    """The memory tier's snapshots of the run at ``root`` on this node, newest first, with their validity.
+
+    With ``checksums=False`` only the slot headers are checked. Nothing is changed or removed.
+    """
+    found = []
+    for rank, region in listed_regions(root):
+        try:
+            for info in region.snapshots():
+                manifest, valid, reason = None, True, None
+                try:
+                    meta = region.read(info)[0] if checksums else None
+                    manifest = None if meta is None else Manifest.from_json(meta)
+                except CheckfreqError as e:
+                    valid, reason = False, str(e)
+                found.append(CheckpointStatus(
+                    name=f"memory rank {rank} slot {info.slot}", path=str(region.path), step=info.step,
+                    epoch=manifest.epoch if manifest else None, bytes=info.data_bytes,
+                    created=manifest.created if manifest else None, valid=valid, reason=reason,
+                    checksummed=checksums, tier="memory",
+                ))
+        finally:
+            region.release(remove=False)
+    return sorted(found, key=lambda s: -s.step)
+
+
+def _statuses(store: Store, *, checksums: bool, remote: Store | None = None) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
+    for _, location in store.checkpoints():
+        ref = CheckpointRef(store, location)
+        yield check_checkpoint(ref, checksums=checksums, remote=remote), ref
+
+
+def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Store | None = None) -> CheckpointStatus:
+    """The status of one checkpoint; never raises for a damaged checkpoint.
+
+    A local checkpoint of several ranks that lacks some ranks' files (a node-local directory) is
+    checked with the files it holds; the others are checked in ``remote`` if given, else named in
+    :attr:`CheckpointStatus.elsewhere`.
+    """
+    match = _STEP_DIR.match(ref.name)
+    step, manifest, elsewhere = (int(match.group(1)) if match else -1), None, []
+    try:
+        manifest = ref.read_manifest()
+        step = manifest.step
+        absent = _absent_files(ref, manifest)
+        if not absent:
+            if checksums:
+                ref.read()
+            elif isinstance(ref.store, LocalStore):
+                _check_sizes(ref.location, manifest)
+        else:
+            elsewhere = _check_node_files(ref, manifest, absent, checksums, remote)
+        valid, reason = True, None
+    except CorruptCheckpointError as e:
+        valid, reason = False, str(e)
+    except OSError as e:
+        valid, reason = False, f"unreadable: {e}"
+    return CheckpointStatus(
+        name=ref.name, path=ref.address, step=step, epoch=manifest.epoch if manifest else None,
+        bytes=_bytes(ref, manifest), created=manifest.created if manifest else None,
+        valid=valid, reason=reason, checksummed=checksums, elsewhere=elsewhere,
+    )
+
+
+def _absent_files(ref: CheckpointRef, manifest: Manifest) -> list[str]:
+    """The data files of a checkpoint that belong in another node's directory: the manifest records
+    which ranks wrote into one directory (``distributed["directories"]``: each rank's directory
+    leader), and this directory is the one of the ranks whose files it holds. A file of this
+    directory's ranks that is missing is not absent but lost (checking it says so)."""
+    directories = (manifest.distributed or {}).get("directories")
+    if not isinstance(ref.store, LocalStore) or not isinstance(directories, list) or len(directories) != manifest.world_size:
+        return []
+    files = [data_file_name(rank) for rank in range(manifest.world_size)]
+    here = {directories[rank] for rank, name in enumerate(files) if ref.store.file_size(ref.location, name) is not None}
+    if not here:
+        raise CorruptCheckpointError("none of its data files is in this directory")
+    return [name for rank, name in enumerate(files) if directories[rank] not in here]
+
+
+def _check_node_files(ref: CheckpointRef, manifest: Manifest, absent: list[str], checksums: bool, remote: Store | None) -> list[int]:
+    """Check the files a node-local directory holds, and the others in ``remote`` if given; return
+    the ranks whose files were not checked."""
+    remote_location = None
+    if remote is not None:
+        remote_location = dict(remote.checkpoints()).get(manifest.step)
+        if remote_location is None:
+            raise CorruptCheckpointError(
+                f"data files {', '.join(absent)} are not in this directory, and {remote.root} does not list the checkpoint")
+    for name, entry in manifest.files.items():
+        store, location = (ref.store, ref.location) if name not in absent else (remote, remote_location)
+        if store is None:
+            continue
+        if checksums:
+            store.read_data(location, name, entry["size"], entry["xxh3_64"])
+        elif (size := store.file_size(location, name)) != entry["size"]:
+            where = "in this directory" if store is ref.store else f"in {store.root}"
+            has = "is missing" if size is None else f"has {size} bytes, manifest says {entry['size']}"
+            raise CorruptCheckpointError(f"data file {name} {where} {has}")
+    if remote is not None:
+        return []
+    return sorted(rank for rank in range(manifest.world_size) if data_file_name(rank) in absent)
+
+
+def _check_sizes(path: Path, manifest: Manifest) -> None:
+    for name, entry in manifest.files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {name} is missing") from None
+        if actual != entry["size"]:
+            raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {entry['size']}")
+
+
+def _bytes(ref: CheckpointRef, manifest: Manifest | None) -> int:
+    if not isinstance(ref.store, LocalStore):
+        return sum(entry["size"] for entry in manifest.files.values()) if manifest else 0
+    try:
+        return sum(e.stat().st_size for e in os.scandir(ref.location) if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, from its manifest."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    file: str
+
+
+@dataclass(frozen=True)
+class CheckpointDescription:
+    """What ``checkfreq inspect`` shows: the manifest's contents, without reading the data."""
+
+    path: str
+    step: int
+    epoch: int | None
+    world_size: int
+    created: float
+    versions: dict[str, str]
+    files: dict[str, dict[str, Any]]
+    tensors: list[TensorInfo]
+    objects: dict[str, dict[str, Any]]
+    """Registered name → {"tensors": count, "bytes": total, "value": the plain value, if it holds no tensor}."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def describe(ref: CheckpointRef) -> CheckpointDescription:
+    """Read a checkpoint's manifest and summarise tensors, objects and versions. The data is not
+    read, but for a checkpoint written by several ranks, whose files' headers hold each rank's part:
+    then its files are read and verified."""
+    manifest = ref.read_manifest()
+    if not manifest.complete:
+        manifest, _ = ref.read()
+    tensors = [
+        TensorInfo(name, list(e["shape"]), e["dtype"], e["offsets"][1] - e["offsets"][0], e["file"])
+        for name, e in sorted(manifest.tensors.items())
+    ]
+    objects: dict[str, dict[str, Any]] = {}
+    for name, node in manifest.state.items():
+        owned = [t for t in tensors if t.name == name or t.name.startswith(f"{name}/")]
+        entry: dict[str, Any] = {"tensors": len(owned), "bytes": sum(t.bytes for t in owned)}
+        if not owned and not _has_marker(node):
+            entry["value"] = node
+        objects[name] = entry
+    return CheckpointDescription(
+        path=ref.address, step=manifest.step, epoch=manifest.epoch, world_size=manifest.world_size,
+        created=manifest.created, versions=manifest.versions, files=manifest.files, tensors=tensors, objects=objects,
+    )
+
+
+def _has_marker(node: Any) -> bool:
+    if isinstance(node, list):
+        return any(_has_marker(v) for v in node)
+    if isinstance(node, dict):
+        return any(k.startswith("__") and k.endswith("__") for k in node) or any(_has_marker(v) for v in node.values())
+    return False
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` wrote."""
+
+    source: str
+    destination: str
+    step: int
+    tensors: int
+    bytes: int
+    dropped: dict[str, int]
+    """Non-tensor values left out (a safetensors file holds tensors only), counted per top-level name."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_state(ref: CheckpointRef, only: str | None = None) -> tuple[Manifest, Any]:
+    """The verified state of one checkpoint as plain Python: ``{registered_name: state}``, or one
+    object's state with ``only``. Tensors are independent CPU copies; NumPy arrays become tensors."""
+    manifest, tensors = ref.read()
+    state = unflatten(manifest.state, tensors, allow_pickle=False)
+    if only is not None:
+        if only not in state:
+            raise UnknownObjectError(f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}")
+        state = state[only]
+    return manifest, _plain(state)
+
+
+def _plain(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return node.clone()  # a view shares the whole data section; torch.save would write all of it
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node.copy())
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_plain(v) for v in node)
+    return node
+
+
+def export(
+    source: str | os.PathLike[str], destination: str | os.PathLike[str], *, only: str | None = None
+) -> ExportResult:
+    """Write a checkpoint's state (or one object's, with ``only``) as a plain state dict in a local file.
+
+    ``.pt``/``.pth``: ``torch.save`` of the nested state, loadable with ``torch.load(weights_only=True)``.
+    ``.safetensors``: the tensors under their ``/``-joined paths (a module's own keys with ``only``).
+    The file appears atomically (written aside, fsynced, renamed), with the permissions of any
+    new file (``0o666`` less the umask).
+    """
+    destination = Path(destination)
+    if destination.suffix not in EXPORT_SUFFIXES:
+        raise InvalidArgumentError(f"export to {destination.name}: the name must end in {', '.join(EXPORT_SUFFIXES)}")
+    ref = resolve_checkpoint(source)
+    manifest, state = load_state(ref, only)
+    flat, dropped = flatten_tensors(state)
+    if not flat:
+        raise CheckfreqError(f"nothing to export: {only or 'the checkpoint'} holds no tensors")
+    staging = destination.with_name(f".{destination.name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        staging.touch(exist_ok=False)  # created like any new file: the umask applies
+        mode = staging.stat().st_mode & 0o777
+        if destination.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(flat, str(staging), metadata={"checkfreq_step": str(manifest.step), "checkfreq_only": only or ""})
+        else:
+            torch.save(state, staging)
+            dropped = {}
+        os.chmod(staging, mode)  # safetensors replaces the file with a private (0600) one
+        _fsync_file(staging)
+        os.replace(staging, destination)
+        fsync_directory(destination.parent.resolve())
+    finally:
+        staging.unlink(missing_ok=True)
+    log.info("exported %s (%d tensors) to %s", ref.address, len(flat), destination)
+    return ExportResult(
+        source=ref.address, destination=str(destination), step=manifest.step, tensors=len(flat),
+        bytes=destination.stat().st_size, dropped=dropped,
+    )
+
+
+def flatten_tensors(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """``{path: tensor}`` for every tensor in a nested state (``/``-joined paths), and how many
+    non-tensor values each top-level entry holds."""
+    tensors: dict[str, torch.Tensor] = {}
+    others: dict[str, int] = {}
+    for path, value in _leaves(state, ""):
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+        else:
+            top = path.split("/", 1)[0]
+            others[top] = others.get(top, 0) + 1
+    return tensors, others
+
+
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, Mapping):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        yield path, node
+        return
+    for key, value in items:
+        yield from _leaves(value, f"{path}/{key}" if path else str(key))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor differs between checkpoints A and B."""
+
+    name: str
+    status: str
+    """``equal``, ``differs``, ``only_a``, ``only_b`` or ``mismatch`` (shape or dtype)."""
+    detail: str | None
+    changed: int
+    """Elements that differ (0 unless ``differs``)."""
+    numel: int
+    max_abs: float | None
+    rel_l2: float | None
+    """‖A − B‖₂ / ‖A‖₂ (inf when A is all zeros and B is not; null in JSON)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_number(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CheckpointDiff:
+    """Every tensor of two checkpoints compared by name."""
+
+    a: str
+    b: str
+    step_a: int
+    step_b: int
+    tensors: list[TensorDiff]
+
+    @property
+    def identical(self) -> bool:
+        return all(t.status == "equal" for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "step_a": self.step_a, "step_b": self.step_b,
+            "identical": self.identical, "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+
+def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
+    """Compare two checkpoints (both verified against their checksums) tensor by tensor."""
+    ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
+    manifest_a, tensors_a = _read_side("A", ref_a)
+    manifest_b, tensors_b = _read_side("B", ref_b)
+    rows = [_compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())]
+    order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
+    rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
+    return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows)
+
+
+def _read_side(side: str, ref: CheckpointRef) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """``ref.read()``, its corruption errors naming which side of the diff, and where, failed."""
+    try:
+        return ref.read()
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"checkpoint {side} ({ref.address}): {e}") from e
+
+
+def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> TensorDiff:
+    if x is None or y is None:
+        present = x if x is not None else y
+        return TensorDiff(name, "only_a" if y is None else "only_b", None, 0, present.numel(), None, None)  # type: ignore[union-attr]
+    if x.shape != y.shape or x.dtype != y.dtype:
+        detail = f"A {tuple(x.shape)} {x.dtype}, B {tuple(y.shape)} {y.dtype}"
+        return TensorDiff(name, "mismatch", detail, 0, x.numel(), None, None)
+    xd, yd = x.to(torch.float64), y.to(torch.float64)
+    unequal = (xd != yd) & ~(torch.isnan(xd) & torch.isnan(yd))
+    changed = int(unequal.sum())
+    if changed == 0:
+        return TensorDiff(name, "equal", None, 0, x.numel(), 0.0, 0.0)
+    delta = (xd - yd).abs()
+    max_abs = float(delta.max())
+    norm_a, norm_d = float(torch.linalg.vector_norm(xd)), float(torch.linalg.vector_norm(xd - yd))
+    rel = norm_d / norm_a if norm_a > 0 else math.inf
+    return TensorDiff(name, "differs", None, changed, x.numel(), max_abs, rel)
+
+
+def _json_number(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value

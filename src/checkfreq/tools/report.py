@@ -1,0 +1,636 @@
+"""A run's checkpointing timeline from its event log: per-checkpoint records, a summary, and
+plots (PNG, and a self-contained HTML page).
+
+Overhead is estimated per window between two consecutive checkpoints of one session as the share
+of the window's wall time not explained by clean iterations::
+
+    overhead = 1 - interval_steps * clean_iteration_s / interval_s
+
+where ``clean_iteration_s`` is the mean time of the window's iterations that neither overlapped a
+persist nor held a stall; for a window without such an iteration, the mean over the whole run's
+clean iterations, and without any, the profiler's smoothed ``iteration_s``. So it
+counts the stall, the slowdown of iterations that overlap a persist, and anything else the loop
+did in that window. The first checkpoint after a start or a restore is left out (its window
+includes setup). The run's overhead is the same ratio over the sums of all counted windows.
+
+Under torch.distributed every rank logs its own events into its directory's log. A checkpoint, a
+session and a restore are counted once, from the events of the lowest rank that logged into it in
+each session (rank 0 in a directory every rank shares; another rank in the directory of a node
+without rank 0); each rank's own stalls are kept apart in :attr:`RunReport.rank_stalls`.
+
+A session is one Checkpointer's life in the directory, from its ``start`` event (a process that
+restored after a failure starts a new one); each session is also summarised on its own, so a
+resumed session that checkpoints differently from the first one shows.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import logging
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkfreq.errors import CheckfreqError
+from checkfreq.run.events import EVENTS_NAME, read_events
+
+log = logging.getLogger("checkfreq.report")
+
+PNG_NAME = "report.png"
+HTML_NAME = "report.html"
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint as the event log tells it (``None``: not recorded)."""
+
+    step: int
+    time: float
+    """When its snapshot finished (seconds since the epoch)."""
+    stall_s: float | None
+    """Total time the training loop was blocked by it (snapshot plus fence wait)."""
+    bytes: int | None
+    """Bytes of the data written (the snapshot's size until the commit reports the file's)."""
+    reason: str | None
+    policy: str | None
+    epoch: int | None
+    interval_steps: int | None
+    interval_s: float | None
+    iteration_s: float | None
+    iteration_persisting_s: float | None
+    clean_iterations: int | None
+    clean_iteration_s: float | None
+    first_of_session: bool
+    session: int = 0
+    """Index of the session (``start`` event) that took it, from 0."""
+    status: str = "unfinished"
+    """``committed``, ``failed``, or ``unfinished`` (no outcome logged: the process died or is still writing)."""
+    persist_s: float | None = None
+    bandwidth_gbps: float | None = None
+    error: str | None = None
+    baseline_iteration_s: float | None = None
+    """The iteration time without checkpointing this window's overhead is measured against."""
+    overhead: float | None = None
+    """This window's overhead (see the module docstring); None when it cannot be estimated."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run in numbers; medians unless named otherwise; ``None`` where nothing was measured."""
+
+    sessions: int
+    restores: int
+    checkpoints: int
+    committed: int
+    failed: int
+    unfinished: int
+    first_step: int | None
+    last_step: int | None
+    wall_s: float
+    stall_total_s: float
+    stall_median_s: float | None
+    stall_max_s: float | None
+    persist_median_s: float | None
+    bandwidth_median_gbps: float | None
+    bytes_per_checkpoint: int | None
+    bytes_written: int
+    interval_median_steps: float | None
+    interval_median_s: float | None
+    clean_iteration_s: float | None
+    """Mean clean iteration time (no stall, no persist overlapping) over all windows that had one."""
+    iteration_s: float | None
+    """The last smoothed iteration time without a persist overlapping."""
+    iteration_persisting_s: float | None
+    """The last smoothed iteration time while a persist overlapped."""
+    overhead: float | None
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """One session: what it resumed from and how it checkpointed (``None``: nothing to say)."""
+
+    index: int
+    start_time: float
+    policy: str | None
+    restored_step: int | None
+    """The step it restored (``None``: it did not restore)."""
+    seeded: tuple[str, ...]
+    """What the restored checkpoint carried into it (``profile``, ``policy``); see docs/policies.md."""
+    resized: tuple[int, int] | None
+    """(saved world size, world size) when it restored a checkpoint written by another number of ranks."""
+    checkpoints: int
+    first_step: int | None
+    last_step: int | None
+    interval_median_steps: float | None
+    checkpoints_per_step: float | None
+    """Checkpoints per step from its first step to its last checkpoint."""
+    overhead: float | None
+    """Its own overhead: the run's ratio over this session's counted windows."""
+
+
+@dataclass
+class RunReport:
+    """Everything ``checkfreq report`` shows."""
+
+    directory: str
+    start_time: float
+    """Time of the log's first event (seconds since the epoch): the timeline's zero."""
+    records: list[CheckpointRecord] = field(default_factory=list)
+    restores: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    """Each session's ``start`` event, and its restore (``restored_step``, ``seeded``) if it had one."""
+    memory_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
+    summary: Summary | None = None
+    rank_stalls: dict[int, list[float]] = field(default_factory=dict)
+    """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
+    sessions: list[SessionSummary] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "start_time": self.start_time,
+            "summary": asdict(self.summary) if self.summary else None,
+            "sessions": [asdict(s) for s in self.sessions],
+            "checkpoints": [asdict(r) for r in self.records],
+            "restores": self.restores,
+            "rank_stalls": self.rank_stalls,
+            "memory_snapshots": self.memory_snapshots,
+        }
+
+
+def load_run(directory: str | os.PathLike[str]) -> RunReport:
+    """Read ``DIR/events.jsonl`` into a :class:`RunReport` (records matched to their outcomes)."""
+    directory = Path(directory)
+    events = read_events(directory)
+    if not events:
+        raise CheckfreqError(f"{directory} has no event log ({EVENTS_NAME}); is it a checkfreq run directory?")
+    report = RunReport(str(directory), start_time=events[0]["time"], rank_stalls=_rank_stalls(events))
+    open_by_step: dict[int, CheckpointRecord] = {}
+    new_session, sessions = True, 0
+    for event in _lowest_rank_events(events):
+        kind = event.get("event")
+        if kind == "start":
+            new_session, sessions = True, sessions + 1
+            report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": [],
+                                  "resized": None})
+        elif kind == "restore":
+            new_session = True
+            sizes = (event.get("saved_world_size"), event.get("world_size"))
+            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", []),
+                                    "tier": event.get("tier"), "saved_world_size": sizes[0], "world_size": sizes[1]})
+            if report.starts and report.starts[-1]["restored_step"] is None:
+                report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])),
+                                         resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
+        elif kind == "memory":
+            report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
+        elif kind == "snapshot":
+            record = _record(event, new_session, max(sessions - 1, 0))
+            new_session = False
+            report.records.append(record)
+            open_by_step[record.step] = record
+        elif kind in ("fence", "commit", "error") and event.get("step") in open_by_step:
+            _apply_outcome(open_by_step[event["step"]], event)
+    _estimate_overheads(report.records)
+    report.summary = summarize(report, sessions, wall_s=events[-1]["time"] - events[0]["time"])
+    report.sessions = [summarize_session(report, i) for i in range(len(report.starts))]
+    return report
+
+
+def _lowest_rank_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the lowest rank in each session of the log.
+
+    Every rank of a session logs its ``start`` before any rank logs anything else (building the
+    Checkpointer is collective), so a session is a run of ``start`` events and what follows them.
+    """
+    chosen: list[dict[str, Any]] = []
+    session: list[dict[str, Any]] = []
+    for event in events:
+        if event.get("event") == "start" and session and session[-1].get("event") != "start":
+            chosen += _of_lowest_rank(session)
+            session = []
+        session.append(event)
+    return chosen + _of_lowest_rank(session)
+
+
+def _of_lowest_rank(session: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    lowest = min((e.get("rank", 0) for e in session if e.get("event") == "start"), default=0)
+    return [e for e in session if e.get("rank", 0) == lowest]
+
+
+def _rank_stalls(events: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Each rank's stall per checkpoint, in log order (the fenced total where a fence followed)."""
+    by_rank: dict[int, list[list[Any]]] = {}
+    for event in events:
+        entries = by_rank.setdefault(event.get("rank", 0), [])
+        if event.get("event") == "snapshot":
+            entries.append([event.get("step"), event.get("stall_s")])
+        elif event.get("event") == "fence":
+            same_step = [e for e in entries if e[0] == event.get("step")]
+            if same_step:
+                same_step[-1][1] = event.get("stall_s", same_step[-1][1])
+    return {rank: [s for _, s in entries if s is not None] for rank, entries in sorted(by_rank.items()) if entries}
+
+
+def _record(event: dict[str, Any], first: bool, session: int) -> CheckpointRecord:
+    return CheckpointRecord(
+        step=event["step"], time=event["time"], stall_s=event.get("stall_s"), bytes=event.get("bytes"),
+        reason=event.get("reason"), policy=event.get("policy"), epoch=event.get("epoch"),
+        interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
+        iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
+        clean_iterations=event.get("clean_iterations"), clean_iteration_s=event.get("clean_iteration_s"),
+        first_of_session=first, session=session,
+    )
+
+
+def _apply_outcome(record: CheckpointRecord, event: dict[str, Any]) -> None:
+    kind = event["event"]
+    if kind == "fence":
+        record.stall_s = event.get("stall_s", record.stall_s)
+    elif kind == "commit":
+        record.status, record.persist_s, record.bandwidth_gbps = "committed", event.get("persist_s"), event.get("bandwidth_gbps")
+        record.bytes = event.get("bytes", record.bytes)  # the file as written, header included
+    else:
+        record.status, record.error = "failed", event.get("message")
+
+
+def _estimate_overheads(records: list[CheckpointRecord]) -> None:
+    run_clean = _clean_mean(records)
+    for r in records:
+        r.baseline_iteration_s = next((v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None)
+        if not r.first_of_session and r.interval_steps and r.interval_s and r.baseline_iteration_s:
+            r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.interval_s
+
+
+def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
+    """The run's numbers from its records (see the module docstring for overhead)."""
+    recs = report.records
+    stalls = _values(r.stall_s for r in recs)
+    committed = [r for r in recs if r.status == "committed"]
+    counted = [r for r in recs if r.overhead is not None]
+    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
+    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
+    return Summary(
+        sessions=sessions,
+        restores=len(report.restores),
+        checkpoints=len(recs),
+        committed=len(committed),
+        failed=sum(r.status == "failed" for r in recs),
+        unfinished=sum(r.status == "unfinished" for r in recs),
+        first_step=recs[0].step if recs else None,
+        last_step=recs[-1].step if recs else None,
+        wall_s=wall_s,
+        stall_total_s=sum(stalls),
+        stall_median_s=_median(stalls),
+        stall_max_s=max(stalls, default=None),
+        persist_median_s=_median(_values(r.persist_s for r in committed)),
+        bandwidth_median_gbps=_median(_values(r.bandwidth_gbps for r in committed)),
+        bytes_per_checkpoint=_median_int(_values(r.bytes for r in recs)),
+        bytes_written=sum(r.bytes or 0 for r in committed),
+        interval_median_steps=_median(_values(r.interval_steps for r in recs if not r.first_of_session)),
+        interval_median_s=_median(_values(r.interval_s for r in recs if not r.first_of_session)),
+        clean_iteration_s=_clean_mean(recs),
+        iteration_s=_last(r.iteration_s for r in recs),
+        iteration_persisting_s=_last(r.iteration_persisting_s for r in recs),
+        overhead=1.0 - explained / window if window > 0 else None,
+    )
+
+
+def summarize_session(report: RunReport, index: int) -> SessionSummary:
+    """Session ``index``'s numbers (see :class:`SessionSummary`)."""
+    start = report.starts[index]
+    recs = [r for r in report.records if r.session == index]
+    counted = [r for r in recs if r.overhead is not None]
+    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
+    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
+    begin = start["restored_step"] or 0
+    span = recs[-1].step - begin if recs else 0
+    return SessionSummary(
+        index=index,
+        start_time=start["time"],
+        policy=start["policy"],
+        restored_step=start["restored_step"],
+        seeded=tuple(start["seeded"]),
+        resized=start.get("resized"),
+        checkpoints=len(recs),
+        first_step=recs[0].step if recs else None,
+        last_step=recs[-1].step if recs else None,
+        interval_median_steps=_median(_values(r.interval_steps for r in recs if not r.first_of_session)),
+        checkpoints_per_step=len(recs) / span if span > 0 else None,
+        overhead=1.0 - explained / window if window > 0 else None,
+    )
+
+
+def _values(items: Any) -> list[Any]:
+    return [v for v in items if v is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _median_int(values: list[int]) -> int | None:
+    return int(statistics.median_low(values)) if values else None
+
+
+def _clean_mean(records: list[CheckpointRecord]) -> float | None:
+    windows = [(r.clean_iterations, r.clean_iteration_s) for r in records if r.clean_iterations and r.clean_iteration_s]
+    count = sum(n for n, _ in windows)
+    return sum(n * mean for n, mean in windows) / count if count else None
+
+
+def _last(items: Any) -> float | None:
+    values = _values(items)
+    return values[-1] if values else None
+
+
+def summary_text(report: RunReport) -> str:
+    """A few plain lines a person reads first."""
+    s = report.summary
+    assert s is not None
+    lines = [
+        f"run {report.directory}: {s.checkpoints} checkpoints ({s.committed} committed, {s.failed} failed, "
+        f"{s.unfinished} unfinished), {s.sessions} session(s), {s.restores} restore(s), {human_seconds(s.wall_s)} logged",
+    ]
+    if s.checkpoints:
+        lines.append(
+            f"steps {s.first_step}..{s.last_step}; interval the policy chose: median "
+            f"{_num(s.interval_median_steps, '{:g}')} steps ({human_seconds(s.interval_median_s)})"
+        )
+        lines.append(
+            f"stall per checkpoint: median {human_seconds(s.stall_median_s)}, max {human_seconds(s.stall_max_s)}, "
+            f"total {human_seconds(s.stall_total_s)}"
+        )
+        lines.append(
+            f"persist: median {human_seconds(s.persist_median_s)} at {_num(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
+            f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
+        )
+    if len(report.rank_stalls) > 1:
+        lines.append("stall per rank: " + "; ".join(
+            f"rank {rank} median {human_seconds(_median(stalls))}, max {human_seconds(max(stalls, default=None))}"
+            for rank, stalls in report.rank_stalls.items()
+        ))
+    lines.append(
+        f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
+        f"{human_seconds(s.iteration_persisting_s)} while persisting"
+    )
+    if report.memory_snapshots:
+        stalls = _values(m["stall_s"] for m in report.memory_snapshots)
+        lines.append(
+            f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
+            f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
+        )
+    lines.append(f"overhead: {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
+    if len(report.sessions) > 1:
+        lines.extend(session_line(session) for session in report.sessions)
+    return "\n".join(lines)
+
+
+def session_line(s: SessionSummary) -> str:
+    """One session in a line: where it started, its checkpoints, interval and overhead."""
+    began = "started fresh" if s.restored_step is None else f"restored step {s.restored_step}"
+    if s.resized:
+        began += f" on {s.resized[1]} rank(s), saved by {s.resized[0]}"
+    if s.seeded:
+        began += f" (carried: {', '.join(s.seeded)})"
+    steps = f", steps {s.first_step}..{s.last_step}" if s.checkpoints else ""
+    return (
+        f"session {s.index + 1}: {began}; {s.checkpoints} checkpoints{steps}, "
+        f"{_num(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, '{:.3g}')} per 1000 steps, "
+        f"interval median {_num(s.interval_median_steps, '{:g}')} steps, "
+        f"overhead {_num(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} %"
+    )
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def human_seconds(seconds: float | None) -> str:
+    """A duration for people: ``850 µs``, ``12.3 ms``, ``4.56 s``, ``12.0 min``, ``30.5 h``; ``n/a`` for None."""
+    if seconds is None:
+        return "n/a"
+    seconds = float(f"{seconds:.3g}")  # rounded first, so 0.9999 s reads 1 s, not 1e+03 ms
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 600:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.1f} min" if seconds < 6 * 3600 else f"{seconds / 3600:.1f} h"
+
+
+def human_bytes(nbytes: int | None) -> str:
+    """A size in decimal units for people: ``812 B``, ``1.25 MB``; ``n/a`` for None."""
+    if nbytes is None:
+        return "n/a"
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    value, unit = float(nbytes), "B"
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000:
+            break
+    return f"{value:.3g} {unit}"
+
+
+SHORT_WINDOW = 0.5
+"""A window shorter than this share of its session's median interval (in steps) gets no point in
+the overhead panel: its stall weighs on a few steps only (a ``save()`` just after a restore, a last
+checkpoint at the end), so its share says little. It still counts in the run's overhead."""
+
+
+def plotted_overhead(report: RunReport) -> list[float | None]:
+    """Each record's overhead as the figure plots it: ``None`` for a window too short to mean anything."""
+    medians = {s.index: s.interval_median_steps for s in report.sessions}
+    return [
+        None if r.overhead is None or (r.interval_steps or 0) < SHORT_WINDOW * (medians.get(r.session) or 0) else r.overhead
+        for r in report.records
+    ]
+
+
+def render_figure(report: RunReport) -> Any:
+    """A matplotlib ``Figure`` of the timeline (Agg canvas; pyplot and its global state are not used).
+
+    Each session is drawn as its own line: no line joins the last checkpoint before a restart to
+    the first one after it.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 12), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(5, 1, sharex=True)
+    t0, recs = report.start_time, report.records
+    x = [r.time - t0 for r in recs]
+    sessions = [r.session for r in recs]
+    _series(axes[0], x, [r.clean_iteration_s for r in recs], sessions, "clean (window mean)", 1e3, "o-")
+    _series(axes[0], x, [r.iteration_s for r in recs], sessions, "without persist (smoothed)", 1e3, "d:")
+    _series(axes[0], x, [r.iteration_persisting_s for r in recs], sessions, "while persisting (smoothed)", 1e3, "s--")
+    axes[0].set_ylabel("iteration (ms)")
+    axes[0].legend(loc="best", fontsize="small")
+    _series(axes[1], x, [r.stall_s for r in recs], sessions, "checkpoint (persisted)", 1e3, "o")
+    axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
+    memory = report.memory_snapshots
+    memory_x = [m["time"] - t0 for m in memory]
+    _series(axes[1], memory_x, [m["stall_s"] for m in memory], [0] * len(memory), "memory snapshot", 1e3, "x", color="C2")
+    axes[1].set_ylabel("stall (ms)")
+    if memory:
+        axes[1].legend(loc="best", fontsize="small")
+    _series(axes[2], x, [r.persist_s for r in recs], sessions, "persist", 1e3, "o-")
+    axes[2].set_ylabel("persist (ms)")
+    twin = axes[2].twinx()
+    _series(twin, x, [r.bandwidth_gbps for r in recs], sessions, "bandwidth", 1e3, "^:", color="C1")
+    twin.set_ylabel("bandwidth (MB/s)", color="C1")
+    _series(axes[3], x, [r.interval_steps for r in recs], sessions, "interval", 1.0, "o-", drawstyle="steps-post")
+    axes[3].set_ylabel("interval (steps)")
+    for ax in (*axes[:4], twin):  # from zero: a constant series is a flat line, not noise on a magnified axis
+        ax.set_ylim(0, max(ax.get_ylim()[1], 0) or 1)
+    _series(axes[4], x, plotted_overhead(report), sessions, "per window", 100.0, "o-")
+    axes[4].axhline(0, color="grey", linewidth=0.8)
+    if report.summary and report.summary.overhead is not None:
+        axes[4].axhline(100 * report.summary.overhead, color="C3", linestyle="--", label="run")
+    axes[4].set_ylabel("overhead (%)")
+    axes[4].legend(loc="best", fontsize="small")
+    axes[4].set_xlabel("seconds since the first event")
+    _markers(axes, report, t0)
+    sessions_text = "1 session" if len(report.starts) == 1 else f"{len(report.starts)} sessions"
+    where = _shortened(str(Path(report.directory).resolve()))  # "." or "checkpoints" would say nothing
+    fig.suptitle(f"checkfreq report: {where} ({len(recs)} checkpoints, {sessions_text})")
+    if not recs:
+        axes[0].text(0.5, 0.5, "no checkpoint in the event log", transform=axes[0].transAxes, ha="center")
+    return fig
+
+
+def _shortened(path: str, chars: int = 70) -> str:
+    """``path``, or its last ``chars`` characters after an ellipsis."""
+    return path if len(path) <= chars else "…" + path[-(chars - 1) :]
+
+
+def _series(
+    ax: Any, x: list[float], ys: list[Any], sessions: list[int], label: str, scale: float, style: str, **kw: Any
+) -> None:
+    """Plot the points that have a value, one line per session, in one colour under one legend entry."""
+    by_session: dict[int, list[tuple[float, float]]] = {}
+    for xi, y, session in zip(x, ys, sessions):
+        if y is not None:
+            by_session.setdefault(session, []).append((xi, scale * y))
+    for points in by_session.values():
+        (line,) = ax.plot(*zip(*points), style, label=label, markersize=3, **kw)
+        label, kw = "_nolegend_", {**kw, "color": line.get_color()}
+    ax.grid(True, alpha=0.3)
+
+
+def _markers(axes: Any, report: RunReport, t0: float) -> None:
+    for restore in report.restores:
+        for ax in axes:
+            ax.axvline(restore["time"] - t0, color="grey", linestyle=":", linewidth=1)
+    for record in report.records:
+        if record.status == "failed":
+            for ax in axes:
+                ax.axvline(record.time - t0, color="red", linewidth=1)
+
+
+def write_html(report: RunReport, path: str | os.PathLike[str], figure: Any | None = None) -> Path:
+    """Write one HTML file with everything inline: the summary, the timeline as SVG, and a table."""
+    rows = "\n".join(_html_row(r, report.start_time) for r in report.records)
+    page = _HTML.format(
+        title=html.escape(f"checkfreq report: {report.directory}"),
+        summary=html.escape(summary_text(report)),
+        svg=_inline_svg(render_figure(report) if figure is None else figure),
+        rows=rows,
+    )
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _inline_svg(figure: Any) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg")
+    document = buffer.getvalue()
+    return document[document.index("<svg") :]  # drop the XML prolog and doctype: it is embedded in HTML
+
+
+def _html_row(r: CheckpointRecord, t0: float) -> str:
+    cells = [
+        f"{r.time - t0:.2f}", str(r.step), r.status, human_seconds(r.stall_s), human_seconds(r.persist_s),
+        _num(r.bandwidth_gbps, "{:.3g}"), human_bytes(r.bytes), _num(r.interval_steps, "{:g}"),
+        _num(None if r.overhead is None else 100 * r.overhead, "{:.2f}"), r.reason or "", r.error or "",
+    ]
+    return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+
+_HTML = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;margin:2em}} pre{{background:#f4f4f4;padding:1em}}
+table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}</style>
+</head><body>
+<h1>{title}</h1>
+<pre>{summary}</pre>
+<div>{svg}</div>
+<h2>Checkpoints</h2>
+<table><tr><th>t (s)</th><th>step</th><th>status</th><th>stall</th><th>persist</th><th>GB/s</th><th>bytes</th>
+<th>interval (steps)</th><th>overhead (%)</th><th>reason</th><th>error</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+TENSORBOARD_SCALARS: dict[str, tuple[str, float]] = {
+    "checkfreq/stall_ms": ("stall_s", 1e3),
+    "checkfreq/persist_ms": ("persist_s", 1e3),
+    "checkfreq/bandwidth_MBps": ("bandwidth_gbps", 1e3),
+    "checkfreq/interval_steps": ("interval_steps", 1.0),
+    "checkfreq/iteration_ms": ("iteration_s", 1e3),
+    "checkfreq/iteration_persisting_ms": ("iteration_persisting_s", 1e3),
+    "checkfreq/overhead_pct": ("overhead", 100.0),
+}
+"""TensorBoard tag → (:class:`CheckpointRecord` attribute, scale)."""
+
+
+def write_tensorboard(report: RunReport, logdir: str | os.PathLike[str]) -> int:
+    """Write each checkpoint's numbers as TensorBoard scalars (at its step and wall time) into ``logdir``.
+
+    Needs the optional ``tensorboard`` package (``pip install 'checkfreq[tensorboard]'``).
+    Returns the number of scalars written.
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise CheckfreqError("TensorBoard output needs the tensorboard package: pip install 'checkfreq[tensorboard]'") from e
+    written = 0
+    writer = SummaryWriter(os.fspath(logdir))
+    try:
+        for record in report.records:
+            for tag, (attribute, scale) in TENSORBOARD_SCALARS.items():
+                value = getattr(record, attribute)
+                if value is not None:
+                    writer.add_scalar(tag, scale * value, record.step, walltime=record.time)
+                    written += 1
+    finally:
+        writer.close()
+    return written
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where :func:`write_report` put its output."""
+
+    png: str
+    html: str
+
+
+def write_report(directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> tuple[RunReport, ReportFiles]:
+    """Load a run's event log and write ``report.png`` and ``report.html`` into ``out`` (default: the run directory)."""
+    report = load_run(directory)
+    out_dir = Path(directory if out is None else out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figure = render_figure(report)
+    figure.savefig(out_dir / PNG_NAME, format="png")
+    files = ReportFiles(str(out_dir / PNG_NAME), str(write_html(report, out_dir / HTML_NAME, figure)))
+    log.info("wrote %s and %s", files.png, files.html)
+    return report, files
