@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkfreq import Auto, Checkpointer, DecisionContext, Every, Policy, agreement
+from checkfreq import Auto, Checkpointer, DecisionContext, Every, Policy
+from checkfreq.dist import agreement
 
 
 class Never(Policy):

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 import checkfreq.dist.compat
 import checkfreq.dist.group_cluster
 import checkfreq.storage.format
-from checkfreq import Checkpointer, Every, replicas, sharing
+from checkfreq import Checkpointer, Every
+from checkfreq.dist import replicas, sharing
 from checkfreq.dist.collectives import GroupPeers
 from checkfreq.dist.shares import chunk_holders, complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
