@@ -40,9 +40,9 @@ work.
 
 The restore runs on every rank up to ``--restore-up-to`` ranks (each rank receives a row from every rank,
 so the simulator's restore moves O(N²) bytes in all); above, what it would cost is
-measured alone: rank 0's plan (``restore._Plan``) over N views (on one shared directory, every
+measured alone: rank 0's plan (``restore.plan.ReadPlan``) over N views (on one shared directory, every
 rank's view is rank 0's, built by the restorer's own code), and what every rank computes of the
-stream (``restore._Stream``: its layout, and the replicated tensors taken out of the N rows).
+stream (``restore.stream.ReplicatedStream``: its layout, and the replicated tensors taken out of the N rows).
 
 Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks,
 and a verdict per acceptance criterion.
@@ -79,7 +79,10 @@ from checkfreq.dist.group_cluster import Plan, meet, wait_for_every_rank  # noqa
 from checkfreq.dist.groups import agree_on_token  # noqa: E402
 from checkfreq.dist.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
-from checkfreq.pipeline.restore import Found, Restorer, _Plan, _Readable, _Stream  # noqa: E402
+from checkfreq.pipeline.restore import Found, Restorer  # noqa: E402
+from checkfreq.pipeline.restore.plan import ReadPlan  # noqa: E402
+from checkfreq.pipeline.restore.protocol import Readable  # noqa: E402
+from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
 from checkfreq.pipeline.retainer import Retainer  # noqa: E402
 from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.policies.retention import Retention  # noqa: E402
@@ -788,17 +791,21 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             readable = _readable(reader, STEP)
             views = [readable.summary(None, 0, [rank]) for rank in range(world)]
             began = time.thread_time()
-            plan = _Plan(readable, views)
+            stream = readable.stream
+            assert stream is not None
+            plan = ReadPlan(readable.manifest, views, streamable=True, replicated=bool(stream.tensors))
             plan.orders()
             plan.after([{}] * world)
             plan_cpu_s = time.thread_time() - began
             readers = {name: [rank] for name, rank in plan.reader.items()}
-            stream = _Stream.of(manifest)  # what every rank computes once (rank 0's plan cached its own)
+            stream = ReplicatedStream.of(manifest)  # what every rank computes once (rank 0's plan cached its own)
             assert stream is not None
             rows = torch.zeros(world, stream.width, dtype=torch.uint8)  # each rank's row: its own file
             rows.view(torch.int64)[:, 0] = torch.arange(world)
             began = time.thread_time()
-            _Stream.of(manifest).tensors_of(rows)  # type: ignore[union-attr]
+            computed = ReplicatedStream.of(manifest)
+            assert computed is not None
+            computed.tensors_of(rows)
             stream_cpu_s = time.thread_time() - began
             stream_bytes = stream.width * (world - 1)  # every other rank's row
             file_bytes = [manifest.files[name]["size"] for name in sorted(manifest.files)]
@@ -809,7 +816,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                stream_cpu_s, stream_bytes, readers, file_bytes)
 
 
-def _readable(store: LocalStore, step: int) -> _Readable:
+def _readable(store: LocalStore, step: int) -> Readable:
     """What a rank of a shared directory has of checkpoint ``step`` at restore, by the restorer's own
     code (on one shared directory every rank's is rank 0's)."""
     restorer = Restorer(store, None, Solo())

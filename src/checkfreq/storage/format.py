@@ -41,6 +41,11 @@ def data_file_name(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
+def data_file_rank(name: str) -> int:
+    """The rank that wrote the data file ``name`` (``rank00003.safetensors``: 3)."""
+    return int(name[len("rank") :].split(".")[0])
+
+
 DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",

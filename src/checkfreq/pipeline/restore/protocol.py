@@ -1,0 +1,396 @@
+"""The restore protocol every rank runs (see the package docstring): the ranks agree on a checkpoint,
+read it as rank 0 orders, and exchange what each needs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from checkfreq.dist.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
+from checkfreq.dist.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
+from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.pipeline.restore.messages import (
+    ALL_FILES,
+    Agenda,
+    ExchangeOrder,
+    MemoryReport,
+    ReadOrder,
+    Refusal,
+    Summary,
+    decode_order,
+)
+from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
+from checkfreq.pipeline.restore.read import Files, stored_views
+from checkfreq.pipeline.restore.stream import ReplicatedStream
+from checkfreq.storage.base import Store
+from checkfreq.storage.format import Manifest
+from checkfreq.storage.local import LocalStore, checkpoint_name
+
+log = logging.getLogger("checkfreq.restore")
+
+Skipped = list[tuple[str, str]]
+"""(checkpoint or memory slot, why it was not restored)."""
+Blocks = Callable[[Manifest], dict[str, Box]]
+"""The block of each sharded tensor of a checkpoint (its manifest) that this rank restores."""
+
+
+@dataclass
+class Found:
+    """A checkpoint read for restore."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+    name: str
+    tier: str
+    """Where this rank's data came from: ``"local"``, ``"peer"`` (other ranks), ``"remote"``, joined
+    with ``+`` (``"local+peer"``), or ``"memory"``."""
+    skipped: Skipped = field(default_factory=list)
+
+
+@dataclass
+class Readable:
+    """What this rank has of one checkpoint: its manifest, the data files in its local directory
+    (intact or not: reading them says), and whether the remote tier lists it."""
+
+    step: int
+    manifest: Manifest
+    held: set[str] | None
+    """None on a rank that is not its directory's leader: the leader says what the directory holds."""
+    remote: bool
+
+    @functools.cached_property
+    def sharded(self) -> bool:
+        """Whether the checkpoint holds sharded tensors (DTensors)."""
+        return self.manifest.distributed is not None and any(
+            entry["kind"] == SHARDED for entry in self.manifest.distributed["tensors"].values())
+
+    @functools.cached_property
+    def stream(self) -> ReplicatedStream | None:
+        """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
+        return ReplicatedStream.of(self.manifest)
+
+    def summary(self, page_cache: int | None, directory: int, needs: list[int] | None) -> Summary:
+        """What rank 0 learns of it (``needs``: the saved ranks whose files this rank needs whole,
+        None for every file)."""
+        if self.held is None:
+            held: str | list[str] | None = None
+        else:
+            held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
+        files = json.dumps(self.manifest.files, sort_keys=True).encode()
+        return Summary(held, self.remote, page_cache, directory, xxhash.xxh3_64_hexdigest(files), needs)
+
+    def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
+        """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
+        replicated tensors: the one whose private state it restores, and those whose shards its
+        ``blocks`` overlap. None: every file (a sharded tensor laid out in a way not recorded, at
+        another world size, or no ``blocks`` given)."""
+        saved_world = self.manifest.world_size
+        needs = {source_rank(rank, saved_world)}
+        if not self.sharded:
+            return sorted(needs)
+        if blocks is None:
+            return None
+        assert self.manifest.distributed is not None  # a sharded checkpoint was written by ranks
+        saved = self.manifest.distributed["tensors"]
+        for name, box in blocks(self.manifest).items():
+            entry = saved[name]
+            if "chunked" in entry:
+                needs.update(chunk_holders(entry["shape"], entry["chunked"], saved_world, box))
+            elif saved_world != world_size:
+                return None
+        return sorted(needs)  # at the same world size, a layout not recorded is taken for the saved one: checked once read
+
+
+class Restorer:
+    """Finds and reads the checkpoint to restore, agreed by every rank.
+
+    Args:
+        local: this rank's directory (the only tier without ``remote``).
+        remote: the durable tier, if any.
+        peers: the ranks restoring together.
+        memory: this rank's memory tier, if any.
+        page_cache: ranks passing the same value read their directory through one page cache (a
+            directory on a machine-local file system that they share: the lowest rank sharing it);
+            None where each rank's reads go to storage (a network file system, an object store).
+        directory: ranks passing the same value share one local directory (its lowest rank; the
+            default: this rank's own).
+    """
+
+    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None,
+                 page_cache: int | None = None, directory: int | None = None) -> None:
+        self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
+        self.page_cache = page_cache
+        self.directory = peers.rank if directory is None else directory
+        self._locations: dict[str, dict[int, Any]] = {}
+        self._blocks: Blocks | None = None
+
+    def listed(self) -> list[int]:
+        """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
+        steps = {s for s, _ in self.local.checkpoints()}
+        if self.remote is not None:
+            steps |= {s for s, _ in self.remote.checkpoints()}
+        return sorted(steps, reverse=True)
+
+    def find(self, step: int | None = None, blocks: Blocks | None = None) -> Found | None:
+        """The newest valid checkpoint (or the one at ``step``) every rank can read; None if no
+        rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
+
+        ``blocks`` gives the blocks of the sharded tensors this rank restores: with it a rank gets
+        only the files that hold them (its own, when the layout is the saved one); without it, every
+        rank gets every file of a checkpoint with sharded tensors.
+        """
+        self._blocks = blocks
+        listed = [s for s in self.listed() if step is None or s == step]
+        if self.memory is not None:
+            found = self._from_memory(step, listed)
+            if found is not None:
+                return found
+        try:
+            return self._from_disk(step, listed)
+        except NoValidCheckpointError:
+            if self.memory is None:
+                raise
+            log.warning("no valid checkpoint on disk; trying older memory snapshots")
+            found = self._from_memory(step, [])
+            if found is None:
+                raise
+            return found
+
+    # ------------------------------------------------------------------ memory
+
+    def _from_memory(self, step: int | None, listed: list[int]) -> Found | None:
+        """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
+        assert self.memory is not None
+        states, skipped = self.memory.read_all(step)
+        by_step = {state.manifest.step: state for state in states}
+        reports = self.peers.gather(MemoryReport(sorted(by_step), listed[0] if listed else None).to_wire())
+        choice = None if reports is None else memory_choice([MemoryReport.from_wire(r) for r in reports])
+        best, common = self.peers.broadcast(choice)
+        if best is None:
+            if by_step and not common:
+                log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
+            return None
+        state = by_step[best]
+        return Found(state.manifest, state.tensors, state.name, "memory", skipped)
+
+    # ------------------------------------------------------------------ disk
+
+    def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
+        self._locations = {"local": dict(self.local.checkpoints())}
+        if self.remote is not None:
+            self._locations["remote"] = dict(self.remote.checkpoints())
+        lists = self.peers.gather(listed)
+        plan = Agenda.from_wire(self.peers.broadcast(None if lists is None else agenda(lists).to_wire()))
+        problems = dict(plan.passed)
+        skipped: Skipped = []
+        for s in plan.steps:  # the same steps on every rank, in the same order
+            skipped += self._skip_newer_than(s, problems)
+            found = self._restore_step(s)
+            if isinstance(found, Found):
+                found.skipped = skipped
+                return found
+            problems[s] = found
+        skipped += self._skip_newer_than(-1, problems)
+        if step is not None:
+            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self._where()}" + _reasons(skipped))
+        if plan.listed:
+            raise NoValidCheckpointError(f"no valid checkpoint in {self._where()}" + _reasons(skipped))
+        return None
+
+    @staticmethod
+    def _skip_newer_than(step: int, problems: dict[int, str]) -> Skipped:
+        """Log and take out the problems of the steps newer than ``step`` (those passed over to reach it)."""
+        skipped = []
+        for s in sorted((s for s in problems if s > step), reverse=True):
+            why = problems.pop(s)
+            log.warning("skipping checkpoint %s: %s", checkpoint_name(s), why)
+            skipped.append((checkpoint_name(s), why))
+        return skipped
+
+    def _readable(self, step: int) -> Readable | str:
+        """How this rank can read checkpoint ``step``, or why it cannot."""
+        local = self._locations["local"].get(step)
+        remote = self._locations.get("remote", {}).get(step)
+        manifest, problem = None, "no manifest"
+        for store, location in ((self.local, local), (self.remote, remote)):
+            if store is None or location is None or manifest is not None:
+                continue
+            try:
+                manifest = store.read_manifest(location)
+            except CorruptCheckpointError as e:
+                problem = str(e)
+        if manifest is None:
+            return problem
+        if self.directory != self.peers.rank:
+            held = None  # one rank of a directory looks: the others would repeat its N lookups
+        else:
+            held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
+        return Readable(step, manifest, held, remote is not None)
+
+    def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
+        """Checkpoint ``step`` read, verified and shared as rank 0 plans it, or why it cannot be.
+
+        Collective: every rank sends rank 0 its summary, then takes rank 0's orders (read these
+        files; again after a damaged copy; then what to map, receive and send) until rank 0 says
+        the step fails or the files are all verified. With ``own_shards``, a rank may get only the
+        files of a checkpoint with sharded tensors that hold its blocks (:meth:`Readable.needs`); if
+        their shards then do not cover them, on any rank, the ranks take the step again, each
+        getting every file.
+        """
+        readable = self._readable(step)
+        if isinstance(readable, str):
+            summary: str | dict[str, Any] = readable
+        else:
+            needs = readable.needs(self.peers.rank, self.peers.size, self._blocks if own_shards else None)
+            summary = readable.summary(self.page_cache, self.directory, needs).to_wire()
+        views = self.peers.gather(summary)
+        plan: ReadPlan | str | None = None
+        if views is not None:
+            plan = _plan_of(readable, [Summary.from_wire(v) for v in views])
+        if isinstance(plan, str):
+            plan_orders: list[Any] | None = [Refusal(plan).to_wire()] * self.peers.size
+        else:
+            plan_orders = None if plan is None else [o.to_wire() for o in plan.orders()]
+        order = decode_order(scatter_json(self.peers, plan_orders))
+        files: Files = {}
+        packs: dict[str, torch.Tensor] = {}
+        tiers: set[str] = set()
+        while isinstance(order, ReadOrder):
+            assert isinstance(readable, Readable)
+            damaged = self._read_assigned(readable, order, files, packs, tiers)
+            reports = self.peers.gather(damaged)
+            next_orders = None
+            if reports is not None:
+                assert isinstance(plan, ReadPlan)  # rank 0 planned, since it gave orders to read
+                next_orders = [o.to_wire() for o in plan.after(reports)]
+            order = decode_order(scatter_json(self.peers, next_orders))
+        if isinstance(order, Refusal):
+            return order.problem
+        assert isinstance(readable, Readable)
+        problem: str | None = None
+        found: Found | None = None
+        short: str | None = None
+        check = order.partial and readable.sharded  # the same on every rank
+        try:
+            found = self._exchange(readable, order, files, packs, tiers)
+            if check:
+                assert self._blocks is not None  # rank 0 plans a sharded checkpoint so only then
+                short = next(iter(uncovered(found.manifest, self._blocks(readable.manifest))), None)
+        except CorruptCheckpointError as e:
+            problem = f"rank {self.peers.rank}: {e}" if self.peers.size > 1 else str(e)
+        if not check:
+            failed = collect_errors(self.peers, problem)
+        else:
+            failed, short_of = self._outcome(problem, short)
+            if short_of is not None:
+                if self.peers.rank == 0:
+                    log.info("checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
+                             "shards were laid out otherwise); every rank gets every file", checkpoint_name(step), *short_of)
+                return self._restore_step(step, own_shards=False)
+        if failed:
+            return "; ".join(failed)
+        assert found is not None  # no rank failed, this one included
+        return found
+
+    def _outcome(self, problem: str | None, short: str | None) -> tuple[list[str], list[Any] | None]:
+        """Every rank's error, and the first rank whose files fall short of its blocks with the
+        tensor (``short``: this rank's first such, or None), the same on every rank: one gather and
+        its broadcast, as :func:`~checkfreq.dist.collectives.collect_errors`."""
+        gathered = self.peers.gather([problem, short])
+        if gathered is None:
+            return self.peers.broadcast(None)
+        first = next(([rank, name] for rank, (_, name) in enumerate(gathered) if name is not None), None)
+        return self.peers.broadcast([[e for e, _ in gathered if e], first])
+
+    def _read_assigned(self, readable: Readable, order: ReadOrder, files: Files, packs: dict[str, torch.Tensor],
+                       tiers: set[str]) -> dict[str, str]:
+        """Read and verify the files ``order`` gives this rank (packing their replicated pieces if
+        it says so); return why each damaged one is."""
+        stream = readable.stream if order.pack else None
+        damaged = {}
+        for name, tier in order.read:
+            try:
+                files[name] = self._read_file(tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name])
+                if stream is not None:
+                    packs[name] = stream.row(name, *files[name])
+                tiers.add(tier)
+            except CorruptCheckpointError as e:
+                files.pop(name, None)
+                damaged[name] = str(e)
+                log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
+                            "the remote" if tier == "remote" else "this rank's", name, e)
+        return damaged
+
+    def _exchange(self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor],
+                  tiers: set[str]) -> Found:
+        """Send and receive the whole files ``order`` says, all-gather the replicated pieces if it
+        says so, map the files a reader verified in the page cache this rank shares; then this
+        rank's manifest and stored arrays."""
+        step, manifest = readable.step, readable.manifest
+        position = {name: i for i, name in enumerate(sorted(manifest.files))}
+        me = self.peers.rank
+        operations: list[tuple[int, int, str, int | None]] = sorted(
+            [(position[name], to, name, None) for name, to in order.send]
+            + [(position[name], me, name, sender) for name, sender in order.receive])
+        for _, to, name, sender in operations:  # one order on every rank: each pair meets in turn
+            if sender is None:
+                data, header = files[name]
+                send_json(self.peers, {"header": header, "size": data.numel()}, to)
+                self.peers.send(data, to)
+            else:
+                sent = receive_json(self.peers, sender)
+                files[name] = (self.peers.receive(sent["size"], sender), sent["header"])
+                tiers.add("peer")
+        replicated: dict[str, torch.Tensor] = {}
+        if order.stream:
+            stream = readable.stream
+            assert stream is not None  # rank 0 streams only a checkpoint written by several ranks
+            mine = [packs[name] for name in sorted(packs)]
+            rows = torch.cat([self.peers.all_gather_rows(mine[r] if r < len(mine) else stream.empty_row())
+                              for r in range(order.stream)])
+            replicated = stream.tensors_of(rows)
+            manifest = stream.whole(manifest)
+            if len(packs) < len(manifest.files):
+                tiers.add("peer")
+        for name in order.map:
+            files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
+            tiers.add("local")
+        manifest, stored = stored_views(manifest, files, partial=order.partial)
+        stored.update(replicated)
+        used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
+        return Found(manifest, stored, checkpoint_name(step), used)
+
+    def _map_file(self, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """A file of this rank's directory that a rank sharing its page cache verified."""
+        assert isinstance(self.local, LocalStore)  # only a local directory shares a page cache
+        return self.local.map_data(location, name, entry["size"], entry["xxh3_64"])
+
+    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        if location is None:
+            raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
+        store = self.local if tier == "local" else self.remote
+        assert store is not None  # rank 0 gives the remote tier only to ranks that list it there
+        return store.read_data(location, name, entry["size"], entry["xxh3_64"])
+
+    def _where(self) -> str:
+        return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
+
+
+def _reasons(skipped: Skipped) -> str:
+    return f" ({'; '.join(f'{name}: {why}' for name, why in skipped)})" if skipped else ""
+
+
+def _plan_of(readable: Readable | str, views: list[Summary | str]) -> ReadPlan | str:
+    """Rank 0's plan for a checkpoint, or why the ranks cannot restore it."""
+    if isinstance(readable, str):
+        return ReadPlan.of(None, views, streamable=False, replicated=False)
+    stream = readable.stream
+    return ReadPlan.of(readable.manifest, views, streamable=stream is not None,
+                       replicated=stream is not None and bool(stream.tensors))
