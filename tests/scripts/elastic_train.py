@@ -1,4 +1,4 @@
-"""A data-parallel run with a fixed global batch, for the resize tests (tests/test_elastic.py).
+"""A data-parallel run with a fixed global batch, for the resize tests (tests/distributed/test_elastic.py).
 
 Runs under ``torchrun`` (DDP over gloo, any number of ranks) or as one plain process. Restores
 from ``--ckpt-dir`` if a checkpoint is there and trains to the end: a ``ResumableLoader`` with

@@ -1,4 +1,4 @@
-"""A Lightning fit over a ResumableLoader with a global batch, for the resize tests (tests/test_elastic.py).
+"""A Lightning fit over a ResumableLoader with a global batch, for the resize tests (tests/distributed/test_elastic.py).
 
 The model and its training step are ``lightning_train.py``'s; the loader has ``global_batch_size=8``
 (``--micro``: each rank's batches at most that many samples) and the Trainer

@@ -1,0 +1,104 @@
+"""The protocol simulator (benchmarks/protocol_sim.py): checkfreq's real start-up, commit and restore
+code on a thread per rank over an in-memory transport, at a few ranks, and what its counts show."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.protocol_sim import Baton, Run, main, simulate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    return {world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}"))) for world in (8, 64)}
+
+
+def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> None:
+    """Every rank agreed on rank 0's token and directory, committed the same step, and restored it
+    with every rank's file; each rank read one file from storage, its own, and received the rest.
+    Only the directory's leader (rank 0) looked up which files the directory holds."""
+    for world, run in runs.items():
+        first = run.outcomes[0]
+        assert first.restored == "step_000000100" and first.restored_files == world
+        for rank, outcome in enumerate(run.outcomes):
+            assert (outcome.token, outcome.directory, outcome.commit.step) == (first.token, 0, 100), rank
+            assert (outcome.restored, outcome.restored_files) == (first.restored, world), rank
+            assert run.ledgers[rank].phases["restore"].files_read == [f"rank{rank:05d}.safetensors"]
+            assert run.ledgers[rank].phases["restore"].lookups == (world if rank == 0 else 0)
+        assert run.readers == {f"rank{r:05d}.safetensors": [r] for r in range(world)}
+
+
+def test_fsdp2_ranks_each_read_their_own_file_and_receive_no_other(tmp_path: Path) -> None:
+    """FSDP2 at 16 ranks (rows of 32 over 16 ranks: 2 each): each rank reads its own file, which
+    holds its blocks, and receives rank 0's orders and AdamW's step counts (rank 0: every rank's
+    summary), no other file."""
+    run = simulate(16, layers=4, directory=str(tmp_path), state="fsdp2")
+    for rank, counts in enumerate(run.counts("restore")):
+        assert run.outcomes[rank].restored == "step_000000100"
+        assert counts.files_read == [f"rank{rank:05d}.safetensors"], (rank, counts.files_read)
+        assert counts.bytes_in < (300 * 16 if rank == 0 else 1000) < min(run.file_bytes), (rank, counts.bytes_in)
+
+
+def test_a_rank_other_than_0_costs_the_same_at_8_and_64_ranks(runs: dict[int, Run]) -> None:
+    """Per checkpoint: the same messages, the same bytes (but for the digits of its rank and file
+    size), one connection (rank 0); at start-up, the same store operations."""
+    small, large = runs[8].counts("commit"), runs[64].counts("commit")
+    for counts in (small[1], small[7], large[1], large[63]):
+        assert (counts.messages_out, counts.messages_in) == (small[1].messages_out, small[1].messages_in), counts
+        assert abs(counts.bytes_out - small[1].bytes_out) <= 8 and counts.bytes_in == small[1].bytes_in, counts
+        assert counts.connections(1, 8) == 1 and counts.peers == {0} and counts.all_gathers == 0
+        assert counts.bytes_out < 300 and counts.bytes_in < 60
+    ops = {c.store_ops - c.store_polls for run in runs.values() for c in run.counts("startup")[1:]}
+    assert ops == {6}, ops  # wait_for_every_rank: 1; agree_on_token: append, wait, get, delete, add
+
+
+def test_rank_0s_commit_traffic_grows_linearly(runs: dict[int, Run]) -> None:
+    small, large = runs[8].counts("commit")[0], runs[64].counts("commit")[0]
+    assert small.messages_in / 7 == large.messages_in / 63 == 3  # prepare, report, outcome from each rank
+    assert small.connections(0, 8) == 7 and large.connections(0, 64) == 63
+    assert 0.95 < (large.bytes_in / 63) / (small.bytes_in / 7) < 1.05
+
+
+def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--worlds", "8,16", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| 8 | restore | files read | 1 | 1 | 1 |" in out and "| 16 | restore |" not in out
+    assert '"restore_readers": [1], "restore_each_reads_its_own": true' in out
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 5, out
+    assert verdicts[0].startswith("PASS  a rank's bytes per checkpoint within 2x")
+    assert verdicts[3].startswith("PASS  start-up store operations per rank constant")
+    assert verdicts[4].startswith("PASS  manifest <= 16 MB")
+
+
+def test_rank_0s_start_up_traffic_grows_linearly(runs: dict[int, Run]) -> None:
+    """Rank 0 receives 4 messages from every rank (the identities, the probe barrier and check,
+    opening the directories) and sends each 6 (the token, its leader's length and value, and three
+    verdicts): no step of the start-up costs it more than a constant per rank."""
+    for world, run in runs.items():
+        counts = run.counts("startup")[0]
+        assert (counts.messages_in, counts.messages_out) == (4 * (world - 1), 6 * (world - 1)), world
+    small, large = runs[8].counts("startup")[0], runs[64].counts("startup")[0]
+    assert 0.95 < (large.bytes_in / 63) / (small.bytes_in / 7) < 1.05
+
+
+def test_a_rank_wakes_the_ranks_it_delivered_to_when_it_passes_the_baton() -> None:
+    """While a rank computes no other rank thread is woken: what its messages would wake waits
+    until it waits itself (or ends), and the CPU it then spends waking them is not its own."""
+    baton, woken = Baton(), []
+    with baton.held():
+        baton.wake(lambda: woken.append("message"))
+        assert woken == []
+        with baton.passed():
+            assert woken == ["message"]
+        baton.wake(lambda: woken.append("store key"))
+    assert woken == ["message", "store key"]
+    baton.wake(lambda: woken.append("unheld"))
+    assert woken[-1] == "unheld"

@@ -1,0 +1,178 @@
+"""Helpers the tests share: where things are, small real models and training steps, jobs in a session of their own.
+
+Test files import these with ``from helpers import ...`` (``pythonpath = ["tests"]`` in pyproject.toml);
+pytest fixtures live in ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import torch
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+"""The repository's root."""
+SCRIPTS = TESTS / "scripts"
+"""The training scripts the tests launch (as subprocesses or under torchrun)."""
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def make_model(seed: int = 0, width: int = 32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width), torch.nn.ReLU(), torch.nn.Linear(width, 3)
+    )
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: int = 16) -> float:
+    x = torch.randn(batch, 8)
+    y = torch.randint(0, 3, (batch,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), key
+        elif isinstance(x, dict):
+            assert_state_equal(x, y)
+        elif isinstance(x, (list, tuple)):
+            assert len(x) == len(y), key
+            for i, (u, v) in enumerate(zip(x, y, strict=True)):
+                assert_state_equal({i: u}, {i: v})
+        else:
+            assert x == y, key
+
+
+def run_job(command: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
+    """Run a job in a session of its own and return (exit status, output); nothing of it outlives it."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- torchrun jobs of scripts/ddp_train.py
+
+SAMPLES, BATCH, EPOCHS, EVERY = 64, 8, 3, 3
+"""The ddp_train.py jobs' data and cadence: at world size 2, 4 steps per epoch, 12 in all."""
+
+
+def launch_job(workdir: Path, script: str, *args: str, nproc: int = 2, restarts: int = 3) -> subprocess.Popen[str]:
+    """Start ``scripts/<script>`` under ``torchrun --standalone`` with ``nproc`` workers (0: one plain process)."""
+    # torchrun's shared rendezvous store can hand a restarted worker its predecessor's address
+    # (pytorch/pytorch#135712): give the workers their own store, as docs/distributed.md advises.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if nproc:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   f"--max-restarts={restarts}", "--monitor-interval=0.1", str(SCRIPTS / script), *args]
+    else:  # one plain process, no process group
+        command = [sys.executable, str(SCRIPTS / script), *args]
+    return subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+
+
+def finish_job(proc: subprocess.Popen[str], expect_success: bool = True) -> str:
+    """The job's output once it ended as expected."""
+    try:
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:  # timed out: torchrun's workers run in sessions of their own
+            kill_tree(proc.pid)
+    assert (proc.returncode == 0) == expect_success, out[-4000:]
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def ddp_train_args(workdir: Path, *extra: str) -> list[str]:
+    return ["--ckpt-dir", str(workdir / "ckpt"), "--final", str(workdir / "final"),
+            "--batch-log", str(workdir / "batches.log"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
+            "--epochs", str(EPOCHS), "--every", str(EVERY), *extra]
+
+
+def incarnations(out: str) -> list[tuple[int, int, int]]:
+    """(life, rank, restored step) for every incarnation of every rank."""
+    return sorted((int(a), int(b), int(c)) for a, b, c in re.findall(r"life=(\d+) rank=(\d+) restored step=(\d+)", out))
+
+
+def assert_each_sample_once_per_epoch(log: Path) -> None:
+    """The last line for each (rank, epoch, position) is what training used: a replay replaces its line."""
+    batches: dict[tuple[str, str, str], list[int]] = {}
+    for line in log.read_text().splitlines():
+        rank, epoch, consumed, *indices = line.split()
+        batches[(rank, epoch, consumed)] = [int(i) for i in indices]
+    for epoch in range(EPOCHS):
+        seen = Counter(i for (_, e, _), idx in batches.items() if int(e) == epoch for i in idx)
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, f"epoch {epoch}: {seen}"
+
+
+def final_states(workdir: Path) -> list[dict]:
+    return [torch.load(workdir / f"final.rank{rank}.pt") for rank in (0, 1)]
+
+
+# ---------------------------------------------------------------------------- scripts/hf_train.py
+
+
+def hf_fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: int = 1, static_restarts: int = 0) -> str:
+    """Run scripts/hf_train.py (under torchrun with ``ranks`` > 1: the c10d form, or the static form with
+    ``static_restarts``); nothing of the job may outlive it."""
+    resume = [] if "--resume_from_checkpoint" in args else ["--resume_from_checkpoint", "true"]
+    script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
+              "--read-log", str(workdir / f"{name}.log"), *resume, *args]
+    if static_restarts:
+        form = [f"--master-port={free_port()}", f"--max-restarts={static_restarts}", "--monitor-interval=0.1"]
+    else:
+        form = ["--standalone"]
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", *form, f"--nproc-per-node={ranks}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    returncode, out = run_job(launcher + script, env)
+    expected = 0 if not killed else -signal.SIGKILL if ranks == 1 else 1  # torchrun fails when a worker dies
+    assert returncode == expected, f"{name}: exit {returncode}\n{out[-4000:]}"
+    return out
+
+
+def sample_reads(log: Path) -> list[int]:
+    """The sample indices a run of hf_train.py logged with ``--read-log``, in the order it read them."""
+    return [int(line) for line in log.read_text().split()]

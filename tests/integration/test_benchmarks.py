@@ -1,0 +1,59 @@
+"""Smoke test of the benchmark suite: a tiny ``--quick`` run produces every table row (timings never asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import BEGIN, END  # noqa: E402
+from benchmarks.state_bench import all_methods  # noqa: E402
+from benchmarks.training import variants  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    (out / "performance.md").write_text(f"# Performance\n\nprose kept\n\n{BEGIN}\nold\n{END}\n\nmore prose\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--cuda", "--intervals", "1,10", "--out", str(out)],
+        cwd=ROOT, env=env, check=True, timeout=600, capture_output=True,
+    )
+    return out
+
+
+def test_quick_run_writes_every_row(quick_run: Path) -> None:
+    doc = (quick_run / "performance.md").read_text()
+    assert doc.startswith("# Performance\n\nprose kept") and doc.rstrip().endswith("more prose")
+    assert doc.count(BEGIN) == 1 and "\nold\n" not in doc
+    section = doc.split(BEGIN)[1].split(END)[0]
+    rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")}
+    for method in all_methods(quick=True):
+        assert method.name in rows, method.name
+    for variant in variants((1, 10)):
+        if variant != "no checkpoints":
+            assert variant in rows, variant
+    for target in ("stall / raw copy_", "torch.save+fsync stall / checkfreq stall",
+                   "write bandwidth / raw write+fsync", "peak extra RSS (save) / state size"):
+        assert target in rows, target
+    assert any(r.startswith("checkfreq auto") and r.endswith("whole-run overhead") for r in rows)
+    assert "#### GPU mode" in section
+    assert "failed:" not in section
+
+
+def test_quick_run_writes_png_and_raw_results(quick_run: Path) -> None:
+    assert (quick_run / "performance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((quick_run / "performance.json").read_text())
+    (state,) = results["states"].values()
+    rounds = {len(samples) for samples in state["samples"].values()}
+    assert rounds == {2}, "every method runs in every interleaved round"
+    assert all(runs for runs in results["training"]["runs"].values())

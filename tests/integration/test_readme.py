@@ -1,0 +1,88 @@
+"""The README's usage example runs as written, resumes instead of starting over, and a run of it
+killed with SIGKILL and started again ends bit-identical to one never killed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from checkfreq.run.events import read_events
+from helpers import README
+
+KILL_AT = 45  # an optimizer step in the second of the example's three epochs of 32 steps
+
+# Around the example, never inside it: a stop after optimizer step $STOP_AT, once a checkpoint is
+# committed to resume from (where the test's SIGKILL lands), and a digest of everything a resumed
+# run must reproduce.
+PRELUDE = """\
+import glob as _glob, os as _os, time as _time
+from torch.optim.optimizer import register_optimizer_step_post_hook as _after_every_step
+_steps = 0
+def _stop(*_):
+    global _steps
+    _steps += 1
+    if _steps == int(_os.environ.get("STOP_AT", 0)):
+        deadline = _time.monotonic() + 120
+        while not [p for p in _glob.glob("runs/exp1/step_*") if ".tmp-" not in p] and _time.monotonic() < deadline:
+            _time.sleep(0.01)
+        print("STOPPED", flush=True)
+        _time.sleep(300)
+_after_every_step(_stop)
+"""
+DIGEST = """
+import hashlib as _hashlib
+_h = _hashlib.sha256()
+_opt = [v for s in optimizer.state_dict()["state"].values() for v in s.values()]
+for _t in [*model.state_dict().values(), *_opt, torch.get_rng_state()]:
+    _h.update(_t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+_h.update(repr((optimizer.state_dict()["param_groups"], loader.state_dict())).encode())
+print("DIGEST", _h.hexdigest())
+"""
+
+
+def example() -> str:
+    """The code block of the README's "Use" section, as users copy it."""
+    return re.search(r"## Use\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)  # type: ignore[union-attr]
+
+
+def test_readme_example_runs_and_resumes(tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(example() + "\nprint('STEP', ckpt.global_step)\n")
+    first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "STEP 96" in first.stdout  # 3 epochs of ceil(1000 / 32) = 32 batches
+    assert (tmp_path / "runs" / "exp1" / "step_000000096" / "manifest.json").exists()
+    second = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "STEP 96" in second.stdout  # restored at the end: nothing left to train
+
+
+def _digest(script: Path, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("DIGEST ")[1].strip()
+
+
+def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(PRELUDE + example() + DIGEST)
+    (tmp_path / "uninterrupted").mkdir()
+    (tmp_path / "killed").mkdir()
+    reference = _digest(script, tmp_path / "uninterrupted")
+
+    env = {**os.environ, "STOP_AT": str(KILL_AT)}
+    with subprocess.Popen([sys.executable, str(script)], cwd=tmp_path / "killed", env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None and child.stdout.readline() == "STOPPED\n", child.stderr.read()  # type: ignore[union-attr]
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    run = tmp_path / "killed" / "runs" / "exp1"
+    assert any(p for p in run.glob("step_*") if ".tmp-" not in p.name), "the killed run committed no checkpoint"
+
+    assert _digest(script, tmp_path / "killed") == reference
+    restored = [e["step"] for e in read_events(run) if e["event"] == "restore"]
+    assert len(restored) == 1 and 0 < restored[0] <= KILL_AT, restored  # resumed mid-run, not from scratch
