@@ -75,7 +75,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
 from checkfreq.dist import replicas  # noqa: E402
 from checkfreq.dist.collectives import Peers, Solo, tree_max  # noqa: E402
-from checkfreq.dist.group_cluster import Plan, meet, wait_for_every_rank  # noqa: E402
+from checkfreq.dist.group_cluster import SharePlan, meet, wait_for_every_rank  # noqa: E402
 from checkfreq.dist.groups import agree_on_token  # noqa: E402
 from checkfreq.dist.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
@@ -588,7 +588,7 @@ class Job:
     """What every rank checkpoints: the replicated plan (the same on every rank) and the state's tensors."""
 
     tensors: dict[str, torch.Tensor]
-    plan: Plan
+    plan: SharePlan
     pieces: list[list[Any]]
     """Each rank's pieces of the replicated tensors (``distributed_plan.partition``)."""
     claim: dict[str, Any]
@@ -607,7 +607,7 @@ class Job:
         tensors = {n: t for n, t in everything.items() if n not in sharded}
         names = sorted(tensors)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
-        plan = Plan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
+        plan = SharePlan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
         claim = replicas.report(layout, {n: replicas.fingerprint(tensors[n]) for n in names})
         return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(everything), sharded)
 
@@ -696,7 +696,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         token, directory = meet(local, None, peers)
     leader = directory == rank
     with ledger.phase("commit"):
-        committer = Committer(local, peers, leader=leader, token=token, directory=directory,
+        committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,
                               retainer=Retainer(local, Retention(3), leader=leader))
         result = committer.run(job)
     with ledger.phase("vote"):
@@ -705,7 +705,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     if restore:
         with ledger.phase("restore"):
             blocks = (lambda manifest: checkpoint.blocks(rank)) if checkpoint.sharded else None
-            found = Restorer(local, None, peers, directory=directory).find(blocks=blocks)  # no page cache shared: a network file system
+            found = Restorer(local, None, peers, directory_leader=directory).find(blocks=blocks)  # no page cache shared: a network file system
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,

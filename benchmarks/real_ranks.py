@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts")]
 
 import test_scale  # noqa: E402
+
 from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/scale_costs.py [--worlds 1,2,4,64,1024,16384]``
 
 Computed with checkfreq's own code on synthetic inputs, in one process (no ranks are started): for
-each world size N, the plan every rank computes (:class:`checkfreq.dist.group_cluster.Plan`), one rank's
+each world size N, the plan every rank computes (:class:`checkfreq.dist.group_cluster.SharePlan`), one rank's
 commit report as :class:`checkfreq.pipeline.commit.Committer` builds it, the manifest rank 0 writes
 (:func:`checkfreq.pipeline.commit.merge`), each rank's record in its data file's header, the directory
 identity each rank all-gathers at start (:mod:`checkfreq.dist.sharing`), and what each rank all-gathers
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from checkfreq.dist import replicas
-from checkfreq.dist.group_cluster import Plan
+from checkfreq.dist.group_cluster import SharePlan
 from checkfreq.dist.shares import PRIVATE, REPLICATED, SHARDED, private_name
 from checkfreq.dist.sharing import directory_identity
-from checkfreq.pipeline.commit import agreement_digest, merge
+from checkfreq.pipeline.commit import CommitReport, agreement_digest, merge
 from checkfreq.storage.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
 
 LAYERS = 18
@@ -65,7 +65,7 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
     cluster = SimpleNamespace(world_size=world, rank=0)
     if state == "ddp":
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
-        plan = Plan.of(layout, {n: tensors[n] for n in names}, cluster)  # type: ignore[arg-type]
+        plan = SharePlan.of(layout, {n: tensors[n] for n in names}, cluster)  # type: ignore[arg-type]
         shared = dict(plan.shared)
         own = {}
         arrays = {p.stored_name: (tensors[p.name].dtype, (p.end - p.begin,)) for p in plan.pieces}
@@ -84,10 +84,10 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
         own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [private_name(name, 0)]}
         arrays[private_name(name, 0)] = (dtype, shape)
     share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest}
-    report = {"rank": world - 1, "created": 1.8e9, "ok": True, "file": data_file_name(world - 1), "size": 2**40,
-              "xxh3_64": "0123456789abcdef", "upload_idle": True, "agree": agreement_digest(share), "directory": world - 1}
-    report["leader"] = False
-    reports = [{**report, "rank": r, "file": data_file_name(r), "directory": r} for r in range(world)]
+    reports = [CommitReport(rank=r, created=1.8e9, ok=True, file=data_file_name(r), size=2**40, xxh3_64="0123456789abcdef",
+                            upload_idle=True, agree=agreement_digest(share), directory_leader=r, leader=False)
+               for r in range(world)]
+    report = reports[-1].to_wire()
     manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
     header = encode_header(plan_layout(arrays), {"state": skeleton(tensors), "tensors": own})
     identity = directory_identity(Path("."))

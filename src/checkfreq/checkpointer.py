@@ -147,7 +147,7 @@ class Checkpointer:
         self.directory = self._local.root
         self._memory = None if memory_cadence is None else MemoryTier.open(self._local.root, memory_cadence, control)
         self._restorer = Restorer(self._local, self._remote, control, self._memory, page_cache=cluster.page_cache,
-                                  directory=cluster.directory)
+                                  directory_leader=cluster.directory_leader)
         retention = Retention.of(keep)
         retainer = Retainer(self._local, retention, leader=cluster.leader)
         self._uploader = None if self._remote is None else Uploader(
@@ -156,7 +156,7 @@ class Checkpointer:
             local_retainer=retainer,
         )
         self._committer = Committer(self._local, cluster.commit, leader=retainer.leader, token=cluster.token,
-                                    retainer=retainer, uploader=self._uploader, directory=cluster.directory)
+                                    retainer=retainer, uploader=self._uploader, directory_leader=cluster.directory_leader)
         newest = self._restorer.listed()[:1]
         if self._memory is not None:
             newest += [s for s in [self._memory.newest_step()] if s is not None]

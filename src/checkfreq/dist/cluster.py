@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from checkfreq.dist.collectives import Peers, Solo
 from checkfreq.dist.group_cluster import GroupCluster, open_directories
-from checkfreq.dist.shares import Box, local_view, sharded_blocks
+from checkfreq.dist.shares import Box, Share, local_view, sharded_blocks
 from checkfreq.storage.format import Manifest
 from checkfreq.policies.rules import DecisionContext, Policy
 from checkfreq.storage.base import Store
@@ -55,7 +55,7 @@ class Cluster(Protocol):
         ...
 
     @property
-    def directory(self) -> int:
+    def directory_leader(self) -> int:
         """The lowest rank that sees this rank's local directory (it holds the lock and commits)."""
         ...
 
@@ -83,7 +83,7 @@ class Cluster(Protocol):
 
     def select(
         self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
-    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+    ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         """What this rank writes of ``tensors`` (the state of the registered ``objects``): the arrays,
         which of them are fenced (``owned``: optimizer-owned), and the share's index for the commit
         (None: the arrays are the whole state, indexed by the manifest alone)."""
@@ -124,7 +124,7 @@ class SoloCluster:
     rank = 0
     world_size = 1
     upload = None
-    directory = 0
+    directory_leader = 0
     leader = True
     page_cache = None
     writes_whole_state = True
@@ -137,7 +137,7 @@ class SoloCluster:
 
     def select(
         self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
-    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+    ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         return dict(tensors), owned, None
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],

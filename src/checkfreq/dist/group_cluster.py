@@ -45,6 +45,7 @@ from checkfreq.dist.shares import (
     PRIVATE,
     REPLICATED,
     SHARDED,
+    Share,
     Box,
     Piece,
     chunked_dim,
@@ -135,11 +136,11 @@ class GroupCluster:
         groups = dict(zip(purposes, (GroupPeers(g) for g in new_gloo_groups(purposes, timedelta(seconds=timeout)))))
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
-        self._plan: Plan | None = None
-        self.token, self.directory = meet(local, remote, self.control)
+        self._plan: SharePlan | None = None
+        self.token, self.directory_leader = meet(local, remote, self.control)
         """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
-        self.leader = self.directory == self.rank
-        self.page_cache = page_cache(local, self.directory)
+        self.leader = self.directory_leader == self.rank
+        self.page_cache = page_cache(local, self.directory_leader)
         self.writes_whole_state = False
         """Every rank writes a share (even alone): its data file holds per-rank names and an index."""
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
@@ -152,7 +153,7 @@ class GroupCluster:
 
     def select(
         self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
-    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any]]:
+    ) -> tuple[dict[str, torch.Tensor], set[str], Share]:
         """This rank's share of ``tensors`` (the state of ``objects``): (arrays to write, which of
         them are fenced, their index).
 
@@ -164,7 +165,7 @@ class GroupCluster:
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         if self._plan is None or self._plan.layout != layout:
-            self._plan = Plan.of(layout, {n: tensors[n] for n in names}, self)
+            self._plan = SharePlan.of(layout, {n: tensors[n] for n in names}, self)
             checked = self._plan.verify_all()
         else:
             checked = self._plan.verify_next()
@@ -191,7 +192,7 @@ class GroupCluster:
                 arrays[stored] = tensor
                 own[name] = _entry(tensor, PRIVATE, [stored])
         fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
-        return arrays, fenced, {"rank": own, "shared": shared, "replicas": claim, "plan": plan.digest}
+        return arrays, fenced, Share(rank=own, shared=shared, replicas=claim, plan=plan.digest)
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
@@ -223,10 +224,10 @@ class GroupCluster:
 
 
 @dataclass
-class Plan:
+class SharePlan:
     """The replicated layout this rank plans for: its share, and what each checkpoint verifies."""
 
-    layout: replicas.Layout
+    layout: replicas.Signature
     sizes: list[tuple[str, int, int]]
     """(name, numel, itemsize) of every replicated tensor."""
     pieces: list[Piece]
@@ -239,7 +240,7 @@ class Plan:
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Layout, tensors: Mapping[str, torch.Tensor], cluster: GroupCluster) -> Plan:
+    def of(cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], cluster: GroupCluster) -> SharePlan:
         sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
         plans = partition(sizes, cluster.world_size)
         shared: dict[str, Any] = {}
@@ -290,11 +291,11 @@ def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
     return token, directory
 
 
-def page_cache(local: Store, directory: int) -> int | None:
+def page_cache(local: Store, leader: int) -> int | None:
     """What tells the ranks that read their directory through one page cache (the ``page_cache``
     of :class:`~checkfreq.pipeline.restore.Restorer`): the directory's leader where it is a directory on a
     machine-local file system, else None."""
-    return directory if isinstance(local, LocalStore) and on_machine_local_file_system(local.root) else None
+    return leader if isinstance(local, LocalStore) and on_machine_local_file_system(local.root) else None
 
 
 def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:

@@ -32,7 +32,7 @@ VERIFY_BYTES = 2 << 20
 SHOWN = 5
 """How many disagreeing entries a message names (the rest are counted)."""
 
-Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 """(name, dtype, shape) of every replicated tensor, in name order."""
 
 
@@ -44,7 +44,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
 
 
-def report(layout: Layout, fingerprints: Mapping[str, str]) -> dict[str, Any]:
+def report(layout: Signature, fingerprints: Mapping[str, str]) -> dict[str, Any]:
     """What a rank tells the others about its replicated state (JSON-able)."""
     return {"layout": [[n, d, list(s)] for n, d, s in layout], "fingerprints": dict(fingerprints)}
 

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -35,6 +35,19 @@ from checkfreq.errors import CorruptCheckpointError
 from checkfreq.storage.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest, data_file_name, header_entries, rank_record
 
 log = logging.getLogger("checkfreq")
+
+
+class Share(TypedDict):
+    """What a rank writes of a snapshot under torch.distributed, for the commit: ``GroupCluster.select``."""
+
+    rank: dict[str, Any]
+    """This rank's own tensors' entries (private tensors, local shards): in its data file's header."""
+    shared: dict[str, Any]
+    """The entries every rank records the same (replicated and sharded tensors): in the manifest."""
+    replicas: dict[str, Any]
+    """This rank's claim of the replicated state (``replicas.report``)."""
+    plan: str | None
+    """The digest of the plan that split the replicated state (None: no replicated state)."""
 
 REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"
 SMALL_FRACTION = 16

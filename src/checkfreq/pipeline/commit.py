@@ -29,19 +29,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from checkfreq.dist import replicas
 from checkfreq.dist.collectives import Peers, collect_errors, receive_json, send_json
-from checkfreq.dist.shares import REPLICATED, SHARDED
+from checkfreq.dist.shares import REPLICATED, SHARDED, Share
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.storage.base import Store, write_data, write_manifest
-from checkfreq.storage.format import Manifest, data_file_name, encode_header, tensor_entries
+from checkfreq.storage.format import FileEntry, Manifest, data_file_name, encode_header, tensor_entries
 
 if TYPE_CHECKING:
     from checkfreq.pipeline.upload import Uploader
@@ -57,7 +57,7 @@ class CommitJob:
     epoch: int | None
     pending: PendingSnapshot
     skeleton: Any
-    share: dict[str, Any] | None
+    share: Share | None
     """Where a rank writes a share of the state (``GroupCluster.select``): this rank's own tensor
     index, the tensors every rank shares and the replica claim; None where the snapshot is the
     whole state (one process)."""
@@ -77,6 +77,74 @@ class CommitResult:
     """The checkpoint was handed to the uploader (every rank decided the same)."""
 
 
+@dataclass
+class CommitReport:
+    """Rank → 0, round 2: how this rank's data file went. Fixed-size fields but for one process's
+    index and skeleton (``index``, ``state``), which only a world of one sends."""
+
+    rank: int
+    created: float
+    ok: bool = False
+    error: str | None = None
+    file: str | None = None
+    size: int = 0
+    xxh3_64: str | None = None
+    upload_idle: bool = False
+    index: dict[str, Any] | None = None
+    """One process: the manifest's tensor index of its one file."""
+    state: Any = None
+    """One process: the skeleton."""
+    agree: str | None = None
+    """Several ranks: the digest of what they must report the same (:func:`agreement_digest`)."""
+    directory_leader: int | None = None
+    """Several ranks: the lowest rank whose local directory is this rank's."""
+    leader: bool | None = None
+    """Several ranks: this rank commits its directory."""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The report as sent: only the fields this kind of report carries."""
+        wire: dict[str, Any] = {"rank": self.rank, "created": self.created, "ok": self.ok}
+        if not self.ok:
+            wire["error"] = self.error
+        else:
+            wire.update(file=self.file, size=self.size, xxh3_64=self.xxh3_64, upload_idle=self.upload_idle)
+            if self.index is not None:
+                wire.update(index=self.index, state=self.state)
+            else:
+                wire.update(agree=self.agree, directory=self.directory_leader)
+        if self.leader is not None:
+            wire["leader"] = self.leader
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> CommitReport:
+        return cls(rank=wire["rank"], created=wire["created"], ok=wire["ok"], error=wire.get("error"),
+                   file=wire.get("file"), size=wire.get("size", 0), xxh3_64=wire.get("xxh3_64"),
+                   upload_idle=wire.get("upload_idle", False), index=wire.get("index"), state=wire.get("state"),
+                   agree=wire.get("agree"), directory_leader=wire.get("directory"), leader=wire.get("leader"))
+
+
+@dataclass
+class Verdict:
+    """0 → every rank, round 2: the ranks' errors, or the replicated state differs, or (committable)
+    whether every rank's uploader was idle."""
+
+    errors: list[str] = field(default_factory=list)
+    mismatch: bool = False
+    upload: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        if self.errors:
+            return {"errors": self.errors}
+        if self.mismatch:
+            return {"mismatch": True}
+        return {"upload": self.upload}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Verdict:
+        return cls(list(wire.get("errors", [])), bool(wire.get("mismatch")), bool(wire.get("upload")))
+
+
 class Committer:
     """Runs the commit protocol for one store (see the module docstring).
 
@@ -85,7 +153,7 @@ class Committer:
         peers: the ranks committing together (their commit group).
         leader: this rank prepares and commits its directory (others share it).
         token: names this job's staging locations (agreed by every rank at start).
-        directory: the lowest rank whose local directory is this rank's (recorded in the manifest, so
+        directory_leader: the lowest rank whose local directory is this rank's (recorded in the manifest, so
             that a node-local directory's checkpoints can be checked from that directory alone).
         retainer: retention of ``store``, run after each commit.
         uploader: with a remote tier, this rank's uploader: a committed checkpoint is handed to it
@@ -94,9 +162,10 @@ class Committer:
 
     def __init__(
         self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None,
-        directory: int = 0,
+        directory_leader: int = 0,
     ) -> None:
-        self.store, self.peers, self.leader, self.token, self.directory = store, peers, leader, token, directory
+        self.store, self.peers, self.leader, self.token = store, peers, leader, token
+        self.directory_leader = directory_leader
         self.retainer = retainer
         self._uploader = uploader
 
@@ -115,7 +184,7 @@ class Committer:
             copy_error = e
         staging = self._prepare(step)
         name = data_file_name(rank)
-        report: dict[str, Any] = {"rank": rank, "created": time.time()}
+        report = CommitReport(rank, time.time())
         size = 0
         failure: Exception | None = None  # this rank's own, raised as the cause
         try:
@@ -124,18 +193,20 @@ class Committer:
             record = None if job.share is None else {"state": job.skeleton, "tensors": job.share["rank"]}
             header = encode_header(job.pending.layout, record)
             size, digest = write_data(self.store, staging, name, header, job.pending.buffer)
-            report.update(ok=True, file=name, size=size, xxh3_64=digest, upload_idle=self._uploader is not None and self._uploader.idle)
+            report.ok, report.file, report.size, report.xxh3_64 = True, name, size, digest
+            report.upload_idle = self._uploader is not None and self._uploader.idle
             if job.share is None:  # one process: the manifest indexes the one file
-                report.update(index=tensor_entries(job.pending.layout, name), state=job.skeleton)
+                report.index, report.state = tensor_entries(job.pending.layout, name), job.skeleton
             else:
-                report.update(agree=agreement_digest(job.share), directory=self.directory)
+                report.agree, report.directory_leader = agreement_digest(job.share), self.directory_leader
         except Exception as e:  # noqa: BLE001 - every rank hears it, then it is raised here
             failure = e
-            report.update(ok=False, error=f"rank {rank}: {type(e).__name__}: {e}")
+            report.ok, report.error = False, f"rank {rank}: {type(e).__name__}: {e}"
         if job.share is not None:
-            report["leader"] = self.leader
-        reports = self.peers.gather(report)
-        verdict = self.peers.broadcast(None if reports is None else _verdict(reports, job.share))
+            report.leader = self.leader
+        gathered = self.peers.gather(report.to_wire())
+        reports = None if gathered is None else [CommitReport.from_wire(r) for r in gathered]
+        verdict = Verdict.from_wire(self.peers.broadcast(None if reports is None else judge(reports, job.share).to_wire()))
         problem = _problem(verdict, self.peers, job.share)
         if problem is not None:
             if self.leader:
@@ -146,6 +217,7 @@ class Committer:
         error: str | None = None
         if self.leader:
             try:
+                assert reports is not None  # a leader has every rank's report, from rank 0 or its own gather
                 manifest = merge(reports, step, job.epoch, job.versions, job.share)
                 write_manifest(self.store, staging, manifest)
                 self.store.commit(staging, step)
@@ -157,20 +229,22 @@ class Committer:
         if failed:
             raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
         seconds = time.perf_counter() - job.started
-        upload = self._uploader is not None and verdict["upload"]
-        if upload:
-            self._uploader.start(step)  # type: ignore[union-attr]
+        upload = self._uploader is not None and verdict.upload
+        if self._uploader is not None and upload:
+            self._uploader.start(step)
         self.retainer.run(protect=step)
         return CommitResult(step, size, seconds, upload)
 
-    def _share_reports(self, reports: list[dict[str, Any]] | None, *, leader: bool) -> list[dict[str, Any]] | None:
+    def _share_reports(self, reports: list[CommitReport] | None, *, leader: bool) -> list[CommitReport] | None:
         """Rank 0 sends the reports to every other directory leader (node-local directories), which
         write the same manifest; the other ranks receive nothing."""
         if reports is not None:
-            for other in (r["rank"] for r in reports if r.get("leader") and r["rank"] != 0):
-                send_json(self.peers, reports, other)
+            wire = None
+            for other in (r.rank for r in reports if r.leader and r.rank != 0):
+                wire = wire or [r.to_wire() for r in reports]
+                send_json(self.peers, wire, other)
             return reports
-        return receive_json(self.peers, 0) if leader else None
+        return [CommitReport.from_wire(r) for r in receive_json(self.peers, 0)] if leader else None
 
     def _prepare(self, step: int) -> Any:
         """Round 1: each directory's leader creates the staging location; every rank learns it is ready."""
@@ -187,7 +261,7 @@ class Committer:
         return staging if staging is not None else self.store.staging_dir(step, self.token, create=False)
 
 
-def agreement_digest(share: dict[str, Any]) -> str:
+def agreement_digest(share: Share) -> str:
     """A digest of what every rank must report the same: the shared tensors and the replica claim.
 
     The replicated tensors' entries (every rank's pieces: O(T + N)) enter through the plan's own
@@ -200,25 +274,24 @@ def agreement_digest(share: dict[str, Any]) -> str:
     return xxhash.xxh3_64_hexdigest(doc.encode())
 
 
-def _verdict(reports: list[dict[str, Any]], share: dict[str, Any] | None) -> dict[str, Any]:
-    """Rank 0's judgement of every rank's report, broadcast to every rank: the ranks' errors, or
-    whether the replicated state differs, or (committable) whether every uploader was idle."""
-    errors = [r["error"] for r in reports if not r.get("ok")]
+def judge(reports: list[CommitReport], share: Share | None) -> Verdict:
+    """Rank 0's judgement of every rank's report, broadcast to every rank."""
+    errors = [r.error or f"rank {r.rank} failed" for r in reports if not r.ok]
     if errors:
-        return {"errors": errors}
-    if share is not None and len({r["agree"] for r in reports}) > 1:
-        return {"mismatch": True}
-    return {"upload": all(r["upload_idle"] for r in reports)}
+        return Verdict(errors=errors)
+    if share is not None and len({r.agree for r in reports}) > 1:
+        return Verdict(mismatch=True)
+    return Verdict(upload=all(r.upload_idle for r in reports))
 
 
-def _problem(verdict: dict[str, Any], peers: Peers, share: dict[str, Any] | None) -> Exception | None:
+def _problem(verdict: Verdict, peers: Peers, share: Share | None) -> Exception | None:
     """Why the checkpoint cannot be committed (the same answer on every rank), or None.
 
     Only when the ranks' digests differ do they exchange their claims in full, to name what differs.
     """
-    if "errors" in verdict:
-        return PersistError("; ".join(verdict["errors"]))
-    if not verdict.get("mismatch"):
+    if verdict.errors:
+        return PersistError("; ".join(verdict.errors))
+    if not verdict.mismatch:
         return None
     assert share is not None  # a world of one has nothing to disagree with
     sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
@@ -229,17 +302,20 @@ def _problem(verdict: dict[str, Any], peers: Peers, share: dict[str, Any] | None
 
 
 def merge(
-    reports: list[dict[str, Any]], step: int, epoch: int | None, versions: dict[str, str], share: dict[str, Any] | None
+    reports: list[CommitReport], step: int, epoch: int | None, versions: dict[str, str], share: Share | None
 ) -> Manifest:
     """The manifest: every rank's file, and (one process) the file's index and skeleton or (several
     ranks) the tensors they share, from this rank's ``share`` (every rank reported the same)."""
-    reports = sorted(reports, key=lambda r: r["rank"])
-    files = {r["file"]: {"size": r["size"], "xxh3_64": r["xxh3_64"]} for r in reports}
-    created = max(r["created"] for r in reports)
+    reports = sorted(reports, key=lambda r: r.rank)
+    files: dict[str, FileEntry] = {}
+    for r in reports:
+        assert r.file is not None and r.xxh3_64 is not None  # merged only when every rank wrote its file
+        files[r.file] = FileEntry(size=r.size, xxh3_64=r.xxh3_64)
+    created = max(r.created for r in reports)
     if share is None:
         (report,) = reports
-        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=report["index"], state=report["state"],
+        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=report.index or {}, state=report.state,
                         versions=versions, created=created)
     return Manifest(step=step, epoch=epoch, world_size=len(reports), files=files, tensors={}, state=None,
                     versions=versions, created=created,
-                    distributed={"tensors": share["shared"], "directories": [r["directory"] for r in reports]})
+                    distributed={"tensors": share["shared"], "directories": [r.directory_leader for r in reports]})

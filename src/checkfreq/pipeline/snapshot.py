@@ -25,7 +25,7 @@ CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 PIECE_BYTES = 4 << 20
 """Deferred copies are split into pieces of at most this size, so the writer and the fence can share them."""
 
-Piece = tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
+CopyPiece = tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
 """``(dst address, src address, bytes)`` for plain memory, or a ``(dst, src)`` pair for ``copy_``."""
 
 
@@ -98,7 +98,7 @@ class PendingSnapshot:
             torch.cuda.current_stream(event.device).wait_event(event)
 
 
-def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[Piece]:
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[CopyPiece]:
     """Split one deferred copy into pieces: address ranges for plain memory, else the pair itself.
 
     Address ranges are copied with ``ctypes.memmove``, which releases the GIL and runs on the
@@ -115,13 +115,13 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[Piece]:
     return [(d + at, s + at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
 
 
-def _copy_piece(piece: Piece) -> None:
-    dst, src, *size = piece
-    if size:
-        ctypes.memmove(dst, src, size[0])
+def _copy_piece(piece: CopyPiece) -> None:
+    if len(piece) == 3:
+        dst, src, size = piece
+        ctypes.memmove(dst, src, size)
     else:
         with torch.no_grad():
-            dst.copy_(src)  # type: ignore[union-attr]
+            piece[0].copy_(piece[1])
 
 
 class Snapshotter:

@@ -129,7 +129,8 @@ def _numbers(state: Mapping[str, Any], key: str) -> list[float]:
     return [_number({key: v}, key, low=-math.inf) for v in values]
 
 
-def _json_number(x: float) -> float | None:
+def _finite_or_none(x: float) -> float | None:
+    """``x`` as a float, or None where it is inf or nan (a policy's state is strict JSON)."""
     return float(x) if math.isfinite(x) else None
 
 
@@ -261,8 +262,8 @@ class Overhead:
             "productive_s": self._productive,
             "window": list(self._window),
             "why": self._why,
-            "planned_iteration_s": _json_number(self._planned_iteration),
-            "planned_costs_s": [_json_number(c) for c in self._planned_costs],
+            "planned_iteration_s": _finite_or_none(self._planned_iteration),
+            "planned_costs_s": [_finite_or_none(c) for c in self._planned_costs],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

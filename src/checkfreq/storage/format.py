@@ -16,7 +16,7 @@ import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -64,6 +64,24 @@ DTYPE_CODES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
 }
 DTYPES_BY_CODE: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class FileEntry(TypedDict):
+    """The manifest's record of one data file."""
+
+    size: int
+    xxh3_64: str
+    """The xxh3-64 checksum of the whole file, in hex."""
+
+
+class TensorEntry(TypedDict):
+    """The manifest's record of one stored array: its file, safetensors dtype code, shape, and byte
+    range ``[begin, end)`` within the file's data section."""
+
+    file: str
+    dtype: str
+    shape: list[int]
+    offsets: list[int]
 
 
 @dataclass(frozen=True)
@@ -195,10 +213,10 @@ class Manifest:
     step: int
     epoch: int | None
     world_size: int
-    files: dict[str, dict[str, Any]]
-    """file name → {"size": int, "xxh3_64": str}."""
-    tensors: dict[str, dict[str, Any]]
-    """tensor name → {"file", "dtype", "shape", "offsets": [begin, end]} (offsets within the data section)."""
+    files: dict[str, FileEntry]
+    """data file name → its size and checksum."""
+    tensors: dict[str, TensorEntry]
+    """stored array name → where it lies."""
     state: Any
     """JSON skeleton of the registered objects; tensors appear as references to ``tensors``."""
     versions: dict[str, str]
@@ -295,24 +313,24 @@ def _expect(value: Any, kind: type | tuple[type, ...], what: str) -> Any:
     return value
 
 
-def tensor_entries(layout: Layout, file_name: str) -> dict[str, dict[str, Any]]:
+def tensor_entries(layout: Layout, file_name: str) -> dict[str, TensorEntry]:
     """The manifest's tensor index for one data file laid out by ``layout``."""
     return {
-        s.name: {"file": file_name, "dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "offsets": [s.begin, s.end]}
+        s.name: TensorEntry(file=file_name, dtype=DTYPE_CODES[s.dtype], shape=list(s.shape), offsets=[s.begin, s.end])
         for s in layout.slots
     }
 
 
-def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, dict[str, Any]]:
-    """A data file's tensors, as manifest tensor entries (checked by :meth:`Manifest.checked`)."""
-    entries = {}
+def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, TensorEntry]:
+    """A data file's tensors, as manifest tensor entries (unchecked: :meth:`Manifest.checked` checks them)."""
+    entries: dict[str, TensorEntry] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"data file {file_name} describes tensor {name!r} with no object")
-        entries[name] = {"file": file_name, "dtype": entry.get("dtype"), "shape": entry.get("shape"),
-                         "offsets": entry.get("data_offsets")}
+        entries[name] = TensorEntry(file=file_name, dtype=entry.get("dtype"), shape=entry.get("shape"),  # type: ignore[typeddict-item]
+                                    offsets=entry.get("data_offsets"))  # type: ignore[typeddict-item]
     return entries
 
 

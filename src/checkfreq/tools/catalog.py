@@ -471,7 +471,7 @@ class TensorDiff:
     """‖A − B‖₂ / ‖A‖₂ (inf when A is all zeros and B is not; null in JSON)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_number(v) for k, v in asdict(self).items()}
+        return {k: _json_safe(v) for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -533,5 +533,6 @@ def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> Tenso
     return TensorDiff(name, "differs", None, changed, x.numel(), max_abs, rel)
 
 
-def _json_number(value: Any) -> Any:
+def _json_safe(value: Any) -> Any:
+    """``value``, but a float that JSON cannot hold (inf, nan) as None."""
     return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -56,7 +56,7 @@ class Summary:
     """The remote tier lists the checkpoint."""
     cache: int | None
     """Ranks with the same value read their directory through one page cache; None: no sharing."""
-    directory: int
+    directory_leader: int
     """Ranks with the same value share one local directory (its lowest rank)."""
     files: str
     """A digest of the data files the manifest lists (every rank must read the same manifest)."""
@@ -67,7 +67,7 @@ class Summary:
         return self.held == ALL_FILES or (self.held is not None and name in self.held)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"held": self.held, "remote": self.remote, "cache": self.cache, "dir": self.directory,
+        return {"held": self.held, "remote": self.remote, "cache": self.cache, "dir": self.directory_leader,
                 "files": self.files, "needs": self.needs}
 
     @classmethod

@@ -95,7 +95,7 @@ class ReadPlan:
         self.holders, checked = assign_readers(self.names, views)
         self.reader = {name: next(iter(ranks)) for name, ranks in checked.items()}
         self.tier = dict.fromkeys(self.reader, "local")
-        self.tried = {name: {views[r].directory for r in ranks} for name, ranks in checked.items()}
+        self.tried = {name: {views[r].directory_leader for r in ranks} for name, ranks in checked.items()}
         self.remote_ranks = [r for r, view in enumerate(views) if view.remote]
         self.load = Counter(self.reader.values())
         self._to_remote([name for name in self.names if name not in self.reader])
@@ -123,7 +123,7 @@ class ReadPlan:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
         for view in summaries:
             if view.held is None:  # what its directory's leader found there
-                view.held = summaries[view.directory].held
+                view.held = summaries[view.directory_leader].held
         return unreachable(manifest, summaries) or cls(manifest, summaries, streamable=streamable, replicated=replicated)
 
     def _to_remote(self, names: list[str]) -> None:
@@ -161,8 +161,8 @@ class ReadPlan:
     def _next_holder(self, name: str) -> bool:
         """Give ``name`` to a holder in a directory not tried yet, if there is one."""
         for rank in self.holders[name]:
-            if self.views[rank].directory not in self.tried[name]:
-                self.tried[name].add(self.views[rank].directory)
+            if self.views[rank].directory_leader not in self.tried[name]:
+                self.tried[name].add(self.views[rank].directory_leader)
                 self.reader[name] = rank
                 return True
         return False

@@ -76,7 +76,7 @@ class Readable:
         """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
         return ReplicatedStream.of(self.manifest)
 
-    def summary(self, page_cache: int | None, directory: int, needs: list[int] | None) -> Summary:
+    def summary(self, page_cache: int | None, directory_leader: int, needs: list[int] | None) -> Summary:
         """What rank 0 learns of it (``needs``: the saved ranks whose files this rank needs whole,
         None for every file)."""
         if self.held is None:
@@ -84,7 +84,7 @@ class Readable:
         else:
             held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
-        return Summary(held, self.remote, page_cache, directory, xxhash.xxh3_64_hexdigest(files), needs)
+        return Summary(held, self.remote, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs)
 
     def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
         """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
@@ -119,15 +119,15 @@ class Restorer:
         page_cache: ranks passing the same value read their directory through one page cache (a
             directory on a machine-local file system that they share: the lowest rank sharing it);
             None where each rank's reads go to storage (a network file system, an object store).
-        directory: ranks passing the same value share one local directory (its lowest rank; the
+        directory_leader: ranks passing the same value share one local directory (its lowest rank; the
             default: this rank's own).
     """
 
     def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None,
-                 page_cache: int | None = None, directory: int | None = None) -> None:
+                 page_cache: int | None = None, directory_leader: int | None = None) -> None:
         self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
         self.page_cache = page_cache
-        self.directory = peers.rank if directory is None else directory
+        self.directory_leader = peers.rank if directory_leader is None else directory_leader
         self._locations: dict[str, dict[int, Any]] = {}
         self._blocks: Blocks | None = None
 
@@ -228,7 +228,7 @@ class Restorer:
                 problem = str(e)
         if manifest is None:
             return problem
-        if self.directory != self.peers.rank:
+        if self.directory_leader != self.peers.rank:
             held = None  # one rank of a directory looks: the others would repeat its N lookups
         else:
             held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
@@ -249,7 +249,7 @@ class Restorer:
             summary: str | dict[str, Any] = readable
         else:
             needs = readable.needs(self.peers.rank, self.peers.size, self._blocks if own_shards else None)
-            summary = readable.summary(self.page_cache, self.directory, needs).to_wire()
+            summary = readable.summary(self.page_cache, self.directory_leader, needs).to_wire()
         views = self.peers.gather(summary)
         plan: ReadPlan | str | None = None
         if views is not None:
