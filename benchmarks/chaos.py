@@ -32,7 +32,6 @@ import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 from checkfreq.errors import CheckfreqError  # noqa: E402
 from checkfreq.pipeline.restore import read_checkpoint  # noqa: E402
 from checkfreq.run.events import read_events  # noqa: E402
+from checkfreq.storage.format import checkpoint_step  # noqa: E402
 from checkfreq.tools.catalog import memory_snapshots  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,6 @@ PER_CHECKPOINT = {"snapshot": 1, "copy": 1, "write": 2, "fsync": 4, "rename": 2,
 MEMORY_SCALED = {"snapshot", "copy", "header"}
 """Phases that every memory snapshot goes through too: with ``--memory 1``, once per step."""
 ATTEMPT_TIMEOUT_S = 180.0
-_COMMITTED = re.compile(r"^step_\d{9,}$")
 
 
 @dataclass
@@ -200,7 +199,7 @@ def verify_visible(directory: Path, results: Results) -> int:
         return 0
     newest = 0
     for path in sorted(directory.iterdir()):
-        if not _COMMITTED.match(path.name):
+        if checkpoint_step(path.name) is None:
             continue
         try:
             manifest, _ = read_checkpoint(path)

@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/real_ranks.py [N ...]`` (default: 2 4 8)
 
-Runs ``tests/test_scale.py``'s jobs (real processes, gloo, 18 linear layers and AdamW) at each N
+Runs ``tests/distributed/test_scale.py``'s jobs (real processes, gloo, 18 linear layers and AdamW) at each N
 with that test's counters, which CI runs at N = 2 and 4: the bytes each rank sends and receives per
 checkpoint, the size of ``manifest.json``, and, restoring from the one directory the ranks saved to
 (taken for a network file system: no page cache shared), the data files and bytes each rank reads
@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "scripts")]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "distributed"), str(ROOT / "tests" / "scripts")]
 
 import test_scale  # noqa: E402
 

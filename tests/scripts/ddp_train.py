@@ -56,8 +56,7 @@ from worker_exit import exit_without_teardown  # beside this script
 from checkfreq import Checkpointer
 from checkfreq.data.resumable import ResumableLoader
 from checkfreq.storage import FsspecStore, LocalStore, Store
-from checkfreq.storage.format import MANIFEST_NAME
-from checkfreq.storage.local import checkpoint_name
+from checkfreq.storage.format import MANIFEST_NAME, checkpoint_name
 from checkfreq.storage.shm import region_path
 
 

@@ -21,8 +21,7 @@ import torch
 
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.storage import FsspecStore
-from checkfreq.storage.format import MANIFEST_NAME
-from checkfreq.storage.local import checkpoint_name
+from checkfreq.storage.format import MANIFEST_NAME, checkpoint_name
 
 PIECE = 1 << 20
 BLOCK = 5 * PIECE  # the multipart part size

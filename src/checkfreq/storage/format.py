@@ -36,6 +36,27 @@ MAX_MANIFEST_BYTES = 256 << 20
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
+_CHECKPOINT_NAME = re.compile(r"^step_(\d{9,})$")
+_TYPED_CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The name of checkpoint ``step``'s directory (or prefix, on an object store): ``step_000001200``."""
+    return f"step_{step:09d}"
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a committed checkpoint named ``name`` (:func:`checkpoint_name`'s form), else None."""
+    match = _CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def typed_checkpoint_step(name: str) -> int | None:
+    """The step a person means by ``name``: ``step_1200`` as well as ``step_000001200``; else None."""
+    match = _TYPED_CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
 def data_file_name(rank: int) -> str:
     """The data file rank ``rank`` writes into each checkpoint (``rank00000.safetensors`` for one process)."""
     return f"rank{rank:05d}.safetensors"

@@ -11,7 +11,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -26,12 +25,11 @@ from checkfreq.errors import (
     DirectoryLockedError,
     DirectoryNotWritableError,
 )
-from checkfreq.storage.format import Manifest
+from checkfreq.storage.format import Manifest, checkpoint_name, checkpoint_step
 from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")
 
-_COMMITTED = re.compile(r"^step_(\d{9,})$")
 LOCK_NAME = ".checkfreq.lock"
 _HELD_LOCKS: set[int] = set()
 
@@ -58,10 +56,6 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:09d}"
 
 
 def fsync_directory(path: Path) -> None:
@@ -192,9 +186,9 @@ class LocalStore:
         """Committed checkpoint directories as (step, path), newest first."""
         found = []
         for entry in os.scandir(self.root):
-            match = _COMMITTED.match(entry.name)
-            if match and entry.is_dir(follow_symlinks=False):
-                found.append((int(match.group(1)), Path(entry.path)))
+            step = checkpoint_step(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                found.append((step, Path(entry.path)))
         return sorted(found, reverse=True)
 
     def delete(self, path: Path) -> None:

@@ -14,7 +14,6 @@ Object stores offer no lock that a dead process releases: give each run its own 
 from __future__ import annotations
 
 import logging
-import re
 import tempfile
 import uuid
 from collections.abc import Iterable
@@ -24,13 +23,11 @@ from typing import Any
 import torch
 
 from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
-from checkfreq.storage.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from checkfreq.storage.local import checkpoint_name
+from checkfreq.storage.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, checkpoint_name, checkpoint_step
 from checkfreq.storage.posix import read_data_stream
 
 log = logging.getLogger("checkfreq.storage")
 
-_STEP_DIR = re.compile(r"^step_(\d{9,})$")
 
 
 class FsspecStore:
@@ -133,9 +130,9 @@ class FsspecStore:
         found = []
         for manifest in manifests:
             location = PurePosixPath(manifest).parent
-            match = _STEP_DIR.match(location.name)
-            if match and location.parent == self._base:
-                found.append((int(match.group(1)), self._base / location.name))
+            step = checkpoint_step(location.name)
+            if step is not None and location.parent == self._base:
+                found.append((step, self._base / location.name))
         return sorted(found, reverse=True)
 
     def read_manifest(self, location: PurePosixPath) -> Manifest:
@@ -172,9 +169,9 @@ class FsspecStore:
             return {}
         found = {}
         for entry in entries:
-            match = _STEP_DIR.match(PurePosixPath(entry).name)
-            if match:
-                found[int(match.group(1))] = self._base / PurePosixPath(entry).name
+            step = checkpoint_step(PurePosixPath(entry).name)
+            if step is not None:
+                found[step] = self._base / PurePosixPath(entry).name
         return found
 
     def _remove(self, location: PurePosixPath) -> None:

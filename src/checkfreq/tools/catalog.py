@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -32,13 +31,12 @@ from checkfreq.errors import (
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.run.state import unflatten
 from checkfreq.storage import Store, open_store
-from checkfreq.storage.format import MANIFEST_NAME, Manifest, data_file_name
-from checkfreq.storage.local import LocalStore, checkpoint_name, fsync_directory
+from checkfreq.storage.format import MANIFEST_NAME, Manifest, checkpoint_name, data_file_name, typed_checkpoint_step
+from checkfreq.storage.local import LocalStore, fsync_directory
 from checkfreq.storage.shm import listed_regions
 
 log = logging.getLogger("checkfreq.catalog")
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 EXPORT_SUFFIXES = (".safetensors", ".pt", ".pth")
 
 
@@ -103,7 +101,7 @@ def is_url(target: str | os.PathLike[str]) -> bool:
 def names_checkpoint(target: str | os.PathLike[str]) -> bool:
     """True if ``target`` names one checkpoint (``…/step_N`` or a directory with a manifest), False for a run."""
     name = os.fspath(target).rstrip("/").rsplit("/", 1)[-1]
-    return bool(_STEP_DIR.match(name)) or (not is_url(target) and (Path(target) / MANIFEST_NAME).is_file())
+    return typed_checkpoint_step(name) is not None or (not is_url(target) and (Path(target) / MANIFEST_NAME).is_file())
 
 
 def resolve_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
@@ -124,17 +122,17 @@ def resolve_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
 def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
     text = os.fspath(target).rstrip("/")
     parent, _, name = text.rpartition("/")
-    match = _STEP_DIR.match(name)
+    typed = typed_checkpoint_step(name)
     if not is_url(text):
         path = Path(text)
-        if not path.exists() and match:
-            path = path.with_name(checkpoint_name(int(match.group(1))))
+        if not path.exists() and typed is not None:
+            path = path.with_name(checkpoint_name(typed))
         if not path.is_dir():
             raise CheckpointNotFoundError(f"{target} is neither a checkpoint nor a run directory")
         return CheckpointRef(LocalStore(path.parent, create=False), path)
     store = open_store(parent, create=False)
     for step, location in store.checkpoints():
-        if match and step == int(match.group(1)):
+        if step == typed:
             return CheckpointRef(store, location)
     raise NoValidCheckpointError(f"{target} is not a committed checkpoint (no manifest there)")
 
@@ -192,8 +190,8 @@ def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Stor
     checked with the files it holds; the others are checked in ``remote`` if given, else named in
     :attr:`CheckpointStatus.elsewhere`.
     """
-    match = _STEP_DIR.match(ref.name)
-    step, manifest, elsewhere = (int(match.group(1)) if match else -1), None, []
+    typed = typed_checkpoint_step(ref.name)
+    step, manifest, elsewhere = (-1 if typed is None else typed), None, []
     try:
         manifest = ref.read_manifest()
         step = manifest.step

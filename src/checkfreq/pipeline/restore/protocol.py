@@ -30,8 +30,8 @@ from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.storage.base import Store
-from checkfreq.storage.format import Manifest
-from checkfreq.storage.local import LocalStore, checkpoint_name
+from checkfreq.storage.format import Manifest, checkpoint_name
+from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.restore")
 
