@@ -14,7 +14,7 @@ What stands in for the real thing:
 
 * the transport: :class:`MemoryPeers` implements :class:`checkfreq.dist.collectives.Peers` in memory.
   Collectives are matched by their order, point-to-point messages by (sender, receiver). A message
-  counts as ``tests/test_scale.py`` counts it on real gloo groups (:class:`CountingPeers`, shared
+  counts as ``tests/distributed/test_scale.py`` counts it on real gloo groups (:class:`CountingPeers`, shared
   with that test): its JSON and an 8-byte length; a gather is each rank's message to rank 0, a
   broadcast rank 0's message to each rank, an all-gather each rank's message to every other rank.
   A rank's *connections* are the distinct ranks it exchanged messages with (gloo pairs connected

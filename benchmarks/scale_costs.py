@@ -10,7 +10,7 @@ identity each rank all-gathers at start (:mod:`checkfreq.dist.sharing`), and wha
 at restore. Two states:
 
 * ``ddp``: 18 linear layers of 32x32 and AdamW (36 parameters, 108 optimizer state tensors, all
-  replicated) and 4 private random-generator tensors per rank, as in ``tests/test_scale.py``;
+  replicated) and 4 private random-generator tensors per rank, as in ``tests/distributed/test_scale.py``;
 * ``fsdp2``: the same tensors, every parameter and state tensor a DTensor sharded over the N ranks.
 
 Prints one JSON line per (state, N) and a Markdown table.
