@@ -1,4 +1,9 @@
-"""The object users hold: registers the training state, counts steps, and wires the pieces together."""
+"""The object users hold: registers the training state, counts steps, and wires the pieces together.
+
+Longer than the other modules because it is the one place where the layers below meet: each public
+method reads as the sequence of calls it makes, and every concern it calls lives in a module of its
+own (the cluster, the policy, the snapshot, the writer, the commit, the memory tier, the restore).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import functools
 import inspect
 import logging
 import os
-import platform
 import time
 import weakref
 from collections.abc import Iterable, Mapping
@@ -23,17 +27,16 @@ from checkfreq.errors import (
     ExistingCheckpointsError,
     InvalidArgumentError,
     PersistError,
-    PersistTimeoutError,
     ReplicaMismatchError,
-    StateMismatchError,
     UnknownObjectError,
     UsageError,
 )
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
-from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.pipeline.fence import Fence
+from checkfreq.pipeline.memory_tier import MemoryTier, open_memory_tier
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.retainer import Retainer
-from checkfreq.pipeline.snapshot import PendingSnapshot, Snapshotter, layout_of
+from checkfreq.pipeline.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.upload import Uploader
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
@@ -45,12 +48,12 @@ from checkfreq.run.options import check_objects, check_option_types, check_regis
 from checkfreq.run.rng import RNGState
 from checkfreq.run.session import run_state, seed_session
 from checkfreq.run.signals import SignalTrap
-from checkfreq.run.state import Stateful, check_fits, flatten, load_into, optimizer_owned, own_storage, unflatten
-from checkfreq.run.step_order import StepOrder
+from checkfreq.run.state import Stateful, apply_state, flatten, optimizer_owned, unflatten
+from checkfreq.run.step_order import StepOrder, stepped_optimizer
 from checkfreq.run.tensors import is_dtensor
 from checkfreq.run.timeline import Timeline
 from checkfreq.storage import Store, open_tiers
-from checkfreq.version import __version__
+from checkfreq.version import versions
 
 log = logging.getLogger("checkfreq")
 
@@ -145,7 +148,7 @@ class Checkpointer:
         cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy)  # at every world size
         control = self._control = cluster.control
         self.directory = self._local.root
-        self._memory = None if memory_cadence is None else MemoryTier.open(self._local.root, memory_cadence, control)
+        self._memory = open_memory_tier(self._local.root, memory_cadence, control)
         self._restorer = Restorer(self._local, self._remote, control, self._memory, page_cache=cluster.page_cache,
                                   directory_leader=cluster.directory_leader)
         retention = Retention.of(keep)
@@ -157,9 +160,7 @@ class Checkpointer:
         )
         self._committer = Committer(self._local, cluster.commit, leader=retainer.leader, token=cluster.token,
                                     retainer=retainer, uploader=self._uploader, directory_leader=cluster.directory_leader)
-        newest = self._restorer.listed()[:1]
-        if self._memory is not None:
-            newest += [s for s in [self._memory.newest_step()] if s is not None]
+        newest = [s for s in [*self._restorer.listed()[:1], self._memory.newest_step()] if s is not None]
         steps = control.gather(max(newest, default=None))  # until restore() adopts them; every rank sees them
         self._foreign_step: int | None = control.broadcast(
             None if steps is None else max((s for s in steps if s is not None), default=None))
@@ -178,13 +179,11 @@ class Checkpointer:
         self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
         self_ref = weakref.ref(self)
         self._hook_handles = [
-            _stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
+            stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
             for opt in self._optimizers.values()
         ]
-        self._step_order = StepOrder([_stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values()))
-        self._fence: PendingSnapshot | None = None
-        self._fence_stall = 0.0
-        self._fence_memory = False  # the fenced snapshot is a memory-only one
+        self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values()))
+        self._fence = Fence()
 
         self._timeline = Timeline()
         self._durable_step = -1  # the newest step known committed (a result of the writer)
@@ -233,7 +232,7 @@ class Checkpointer:
         if self._cluster.decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
-        if self._memory is not None and self._memory.enabled and self._memory.cadence.due(ctx.step, ctx.iteration_time):
+        if self._memory.due(ctx.step, ctx.iteration_time):
             self._snapshot_to_memory()
         return False
 
@@ -260,8 +259,7 @@ class Checkpointer:
         timeout = self._timeout if timeout is None else timeout
         self._writer.wait(timeout)
         self._collect_background()
-        if self._memory is not None:
-            self._wait_memory()
+        self._wait_memory()
         if remote and self._uploader is not None:
             self._uploader.flush(self._committed if self._committed >= 0 else None, timeout)
 
@@ -286,15 +284,14 @@ class Checkpointer:
             note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
-        self._apply(state)
+        apply_state(self._objects, self._values, state)
         warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size)
         self._timeline = Timeline.restored(manifest.step)
         self._step_order.begin_session()
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
-        if self._memory is not None:
-            self._memory.forget_newer_than(manifest.step)
-            self._memory.cadence.taken(manifest.step)
+        self._memory.forget_newer_than(manifest.step)
+        self._memory.taken(manifest.step)
         self._profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
                            world_size=self._cluster.world_size, saved_world_size=manifest.world_size)
@@ -315,8 +312,7 @@ class Checkpointer:
         self._check_not_foreign()
         self._timeline = Timeline.restored(step)
         self._step_order.begin_session()
-        if self._memory is not None:
-            self._memory.cadence.taken(step)
+        self._memory.taken(step)
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
@@ -331,14 +327,13 @@ class Checkpointer:
             handle.remove()
         self._hook_handles = []
         self._step_order.close()
-        self._fence = None
-        if self._memory is not None and not self._cluster.writes_whole_state:
+        self._fence.clear()
+        if not self._cluster.writes_whole_state:
             self._persist_newest_state()
         self._cluster.close()
         try:
             self.wait()
-            if self._memory is not None:
-                self._close_memory_tier()
+            self._close_memory_tier()
             if self._uploader is not None:  # the newest checkpoint of this session reaches the remote tier
                 self._uploader.flush(self._committed if self._committed >= 0 else None, self._timeout)
         finally:
@@ -365,19 +360,16 @@ class Checkpointer:
 
     def _collect_background(self) -> None:
         """Apply what the writer committed; raise (or log) what failed in the background."""
-        for result in self._writer.take_results():
-            self._apply_commit(result)
-        error = self._writer.take_error()
+        error = self._apply_commits(self._writer.take_results(), self._writer.take_error(), self._timeline.last_checkpoint)
         if error is not None:
-            self._events.write("error", step=self._timeline.last_checkpoint, message=str(error))
             if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
                 raise error
             self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
         upload_error = None if self._uploader is None else self._uploader.take_error()
         if upload_error is not None:
             self._events.write("error", step=self._committed, message=str(upload_error))
-            message = f"copying a checkpoint to {self._remote.root} failed: {upload_error}"  # type: ignore[union-attr]
-            self._report_failure(PersistError(message), upload_error)
+            remote = "the remote tier" if self._remote is None else self._remote.root
+            self._report_failure(PersistError(f"copying a checkpoint to {remote} failed: {upload_error}"), upload_error)
 
     def _report_failure(self, error: PersistError, cause: BaseException) -> None:
         if self._on_error == "warn":
@@ -385,12 +377,17 @@ class Checkpointer:
             return
         raise error from cause
 
-    def _apply_commit(self, result: CommitResult) -> None:
-        """A checkpoint the writer committed: it is durable, and the profiler learns what it cost."""
-        self._durable_step = self._committed = result.step
-        self._profiler.record_persist(result.seconds, result.bytes)
-        self._events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
-                           bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
+    def _apply_commits(self, results: list[CommitResult], error: BaseException | None, step: int) -> BaseException | None:
+        """What the writer drained: each committed checkpoint is durable and the profiler learns what it
+        cost; an error (of the checkpoint at ``step``) goes in the events and is returned."""
+        for result in results:
+            self._durable_step = self._committed = result.step
+            self._profiler.record_persist(result.seconds, result.bytes)
+            self._events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
+                               bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
+        if error is not None:
+            self._events.write("error", step=step, message=str(error))
+        return error
 
     def _check_not_foreign(self) -> None:
         """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
@@ -407,8 +404,7 @@ class Checkpointer:
         start = time.perf_counter()
         self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
         self._collect_background()
-        if self._memory is not None:
-            self._wait_memory()
+        self._wait_memory()
         self._finish_fence()
         step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
@@ -416,13 +412,14 @@ class Checkpointer:
         self._profiler.begin_checkpoint()
         layout = layout_of(tensors)
         target = None
-        if self._memory is not None and self._cluster.writes_whole_state:  # else the share has a buffer of its own
-            target = self._memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        if self._cluster.writes_whole_state:  # else the share has a buffer of its own
+            target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time())
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
-        job = functools.partial(self._committer.run, CommitJob(step, epoch, pending, skeleton, share, _versions(), start))
+        job = functools.partial(self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start))
         if target is not None:
-            job = self._memory.around_persist(target, pending, job)  # type: ignore[union-attr]
-            self._memory.cadence.taken(step)  # type: ignore[union-attr]
+            assert isinstance(self._memory, MemoryTier)  # only a tier gives a target
+            job = self._memory.around_persist(target, pending, job)
+            self._memory.taken(step)
         self._writer.submit(job)
         window = self._timeline.checkpointed(start)
         stall = time.perf_counter() - start
@@ -432,17 +429,13 @@ class Checkpointer:
             iteration_persisting_s=self._profiler.iteration_while_persisting.value,
         )
         if pending.has_deferred:
-            self._fence, self._fence_stall, self._fence_memory = pending, stall, False
+            self._fence.arm(pending, self._writer, stall, memory=False)
         else:
             self._profiler.record_stall(stall)
         if blocking:
             self._writer.wait(self._timeout)
             self._finish_fence()
-            for result in self._writer.take_results():
-                self._apply_commit(result)
-            error = self._writer.take_error()
-            if error is not None:
-                self._events.write("error", step=step, message=str(error))
+            error = self._apply_commits(*self._writer.drain(), step)
             if isinstance(error, ReplicaMismatchError):
                 raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
@@ -461,7 +454,7 @@ class Checkpointer:
     def _snapshot_to_memory(self) -> None:
         """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
         memory = self._memory
-        assert memory is not None
+        assert isinstance(memory, MemoryTier)  # a memory snapshot is due only in a tier
         self._check_not_foreign()
         start = time.perf_counter()
         self._wait_memory()
@@ -474,25 +467,25 @@ class Checkpointer:
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return
         layout = layout_of(tensors)
-        target = memory.target(layout, skeleton, step, epoch, _versions(), time.time())
+        target = memory.target(layout, skeleton, step, epoch, versions(), time.time())
         if target is None:  # no room in /dev/shm: the tier turned itself off
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return
         pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer)
         memory.submit(target, pending, skeleton, epoch)
-        memory.cadence.taken(step)
+        memory.taken(step)
         stall = time.perf_counter() - start
         self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
         self._profiler.record_memory_stall(stall)  # creating the region included: none of it is training
         cost = stall - target.setup_s  # creating the region is a one-time cost
         if pending.has_deferred:
-            self._fence, self._fence_stall, self._fence_memory = pending, cost, True
+            self._fence.arm(pending, memory.writer, cost, memory=True)
         else:
-            memory.cadence.record(cost)
+            memory.record_cost(cost)
 
     def _wait_memory(self) -> None:
         """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""
-        error = self._memory.wait(self._timeout)  # type: ignore[union-attr]
+        error = self._memory.wait(self._timeout)
         if error is not None:
             self._report_failure(PersistError(f"memory snapshot failed: {error}"), error)
 
@@ -501,7 +494,7 @@ class Checkpointer:
         close removes the regions: a collective blocking checkpoint if the ranks' newest memory
         snapshot (the same step on every rank) is at the current step and newer than disk."""
         self._wait_memory()
-        newest = self._memory.newest  # type: ignore[union-attr]
+        newest = self._memory.newest
         if newest is not None and newest.step == self._timeline.step and self._durable_step < self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
 
@@ -509,7 +502,6 @@ class Checkpointer:
         """Persist the newest memory snapshot as it stands if disk is behind it and it is the whole
         checkpoint, then remove the region (a clean close)."""
         memory = self._memory
-        assert memory is not None
         self._wait_memory()
         newest = memory.newest
         if newest is not None and newest.step > self._durable_step and self._cluster.writes_whole_state:
@@ -517,12 +509,9 @@ class Checkpointer:
             self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
                                policy=type(self._policy).__name__, epoch=newest.epoch)
             self._writer.submit(functools.partial(
-                self._committer.run, CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, _versions(), start)
+                self._committer.run, CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, versions(), start)
             ))
-            self._writer.wait(self._timeout)
-            for result in self._writer.take_results():
-                self._apply_commit(result)
-            error = self._writer.take_error()
+            error = self._apply_commits(*self._writer.drain(self._timeout), newest.step)
             if error is not None:
                 memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
                 raise PersistError(f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}") from error
@@ -530,46 +519,16 @@ class Checkpointer:
 
     def _finish_fence(self) -> None:
         """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
-        pending, self._fence = self._fence, None
-        if pending is None:
+        done = self._fence.finish(self._timeout)
+        if done is None:
             return
-        start = time.perf_counter()
-        pending.order_after_copy()
-        if pending.cpu_fence:
-            pending.copy_pieces()  # share the copies the writer has not reached yet
-            deadline = start + self._timeout
-            while not pending.copied.wait(0.5):
-                (self._memory.writer if self._fence_memory else self._writer).check_alive()  # type: ignore[union-attr]
-                if time.perf_counter() > deadline:
-                    raise PersistTimeoutError(f"snapshot copy still running after {self._timeout} s")
-        wait = time.perf_counter() - start
-        if self._fence_memory:
-            self._profiler.record_memory_stall(wait)
-            self._memory.cadence.record(self._fence_stall + wait)  # type: ignore[union-attr]
+        if done.memory:
+            self._profiler.record_memory_stall(done.wait_s)
+            if isinstance(self._memory, MemoryTier):
+                self._memory.record_cost(done.stall_s)
             return
-        self._profiler.record_stall(self._fence_stall + wait)
-        self._events.write("fence", step=self._timeline.last_checkpoint, wait_s=wait, stall_s=self._fence_stall + wait)
-
-    def _apply(self, state: dict[str, Any]) -> None:
-        missing = sorted(set(self._objects) - set(state) - {"rng"})
-        problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
-        saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
-        for name, obj in self._objects.items():  # every module and optimizer fits before any changes
-            if name in state:
-                try:
-                    check_fits(name, obj, state[name], saved_types.get(name))
-                except StateMismatchError as e:
-                    problems.append(str(e))
-        if problems:  # one error, every object's differences
-            raise StateMismatchError(problems[0] if len(problems) == 1 else "\n- ".join(["checkpoint does not fit the registered objects:", *problems]))
-        for name, obj in self._objects.items():
-            if name != "rng":
-                load_into(name, obj, state[name])
-        for name in self._values:
-            if name in state:
-                self._values[name] = own_storage(state[name])
-        if "rng" in self._objects and "rng" in state:
-            self._objects["rng"].load_state_dict(state["rng"])  # last: nothing above may draw after it
+        self._profiler.record_stall(done.stall_s)
+        self._events.write("fence", step=self._timeline.last_checkpoint, wait_s=done.wait_s, stall_s=done.stall_s)
 
     def _ensure_durable(self, reason: str) -> None:
         """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
@@ -598,13 +557,6 @@ def _has_int_epoch(obj: object) -> bool:
     return isinstance(epoch, int) and not isinstance(epoch, bool)
 
 
-def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The torch optimizer whose ``step()`` runs: a wrapper's (Accelerate's ``AcceleratedOptimizer``) inner one."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
     checkpointer = ref()
     if checkpointer is not None:
@@ -624,10 +576,6 @@ def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | No
         for store in stores:
             if store is not None:
                 store.unlock()
-
-
-def _versions() -> dict[str, str]:
-    return {"checkfreq": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
 CHECKPOINTER_OPTIONS = tuple(

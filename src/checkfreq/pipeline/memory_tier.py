@@ -76,7 +76,7 @@ class MemoryState:
 
 
 class MemoryTier:
-    """One rank's memory tier for a Checkpointer.
+    """One rank's memory tier for a Checkpointer (:class:`NoMemoryTier` where it has none).
 
     Args:
         directory: the checkpoint directory (path or URL) the region is named after.
@@ -92,7 +92,11 @@ class MemoryTier:
         self._finalizer = weakref.finalize(self, self.writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
         self.enabled = True
+        """False once /dev/shm had no room, or the state is sharded: snapshots go to disk only."""
         self.newest: MemorySnapshot | None = None
+
+    present = True
+    """A memory tier was asked for (``memory=``): restore looks in it, and close persists from it."""
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:
@@ -111,6 +115,18 @@ class MemoryTier:
         return found[0].step if found else None
 
     # ------------------------------------------------------------------ snapshots
+
+    def due(self, step: int, iteration_time: float) -> bool:
+        """Whether a memory-only snapshot is due at ``step`` (the tier is on and its cadence says so)."""
+        return self.enabled and self.cadence.due(step, iteration_time)
+
+    def taken(self, step: int) -> None:
+        """The state at ``step`` is in memory (or was restored, or counted from there)."""
+        self.cadence.taken(step)
+
+    def record_cost(self, seconds: float) -> None:
+        """What a memory snapshot cost the training thread, for the cadence."""
+        self.cadence.record(seconds)
 
     def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float) -> MemoryTarget | None:
         """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm)."""
@@ -203,3 +219,46 @@ class MemoryTier:
         self._finalizer.detach()
         self.newest = None
         self.region.release(remove=remove)
+
+
+class NoMemoryTier:
+    """The memory tier of a Checkpointer without ``memory=``: nothing is due, nothing to wait for,
+    restore and close find nothing (a null object, as ``SoloCluster`` is for one process), so the
+    Checkpointer never asks whether it has a memory tier."""
+
+    present = False
+    enabled = False
+    newest: MemorySnapshot | None = None
+
+    def newest_step(self) -> int | None:
+        return None
+
+    def due(self, step: int, iteration_time: float) -> bool:
+        return False
+
+    def taken(self, step: int) -> None:
+        pass
+
+    def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str],
+               created: float) -> MemoryTarget | None:
+        return None
+
+    def wait(self, timeout: float) -> BaseException | None:
+        return None
+
+    def read_all(self, step: int | None = None) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+        return [], []
+
+    def forget_newer_than(self, step: int) -> None:
+        pass
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        pass
+
+
+AnyMemoryTier = MemoryTier | NoMemoryTier
+
+
+def open_memory_tier(directory: str | os.PathLike[str], cadence: MemoryCadence | None, peers: Peers) -> AnyMemoryTier:
+    """This rank's memory tier (:meth:`MemoryTier.open`), or :class:`NoMemoryTier` without a cadence."""
+    return NoMemoryTier() if cadence is None else MemoryTier.open(directory, cadence, peers)

@@ -58,6 +58,11 @@ class Writer:
             if deadline is not None and time.monotonic() > deadline:
                 raise PersistTimeoutError(f"checkpoint persist still running after {timeout} s")
 
+    def drain(self, timeout: float | None = None) -> tuple[list[Any], BaseException | None]:
+        """Wait for the job in flight (:meth:`wait`), then take what the jobs returned and the error, if any."""
+        self.wait(timeout)
+        return self.take_results(), self.take_error()
+
     def take_results(self) -> list[Any]:
         """What the jobs finished since the last call returned (None results are left out), in order."""
         results, self._results = self._results, []

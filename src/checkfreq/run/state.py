@@ -290,6 +290,33 @@ def load_into(name: str, obj: Any, state: Any) -> None:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e
 
 
+def apply_state(objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any]) -> None:
+    """Load a checkpoint's ``state`` into the registered ``objects`` and ``values``, all or nothing:
+    every module and optimizer is checked against it first, and one :class:`StateMismatchError` lists
+    every difference of every object. The RNG state (``objects["rng"]``) is loaded last, so nothing
+    that runs here draws random numbers after it."""
+    missing = sorted(set(objects) - set(state) - {"rng"})
+    problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
+    saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
+    for name, obj in objects.items():
+        if name in state:
+            try:
+                check_fits(name, obj, state[name], saved_types.get(name))
+            except StateMismatchError as e:
+                problems.append(str(e))
+    if problems:
+        raise StateMismatchError(problems[0] if len(problems) == 1
+                                 else "\n- ".join(["checkpoint does not fit the registered objects:", *problems]))
+    for name, obj in objects.items():
+        if name != "rng":
+            load_into(name, obj, state[name])
+    for name in values:
+        if name in state:
+            values[name] = own_storage(state[name])
+    if "rng" in objects and "rng" in state:
+        objects["rng"].load_state_dict(state["rng"])
+
+
 def optimizer_owned(tensors: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer]) -> set[str]:
     """Names of ``tensors`` only a registered optimizer's step changes (its parameters and
     state): safe to copy behind the optimizer-step fence."""

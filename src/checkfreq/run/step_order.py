@@ -72,3 +72,10 @@ def _scaler_of(obj: Any) -> torch.amp.GradScaler | None:
         if isinstance(candidate, torch.amp.GradScaler) and candidate.is_enabled():
             return candidate
     return None
+
+
+def stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step()`` runs: a wrapper's (Accelerate's ``AcceleratedOptimizer``) inner one."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer

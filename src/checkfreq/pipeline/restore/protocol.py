@@ -15,7 +15,7 @@ import xxhash
 from checkfreq.dist.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
 from checkfreq.dist.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.pipeline.memory_tier import AnyMemoryTier, NoMemoryTier
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
@@ -115,7 +115,7 @@ class Restorer:
         local: this rank's directory (the only tier without ``remote``).
         remote: the durable tier, if any.
         peers: the ranks restoring together.
-        memory: this rank's memory tier, if any.
+        memory: this rank's memory tier (:class:`NoMemoryTier` for none).
         page_cache: ranks passing the same value read their directory through one page cache (a
             directory on a machine-local file system that they share: the lowest rank sharing it);
             None where each rank's reads go to storage (a network file system, an object store).
@@ -123,9 +123,10 @@ class Restorer:
             default: this rank's own).
     """
 
-    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: MemoryTier | None = None,
+    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: AnyMemoryTier | None = None,
                  page_cache: int | None = None, directory_leader: int | None = None) -> None:
-        self.local, self.remote, self.peers, self.memory = local, remote, peers, memory
+        self.local, self.remote, self.peers = local, remote, peers
+        self.memory = NoMemoryTier() if memory is None else memory
         self.page_cache = page_cache
         self.directory_leader = peers.rank if directory_leader is None else directory_leader
         self._locations: dict[str, dict[int, Any]] = {}
@@ -148,14 +149,14 @@ class Restorer:
         """
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
-        if self.memory is not None:
+        if self.memory.present:
             found = self._from_memory(step, listed)
             if found is not None:
                 return found
         try:
             return self._from_disk(step, listed)
         except NoValidCheckpointError:
-            if self.memory is None:
+            if not self.memory.present:
                 raise
             log.warning("no valid checkpoint on disk; trying older memory snapshots")
             found = self._from_memory(step, [])
@@ -167,7 +168,6 @@ class Restorer:
 
     def _from_memory(self, step: int | None, listed: list[int]) -> Found | None:
         """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
-        assert self.memory is not None
         states, skipped = self.memory.read_all(step)
         by_step = {state.manifest.step: state for state in states}
         reports = self.peers.gather(MemoryReport(sorted(by_step), listed[0] if listed else None).to_wire())
