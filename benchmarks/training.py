@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import checkfreq as cf
-from checkfreq.policies.rules import resolve
+from checkfreq.policies import resolve
 
 POOL = 32
 

@@ -31,8 +31,7 @@ from checkfreq.errors import (
     UsageError,
 )
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.policies.retention import Retention
-from checkfreq.policies.rules import (
+from checkfreq.policies import (
     Auto,
     ConvergenceAware,
     DecisionContext,
@@ -43,6 +42,7 @@ from checkfreq.policies.rules import (
     StatefulPolicy,
     YoungDaly,
 )
+from checkfreq.policies.retention import Retention
 from checkfreq.version import __version__ as __version__
 
 __all__ = [

@@ -39,10 +39,10 @@ from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.upload import Uploader
 from checkfreq.pipeline.writer import Writer
+from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
-from checkfreq.policies.rules import Policy, resolve
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
@@ -69,7 +69,7 @@ class Checkpointer:
             local path) or a :class:`~checkfreq.storage.Store`. See docs/storage.md. Under
             torch.distributed, one directory every rank sees, or one per node on a node-local
             disk (docs/distributed.md).
-        policy: when to checkpoint: a :class:`~checkfreq.policies.rules.Policy`, an int ``n``
+        policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted), or a
             :class:`~checkfreq.Retention` (e.g. ``Retention(3, every=1000)`` also keeps every

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from checkfreq.dist.agreement import MAX_VOTE_STEPS, VOTE_SECONDS, AgreedPolicy, vote_steps
 from checkfreq.dist.collectives import TREE_ARITY, GroupPeers, tree_max
 from checkfreq.errors import CheckfreqError
-from checkfreq.policies.rules import DecisionContext
+from checkfreq.policies import DecisionContext
 
 STEPS = 120
 

@@ -190,7 +190,7 @@ def _tiny_fit(directory: Path, epochs: int, callbacks: list, **trainer_options: 
 def test_policy_sees_the_loss_of_each_optimizer_step(tmp_path: Path) -> None:
     """The loss training_step returns reaches the policy, once per optimizer step (the last micro-batch's)."""
     from checkfreq.integrations.lightning import CheckFreqCallback
-    from checkfreq.policies.rules import Every
+    from checkfreq.policies import Every
 
     class Recording(Every):
         def should_save(self, ctx):  # type: ignore[no-untyped-def]

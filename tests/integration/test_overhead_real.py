@@ -19,7 +19,7 @@ from overhead_loop import judge, setup, train  # tests/scripts, on the path thro
 
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.pipeline import commit
-from checkfreq.policies.rules import Overhead
+from checkfreq.policies import Overhead
 
 STEPS = 200
 WARMUP = 15  # Overhead takes its profiling checkpoint at step 10

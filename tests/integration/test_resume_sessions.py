@@ -20,7 +20,7 @@ from overhead_loop import Sessions, judge, resumed_sessions, setup
 
 from checkfreq import Checkpointer
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.policies.rules import Auto, ConvergenceAware, Every, Overhead, YoungDaly
+from checkfreq.policies import Auto, ConvergenceAware, Every, Overhead, YoungDaly
 from checkfreq.run.events import read_events
 from helpers import SCRIPTS, finish_job, launch_job, make_model, train_step
 

@@ -218,7 +218,7 @@ def test_a_dataloader_accelerate_prepared_is_refused_with_the_remedy(tmp_path: P
 
 def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
     """The loss of each optimizer step (summed over its micro-batches) reaches the policy, as the Trainer logs it."""
-    from checkfreq.policies.rules import Every
+    from checkfreq.policies import Every
 
     class Recording(Every):
         def should_save(self, ctx):  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from torch.distributed.distributed_c10d import _world  # the process groups this
 from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.policies.rules import Auto, ConvergenceAware, Every, Overhead, YoungDaly
+from checkfreq.policies import Auto, ConvergenceAware, Every, Overhead, YoungDaly
 from checkfreq.run.events import read_events
 
 POLICIES = {

@@ -11,9 +11,9 @@ from rich.table import Table
 
 from checkfreq.cli import app
 from checkfreq.cli._output import JSON_HELP, console, emit_json, fitted_table, reports_errors
+from checkfreq.policies import Overhead
 from checkfreq.policies.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.policies.losscurve import LossCurve
-from checkfreq.policies.rules import Overhead
 from checkfreq.tools import schedules as policy_schedules
 from checkfreq.tools.report import human_seconds
 from checkfreq.tools.simulate import Result, Schedule, Workload, relative_change, simulate

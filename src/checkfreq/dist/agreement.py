@@ -23,7 +23,7 @@ import torch
 
 from checkfreq.dist.collectives import Peers, tree_max
 from checkfreq.errors import CheckfreqError
-from checkfreq.policies.rules import DecisionContext, Every, Policy
+from checkfreq.policies import DecisionContext, Every, Policy
 
 VOTE_SECONDS = 0.25
 """Training time between two exchanges of the ranks' answers: how late a checkpoint may come."""

@@ -21,7 +21,7 @@ from checkfreq.dist.collectives import Peers, Solo
 from checkfreq.dist.group_cluster import GroupCluster, open_directories
 from checkfreq.dist.shares import Box, Share, local_view, sharded_blocks
 from checkfreq.storage.format import Manifest
-from checkfreq.policies.rules import DecisionContext, Policy
+from checkfreq.policies import DecisionContext, Policy
 from checkfreq.storage.base import Store
 
 

@@ -63,7 +63,7 @@ from checkfreq.dist.shares import (
 from checkfreq.errors import CheckfreqError
 from checkfreq.storage.format import Manifest
 from checkfreq.dist.groups import new_gloo_groups
-from checkfreq.policies.rules import DecisionContext, Policy
+from checkfreq.policies import DecisionContext, Policy
 from checkfreq.dist.sharing import directory_leader, on_machine_local_file_system
 from checkfreq.run.state import flatten, replicated as replicated_names
 from checkfreq.storage.base import Store

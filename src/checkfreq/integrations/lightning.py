@@ -31,8 +31,8 @@ from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data.resumable import ResumableLoader
 from checkfreq.errors import UsageError
 from checkfreq.integrations.loss import LossFeed
+from checkfreq.policies import Policy
 from checkfreq.policies.retention import Retention
-from checkfreq.policies.rules import Policy
 from checkfreq.run.options import check_names
 from checkfreq.storage import Store
 

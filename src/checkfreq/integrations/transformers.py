@@ -39,7 +39,7 @@ from checkfreq.dist.shares import local_view
 from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.policies.rules import Policy
+from checkfreq.policies import Policy
 from checkfreq.run.options import check_names
 from checkfreq.run.state import unflatten
 from checkfreq.storage.local import LocalStore

@@ -1,6 +1,6 @@
 """Online measurements of a run: iteration time, stall, persist time and bandwidth.
 
-The Checkpointer feeds it; policies read a :class:`~checkfreq.policies.rules.DecisionContext` built from
+The Checkpointer feeds it; policies read a :class:`~checkfreq.policies.DecisionContext` built from
 it. Every method is O(1) and allocation-free, so steps without a checkpoint cost nanoseconds.
 A profiler lives for one session (a process, from its start or restore); :meth:`Profiler.state_dict`
 goes into every checkpoint and seeds the next session's profiler, whose fresh samples re-validate

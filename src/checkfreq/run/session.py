@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from checkfreq.policies import Policy, StatefulPolicy
 from checkfreq.policies.profiler import Profiler
-from checkfreq.policies.rules import Policy, StatefulPolicy
 from checkfreq.run.state import type_name
 
 log = logging.getLogger("checkfreq")

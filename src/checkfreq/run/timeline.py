@@ -1,7 +1,7 @@
 """Where a training session stands: steps counted, the last checkpoint, the clean iterations since.
 
 The Checkpointer keeps one :class:`Timeline` per session (a restore starts a new one) and asks it
-for the :class:`~checkfreq.policies.rules.DecisionContext` each policy decision reads.
+for the :class:`~checkfreq.policies.DecisionContext` each policy decision reads.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkfreq.policies import DecisionContext
 from checkfreq.policies.profiler import Profiler
-from checkfreq.policies.rules import DecisionContext
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The schedule each policy produces on a simulated :class:`~checkfreq.tools.simulate.Workload`.
 
-Our policies use the same math as their online versions in :mod:`checkfreq.policies.rules`; the
+Our policies use the same math as their online versions in :mod:`checkfreq.policies`; the
 *published* CheckFreq and COCI rules live here only, as baselines to compare against.
 """
 
@@ -11,9 +11,9 @@ import math
 import numpy as np
 
 from checkfreq.errors import InvalidArgumentError
+from checkfreq.policies import Overhead
 from checkfreq.policies.intervals import convergence_interval, overhead_steps, place, place_optimal, two_phase_interval
 from checkfreq.policies.losscurve import LossCurve, fit_exponential
-from checkfreq.policies.rules import Overhead
 from checkfreq.tools.simulate import Schedule, Workload
 
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from checkfreq.policies import Overhead
 from checkfreq.policies.intervals import (
     convergence_interval,
     daly,
@@ -18,7 +19,6 @@ from checkfreq.policies.intervals import (
     young,
 )
 from checkfreq.policies.losscurve import LossCurve
-from checkfreq.policies.rules import Overhead
 from checkfreq.tools.simulate import Schedule, Workload, simulate
 from helpers import DOCS
 

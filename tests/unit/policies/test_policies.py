@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from checkfreq.policies.losscurve import LossCurve
-from checkfreq.policies.profiler import Profiler, Smoothed
-from checkfreq.policies.rules import (
+from checkfreq.policies import (
     Auto,
     ConvergenceAware,
     DecisionContext,
@@ -20,6 +18,8 @@ from checkfreq.policies.rules import (
     YoungDaly,
     resolve,
 )
+from checkfreq.policies.losscurve import LossCurve
+from checkfreq.policies.profiler import Profiler, Smoothed
 
 HOUR = 3600.0
 

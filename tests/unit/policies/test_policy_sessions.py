@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import pytest
 
+from checkfreq.policies import Auto, ConvergenceAware, DecisionContext, Every, Overhead, Policy, YoungDaly
 from checkfreq.policies.losscurve import LossCurve
 from checkfreq.policies.profiler import Profiler
-from checkfreq.policies.rules import Auto, ConvergenceAware, DecisionContext, Every, Overhead, Policy, YoungDaly
 
 HOUR = 3600.0
 WORKED = LossCurve(a=0.2, b=120.0, w0=360.0, c=0.5)  # docs/algorithms.md §3, one step = one second
