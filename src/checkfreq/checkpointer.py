@@ -126,7 +126,9 @@ class Checkpointer:
         **objects: Stateful,
     ) -> None:
         check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
-        check_option_types(keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout)
+        check_option_types(
+            keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout
+        )
         if on_error not in ("raise", "warn"):
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         values = dict(values or {})
@@ -145,7 +147,9 @@ class Checkpointer:
             self._objects["rng"] = RNGState()
 
         self._local, self._remote = open_tiers(directory, remote)
-        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy)  # at every world size
+        cluster = self._cluster = attach(
+            self._local, self._remote, persist_timeout, self._policy
+        )  # at every world size
         control = self._control = cluster.control
         self.directory = self._local.root
         self._memory = open_memory_tier(self._local.root, memory_cadence, control)
@@ -153,25 +157,52 @@ class Checkpointer:
                                   directory_leader=cluster.directory_leader)
         retention = Retention.of(keep)
         retainer = Retainer(self._local, retention, leader=cluster.leader)
-        self._uploader = None if self._remote is None else Uploader(
-            self._local, self._remote, cluster.commit if cluster.upload is None else cluster.upload,  # type: ignore[arg-type]
-            token=cluster.token, retention=retention if remote_keep is None else Retention.of(remote_keep),
-            local_retainer=retainer,
+        self._uploader = (
+            None
+            if self._remote is None
+            else Uploader(
+                self._local,
+                self._remote,
+                cluster.commit if cluster.upload is None else cluster.upload,  # type: ignore[arg-type]
+                token=cluster.token,
+                retention=retention if remote_keep is None else Retention.of(remote_keep),
+                local_retainer=retainer,
+            )
         )
-        self._committer = Committer(self._local, cluster.commit, leader=retainer.leader, token=cluster.token,
-                                    retainer=retainer, uploader=self._uploader, directory_leader=cluster.directory_leader)
+        self._committer = Committer(
+            self._local,
+            cluster.commit,
+            leader=retainer.leader,
+            token=cluster.token,
+            retainer=retainer,
+            uploader=self._uploader,
+            directory_leader=cluster.directory_leader,
+        )
         newest = [s for s in [*self._restorer.listed()[:1], self._memory.newest_step()] if s is not None]
         steps = control.gather(max(newest, default=None))  # until restore() adopts them; every rank sees them
         self._foreign_step: int | None = control.broadcast(
             None if steps is None else max((s for s in steps if s is not None), default=None))
         self._closed = False
         self._events = EventLog(self._local.events_directory, rank=control.rank)
-        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep, keep_every=retention.every)
+        self._events.write(
+            "start",
+            pid=os.getpid(),
+            policy=type(self._policy).__name__,
+            keep=retention.keep,
+            keep_every=retention.every,
+        )
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._writer, self._uploader, [self._local, self._remote], persist_timeout, self._trap, self._cluster
+            self,
+            _shutdown,
+            self._writer,
+            self._uploader,
+            [self._local, self._remote],
+            persist_timeout,
+            self._trap,
+            self._cluster,
         )
         if self._trap is not None:
             self._trap.install()
@@ -182,7 +213,9 @@ class Checkpointer:
             stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
             for opt in self._optimizers.values()
         ]
-        self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values()))
+        self._step_order = StepOrder(
+            [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
+        )
         self._fence = Fence()
 
         self._timeline = Timeline()
@@ -223,12 +256,16 @@ class Checkpointer:
         self._check_open("step()")
         self._step_order.check(self._timeline.step + 1)
         self._collect_background()
-        measured = self._timeline.advance(now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions)
+        measured = self._timeline.advance(
+            now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions
+        )
         if measured is not None:
             self._profiler.record_iteration(measured[0], persisting=measured[1])
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
-        ctx = self._timeline.context(now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss)
+        ctx = self._timeline.context(
+            now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss
+        )
         if self._cluster.decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
@@ -285,7 +322,9 @@ class Checkpointer:
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         apply_state(self._objects, self._values, state)
-        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size)
+        warn_if_buckets_reorder(
+            (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
+        )
         self._timeline = Timeline.restored(manifest.step)
         self._step_order.begin_session()
         self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
@@ -342,7 +381,9 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     # ------------------------------------------------------------------ internals
@@ -360,7 +401,9 @@ class Checkpointer:
 
     def _collect_background(self) -> None:
         """Apply what the writer committed; raise (or log) what failed in the background."""
-        error = self._apply_commits(self._writer.take_results(), self._writer.take_error(), self._timeline.last_checkpoint)
+        error = self._apply_commits(
+            self._writer.take_results(), self._writer.take_error(), self._timeline.last_checkpoint
+        )
         if error is not None:
             if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
                 raise error
@@ -377,7 +420,9 @@ class Checkpointer:
             return
         raise error from cause
 
-    def _apply_commits(self, results: list[CommitResult], error: BaseException | None, step: int) -> BaseException | None:
+    def _apply_commits(
+        self, results: list[CommitResult], error: BaseException | None, step: int
+    ) -> BaseException | None:
         """What the writer drained: each committed checkpoint is durable and the profiler learns what it
         cost; an error (of the checkpoint at ``step``) goes in the events and is returned."""
         for result in results:
@@ -414,8 +459,12 @@ class Checkpointer:
         target = None
         if self._cluster.writes_whole_state:  # else the share has a buffer of its own
             target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time())
-        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=None if target is None else target.buffer)
-        job = functools.partial(self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start))
+        pending = self._snapshotter.take(
+            tensors, owned, layout=layout, buffer=None if target is None else target.buffer
+        )
+        job = functools.partial(
+            self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
+        )
         if target is not None:
             assert isinstance(self._memory, MemoryTier)  # only a tier gives a target
             job = self._memory.around_persist(target, pending, job)
@@ -462,7 +511,9 @@ class Checkpointer:
         step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         if any(is_dtensor(t) for t in tensors.values()):
-            log.warning("memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet")
+            log.warning(
+                "memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet"
+            )
             memory.enabled = False
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return
@@ -506,15 +557,27 @@ class Checkpointer:
         newest = memory.newest
         if newest is not None and newest.step > self._durable_step and self._cluster.writes_whole_state:
             start = time.perf_counter()
-            self._events.write("snapshot", step=newest.step, stall_s=0.0, bytes=newest.pending.layout.nbytes, reason="close",
-                               policy=type(self._policy).__name__, epoch=newest.epoch)
-            self._writer.submit(functools.partial(
-                self._committer.run, CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, versions(), start)
-            ))
+            self._events.write(
+                "snapshot",
+                step=newest.step,
+                stall_s=0.0,
+                bytes=newest.pending.layout.nbytes,
+                reason="close",
+                policy=type(self._policy).__name__,
+                epoch=newest.epoch,
+            )
+            self._writer.submit(
+                functools.partial(
+                    self._committer.run,
+                    CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, versions(), start),
+                )
+            )
             error = self._apply_commits(*self._writer.drain(self._timeout), newest.step)
             if error is not None:
                 memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
-                raise PersistError(f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}") from error
+                raise PersistError(
+                    f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}"
+                ) from error
         memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
     def _finish_fence(self) -> None:

@@ -121,7 +121,9 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
                   "(as `checkfreq report` gives them):")
     for session in run.sessions:
         console.print(session_line(session), soft_wrap=True, highlight=False)
-    console.print(f"Look closer: checkfreq ls {checkpoints}; checkfreq report {checkpoints}", soft_wrap=True, highlight=False)
+    console.print(
+        f"Look closer: checkfreq ls {checkpoints}; checkfreq report {checkpoints}", soft_wrap=True, highlight=False
+    )
     if not identical:
         raise typer.Exit(1)
 

@@ -35,8 +35,12 @@ VALUE_CHARS = 300
 @app.command("ls")
 @reports_errors
 def ls_command(
-    directory: Annotated[str, typer.Argument(help="Run directory (a path or an fsspec URL) holding step_* checkpoints.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")] = False,
+    directory: Annotated[
+        str, typer.Argument(help="Run directory (a path or an fsspec URL) holding step_* checkpoints.")
+    ],
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Check manifests and file sizes only; skip checksums.")
+    ] = False,
     remote: RemoteOption = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -47,7 +51,9 @@ def ls_command(
     from checkfreq.tools.catalog import is_url, list_checkpoints, memory_snapshots
 
     disk = list_checkpoints(directory, checksums=not quick, remote=remote)
-    statuses = sorted(memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory"))
+    statuses = sorted(
+        memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory")
+    )
     if as_json:
         emit_json([s.to_dict() for s in statuses])
         return
@@ -61,14 +67,20 @@ def ls_command(
     out = console()
     out.print(table)
     out.print(f"{sum(s.valid for s in statuses)} valid, {sum(not s.valid for s in statuses)} invalid")
-    counted = "its data files, as its manifest lists them" if is_url(directory) else "its data files and manifest.json on disk"
+    counted = (
+        "its data files, as its manifest lists them"
+        if is_url(directory)
+        else "its data files and manifest.json on disk"
+    )
     out.print(f"size: {counted} (docs/cli.md, 'Sizes')")
 
 
 @app.command("inspect")
 @reports_errors
 def inspect_command(
-    target: Annotated[str, typer.Argument(help="A checkpoint (RUN/step_N), or a run directory for its newest valid one.")],
+    target: Annotated[
+        str, typer.Argument(help="A checkpoint (RUN/step_N), or a run directory for its newest valid one.")
+    ],
     as_json: JsonFlag = False,
 ) -> None:
     """Show a checkpoint's tensors (name, shape, dtype, bytes), registered objects, metadata and versions."""
@@ -82,7 +94,9 @@ def inspect_command(
     created = datetime.datetime.fromtimestamp(info.created).isoformat(sep=" ", timespec="seconds")
     out.print(f"[bold]{info.path}[/bold]", soft_wrap=True)
     epoch = "-" if info.epoch is None else info.epoch
-    out.print(f"step {info.step}, epoch {epoch}, world size {info.world_size}, written {created} ({human_age(info.created)})")
+    out.print(
+        f"step {info.step}, epoch {epoch}, world size {info.world_size}, written {created} ({human_age(info.created)})"
+    )
     out.print("versions: " + ", ".join(f"{k} {v}" for k, v in info.versions.items()), soft_wrap=True)
     files = Table(title="files")
     for column in ("file", "size", "xxh3-64"):
@@ -126,7 +140,11 @@ def verify_command(
 
     single = names_checkpoint(target)
     tier = None if remote is None else open_store(remote, create=False)
-    statuses = [check_checkpoint(resolve_checkpoint(target), remote=tier)] if single else list_checkpoints(target, remote=remote)
+    statuses = (
+        [check_checkpoint(resolve_checkpoint(target), remote=tier)]
+        if single
+        else list_checkpoints(target, remote=remote)
+    )
     failed = [s for s in statuses if not s.valid]
     if as_json:
         emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses]})
@@ -134,8 +152,10 @@ def verify_command(
         out = console()
         for s in statuses:
             if s.valid:
-                out.print(f"[green]ok[/green]     {s.name}  step {s.step}, {human_bytes(s.bytes)}{_elsewhere(s.elsewhere)}",
-                          soft_wrap=True)
+                out.print(
+                    f"[green]ok[/green]     {s.name}  step {s.step}, {human_bytes(s.bytes)}{_elsewhere(s.elsewhere)}",
+                    soft_wrap=True,
+                )
             else:
                 out.print(f"[red]FAILED[/red] {s.name}: {s.reason}", soft_wrap=True)
         if not statuses:

@@ -28,7 +28,9 @@ def plan_command(
     iteration: Annotated[float, typer.Option(help="Seconds per training iteration.", min=1e-9)],
     stall: Annotated[float, typer.Option(help="Seconds the loop is blocked per checkpoint.", min=0.0)],
     persist: Annotated[float, typer.Option(help="Seconds until a checkpoint is durable.", min=0.0)],
-    mtbf_hours: Annotated[float | None, typer.Option(help="Job MTBF in hours (enables failure-aware policies).")] = None,
+    mtbf_hours: Annotated[
+        float | None, typer.Option(help="Job MTBF in hours (enables failure-aware policies).")
+    ] = None,
     restart: Annotated[float, typer.Option(help="Seconds to restart and restore after a failure.", min=0.0)] = 120.0,
     p: Annotated[float, typer.Option(help="Overhead bound, as a fraction.")] = 0.035,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
@@ -112,7 +114,9 @@ def simulate_command(
     if plot is not None:
         _plot(results, wl, plot)
     if as_json:
-        rows = [{**r.as_dict(), "overhead_vs_young": change[r.name][0], "j_vs_young": change[r.name][1]} for r in results]
+        rows = [
+            {**r.as_dict(), "overhead_vs_young": change[r.name][0], "j_vs_young": change[r.name][1]} for r in results
+        ]
         emit_json({"workload": _describe(wl), "results": rows, "plot": None if plot is None else str(plot)})
         return
     columns = ("policy", "ckpts", "stall", "lost", "recovery", "time overhead", "vs Young", "GPU-h", "J", "J vs Young")
@@ -184,13 +188,19 @@ def _plot(results: list[Result], wl: Workload, path: Path) -> None:
     left.set_xlabel("training progress (h); relative schedules shown from the start")
     left.set_title("checkpoint placement")
     left.invert_yaxis()
-    parts = {"stall": [r.stall for r in results], "lost work": [r.lost for r in results], "recovery": [r.recovery for r in results]}
+    parts = {
+        "stall": [r.stall for r in results],
+        "lost work": [r.lost for r in results],
+        "recovery": [r.recovery for r in results],
+    }
     start = [0.0] * len(results)
     for label, values in parts.items():
         minutes = [v / 60 for v in values]
         right.barh(range(len(names)), minutes, left=start, label=label)
-        start = [s + m for s, m in zip(start, minutes)]
-    right.scatter([r.value_weighted / 60 for r in results], range(len(names)), color="black", marker="D", s=14, label="J")
+        start = [s + m for s, m in zip(start, minutes, strict=True)]
+    right.scatter(
+        [r.value_weighted / 60 for r in results], range(len(names)), color="black", marker="D", s=14, label="J"
+    )
     right.set_yticks(range(len(names)), [""] * len(names))
     right.invert_yaxis()
     right.set_xscale("log")

@@ -19,7 +19,8 @@ def report_command(
         Path | None, typer.Option("--out", help="Where to write report.png and report.html (default: DIRECTORY).")
     ] = None,
     tensorboard: Annotated[
-        Path | None, typer.Option("--tensorboard", help="Also write the numbers as TensorBoard scalars into this log directory.")
+        Path | None,
+        typer.Option("--tensorboard", help="Also write the numbers as TensorBoard scalars into this log directory."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:

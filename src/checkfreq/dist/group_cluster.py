@@ -77,7 +77,9 @@ _JOIN_WARNING_S = 30.0
 _joins = itertools.count()
 
 
-def wait_for_every_rank(world_size: int, timeout: float, store: dist.Store | None = None, join: int | None = None) -> None:
+def wait_for_every_rank(
+    world_size: int, timeout: float, store: dist.Store | None = None, join: int | None = None
+) -> None:
     """Return once every rank has constructed its Checkpointer; raise after ``timeout`` seconds.
 
     The habit ``torch.save`` teaches (checkpoint on rank 0 only) would otherwise hang in the
@@ -170,7 +172,9 @@ class GroupCluster:
         else:
             checked = self._plan.verify_next()
         plan = self._plan
-        claim = replicas.report(layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked})
+        claim = replicas.report(
+            layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked}
+        )
         arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
         own: dict[str, Any] = {}  # this rank's tensors but its replicated pieces: in its file's header
         shared = dict(plan.shared)  # what every rank records the same: in the manifest
@@ -191,10 +195,14 @@ class GroupCluster:
             else:
                 arrays[stored] = tensor
                 own[name] = _entry(tensor, PRIVATE, [stored])
-        fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {private_name(n, self.rank) for n in own if n in owned}
+        fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {
+            private_name(n, self.rank) for n in own if n in owned
+        }
         return arrays, fenced, Share(rank=own, shared=shared, replicas=claim, plan=plan.digest)
 
-    def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def view(
+        self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors, DTensors cut to the placement of the live ones."""
         return local_view(manifest, stored, self.rank, _targets(manifest, list(stored), objects))
 

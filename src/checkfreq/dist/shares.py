@@ -239,7 +239,9 @@ def uncovered(manifest: Manifest, blocks: Mapping[str, Box]) -> list[str]:
     short = []
     for name, (offset, shape) in blocks.items():
         parts = saved[name]["parts"] if name in saved else []
-        held = sum(_overlap(tuple(o), tuple(manifest.tensors[stored]["shape"]), offset, shape)[2] for stored, o in parts)
+        held = sum(
+            _overlap(tuple(o), tuple(manifest.tensors[stored]["shape"]), offset, shape)[2] for stored, o in parts
+        )
         if held != _numel(shape):
             short.append(name)
     return short
@@ -249,7 +251,10 @@ def uncovered(manifest: Manifest, blocks: Mapping[str, Box]) -> list[str]:
 
 
 def local_view(
-    manifest: Manifest, stored: Mapping[str, torch.Tensor], rank: int = 0, targets: Mapping[str, torch.Tensor] | None = None
+    manifest: Manifest,
+    stored: Mapping[str, torch.Tensor],
+    rank: int = 0,
+    targets: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The skeleton and tensors rank ``rank`` loads from a checkpoint written at any world size.
 
@@ -272,7 +277,9 @@ def local_view(
                 raise ValueError(f"saved rank {source}'s record was not read")
             sources = {n: _source(e, stored, source) for n, e in meta["tensors"].items() if _holds(e, source)}
         except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
-            raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
+            raise CorruptCheckpointError(
+                f"manifest's distributed index is malformed: {type(e).__name__}: {e}"
+            ) from None
     targets = targets or {}
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
 
@@ -290,7 +297,9 @@ def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], parti
     try:
         files = [data_file_name(rank) for rank in range(manifest.world_size)]
         if sorted(files) != sorted(manifest.files):
-            raise CorruptCheckpointError(f"manifest of {manifest.world_size} ranks lists the files {sorted(manifest.files)}")
+            raise CorruptCheckpointError(
+                f"manifest of {manifest.world_size} ranks lists the files {sorted(manifest.files)}"
+            )
         read = [name for name in files if name in headers or not partial]
         index: dict[str, dict[str, Any]] = {}
         for name in read:
@@ -305,7 +314,9 @@ def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], parti
     return dataclasses.replace(manifest, tensors=index, state=ranks[0], distributed=distributed).checked()
 
 
-def _merge(shared: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]], index: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(
+    shared: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]], index: Mapping[str, Any]
+) -> dict[str, Any]:
     """Every tensor's entry: the manifest's shared ones, with each rank's private tensors and shards added.
 
     A shard several ranks saved at one place (a replicated placement) is referred to once.
@@ -326,7 +337,9 @@ def _merge(shared: Mapping[str, Any], per_rank: Sequence[Mapping[str, Any]], ind
                     boxes[name].add(box)
                     merged[name]["parts"].append(part)
             else:
-                raise ValueError(f"rank {rank} records {name!r} as {entry['kind']}, the manifest as {merged[name]['kind']}")
+                raise ValueError(
+                    f"rank {rank} records {name!r} as {entry['kind']}, the manifest as {merged[name]['kind']}"
+                )
     return merged
 
 
@@ -431,7 +444,9 @@ def optimizer_targets(optimizers: Mapping[str, torch.optim.Optimizer]) -> dict[s
     return targets
 
 
-def restore_targets(live: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer], names: Sequence[str]) -> dict[str, torch.Tensor]:
+def restore_targets(
+    live: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer], names: Sequence[str]
+) -> dict[str, torch.Tensor]:
     """For each saved tensor name, the live DTensor whose placement it must be restored to."""
     targets = {n: t for n, t in live.items() if is_dtensor(t)}
     by_param = optimizer_targets(optimizers)

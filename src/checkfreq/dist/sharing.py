@@ -74,7 +74,9 @@ def _check_probes(root: Path, token: str, rank: int, leader: int) -> str | None:
         return f"rank {rank} does not see the directory of rank {leader}, which has the same identity"
     if leader == rank:
         probes = re.compile(re.escape(_PROBE.format(token=token, rank=0)[:-5]) + r"(\d+)$")
-        others = sorted(int(m.group(1)) for p in root.iterdir() if (m := probes.match(p.name)) and int(m.group(1)) != rank)
+        others = sorted(
+            int(m.group(1)) for p in root.iterdir() if (m := probes.match(p.name)) and int(m.group(1)) != rank
+        )
         if others:
             return f"rank {rank} sees the directory of ranks {others}, whose identity differs"
     return None

@@ -156,7 +156,9 @@ class CheckFreqCallback(pl.Callback):
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
                 for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
-                    timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it on the restored time
+                    timer.on_fit_start(
+                        trainer, pl_module
+                    )  # its check ran before the restore: run it on the restored time
                 if trainer.is_global_zero and callbacks.saved_at is not None:
                     _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
         self._seen_step = trainer.global_step
@@ -164,8 +166,12 @@ class CheckFreqCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _check_global_batches(trainer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._loss.push(_loss_of(outputs, trainer) if self._monitor is None else trainer.callback_metrics.get(self._monitor))
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._loss.push(
+            _loss_of(outputs, trainer) if self._monitor is None else trainer.callback_metrics.get(self._monitor)
+        )
         if trainer.global_step == self._seen_step:
             return  # accumulating gradients: no optimizer step, nothing consistent to save
         self._seen_step = trainer.global_step
@@ -229,7 +235,8 @@ def _check_global_batches(trainer: pl.Trainer) -> None:
             raise UsageError(
                 f"the train loader hands each of the {loader.sampler.world_size} rank(s) {steps} batch(es) of "
                 f"{loader.batch_size} samples per optimizer step (global_batch_size={loader.global_batch_size}), but "
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): pass accumulate_grad_batches={steps}"
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): "
+                f"pass accumulate_grad_batches={steps}"
             )
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         taken = loader.sampler.consumed // loader.global_batch_size
@@ -289,7 +296,12 @@ def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None
         fs = get_filesystem(callback.dirpath)
         if not fs.isdir(callback.dirpath):
             continue
-        known = {callback.last_model_path, callback.best_model_path, callback.kth_best_model_path, *callback.best_k_models}
+        known = {
+            callback.last_model_path,
+            callback.best_model_path,
+            callback.kth_best_model_path,
+            *callback.best_k_models,
+        }
         for entry in fs.ls(callback.dirpath, detail=True):
             path = entry["name"]
             if path.endswith(callback.FILE_EXTENSION) and path not in known and entry.get("mtime", 0) > saved_at:

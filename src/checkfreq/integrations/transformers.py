@@ -52,7 +52,9 @@ TRAINER_STATE = "trainer_state.json"
 class _EpochLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` that forwards the Trainer's ``set_epoch``."""
 
-    def __init__(self, dataset: Any, sampler: ResumableSampler, batch_size: int, drop_last: bool, **options: Any) -> None:
+    def __init__(
+        self, dataset: Any, sampler: ResumableSampler, batch_size: int, drop_last: bool, **options: Any
+    ) -> None:
         super().__init__(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last), **options)
         self.resumable_sampler = sampler
 
@@ -134,7 +136,9 @@ class CheckFreqTrainer(Trainer):
         forwarded = [name for name in CHECKPOINTER_OPTIONS if name not in ("policy", "keep")]
         check_names("CheckFreqTrainer", checkfreq_options or {}, forwarded)
         super().__init__(*args, **kwargs)
-        self.checkfreq_dir = Path(checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq")
+        self.checkfreq_dir = Path(
+            checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq"
+        )
         self._checkfreq_settings = dict(
             policy=checkfreq_policy, keep=checkfreq_keep or self.args.save_total_limit or 3, **(checkfreq_options or {})
         )
@@ -148,7 +152,8 @@ class CheckFreqTrainer(Trainer):
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._loss = LossFeed()
         self.restored_step = 0
-        """The optimizer step the last ``train()`` resumed from, from checkfreq or a ``checkpoint-N/`` (0 for a fresh run)."""
+        """The optimizer step the last ``train()`` resumed from, from checkfreq or a ``checkpoint-N/``
+        (0 for a fresh run)."""
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -190,7 +195,9 @@ class CheckFreqTrainer(Trainer):
                 f"{self.args.train_sampling_strategy!r} is not supported (use 'random' or 'sequential')"
             )
         if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
-            raise InvalidArgumentError("CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)")
+            raise InvalidArgumentError(
+                "CheckFreqTrainer needs a map-style train_dataset (with __len__ and __getitem__)"
+            )
         if hasattr(dataset, "column_names"):  # a datasets.Dataset
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
@@ -203,15 +210,24 @@ class CheckFreqTrainer(Trainer):
             drop_last=self.args.dataloader_drop_last,
         )
         return _EpochLoader(
-            dataset, self._train_sampler, self._train_batch_size, self.args.dataloader_drop_last,
-            collate_fn=collator, num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            dataset,
+            self._train_sampler,
+            self._train_batch_size,
+            self.args.dataloader_drop_last,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
             generator=torch.Generator().manual_seed(seed),  # a new iterator draws nothing from the global generator
         )
 
     def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
                              resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
         epochs_trained, batches_done = super()._init_training_state(
-            max_steps, num_update_steps_per_epoch, num_train_epochs, None if self._resume_step else resume_from_checkpoint, trial
+            max_steps,
+            num_update_steps_per_epoch,
+            num_train_epochs,
+            None if self._resume_step else resume_from_checkpoint,
+            trial,
         )
         if self._resume_step:  # the Trainer computes the data position from its state: put the saved one in place now
             self.state = TrainerState(**self._saved_state)

@@ -161,7 +161,14 @@ class Committer:
     """
 
     def __init__(
-        self, store: Store, peers: Peers, *, leader: bool, token: str, retainer: Retainer, uploader: Uploader | None = None,
+        self,
+        store: Store,
+        peers: Peers,
+        *,
+        leader: bool,
+        token: str,
+        retainer: Retainer,
+        uploader: Uploader | None = None,
         directory_leader: int = 0,
     ) -> None:
         self.store, self.peers, self.leader, self.token = store, peers, leader, token
@@ -206,7 +213,9 @@ class Committer:
             report.leader = self.leader
         gathered = self.peers.gather(report.to_wire())
         reports = None if gathered is None else [CommitReport.from_wire(r) for r in gathered]
-        verdict = Verdict.from_wire(self.peers.broadcast(None if reports is None else judge(reports, job.share).to_wire()))
+        verdict = Verdict.from_wire(
+            self.peers.broadcast(None if reports is None else judge(reports, job.share).to_wire())
+        )
         problem = _problem(verdict, self.peers, job.share)
         if problem is not None:
             if self.leader:
@@ -314,8 +323,24 @@ def merge(
     created = max(r.created for r in reports)
     if share is None:
         (report,) = reports
-        return Manifest(step=step, epoch=epoch, world_size=1, files=files, tensors=report.index or {}, state=report.state,
-                        versions=versions, created=created)
-    return Manifest(step=step, epoch=epoch, world_size=len(reports), files=files, tensors={}, state=None,
-                    versions=versions, created=created,
-                    distributed={"tensors": share["shared"], "directories": [r.directory_leader for r in reports]})
+        return Manifest(
+            step=step,
+            epoch=epoch,
+            world_size=1,
+            files=files,
+            tensors=report.index or {},
+            state=report.state,
+            versions=versions,
+            created=created,
+        )
+    return Manifest(
+        step=step,
+        epoch=epoch,
+        world_size=len(reports),
+        files=files,
+        tensors={},
+        state=None,
+        versions=versions,
+        created=created,
+        distributed={"tensors": share["shared"], "directories": [r.directory_leader for r in reports]},
+    )

@@ -84,7 +84,9 @@ class MemoryTier:
         data_file: the data file name the snapshot's manifest refers to.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0
+    ) -> None:
         self.region = MemoryRegion.for_directory(directory, rank)
         self.cadence = cadence
         self._data_file = data_file
@@ -128,7 +130,9 @@ class MemoryTier:
         """What a memory snapshot cost the training thread, for the cadence."""
         self.cadence.record(seconds)
 
-    def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float) -> MemoryTarget | None:
+    def target(
+        self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float
+    ) -> MemoryTarget | None:
         """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm)."""
         if not self.enabled:
             return None
@@ -150,7 +154,9 @@ class MemoryTier:
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
-        self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta, layout_signature(target.layout.signature))
+        self.region.commit(
+            target.slot, target.step, target.layout.nbytes, target.meta, layout_signature(target.layout.signature)
+        )
 
     def wait(self, timeout: float) -> BaseException | None:
         """Wait for the memory snapshot being committed; return its error if it failed."""
@@ -171,7 +177,9 @@ class MemoryTier:
 
         self.writer.submit(job)
 
-    def around_persist(self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], T]) -> Callable[[], T]:
+    def around_persist(
+        self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], T]
+    ) -> Callable[[], T]:
         """The writer job of a persist: commit the slot, then write it to disk; the slot stays
         untouched by memory snapshots until the write is done."""
         self._persisting = target.slot.slot

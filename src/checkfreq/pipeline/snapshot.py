@@ -108,7 +108,9 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[CopyPiece]:
     (docs/performance.md). Views that are not plain contiguous memory (strided, lazily
     conjugated or negated) are copied whole with ``copy_``.
     """
-    if not (src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())):
+    if not (
+        src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and not (src.is_conj() or src.is_neg())
+    ):
         return [(dst, src)]
     nbytes = src.numel() * src.element_size()
     d, s = dst.data_ptr(), src.data_ptr()
@@ -147,7 +149,12 @@ class Snapshotter:
         return self._buffer, self._views
 
     def take(
-        self, tensors: Mapping[str, torch.Tensor], deferred: Collection[str], *, layout: Layout | None = None, buffer: torch.Tensor | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        deferred: Collection[str],
+        *,
+        layout: Layout | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> PendingSnapshot:
         """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced).
 
@@ -165,7 +172,7 @@ class Snapshotter:
         later_cpu: CopyPairs = []
         cuda_now: dict[torch.device, CopyPairs] = {}
         cuda_later: dict[torch.device, CopyPairs] = {}
-        for slot, view in zip(layout.slots, views):
+        for slot, view in zip(layout.slots, views, strict=True):
             src = tensors[slot.name]
             later = slot.name in deferred
             if src.is_cuda:
@@ -174,7 +181,9 @@ class Snapshotter:
                 (later_cpu if later else now_cpu).append((view, src))
         pending = PendingSnapshot(layout, buffer, later_cpu)
         for device in set(cuda_now) | set(cuda_later):
-            pending.cuda_done.append(self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, [])))
+            pending.cuda_done.append(
+                self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, []))
+            )
         with torch.no_grad():
             for dst, src in now_cpu:
                 dst.copy_(src)

@@ -46,7 +46,14 @@ class Uploader:
     """
 
     def __init__(
-        self, local: LocalStore, remote: Store, peers: Peers, *, token: str, retention: Retention, local_retainer: Retainer
+        self,
+        local: LocalStore,
+        remote: Store,
+        peers: Peers,
+        *,
+        token: str,
+        retention: Retention,
+        local_retainer: Retainer,
     ) -> None:
         self.local, self.remote, self.peers, self.token = local, remote, peers, token
         self._retention = retention

@@ -38,7 +38,8 @@ class DecisionContext:
     epoch_changed: bool = False
     loss: float | None = None
     checkpoint_cost: float = math.nan
-    """What a checkpoint cost the loop, measured: its stall plus the extra time of the iterations its persist overlapped."""
+    """What a checkpoint cost the loop, measured: its stall plus the extra time of the iterations its
+    persist overlapped."""
 
 
 
@@ -79,8 +80,9 @@ def params_of(policy: Any) -> dict[str, Any]:
 def check_params(policy: Any, state: Mapping[str, Any]) -> None:
     saved, current = state.get("params"), params_of(policy)
     if saved != current:
-        raise InvalidArgumentError(f"state saved by {type(policy).__name__}({saved}), this run uses {type(policy).__name__}({current})")
-
+        raise InvalidArgumentError(
+            f"state saved by {type(policy).__name__}({saved}), this run uses {type(policy).__name__}({current})"
+        )
 
 
 def state_number(state: Mapping[str, Any], key: str, *, low: float = 0.0) -> float:

@@ -35,8 +35,8 @@ class ConvergenceAware:
     """Denser checkpoints early, sparser late: lost progress valued by what it bought (docs/algorithms.md §3).
 
     Fits ``L = a + b·(step + w0)^(−c)`` to the losses passed to ``step(loss=…)`` every
-    ``refit_every`` steps (every tenth of the steps so far, later on) and adopts a new fit only when its value weight ``ω`` moved by more
-    than ``replan_tolerance``. The interval at the current step is the closed form
+    ``refit_every`` steps (every tenth of the steps so far, later on) and adopts a new fit only when
+    its value weight ``ω`` moved by more than ``replan_tolerance``. The interval at the current step is the closed form
     ``sqrt(2·C_b·M / ω^β)`` clamped to ``[max(t_i, C_p), M]``; with ``exact=True`` the remaining
     checkpoints are placed by the dynamic program instead. ``horizon`` is the planned training
     time in seconds (converted to steps with the measured iteration time). Until a fit exists it
@@ -66,11 +66,15 @@ class ConvergenceAware:
         for name in ("mtbf", "horizon"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
-                raise InvalidArgumentError(f"ConvergenceAware: {name} must be a positive number of seconds, got {value}")
+                raise InvalidArgumentError(
+                    f"ConvergenceAware: {name} must be a positive number of seconds, got {value}"
+                )
         if not (self.beta >= 0 and math.isfinite(self.beta)):
             raise InvalidArgumentError(f"ConvergenceAware: beta must be >= 0, got {self.beta}")
         if self.refit_every < 1 or self.max_points < 16 or not self.replan_tolerance > 0:
-            raise InvalidArgumentError("ConvergenceAware: need refit_every >= 1, max_points >= 16, replan_tolerance > 0")
+            raise InvalidArgumentError(
+                "ConvergenceAware: need refit_every >= 1, max_points >= 16, replan_tolerance > 0"
+            )
         self._fallback = YoungDaly(self.mtbf)
 
     def should_save(self, ctx: DecisionContext) -> bool:
@@ -111,7 +115,12 @@ class ConvergenceAware:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_params(self, state)
-        steps, losses, curve, plan = state_numbers(state, "steps"), state_numbers(state, "losses"), state.get("curve"), state.get("plan")
+        steps, losses, curve, plan = (
+            state_numbers(state, "steps"),
+            state_numbers(state, "losses"),
+            state.get("curve"),
+            state.get("plan"),
+        )
         if len(steps) != len(losses) or len(steps) > self.max_points:
             raise InvalidArgumentError(f"'steps' and 'losses' must be lists of equal length <= {self.max_points}")
         if curve is not None and not (isinstance(curve, Mapping) and set(curve) == {"a", "b", "w0", "c"}):
@@ -125,7 +134,11 @@ class ConvergenceAware:
         if not isinstance(state.get("fallback"), Mapping) or stride < 1:
             raise InvalidArgumentError("ConvergenceAware's state needs 'fallback' and a 'stride' >= 1")
         fallback.load_state_dict(state["fallback"])
-        self.interval, self.reason, next_fit = state_count(state, "interval"), state_text(state, "reason"), state_count(state, "next_fit")
+        self.interval, self.reason, next_fit = (
+            state_count(state, "interval"),
+            state_text(state, "reason"),
+            state_count(state, "next_fit"),
+        )
         self.curve, self._plan, self._fallback, self._stride, self._next_fit = fit, placed, fallback, stride, next_fit
         self._steps, self._losses = steps, losses
 
@@ -167,7 +180,8 @@ class ConvergenceAware:
             self._plan = self._place_exact(ctx)
         k = self._closed_form(ctx, ctx.step)
         self.reason = (
-            f"loss fit a={fit.a:.3g} b={fit.b:.3g} w0={fit.w0:.3g} c={fit.c:.3g}: ω={fit.weight(ctx.step, horizon):.3g} "
+            f"loss fit a={fit.a:.3g} b={fit.b:.3g} w0={fit.w0:.3g} c={fit.c:.3g}: "
+            f"ω={fit.weight(ctx.step, horizon):.3g} "
             f"at step {ctx.step}, β={self.beta:g} → every {k} steps now"
             + (f" (exact placement, {self._plan.size} checkpoints left)" if self._plan is not None else "")
         )

@@ -72,7 +72,12 @@ def fit_power_law(w: np.ndarray, loss: np.ndarray) -> LossCurve | None:
     fit: LossCurve | None = coarse
     for spread in (0.2, 0.04):  # zoom in twice around the best point
         assert fit is not None
-        fit = _grid_fit(w, loss, fit.c * np.exp(np.linspace(-spread, spread, 15)), fit.w0 * np.exp(np.linspace(-3 * spread, 3 * spread, 15)))
+        fit = _grid_fit(
+            w,
+            loss,
+            fit.c * np.exp(np.linspace(-spread, spread, 15)),
+            fit.w0 * np.exp(np.linspace(-3 * spread, 3 * spread, 15)),
+        )
     return fit
 
 

@@ -43,7 +43,9 @@ class MemoryCadence:
     _warm: bool = False
 
     def __post_init__(self) -> None:
-        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
+        if self.every is not None and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
+        ):
             raise InvalidArgumentError(f"the memory cadence must be a positive number of steps, got {self.every!r}")
         if not 0 < self.overhead < 1:
             raise InvalidArgumentError(f"overhead must lie in (0, 1), got {self.overhead}")

@@ -130,12 +130,28 @@ class Overhead:
         costs = state.get("planned_costs_s")
         if not isinstance(costs, list) or len(costs) not in (0, 3):
             raise InvalidArgumentError(f"'planned_costs_s' must be a list of three numbers, got {costs!r}")
-        interval, reason, window = state_count(state, "interval"), state_text(state, "reason"), state_numbers(state, "window")
-        correction, spent, productive = (state_number(state, k, low=lo) for k, lo in (("correction", 1.0), ("spent_s", -math.inf), ("productive_s", 0.0)))
+        interval, reason, window = (
+            state_count(state, "interval"),
+            state_text(state, "reason"),
+            state_numbers(state, "window"),
+        )
+        correction, spent, productive = (
+            state_number(state, k, low=lo)
+            for k, lo in (("correction", 1.0), ("spent_s", -math.inf), ("productive_s", 0.0))
+        )
         if any(math.isnan(x) for x in (correction, spent, productive)):
             raise InvalidArgumentError("'correction', 'spent_s' and 'productive_s' must be numbers")
-        planned_iteration, planned_costs = state_number(state, "planned_iteration_s"), tuple(state_number({"cost": c}, "cost") for c in costs)
-        self.interval, self.reason, self.correction, self._spent, self._productive = interval, reason, correction, spent, productive
+        planned_iteration, planned_costs = (
+            state_number(state, "planned_iteration_s"),
+            tuple(state_number({"cost": c}, "cost") for c in costs),
+        )
+        self.interval, self.reason, self.correction, self._spent, self._productive = (
+            interval,
+            reason,
+            correction,
+            spent,
+            productive,
+        )
         self._planned_iteration, self._planned_costs = planned_iteration, planned_costs
         self._window, self._why, self._cycles, self._resumed = deque(window), why, _Cycles(), True
 

@@ -18,9 +18,10 @@ Every rank of a distributed job appends to the same log:
   fence wait for its deferred copies at the next optimizer step);
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
-- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier", "seeded", "world_size", "saved_world_size"}`` —
-  ``tier`` is where the state came from: ``"memory"``, ``"local"`` or ``"remote"``; ``seeded`` lists
-  what the checkpoint carried into the new session (``"profile"``, ``"policy"``).
+- ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier", "seeded", "world_size",
+  "saved_world_size"}`` — ``tier`` is where the state came from: ``"memory"``, ``"local"`` or
+  ``"remote"``; ``seeded`` lists what the checkpoint carried into the new session (``"profile"``,
+  ``"policy"``).
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 

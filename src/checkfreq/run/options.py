@@ -20,8 +20,8 @@ from checkfreq.run.state import Stateful
 
 PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
 LOADER_HINT = (
-    "use checkfreq.data.resumable.ResumableLoader(dataset, batch_size, shuffle=..., seed=...), which takes DataLoader's "
-    "arguments, or torchdata's StatefulDataLoader"
+    "use checkfreq.data.ResumableLoader(dataset, batch_size, shuffle=..., seed=...), "
+    "which takes DataLoader's arguments, or torchdata's StatefulDataLoader"
 )
 
 
@@ -42,7 +42,9 @@ def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "")
     return ArgumentTypeError(message)
 
 
-def check_objects(caller: str, objects: Mapping[str, Any], options: Iterable[str], option_types: tuple[type, ...] = ()) -> None:
+def check_objects(
+    caller: str, objects: Mapping[str, Any], options: Iterable[str], option_types: tuple[type, ...] = ()
+) -> None:
     """Refuse every keyword in ``objects`` that is not a stateful object to register.
 
     A value of one of ``option_types`` (a policy) is a misspelled option even when it
@@ -102,7 +104,7 @@ def check_registration(objects: Mapping[str, Any], values: Mapping[str, Any], re
         if getattr(obj, "use_stateful_dataloader", None) is False:  # has state_dict(), but no position to give
             raise InvalidArgumentError(
                 f"{name!r} is a {type(obj).__name__} prepared by Accelerate, which cannot save its position; "
-                "register a checkfreq.data.resumable.ResumableLoader (not passed to accelerator.prepare) instead"
+                "register a checkfreq.data.ResumableLoader (not passed to accelerator.prepare) instead"
             )
     both = sorted(set(objects) & set(values))
     if both:

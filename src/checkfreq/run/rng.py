@@ -29,7 +29,10 @@ class RNGState:
         if "cuda" in state and torch.cuda.is_available():
             saved = state["cuda"]
             if len(saved) != torch.cuda.device_count():
-                raise ValueError(f"checkpoint has RNG states of {len(saved)} CUDA devices, this process sees {torch.cuda.device_count()}")
+                raise ValueError(
+                    f"checkpoint has RNG states of {len(saved)} CUDA devices, "
+                    f"this process sees {torch.cuda.device_count()}"
+                )
             torch.cuda.set_rng_state_all([s.clone() for s in saved])
 
 

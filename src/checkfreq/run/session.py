@@ -21,7 +21,9 @@ from checkfreq.run.state import type_name
 log = logging.getLogger("checkfreq")
 
 
-def run_state(step: int, optimizers: Mapping[str, torch.optim.Optimizer], profiler: Profiler, policy: Policy) -> dict[str, Any]:
+def run_state(
+    step: int, optimizers: Mapping[str, torch.optim.Optimizer], profiler: Profiler, policy: Policy
+) -> dict[str, Any]:
     """The reserved ``checkfreq`` entry of a checkpoint taken at ``step``."""
     state: dict[str, Any] = {
         "global_step": step,
@@ -59,5 +61,9 @@ def seed_session(saved: Any, policy: Policy) -> tuple[Profiler, list[str]]:
             policy.load_state_dict(saved_policy["state"])
             seeded.append("policy")
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            log.warning("not resuming the saved state of the %s policy (%s); it plans afresh from this session's measurements", name, e)
+            log.warning(
+                "not resuming the saved state of the %s policy (%s); it plans afresh from this session's measurements",
+                name,
+                e,
+            )
     return profiler, seeded

@@ -102,7 +102,8 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
             if marker == "__pickle__":
                 if not allow_pickle:
                     raise UnserializableStateError(
-                        "this checkpoint holds pickled values; restore with allow_pickle=True only if you trust its source"
+                        "this checkpoint holds pickled values; "
+                        "restore with allow_pickle=True only if you trust its source"
                     )
                 return pickle.loads(base64.b64decode(payload))  # opt-in: README "On disk" and docs/reliability.md
         return {k: decode(v) for k, v in node.items()}
@@ -195,7 +196,8 @@ def check_optimizer_state(
     with the same parameter groups, and that per-parameter tensors match their parameters' shapes."""
     if saved_type is not None and saved_type != type_name(optimizer):
         raise StateMismatchError(
-            f"checkpoint does not fit {name!r}: it was written by a {saved_type}, this optimizer is a {type_name(optimizer)}"
+            f"checkpoint does not fit {name!r}: it was written by a {saved_type}, "
+            f"this optimizer is a {type_name(optimizer)}"
         )
     groups = state.get("param_groups") if isinstance(state, Mapping) else None
     if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
@@ -204,14 +206,14 @@ def check_optimizer_state(
             f"parameter groups in checkpoint, {len(optimizer.param_groups)} in optimizer"
         )
     params: dict[Any, torch.Tensor] = {}
-    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
         ids = saved.get("params", []) if isinstance(saved, Mapping) else []
         if len(ids) != len(live["params"]):
             raise StateMismatchError(
                 f"checkpoint does not fit {name!r}: group {i} has {len(ids)} parameters in checkpoint, "
                 f"{len(live['params'])} in optimizer"
             )
-        params.update(zip(ids, live["params"]))
+        params.update(zip(ids, live["params"], strict=True))
     problems = []
     for pid, entry in (state.get("state") or {}).items():
         param = params.get(pid)
@@ -257,7 +259,7 @@ def _into_live(saved: Any, live: Any) -> Any:
         return {k: _into_live(v, live.get(k)) for k, v in saved.items()}
     if isinstance(saved, (list, tuple)):
         live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
-        return type(saved)(_into_live(v, w) for v, w in zip(saved, live))
+        return type(saved)(_into_live(v, w) for v, w in zip(saved, live, strict=True))
     return saved
 
 

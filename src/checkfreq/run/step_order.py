@@ -41,11 +41,12 @@ class StepOrder:
         self._scales = [s.get_scale() for s in self._scalers]
 
     def check(self, step: int) -> None:
-        """Raise :class:`UsageError` if ``step()`` (counting ``step``) comes before any optimizer step of the session."""
+        """Raise :class:`UsageError` if ``step()`` (counting ``step``) comes before any optimizer step
+        of the session."""
         if self._checked:
             return
         self._checked = True
-        if self._stepped or any(s.get_scale() < before for s, before in zip(self._scalers, self._scales)):
+        if self._stepped or any(s.get_scale() < before for s, before in zip(self._scalers, self._scales, strict=True)):
             return  # an optimizer stepped, or a GradScaler skipped its step on an overflow
         raise UsageError(
             f"Checkpointer.step() was called for step {step} before any registered optimizer stepped in this "

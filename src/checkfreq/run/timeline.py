@@ -67,7 +67,9 @@ class Timeline:
         self.clean_count, self.clean_seconds = 0, 0.0
         return window
 
-    def context(self, now: float, profiler: Profiler, *, persist_in_flight: bool, epoch: int | None, loss: float | None) -> DecisionContext:
+    def context(
+        self, now: float, profiler: Profiler, *, persist_in_flight: bool, epoch: int | None, loss: float | None
+    ) -> DecisionContext:
         """What a policy decides from at the current step."""
         changed = self._last_epoch is not None and epoch != self._last_epoch
         self._last_epoch = epoch

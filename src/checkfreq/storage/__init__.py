@@ -49,7 +49,9 @@ def open_store(target: str | os.PathLike[str] | Store, *, create: bool = True) -
     return FsspecStore(text, create=create)
 
 
-def open_tiers(directory: str | os.PathLike[str] | Store, remote: str | os.PathLike[str] | Store | None) -> tuple[Store, Store | None]:
+def open_tiers(
+    directory: str | os.PathLike[str] | Store, remote: str | os.PathLike[str] | Store | None
+) -> tuple[Store, Store | None]:
     """The stores of a Checkpointer: its directory and, if given, the remote tier behind it
     (which needs a local directory in front); both checked writable now."""
     local = open_store(directory)

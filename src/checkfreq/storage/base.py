@@ -2,10 +2,10 @@
 
 The engine (``Checkpointer``) talks to storage only through :class:`Store`: it asks for a
 staging location, streams files into it (data files first, ``manifest.json`` last), commits it,
-lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.policies.retention` says which). How a commit is made
-atomic is the store's business: a local directory renames a fully fsynced staging directory;
-an object store has no atomic rename, so the manifest, written last, is the commit marker and a
-checkpoint without one is never listed.
+lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.policies.retention`
+says which). How a commit is made atomic is the store's business: a local directory renames a
+fully fsynced staging directory; an object store has no atomic rename, so the manifest, written
+last, is the commit marker and a checkpoint without one is never listed.
 """
 
 from __future__ import annotations

@@ -180,7 +180,9 @@ def encode_header(layout: Layout, record: Any = None) -> bytes:
     })
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
-        raise PersistError(f"a data file header would be {len(raw)} bytes, over the {MAX_HEADER_BYTES} bytes a reader accepts")
+        raise PersistError(
+            f"a data file header would be {len(raw)} bytes, over the {MAX_HEADER_BYTES} bytes a reader accepts"
+        )
     raw += b" " * (-(len(raw) + 8) % BLOCK_BYTES)
     return struct.pack("<Q", len(raw)) + raw
 
@@ -255,7 +257,9 @@ class Manifest:
         doc = {"format": "checkfreq", "schema_version": SCHEMA_VERSION, **self.__dict__}
         raw = json.dumps(doc, indent=1, allow_nan=True).encode()
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise PersistError(f"manifest.json would be {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} bytes a reader accepts")
+            raise PersistError(
+                f"manifest.json would be {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} bytes a reader accepts"
+            )
         return raw
 
     @classmethod
@@ -281,7 +285,9 @@ class Manifest:
                 state=doc["state"],
                 versions=_expect(doc["versions"], dict, "versions"),
                 created=float(_expect(doc["created"], (int, float), "created")),
-                distributed=None if doc.get("distributed") is None else _expect(doc["distributed"], dict, "distributed"),
+                distributed=None
+                if doc.get("distributed") is None
+                else _expect(doc["distributed"], dict, "distributed"),
             )
         except KeyError as e:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None
@@ -350,8 +356,12 @@ def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, Tenso
             continue
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"data file {file_name} describes tensor {name!r} with no object")
-        entries[name] = TensorEntry(file=file_name, dtype=entry.get("dtype"), shape=entry.get("shape"),  # type: ignore[typeddict-item]
-                                    offsets=entry.get("data_offsets"))  # type: ignore[typeddict-item]
+        entries[name] = TensorEntry(
+            file=file_name,
+            dtype=entry.get("dtype"),
+            shape=entry.get("shape"),  # type: ignore[typeddict-item]
+            offsets=entry.get("data_offsets"),
+        )  # type: ignore[typeddict-item]
     return entries
 
 

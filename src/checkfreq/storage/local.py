@@ -39,12 +39,18 @@ def _locked_message(root: Path, pid: str) -> str:
     (its command line where this machine can see it), and what to do."""
     where = f"checkpoint directory {root.resolve()} is locked by another checkfreq writer"
     if pid == str(os.getpid()):
-        return f"{where} in this process (pid {pid}): close() the Checkpointer open on it first, or use another directory"
+        return (
+            f"{where} in this process (pid {pid}): close() the Checkpointer open on it first, or use another directory"
+        )
     try:
-        command = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        command = " ".join(
+            Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+        )
     except (OSError, ValueError):
         command = ""  # not on this machine (a shared filesystem), or no /proc
-    holder = f"pid {pid or 'unknown'}" + (f": {command[:77]}..." if len(command) > 80 else f": {command}" if command else "")
+    holder = f"pid {pid or 'unknown'}" + (
+        f": {command[:77]}..." if len(command) > 80 else f": {command}" if command else ""
+    )
     return f"{where} ({holder}); wait for it to end or stop it, or give this job a directory of its own"
 
 
@@ -75,7 +81,9 @@ class LocalStore:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise CheckpointDirectoryError(e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}") from None
+                raise CheckpointDirectoryError(
+                    e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}"
+                ) from None
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {self.root} does not exist")
         self._lock_fd: int | None = None
@@ -101,7 +109,9 @@ class LocalStore:
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise DirectoryLockedError(_locked_message(self.root, (self.root / LOCK_NAME).read_text().strip())) from None
+                raise DirectoryLockedError(
+                    _locked_message(self.root, (self.root / LOCK_NAME).read_text().strip())
+                ) from None
             raise
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())

@@ -106,7 +106,9 @@ def _write_all(fd: int, chunk: memoryview, offset: int) -> None:
         chunk, offset = chunk[written:], offset + written
 
 
-def read_data_file(path: Path, size: int, checksum: str, *, verified: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+def read_data_file(
+    path: Path, size: int, checksum: str, *, verified: bool = False
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Verify a data file; return its data section (flat ``uint8``) and parsed header.
 
     The section is a private, copy-on-write memory mapping of the file: the checksum is computed

@@ -147,7 +147,9 @@ class FsspecStore:
             raise CorruptCheckpointError(f"{MANIFEST_NAME} cannot be read: {e}") from None
         return Manifest.from_json(raw)
 
-    def read_data(self, location: PurePosixPath, name: str, size: int, checksum: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def read_data(
+        self, location: PurePosixPath, name: str, size: int, checksum: str
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         path = str(location / name)
         try:
             actual = self.fs.size(path)

@@ -224,7 +224,9 @@ class MemoryRegion:
         except OSError as e:
             self.path.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise ShmCapacityError(f"{directory} ran out of space reserving {size / 2**20:.1f} MiB for the memory tier") from None
+                raise ShmCapacityError(
+                    f"{directory} ran out of space reserving {size / 2**20:.1f} MiB for the memory tier"
+                ) from None
             raise
         finally:
             os.close(fd)

@@ -177,7 +177,9 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
     return sorted(found, key=lambda s: -s.step)
 
 
-def _statuses(store: Store, *, checksums: bool, remote: Store | None = None) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
+def _statuses(
+    store: Store, *, checksums: bool, remote: Store | None = None
+) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
     for _, location in store.checkpoints():
         ref = CheckpointRef(store, location)
         yield check_checkpoint(ref, checksums=checksums, remote=remote), ref
@@ -221,7 +223,11 @@ def _absent_files(ref: CheckpointRef, manifest: Manifest) -> list[str]:
     leader), and this directory is the one of the ranks whose files it holds. A file of this
     directory's ranks that is missing is not absent but lost (checking it says so)."""
     directories = (manifest.distributed or {}).get("directories")
-    if not isinstance(ref.store, LocalStore) or not isinstance(directories, list) or len(directories) != manifest.world_size:
+    if (
+        not isinstance(ref.store, LocalStore)
+        or not isinstance(directories, list)
+        or len(directories) != manifest.world_size
+    ):
         return []
     files = [data_file_name(rank) for rank in range(manifest.world_size)]
     here = {directories[rank] for rank, name in enumerate(files) if ref.store.file_size(ref.location, name) is not None}
@@ -230,7 +236,9 @@ def _absent_files(ref: CheckpointRef, manifest: Manifest) -> list[str]:
     return [name for rank, name in enumerate(files) if directories[rank] not in here]
 
 
-def _check_node_files(ref: CheckpointRef, manifest: Manifest, absent: list[str], checksums: bool, remote: Store | None) -> list[int]:
+def _check_node_files(
+    ref: CheckpointRef, manifest: Manifest, absent: list[str], checksums: bool, remote: Store | None
+) -> list[int]:
     """Check the files a node-local directory holds, and the others in ``remote`` if given; return
     the ranks whose files were not checked."""
     remote_location = None
@@ -238,7 +246,9 @@ def _check_node_files(ref: CheckpointRef, manifest: Manifest, absent: list[str],
         remote_location = dict(remote.checkpoints()).get(manifest.step)
         if remote_location is None:
             raise CorruptCheckpointError(
-                f"data files {', '.join(absent)} are not in this directory, and {remote.root} does not list the checkpoint")
+                f"data files {', '.join(absent)} are not in this directory, "
+                f"and {remote.root} does not list the checkpoint"
+            )
     for name, entry in manifest.files.items():
         store, location = (ref.store, ref.location) if name not in absent else (remote, remote_location)
         if store is None:
@@ -358,7 +368,9 @@ def load_state(ref: CheckpointRef, only: str | None = None) -> tuple[Manifest, A
     state = unflatten(manifest.state, tensors, allow_pickle=False)
     if only is not None:
         if only not in state:
-            raise UnknownObjectError(f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}")
+            raise UnknownObjectError(
+                f"checkpoint {ref.name} has no object {only!r}; it holds {', '.join(sorted(state))}"
+            )
         state = state[only]
     return manifest, _plain(state)
 
@@ -498,7 +510,9 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff
     ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
     manifest_a, tensors_a = _read_side("A", ref_a)
     manifest_b, tensors_b = _read_side("B", ref_b)
-    rows = [_compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())]
+    rows = [
+        _compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())
+    ]
     order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
     rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
     return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows)

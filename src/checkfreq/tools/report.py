@@ -175,13 +175,28 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
         kind = event.get("event")
         if kind == "start":
             new_session, sessions = True, sessions + 1
-            report.starts.append({"time": event["time"], "policy": event.get("policy"), "restored_step": None, "seeded": [],
-                                  "resized": None})
+            report.starts.append(
+                {
+                    "time": event["time"],
+                    "policy": event.get("policy"),
+                    "restored_step": None,
+                    "seeded": [],
+                    "resized": None,
+                }
+            )
         elif kind == "restore":
             new_session = True
             sizes = (event.get("saved_world_size"), event.get("world_size"))
-            report.restores.append({"time": event["time"], "step": event.get("step"), "skipped": event.get("skipped", []),
-                                    "tier": event.get("tier"), "saved_world_size": sizes[0], "world_size": sizes[1]})
+            report.restores.append(
+                {
+                    "time": event["time"],
+                    "step": event.get("step"),
+                    "skipped": event.get("skipped", []),
+                    "tier": event.get("tier"),
+                    "saved_world_size": sizes[0],
+                    "world_size": sizes[1],
+                }
+            )
             if report.starts and report.starts[-1]["restored_step"] is None:
                 report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])),
                                          resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
@@ -251,7 +266,11 @@ def _apply_outcome(record: CheckpointRecord, event: dict[str, Any]) -> None:
     if kind == "fence":
         record.stall_s = event.get("stall_s", record.stall_s)
     elif kind == "commit":
-        record.status, record.persist_s, record.bandwidth_gbps = "committed", event.get("persist_s"), event.get("bandwidth_gbps")
+        record.status, record.persist_s, record.bandwidth_gbps = (
+            "committed",
+            event.get("persist_s"),
+            event.get("bandwidth_gbps"),
+        )
         record.bytes = event.get("bytes", record.bytes)  # the file as written, header included
     else:
         record.status, record.error = "failed", event.get("message")
@@ -260,7 +279,9 @@ def _apply_outcome(record: CheckpointRecord, event: dict[str, Any]) -> None:
 def _estimate_overheads(records: list[CheckpointRecord]) -> None:
     run_clean = _clean_mean(records)
     for r in records:
-        r.baseline_iteration_s = next((v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None)
+        r.baseline_iteration_s = next(
+            (v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None
+        )
         if not r.first_of_session and r.interval_steps and r.interval_s and r.baseline_iteration_s:
             r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.interval_s
 
@@ -353,7 +374,8 @@ def summary_text(report: RunReport) -> str:
     assert s is not None
     lines = [
         f"run {report.directory}: {s.checkpoints} checkpoints ({s.committed} committed, {s.failed} failed, "
-        f"{s.unfinished} unfinished), {s.sessions} session(s), {s.restores} restore(s), {human_seconds(s.wall_s)} logged",
+        f"{s.unfinished} unfinished), {s.sessions} session(s), {s.restores} restore(s), "
+        f"{human_seconds(s.wall_s)} logged",
     ]
     if s.checkpoints:
         lines.append(
@@ -374,7 +396,8 @@ def summary_text(report: RunReport) -> str:
             for rank, stalls in report.rank_stalls.items()
         ))
     lines.append(
-        f"iteration: {human_seconds(s.clean_iteration_s)} clean; smoothed {human_seconds(s.iteration_s)} without a persist, "
+        f"iteration: {human_seconds(s.clean_iteration_s)} clean; "
+        f"smoothed {human_seconds(s.iteration_s)} without a persist, "
         f"{human_seconds(s.iteration_persisting_s)} while persisting"
     )
     if report.memory_snapshots:
@@ -429,8 +452,8 @@ def human_bytes(nbytes: int | None) -> str:
         return "n/a"
     if nbytes < 1000:
         return f"{nbytes} B"
-    value, unit = float(nbytes), "B"
-    for unit in ("kB", "MB", "GB", "TB"):
+    value = float(nbytes)
+    for unit in ("kB", "MB", "GB", "TB"):  # noqa: B007 - the unit the loop stops at is the answer
         value /= 1000
         if value < 1000:
             break
@@ -447,7 +470,9 @@ def plotted_overhead(report: RunReport) -> list[float | None]:
     """Each record's overhead as the figure plots it: ``None`` for a window too short to mean anything."""
     medians = {s.index: s.interval_median_steps for s in report.sessions}
     return [
-        None if r.overhead is None or (r.interval_steps or 0) < SHORT_WINDOW * (medians.get(r.session) or 0) else r.overhead
+        None
+        if r.overhead is None or (r.interval_steps or 0) < SHORT_WINDOW * (medians.get(r.session) or 0)
+        else r.overhead
         for r in report.records
     ]
 
@@ -476,7 +501,9 @@ def render_figure(report: RunReport) -> Any:
     axes[1].vlines(x, 0, [1e3 * (r.stall_s or 0) for r in recs], color="C0")
     memory = report.memory_snapshots
     memory_x = [m["time"] - t0 for m in memory]
-    _series(axes[1], memory_x, [m["stall_s"] for m in memory], [0] * len(memory), "memory snapshot", 1e3, "x", color="C2")
+    _series(
+        axes[1], memory_x, [m["stall_s"] for m in memory], [0] * len(memory), "memory snapshot", 1e3, "x", color="C2"
+    )
     axes[1].set_ylabel("stall (ms)")
     if memory:
         axes[1].legend(loc="best", fontsize="small")
@@ -515,11 +542,11 @@ def _series(
 ) -> None:
     """Plot the points that have a value, one line per session, in one colour under one legend entry."""
     by_session: dict[int, list[tuple[float, float]]] = {}
-    for xi, y, session in zip(x, ys, sessions):
+    for xi, y, session in zip(x, ys, sessions, strict=True):
         if y is not None:
             by_session.setdefault(session, []).append((xi, scale * y))
     for points in by_session.values():
-        (line,) = ax.plot(*zip(*points), style, label=label, markersize=3, **kw)
+        (line,) = ax.plot(*zip(*points, strict=True), style, label=label, markersize=3, **kw)
         label, kw = "_nolegend_", {**kw, "color": line.get_color()}
     ax.grid(True, alpha=0.3)
 
@@ -601,7 +628,9 @@ def write_tensorboard(report: RunReport, logdir: str | os.PathLike[str]) -> int:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise CheckfreqError("TensorBoard output needs the tensorboard package: pip install 'checkfreq[tensorboard]'") from e
+        raise CheckfreqError(
+            "TensorBoard output needs the tensorboard package: pip install 'checkfreq[tensorboard]'"
+        ) from e
     written = 0
     writer = SummaryWriter(os.fspath(logdir))
     try:
@@ -624,7 +653,9 @@ class ReportFiles:
     html: str
 
 
-def write_report(directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> tuple[RunReport, ReportFiles]:
+def write_report(
+    directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
+) -> tuple[RunReport, ReportFiles]:
     """Load a run's event log and write ``report.png`` and ``report.html`` into ``out`` (default: the run directory)."""
     report = load_run(directory)
     out_dir = Path(directory if out is None else out)

@@ -7,7 +7,7 @@ passes the encoded value to itself, so both paths decode the same thing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 ALL_FILES = "all"
 """``Summary.held`` for a directory that holds every data file of the checkpoint."""
@@ -118,7 +118,7 @@ class Refusal:
         return {"problem": self.problem}
 
 
-Order = Union[ReadOrder, ExchangeOrder, Refusal]
+Order = ReadOrder | ExchangeOrder | Refusal
 
 
 def decode_order(wire: dict[str, Any]) -> Order:

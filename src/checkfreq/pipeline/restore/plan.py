@@ -124,7 +124,9 @@ class ReadPlan:
         for view in summaries:
             if view.held is None:  # what its directory's leader found there
                 view.held = summaries[view.directory_leader].held
-        return unreachable(manifest, summaries) or cls(manifest, summaries, streamable=streamable, replicated=replicated)
+        return unreachable(manifest, summaries) or cls(
+            manifest, summaries, streamable=streamable, replicated=replicated
+        )
 
     def _to_remote(self, names: list[str]) -> None:
         """Give each of ``names`` a reader of the remote tier, the least busy first."""
@@ -181,7 +183,12 @@ class ReadPlan:
                 if reader == rank:
                     continue
                 holds = view.held == ALL_FILES or name in held
-                if holds and self.tier[name] == "local" and view.cache is not None and view.cache == self.views[reader].cache:
+                if (
+                    holds
+                    and self.tier[name] == "local"
+                    and view.cache is not None
+                    and view.cache == self.views[reader].cache
+                ):
                     order.map.append(name)
                 else:
                     order.receive.append((name, reader))

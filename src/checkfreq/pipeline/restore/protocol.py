@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xxhash
@@ -105,7 +106,9 @@ class Readable:
                 needs.update(chunk_holders(entry["shape"], entry["chunked"], saved_world, box))
             elif saved_world != world_size:
                 return None
-        return sorted(needs)  # at the same world size, a layout not recorded is taken for the saved one: checked once read
+        return sorted(
+            needs
+        )  # at the same world size, a layout not recorded is taken for the saved one: checked once read
 
 
 class Restorer:
@@ -231,7 +234,11 @@ class Restorer:
         if self.directory_leader != self.peers.rank:
             held = None  # one rank of a directory looks: the others would repeat its N lookups
         else:
-            held = set() if local is None else {name for name in manifest.files if self.local.file_size(local, name) is not None}
+            held = (
+                set()
+                if local is None
+                else {name for name in manifest.files if self.local.file_size(local, name) is not None}
+            )
         return Readable(step, manifest, held, remote is not None)
 
     def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
@@ -291,8 +298,12 @@ class Restorer:
             failed, short_of = self._outcome(problem, short)
             if short_of is not None:
                 if self.peers.rank == 0:
-                    log.info("checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
-                             "shards were laid out otherwise); every rank gets every file", checkpoint_name(step), *short_of)
+                    log.info(
+                        "checkpoint %s: the data files rank %d got do not hold all of its block of %s (the "
+                        "shards were laid out otherwise); every rank gets every file",
+                        checkpoint_name(step),
+                        *short_of,
+                    )
                 return self._restore_step(step, own_shards=False)
         if failed:
             return "; ".join(failed)
@@ -317,7 +328,9 @@ class Restorer:
         damaged = {}
         for name, tier in order.read:
             try:
-                files[name] = self._read_file(tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name])
+                files[name] = self._read_file(
+                    tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name]
+                )
                 if stream is not None:
                     packs[name] = stream.row(name, *files[name])
                 tiers.add(tier)
@@ -372,7 +385,9 @@ class Restorer:
         assert isinstance(self.local, LocalStore)  # only a local directory shares a page cache
         return self.local.map_data(location, name, entry["size"], entry["xxh3_64"])
 
-    def _read_file(self, tier: str, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _read_file(
+        self, tier: str, location: Any, name: str, entry: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
             raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
         store = self.local if tier == "local" else self.remote

@@ -46,7 +46,7 @@ class ReplicatedStream:
         except (KeyError, TypeError, AttributeError):
             return None
         tensors, start = [], 0
-        for (name, entry), (_, numel, itemsize) in zip(replicated, sizes):
+        for (name, entry), (_, numel, itemsize) in zip(replicated, sizes, strict=True):
             tensors.append((name, entry["dtype"], tuple(entry["shape"]), start))
             start += numel * itemsize
         return cls(tuple(tensors), sizes, tuple(cuts(sizes, manifest.world_size)))
@@ -54,7 +54,7 @@ class ReplicatedStream:
     @property
     def width(self) -> int:
         """A row's length: a file index (8 bytes) and the longest file's range, in whole 8-byte words."""
-        longest = max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+        longest = max(b - a for a, b in zip(self.cuts, self.cuts[1:], strict=False))
         return 8 + -(-longest // 8) * 8
 
     def empty_row(self) -> torch.Tensor:
@@ -99,7 +99,9 @@ class ReplicatedStream:
         files = len(self.cuts) - 1
         order = torch.argsort(index)
         if not torch.equal(index[order], torch.arange(files)):
-            raise CorruptCheckpointError(f"the ranks' rows hold files {sorted(index.tolist())[:8]}…, not each of the {files} once")
+            raise CorruptCheckpointError(
+                f"the ranks' rows hold files {sorted(index.tolist())[:8]}…, not each of the {files} once"
+            )
         lengths = torch.tensor(self.cuts[1:]) - torch.tensor(self.cuts[:-1])
         mask = torch.arange(self.width - 8).unsqueeze(0) < lengths.unsqueeze(1)
         stream = rows[order][:, 8:][mask]
