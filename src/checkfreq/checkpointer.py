@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -53,6 +53,7 @@ from checkfreq.run.step_order import StepOrder, stepped_optimizer
 from checkfreq.run.tensors import is_dtensor
 from checkfreq.run.timeline import Timeline
 from checkfreq.storage import Store, open_tiers
+from checkfreq.storage.local import LocalStore
 from checkfreq.version import versions
 
 log = logging.getLogger("checkfreq")
@@ -157,18 +158,17 @@ class Checkpointer:
                                   directory_leader=cluster.directory_leader)
         retention = Retention.of(keep)
         retainer = Retainer(self._local, retention, leader=cluster.leader)
-        self._uploader = (
-            None
-            if self._remote is None
-            else Uploader(
+        self._uploader: Uploader | None = None
+        if self._remote is not None:
+            assert isinstance(self._local, LocalStore)  # open_tiers puts a local directory in front of a remote tier
+            self._uploader = Uploader(
                 self._local,
                 self._remote,
-                cluster.commit if cluster.upload is None else cluster.upload,  # type: ignore[arg-type]
+                cluster.commit if cluster.upload is None else cluster.upload,
                 token=cluster.token,
                 retention=retention if remote_keep is None else Retention.of(remote_keep),
                 local_retainer=retainer,
             )
-        )
         self._committer = Committer(
             self._local,
             cluster.commit,
@@ -462,7 +462,7 @@ class Checkpointer:
         pending = self._snapshotter.take(
             tensors, owned, layout=layout, buffer=None if target is None else target.buffer
         )
-        job = functools.partial(
+        job: Callable[[], CommitResult] = functools.partial(
             self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
         )
         if target is not None:

@@ -107,11 +107,11 @@ def inspect_command(
     objects = Table(title="registered objects")
     for column in ("name", "tensors", "bytes", "value"):
         objects.add_column(column, no_wrap=column in ("tensors", "bytes"), overflow="fold")
-    for name, entry in info.objects.items():
-        value = json.dumps(entry["value"], ensure_ascii=False) if "value" in entry else ""
+    for name, obj in info.objects.items():
+        value = json.dumps(obj["value"], ensure_ascii=False) if "value" in obj else ""
         if len(value) > VALUE_CHARS:  # the run state of a convergence-aware policy holds its loss history
             value = f"{value[:VALUE_CHARS]}… ({len(value)} characters; --json shows all)"
-        objects.add_row(name, str(entry["tensors"]), human_bytes(entry["bytes"]), value)
+        objects.add_row(name, str(obj["tensors"]), human_bytes(obj["bytes"]), value)
     out.print(objects)
     tensors = Table(title=f"{len(info.tensors)} tensors, {human_bytes(sum(t.bytes for t in info.tensors))}")
     for column in ("name", "shape", "dtype", "bytes"):

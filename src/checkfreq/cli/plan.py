@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -49,7 +49,7 @@ def plan_command(
         rows["Auto"] = max(floor, daly(stall, mtbf), persist)
     else:
         rows["Auto"] = floor
-    plans = [
+    plans: list[dict[str, Any]] = [
         {
             "policy": name,
             "interval_s": tau,
@@ -114,10 +114,10 @@ def simulate_command(
     if plot is not None:
         _plot(results, wl, plot)
     if as_json:
-        rows = [
+        records = [
             {**r.as_dict(), "overhead_vs_young": change[r.name][0], "j_vs_young": change[r.name][1]} for r in results
         ]
-        emit_json({"workload": _describe(wl), "results": rows, "plot": None if plot is None else str(plot)})
+        emit_json({"workload": _describe(wl), "results": records, "plot": None if plot is None else str(plot)})
         return
     columns = ("policy", "ckpts", "stall", "lost", "recovery", "time overhead", "vs Young", "GPU-h", "J", "J vs Young")
     rows = [

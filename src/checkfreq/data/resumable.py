@@ -487,7 +487,7 @@ class ResumableLoader:
             drop_last=drop_last, global_batch_size=global_batch_size,
         )
         self._plan = _BatchPlan(self._batch_size, drop_last, seed)
-        self._loader = DataLoader(
+        self._loader: DataLoader[Any] = DataLoader(
             _SeededFetch(dataset),  # type: ignore[arg-type]
             batch_sampler=self._plan,
             num_workers=num_workers,

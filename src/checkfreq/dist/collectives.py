@@ -133,12 +133,16 @@ def gather_json(value: Any, group: Any) -> list[Any] | None:
         dist.send(payload, group=group, group_dst=0)
         return None
     lengths = [length] + [torch.zeros(1, dtype=torch.int64) for _ in range(1, size)]
-    for work in [dist.irecv(lengths[r], group=group, group_src=r) for r in range(1, size)]:
-        work.wait()
+    _wait_all([dist.irecv(lengths[r], group=group, group_src=r) for r in range(1, size)])
     payloads = [payload] + [torch.empty(int(lengths[r].item()), dtype=torch.uint8) for r in range(1, size)]
-    for work in [dist.irecv(payloads[r], group=group, group_src=r) for r in range(1, size)]:
-        work.wait()
+    _wait_all([dist.irecv(payloads[r], group=group, group_src=r) for r in range(1, size)])
     return [_decode(p) for p in payloads]
+
+
+def _wait_all(works: list[Any]) -> None:
+    """Wait for point-to-point receives posted together (each a ``Work``)."""
+    for work in works:
+        work.wait()
 
 
 def collect_errors(peers: Peers, error: str | None) -> list[str]:

@@ -32,7 +32,7 @@ def _missing(what: str, error: Exception) -> UnsupportedTorchError:
     )
 
 
-def dtensor_class() -> type:
+def dtensor_class() -> Any:
     """``torch.distributed.tensor.DTensor``."""
     try:
         from torch.distributed.tensor import DTensor
@@ -94,7 +94,7 @@ def lazy_gloo_backend() -> str | None:
         from torch.distributed import ProcessGroupGloo
 
         ProcessGroupGloo.create_default_device(lazy_init=True)
-        ProcessGroupGloo._Options()
+        ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: this module is where such calls live
         dist.Backend.register_backend(_LAZY_GLOO, _lazy_gloo, devices=["cpu"])
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         log.info("torch %s cannot connect gloo pairs on demand (%s): checkfreq's groups connect every pair of "
@@ -105,7 +105,7 @@ def lazy_gloo_backend() -> str | None:
 
 def _lazy_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
     """A gloo backend on ``store`` whose device connects a pair of ranks when the pair first talks."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     options._threads = 2  # torch's default for one device
     options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]

@@ -66,6 +66,7 @@ from checkfreq.dist.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.dist.sharing import directory_leader, on_machine_local_file_system
 from checkfreq.run.state import flatten, replicated as replicated_names
+from checkfreq.run.tensors import local_part
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
@@ -185,7 +186,7 @@ class GroupCluster:
                 continue
             stored = private_name(name, self.rank)
             if kind == SHARDED:
-                arrays[stored] = tensor.to_local()
+                arrays[stored] = local_part(tensor)
                 offset, _ = local_box(tensor)
                 own[name] = _entry(tensor, SHARDED, [[stored, list(offset)]])
                 shared[name] = _entry(tensor, SHARDED, [])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any, cast
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -62,7 +63,7 @@ def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, tim
     if rank != 0:
         nonce = uuid.uuid4().hex
         answer = f"{keys}/answer/{nonce}"
-        store.append(f"{keys}/asks", f"{rank}:{nonce},")
+        cast(Any, store).append(f"{keys}/asks", f"{rank}:{nonce},")  # in torch's Store, not in its stubs
         try:
             store.wait([answer], timeout)
         except RuntimeError as e:  # torch's DistStoreError
@@ -83,7 +84,8 @@ def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, tim
         new, read = asks[read:].decode(), len(asks)  # each ask parsed once, not once per poll
         fresh = dict(ask.split(":", 1) for ask in new.split(",") if ask)  # an earlier process's ask comes first
         if fresh:
-            store.multi_set([f"{keys}/answer/{nonce}" for nonce in fresh.values()], [token] * len(fresh))
+            answers = [f"{keys}/answer/{nonce}" for nonce in fresh.values()]
+            cast(Any, store).multi_set(answers, [token] * len(fresh))  # in torch's Store, not in its stubs
             answered.update(fresh)
         if time.monotonic() > deadline:
             missing = sorted(set(range(1, world_size)) - {int(peer) for peer in answered})

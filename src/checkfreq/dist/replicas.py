@@ -41,7 +41,7 @@ def fingerprint(tensor: torch.Tensor) -> str:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return xxhash.xxh3_64_hexdigest(memoryview(flat.contiguous().view(torch.uint8).numpy()))
+    return xxhash.xxh3_64_hexdigest(flat.contiguous().view(torch.uint8).numpy().data)
 
 
 def report(layout: Signature, fingerprints: Mapping[str, str]) -> dict[str, Any]:

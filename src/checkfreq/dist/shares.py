@@ -25,14 +25,22 @@ import dataclasses
 import logging
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 
 from checkfreq.run.tensors import is_dtensor, storage_ptr
 from checkfreq.dist.compat import dtensor_class, dtensor_local_box
 from checkfreq.errors import CorruptCheckpointError
-from checkfreq.storage.format import DTYPE_CODES, DTYPES_BY_CODE, Manifest, data_file_name, header_entries, rank_record
+from checkfreq.storage.format import (
+    DTYPE_CODES,
+    DTYPES_BY_CODE,
+    Manifest,
+    TensorEntry,
+    data_file_name,
+    header_entries,
+    rank_record,
+)
 
 log = logging.getLogger("checkfreq")
 
@@ -207,7 +215,8 @@ def chunked_dim(tensor: torch.Tensor, world_size: int, meshes: dict[int, bool]) 
     whether each mesh seen (alive meanwhile) is every rank in order."""
     from torch.distributed.tensor import Shard
 
-    mesh, placements = tensor.device_mesh, tensor.placements
+    dtensor: Any = tensor
+    mesh, placements = dtensor.device_mesh, dtensor.placements
     if len(placements) != 1 or type(placements[0]) is not Shard:
         return None
     if id(mesh) not in meshes:
@@ -301,16 +310,17 @@ def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], parti
                 f"manifest of {manifest.world_size} ranks lists the files {sorted(manifest.files)}"
             )
         read = [name for name in files if name in headers or not partial]
-        index: dict[str, dict[str, Any]] = {}
+        index: dict[str, TensorEntry] = {}
         for name in read:
             index.update(header_entries(headers[name], name))
         records = {name: rank_record(headers[name], name) for name in read}
         per_rank = [records[name]["tensors"] if name in records else {} for name in files]
-        tensors = _merge(manifest.distributed["tensors"], per_rank, index)  # type: ignore[index]
+        assert manifest.distributed is not None  # an incomplete manifest was written by ranks
+        tensors = _merge(manifest.distributed["tensors"], per_rank, index)
         ranks = [records[name]["state"] if name in records else None for name in files]
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise CorruptCheckpointError(f"checkpoint's per-rank records are malformed: {type(e).__name__}: {e}") from None
-    distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}  # type: ignore[dict-item]
+    distributed = {**manifest.distributed, "ranks": ranks, "tensors": tensors}
     return dataclasses.replace(manifest, tensors=index, state=ranks[0], distributed=distributed).checked()
 
 
@@ -393,10 +403,11 @@ def materialize(name: str, source: Source, target: torch.Tensor | None) -> torch
     offset, shape = restored_block(source.shape, target)
     if target is None or tuple(target.shape) != source.shape:
         return _block(name, source, offset, shape)
-    local = _block(name, source, offset, shape).to(target.to_local().device)
-    return dtensor_class().from_local(
-        local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
-    )
+    dtensor: Any = target
+    local = _block(name, source, offset, shape).to(dtensor.to_local().device)
+    return cast(torch.Tensor, dtensor_class().from_local(
+        local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=target.shape, stride=target.stride()
+    ))
 
 
 def _block(name: str, source: Source, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 
@@ -12,4 +14,9 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 
 def storage_ptr(tensor: torch.Tensor) -> int:
     """The address of the values a tensor's owner updates (a DTensor's local shard)."""
-    return tensor.to_local().data_ptr() if is_dtensor(tensor) else tensor.data_ptr()
+    return local_part(tensor).data_ptr()
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return cast(Any, tensor).to_local() if is_dtensor(tensor) else tensor

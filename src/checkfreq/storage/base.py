@@ -10,7 +10,7 @@ last, is the commit marker and a checkpoint without one is never listed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,7 +77,7 @@ class Store(Protocol):
     def discard(self, staging: Any) -> None:
         """Remove a staging location that will never be committed."""
 
-    def checkpoints(self) -> list[tuple[int, Location]]:
+    def checkpoints(self) -> Sequence[tuple[int, Location]]:
         """Committed checkpoints as (step, location), newest first."""
         ...
 

@@ -16,7 +16,7 @@ import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -195,7 +195,7 @@ def data_chunks(header: bytes, data: torch.Tensor, hasher: Any) -> Iterator[memo
     """
     hasher.update(header)
     yield memoryview(header)
-    view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+    view = data.numpy().data if data.numel() else memoryview(b"")
     for start in range(0, len(view), CHUNK_BYTES):
         chunk = view[start : start + CHUNK_BYTES]
         hasher.update(chunk)
@@ -313,12 +313,12 @@ class Manifest:
                 raise CorruptCheckpointError(f"manifest entry for {name!r} is not an object")
             _expect(entry.get("size"), int, f"files[{name!r}].size")
             _expect(entry.get("xxh3_64"), str, f"files[{name!r}].xxh3_64")
-        for name, entry in self.tensors.items():
-            if not isinstance(entry, dict) or entry.get("file") not in self.files:
+        for name, tensor in self.tensors.items():
+            if not isinstance(tensor, dict) or tensor.get("file") not in self.files:
                 raise CorruptCheckpointError(f"tensor {name!r} refers to no listed data file")
-            if entry.get("dtype") not in DTYPES_BY_CODE:
-                raise CorruptCheckpointError(f"tensor {name!r} has unknown dtype {entry.get('dtype')!r}")
-            shape, offsets = entry.get("shape"), entry.get("offsets")
+            if tensor.get("dtype") not in DTYPES_BY_CODE:
+                raise CorruptCheckpointError(f"tensor {name!r} has unknown dtype {tensor.get('dtype')!r}")
+            shape, offsets = tensor.get("shape"), tensor.get("offsets")
             if not (isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 2**63 for d in shape)):
                 raise CorruptCheckpointError(f"tensor {name!r} has a malformed shape")
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
@@ -327,10 +327,10 @@ class Manifest:
             for d in shape:
                 numel *= d
             begin, end = offsets
-            itemsize = DTYPES_BY_CODE[entry["dtype"]].itemsize
+            itemsize = DTYPES_BY_CODE[tensor["dtype"]].itemsize
             if begin < 0 or end - begin != numel * itemsize or begin % itemsize:
                 raise CorruptCheckpointError(f"tensor {name!r} offsets do not match its shape and dtype")
-            if end > self.files[entry["file"]]["size"]:
+            if end > self.files[tensor["file"]]["size"]:
                 raise CorruptCheckpointError(f"tensor {name!r} lies beyond the end of its file")
 
 
@@ -356,12 +356,9 @@ def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, Tenso
             continue
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"data file {file_name} describes tensor {name!r} with no object")
-        entries[name] = TensorEntry(
-            file=file_name,
-            dtype=entry.get("dtype"),
-            shape=entry.get("shape"),  # type: ignore[typeddict-item]
-            offsets=entry.get("data_offsets"),
-        )  # type: ignore[typeddict-item]
+        unchecked = {"file": file_name, "dtype": entry.get("dtype"), "shape": entry.get("shape"),
+                     "offsets": entry.get("data_offsets")}
+        entries[name] = cast(TensorEntry, unchecked)
     return entries
 
 

@@ -184,7 +184,7 @@ def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, s
     hasher.update(prefix)
     hasher.update(header_bytes)
     data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
-    view = memoryview(data.numpy()) if data.numel() else memoryview(bytearray())
+    view = data.numpy().data if data.numel() else memoryview(bytearray())
     for start in range(0, len(view), CHUNK_BYTES):
         chunk = view[start : start + CHUNK_BYTES]
         if f.readinto(chunk) != len(chunk):

@@ -343,7 +343,7 @@ class MemoryRegion:
             data = data.clone()
         meta_at = start + self._data_capacity
         meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
-        hasher = xxhash.xxh3_64(data.numpy())
+        hasher = xxhash.xxh3_64(data.numpy().data)
         hasher.update(meta)
         if hasher.intdigest() != info.checksum or self.header(info.slot) != info:
             raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,14 @@ from checkfreq.errors import (
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.run.state import unflatten
 from checkfreq.storage import Store, open_store
-from checkfreq.storage.format import MANIFEST_NAME, Manifest, checkpoint_name, data_file_name, typed_checkpoint_step
+from checkfreq.storage.format import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    checkpoint_name,
+    data_file_name,
+    typed_checkpoint_step,
+)
 from checkfreq.storage.local import LocalStore, fsync_directory
 from checkfreq.storage.shm import listed_regions
 
@@ -304,7 +311,7 @@ class CheckpointDescription:
     world_size: int
     created: float
     versions: dict[str, str]
-    files: dict[str, dict[str, Any]]
+    files: dict[str, FileEntry]
     tensors: list[TensorInfo]
     objects: dict[str, dict[str, Any]]
     """Registered name → {"tensors": count, "bytes": total, "value": the plain value, if it holds no tensor}."""
@@ -446,6 +453,7 @@ def flatten_tensors(state: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]
 
 
 def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    items: Iterable[tuple[Any, Any]]
     if isinstance(node, Mapping):
         items = node.items()
     elif isinstance(node, (list, tuple)):

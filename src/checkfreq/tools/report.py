@@ -292,8 +292,8 @@ def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
     stalls = _values(r.stall_s for r in recs)
     committed = [r for r in recs if r.status == "committed"]
     counted = [r for r in recs if r.overhead is not None]
-    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
-    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
+    explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
+    window = sum(r.interval_s or 0.0 for r in counted)
     return Summary(
         sessions=sessions,
         restores=len(report.restores),
@@ -325,8 +325,8 @@ def summarize_session(report: RunReport, index: int) -> SessionSummary:
     start = report.starts[index]
     recs = [r for r in report.records if r.session == index]
     counted = [r for r in recs if r.overhead is not None]
-    window = sum(r.interval_s for r in counted)  # type: ignore[misc]
-    explained = sum(r.interval_steps * r.baseline_iteration_s for r in counted)  # type: ignore[operator]
+    window = sum(r.interval_s or 0.0 for r in counted)
+    explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
     begin = start["restored_step"] or 0
     span = recs[-1].step - begin if recs else 0
     return SessionSummary(

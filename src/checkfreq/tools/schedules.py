@@ -77,7 +77,7 @@ def convergence_optimal(wl: Workload, resolution: float = 60.0) -> Schedule:
             persist=wl.persist,
             restart=wl.restart,
             rate=rate,
-            weight=curve.weight(grid, wl.work),
+            weight=np.asarray(curve.weight(grid, wl.work)),
             survival=survival,
             window=window,
         )

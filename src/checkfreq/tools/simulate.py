@@ -149,9 +149,10 @@ def _run(
     n = len(end)
     rows = np.arange(n)
     pts = np.append(np.sort(np.asarray(schedule.points, dtype=float)), np.inf)
+    loss = wl.loss
     value = (
-        (lambda w: np.asarray(wl.loss.cumulative_weight(w, wl.work), dtype=float))
-        if wl.loss is not None
+        (lambda w: np.asarray(loss.cumulative_weight(w, wl.work), dtype=float))
+        if loss is not None
         else (lambda w: np.asarray(w, dtype=float))
     )
     t, w, durable, base = (np.zeros(n) for _ in range(4))

@@ -31,7 +31,7 @@ from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.storage.base import Store
-from checkfreq.storage.format import Manifest, checkpoint_name
+from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.restore")
@@ -380,13 +380,13 @@ class Restorer:
         used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
         return Found(manifest, stored, checkpoint_name(step), used)
 
-    def _map_file(self, location: Any, name: str, entry: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _map_file(self, location: Any, name: str, entry: FileEntry) -> tuple[torch.Tensor, dict[str, Any]]:
         """A file of this rank's directory that a rank sharing its page cache verified."""
         assert isinstance(self.local, LocalStore)  # only a local directory shares a page cache
         return self.local.map_data(location, name, entry["size"], entry["xxh3_64"])
 
     def _read_file(
-        self, tier: str, location: Any, name: str, entry: dict[str, Any]
+        self, tier: str, location: Any, name: str, entry: FileEntry
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if location is None:
             raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")

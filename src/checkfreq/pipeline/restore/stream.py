@@ -40,8 +40,10 @@ class ReplicatedStream:
         or a version 1 manifest). O(T + N log T): no piece of any other file is listed."""
         if manifest.complete:
             return None
+        assert manifest.distributed is not None  # an incomplete manifest was written by ranks
         try:
-            replicated = sorted((n, e) for n, e in manifest.distributed["tensors"].items() if e["kind"] == REPLICATED)  # type: ignore[union-attr]
+            shared = manifest.distributed["tensors"]
+            replicated = sorted((n, e) for n, e in shared.items() if e["kind"] == REPLICATED)
             sizes = tuple((n, math.prod(e["shape"]), DTYPES_BY_CODE[e["dtype"]].itemsize) for n, e in replicated)
         except (KeyError, TypeError, AttributeError):
             return None
