@@ -27,7 +27,8 @@ def report_command(
     """Plot iteration time, stall, persist time and bandwidth, the chosen interval and overhead; print a summary."""
     from dataclasses import asdict
 
-    from checkfreq.tools.report import summary_text, write_report, write_tensorboard
+    from checkfreq.tools.report import summary_text
+    from checkfreq.tools.report_files import write_report, write_tensorboard
 
     report, files = write_report(directory, out)
     scalars = None if tensorboard is None else write_tensorboard(report, tensorboard)

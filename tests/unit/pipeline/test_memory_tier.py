@@ -59,7 +59,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return train(tmp_path_factory.mktemp("reference"))["final"]
 
 
-def test_a_killed_run_restarts_from_memory_and_ends_bit_identical(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+def test_a_killed_run_restarts_from_memory_and_ends_bit_identical(
+    shm_dir: Path, tmp_path: Path, reference: str
+) -> None:
 
     run = tmp_path / "run"
     train(run, "--memory", "1", kill_after=13)
@@ -73,11 +75,14 @@ def test_a_killed_run_restarts_from_memory_and_ends_bit_identical(shm_dir: Path,
     assert not region_path(run, 0).exists()  # a clean close removes the region
 
 
-def test_without_the_region_both_restart_from_disk_and_end_bit_identical(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+def test_without_the_region_both_restart_from_disk_and_end_bit_identical(
+    shm_dir: Path, tmp_path: Path, reference: str
+) -> None:
     run = tmp_path / "run"
     train(run, "--memory", "1", kill_after=13)
     region_path(run, 0).unlink()  # e.g. the node rebooted
-    on_disk = max((int(p.name[5:]) for p in run.glob("step_*") if p.name[5:].isdigit()), default=0)  # 8 unless still persisting
+    # 8 unless still persisting
+    on_disk = max((int(p.name[5:]) for p in run.glob("step_*") if p.name[5:].isdigit()), default=0)
     resumed = train(run, "--memory", "1")
     assert int(resumed["ready"]) == on_disk and resumed["final"] == reference
 
@@ -104,7 +109,9 @@ def test_a_torn_newest_snapshot_falls_back_to_the_previous_one(shm_dir: Path, tm
     assert restore["tier"] == "memory" and "checksum" in restore["skipped"][0][1]
 
 
-def test_a_region_read_while_a_snapshot_is_being_committed_shows_only_complete_ones(shm_dir: Path, tmp_path: Path, reference: str) -> None:
+def test_a_region_read_while_a_snapshot_is_being_committed_shows_only_complete_ones(
+    shm_dir: Path, tmp_path: Path, reference: str
+) -> None:
     """The writer stopped, alive, between copying step 14's snapshot and writing its header: a
     reader sees only older, complete snapshots; killed there, the run resumes from one of them."""
     run = tmp_path / "run"
@@ -135,7 +142,8 @@ def test_a_small_tmpfs_means_disk_only_with_one_warning(tmp_path: Path, referenc
     run = tmp_path / "run"
     script = f'mount -t tmpfs -o size=64k tmpfs {mount} && {SHM_DIR_ENV}={mount} exec "$@"'
     result = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, str(SCRIPT), "--dir", str(run), *ARGS, "--memory", "1"],
+        ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, str(SCRIPT), "--dir", str(run), *ARGS,
+         "--memory", "1"],
         capture_output=True, text=True, timeout=300,
     )
     if result.returncode != 0 and "mount" in result.stderr:
@@ -220,7 +228,8 @@ def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not
             ckpt.step()
             time.sleep(0.25)  # "compute": far longer than copying 20 floats
     cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
-    assert cheap_steps[0] == 1 and len(cheap_steps) >= 16  # every step, but for a hiccup of a busy machine (step 2's too)
+    # every step, but for a hiccup of a busy machine (step 2's too)
+    assert cheap_steps[0] == 1 and len(cheap_steps) >= 16
 
     heavy = torch.nn.Linear(2048, 2048)  # 16 MiB to copy, nothing else per step
     with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy) as ckpt:
@@ -250,7 +259,9 @@ class StallsOnce:
         pass
 
 
-def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_session(shm_dir: Path, tmp_path: Path) -> None:
+def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_session(
+    shm_dir: Path, tmp_path: Path
+) -> None:
     """Each session's first memory snapshot creates the region (the clean close removed it) and, here,
     stalls a second more: the profiler leaves that out of the iteration it falls in, as a checkpoint's stall."""
     stall = 1.0
@@ -259,7 +270,8 @@ def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_
         assert not region_path(tmp_path, 0).exists()  # the session's first memory snapshot creates it
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        with cf.Checkpointer(tmp_path, policy=1000, memory=True, model=model, optimizer=optimizer, slow=StallsOnce(stall)) as ckpt:
+        with cf.Checkpointer(tmp_path, policy=1000, memory=True, model=model, optimizer=optimizer,
+                             slow=StallsOnce(stall)) as ckpt:
             first_steps.append(ckpt.restore() + 1)  # the resumed session restores what the first one persisted at close
             for _ in range(3):
                 train_step(model, optimizer)
@@ -271,7 +283,8 @@ def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_
 
 
 def test_report_shows_memory_snapshots_apart_from_persists(shm_dir: Path, tmp_path: Path) -> None:
-    from checkfreq.tools.report import load_run, render_figure, summary_text
+    from checkfreq.tools.report import load_run, summary_text
+    from checkfreq.tools.report_files import render_figure
 
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

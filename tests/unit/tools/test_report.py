@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.run.events import EventLog, read_events
-from checkfreq.tools.report import human_seconds, load_run, plotted_overhead, render_figure, summary_text
+from checkfreq.tools.report import human_seconds, load_run, summary_text
+from checkfreq.tools.report_files import plotted_overhead, render_figure
 from helpers import make_model, train_step
 
 runner = CliRunner()
@@ -107,13 +108,18 @@ def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, P
     doc, _ = reported
     first, resumed = doc["sessions"]
     assert (first["restored_step"], first["checkpoints"], first["first_step"], first["last_step"]) == (None, 2, 5, 10)
-    assert (resumed["restored_step"], resumed["checkpoints"], resumed["first_step"], resumed["last_step"]) == (10, 4, 15, 30)
+    assert (resumed["restored_step"], resumed["checkpoints"], resumed["first_step"], resumed["last_step"]) == (
+        10, 4, 15, 30
+    )
     assert resumed["seeded"] == ["profile", "policy"] and resumed["interval_median_steps"] == 5
-    assert first["checkpoints_per_step"] == pytest.approx(2 / 10) and resumed["checkpoints_per_step"] == pytest.approx(4 / 20)
+    assert first["checkpoints_per_step"] == pytest.approx(2 / 10) and (
+        resumed["checkpoints_per_step"] == pytest.approx(4 / 20)
+    )
     assert [c["session"] for c in doc["checkpoints"]] == [0, 0, 1, 1, 1, 1]
     events = read_events(run)
     second_start = [i for i, e in enumerate(events) if e["event"] == "start"][1]
-    counted = [e for e in events[second_start:] if e["event"] == "snapshot"][1:]  # the first one's window holds the restore
+    # the first one's window holds the restore
+    counted = [e for e in events[second_start:] if e["event"] == "snapshot"][1:]
     clean = {c["step"]: c["baseline_iteration_s"] for c in doc["checkpoints"]}
     explained = sum(e["interval_steps"] * clean[e["step"]] for e in counted)
     assert resumed["overhead"] == pytest.approx(1 - explained / sum(e["interval_s"] for e in counted))
@@ -163,7 +169,9 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
         f.write('{"event": "commit", "step": 15, "pers')  # torn by a kill
     report = load_run(tmp_path)
     recs, s = report.records, report.summary
-    assert [(r.step, r.status) for r in recs] == [(5, "committed"), (10, "failed"), (10, "committed"), (15, "unfinished")]
+    assert [(r.step, r.status) for r in recs] == [
+        (5, "committed"), (10, "failed"), (10, "committed"), (15, "unfinished")
+    ]
     assert recs[0].stall_s == 0.02 and recs[0].bytes == 120 and recs[1].error == "disk full"
     assert [r.overhead for r in recs] == [None, pytest.approx(0.25), None, pytest.approx(0.25)]
     assert (s.checkpoints, s.committed, s.failed, s.unfinished, s.sessions, s.restores) == (4, 2, 1, 1, 2, 1)
@@ -199,7 +207,7 @@ def test_ranks_of_one_job_count_each_checkpoint_once_and_keep_their_own_stalls(t
     for log in logs:
         log.write("start", pid=log.rank, policy="Every", keep=3)
     for step, stalls in ((3, (0.01, 0.03)), (6, (0.02, 0.05))):
-        for log, stall in zip(logs, stalls):
+        for log, stall in zip(logs, stalls, strict=True):
             log.write("snapshot", step=step, stall_s=stall, bytes=100, interval_steps=3, interval_s=1.0)
         logs[1].write("fence", step=step, wait_s=0.01, stall_s=stalls[1] + 0.01)
         for log in logs:
@@ -218,8 +226,9 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     log = EventLog(directory)
 
     def checkpoint(step: int, steps: int) -> None:
-        log.write("snapshot", step=step, stall_s=0.005, bytes=100, interval_steps=steps, interval_s=0.01 * steps + 0.005,
-                  iteration_s=0.01, clean_iterations=steps - 1, clean_iteration_s=0.01, reason="policy")
+        log.write("snapshot", step=step, stall_s=0.005, bytes=100, interval_steps=steps,
+                  interval_s=0.01 * steps + 0.005, iteration_s=0.01, clean_iterations=steps - 1,
+                  clean_iteration_s=0.01, reason="policy")
         log.write("commit", step=step, persist_s=0.02, bytes=120, bandwidth_gbps=6e-6)
 
     log.write("start", pid=1, policy="Every", keep=3)
@@ -236,13 +245,18 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     assert windows == [(10, False), (20, True), (30, True), (40, True), (43, True),
                        (50, False), (60, True), (70, True), (80, True), (83, True)]
     # The 3-step windows count in the run's overhead, but get no point of their own.
-    assert [r.step for r, o in zip(report.records, plotted_overhead(report)) if o is not None] == [20, 30, 40, 60, 70, 80]
+    assert [r.step for r, o in zip(report.records, plotted_overhead(report), strict=True) if o is not None] == [
+        20, 30, 40, 60, 70, 80
+    ]
 
     figure = render_figure(report)
     iteration, _, persist, interval, overhead = figure.axes[:5]
     restore_time = report.restores[0]["time"] - report.start_time
     for ax in (iteration, persist, interval, overhead):
-        lines = [line for line in ax.get_lines() if line.get_transform() == ax.transData and line.get_linestyle() != "None"]
+        lines = [
+            line for line in ax.get_lines()
+            if line.get_transform() == ax.transData and line.get_linestyle() != "None"
+        ]
         data_lines = [line for line in lines if not (min(line.get_xdata()) < restore_time < max(line.get_xdata()))]
         assert lines and data_lines == lines, ax.get_ylabel()  # no line crosses the restore
     assert len([line for line in overhead.get_lines() if line.get_label() in ("per window", "_nolegend_")]) == 2
