@@ -47,14 +47,16 @@ def bandwidth(result: dict[str, Any], method: str) -> list[float]:
     nbytes = result["nbytes"]
     out = []
     for s in result["samples"].get(method, []):
-        seconds = s["write"] if math.isfinite(s["write"]) else s["durable"] if math.isfinite(s["durable"]) else s["stall"]
+        seconds = (
+            s["write"] if math.isfinite(s["write"]) else s["durable"] if math.isfinite(s["durable"]) else s["stall"]
+        )
         out.append((s["nbytes"] or nbytes) / seconds if seconds > 0 else math.nan)
     return out
 
 
 def per_round(a: list[float], b: list[float]) -> list[float]:
     """``a[r] / b[r]`` for each interleaved round ``r``."""
-    return [ratio(x, y) for x, y in zip(a, b)]
+    return [ratio(x, y) for x, y in zip(a, b, strict=False)]
 
 
 def dcp_async_best(result: dict[str, Any]) -> str | None:
@@ -67,22 +69,27 @@ def state_targets(result: dict[str, Any], memory: dict[str, float] | None) -> li
     stall = field(result, CHECKFREQ, "stall")
     targets = [
         Target("stall / raw copy_", per_round(stall, field(result, RAW_COPY, "stall")), 1.3, False),
-        Target("torch.save+fsync stall / checkfreq stall", per_round(field(result, TORCH_SAVE, "stall"), stall), 10, True),
+        Target("torch.save+fsync stall / checkfreq stall",
+               per_round(field(result, TORCH_SAVE, "stall"), stall), 10, True),
     ]
     best = dcp_async_best(result)
     if best:
-        targets.append(Target(f"{best} stall / checkfreq stall", per_round(field(result, best, "stall"), stall), 2, True))
+        targets.append(Target(f"{best} stall / checkfreq stall",
+                              per_round(field(result, best, "stall"), stall), 2, True))
     targets.append(Target("write bandwidth / raw write+fsync",
                           per_round(bandwidth(result, CHECKFREQ), bandwidth(result, RAW_WRITE)), 0.9, True))
     for cache in ("hot", "cold"):
         if RESTORE[cache] not in result["samples"]:
             continue
         targets.append(Target(f"restore / raw read ({cache} cache), bandwidth",
-                              per_round(field(result, RAW_READ[cache], "stall"), field(result, RESTORE[cache], "stall")),
+                              per_round(field(result, RAW_READ[cache], "stall"),
+                                        field(result, RESTORE[cache], "stall")),
                               0.8, True))
     if memory:
-        targets.append(Target("peak extra RSS (save) / state size", [memory["save_peak_extra"] / memory["nbytes"]], 1.1, False))
-        targets.append(Target("peak extra RSS (restore) / state size", [memory["restore_peak_extra"] / memory["nbytes"]], 1.1, False))
+        targets.append(Target("peak extra RSS (save) / state size",
+                              [memory["save_peak_extra"] / memory["nbytes"]], 1.1, False))
+        targets.append(Target("peak extra RSS (restore) / state size",
+                              [memory["restore_peak_extra"] / memory["nbytes"]], 1.1, False))
     return targets
 
 
@@ -97,7 +104,11 @@ def mean_iteration(run: dict[str, Any]) -> float:
 def persisting_iterations(run: dict[str, Any]) -> list[float]:
     """Durations of iterations that overlapped a persist, minus those that held a checkpoint's stall."""
     stalled = {s for i in run["checkpoint_steps"] for s in (i, i + 1)}
-    return [e - b for k, ((b, e), busy) in enumerate(zip(run["spans"], run["persisting"])) if busy and k not in stalled]
+    return [
+        e - b
+        for k, ((b, e), busy) in enumerate(zip(run["spans"], run["persisting"], strict=False))
+        if busy and k not in stalled
+    ]
 
 
 @dataclass(frozen=True)

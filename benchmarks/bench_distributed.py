@@ -126,7 +126,9 @@ def worker(args: argparse.Namespace) -> None:
             for path in root.glob("dcp*"):
                 shutil.rmtree(path)
 
-    restore: dict[str, list[float]] = {"read every file": [], "read own file + gloo broadcast": [], "whole restore()": []}
+    restore: dict[str, list[float]] = {
+        "read every file": [], "read own file + gloo broadcast": [], "whole restore()": []
+    }
     newest = max((root / "checkfreq").glob("step_*"))
     group = dist.new_group(backend="gloo")
     for _ in range(3):
@@ -156,7 +158,8 @@ def worker(args: argparse.Namespace) -> None:
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "results": results})
     if rank == 0:
-        print("RESULT " + json.dumps({"world": world, "bytes": nbytes, "ranks": per_rank, "restore": restore}), flush=True)
+        print("RESULT " + json.dumps({"world": world, "bytes": nbytes, "ranks": per_rank, "restore": restore}),
+              flush=True)
     dist.destroy_process_group()
 
 
@@ -191,7 +194,8 @@ def report(runs: list[dict]) -> None:
             print(f"  {method:16} {summary(stalls):36} {summary(durable):30} {gb / statistics.median(durable):6.2f}")
         if REMOTE in methods:
             remote = run["ranks"][0]["results"][REMOTE]["remote"]
-            print(f"  {'  remote tier':16} {'(wait(remote=True), slowest rank)':36} {summary(remote):30} {gb / statistics.median(remote):6.2f}")
+            print(f"  {'  remote tier':16} {'(wait(remote=True), slowest rank)':36} {summary(remote):30} "
+                  f"{gb / statistics.median(remote):6.2f}")
         for way, values in run["restore"].items():
             print(f"  restore, {way:32} {summary(values)}")
     print("\nratios (median / checkfreq median, same world size):")
@@ -199,7 +203,8 @@ def report(runs: list[dict]) -> None:
         base_stall, base_durable = medians[(world, "checkfreq")]
         for method in [m for m in (*METHODS[1:], REMOTE) if (world, m) in medians]:
             stall, durable = medians[(world, method)]
-            print(f"  world {world} {method:16} stall x{stall / base_stall:5.1f}   durable x{durable / base_durable:5.2f}")
+            print(f"  world {world} {method:16} stall x{stall / base_stall:5.1f}   "
+                  f"durable x{durable / base_durable:5.2f}")
     if {(1, "checkfreq"), (2, "checkfreq")} <= medians.keys():
         for method in METHODS:
             print(f"  {method:16} durable world 2 / world 1: x{medians[(2, method)][1] / medians[(1, method)][1]:.2f}")

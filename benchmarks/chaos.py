@@ -235,7 +235,9 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
             delay = rng.uniform(0.0, compute_span * (1 - done / results.steps_per_run))
         elif phase is not None:
             left = max(1, (results.steps_per_run - done) // results.interval)
-            per_checkpoint = PER_CHECKPOINT[phase] * (results.interval if phase in MEMORY_SCALED and results.memory else 1)
+            per_checkpoint = PER_CHECKPOINT[phase] * (
+                results.interval if phase in MEMORY_SCALED and results.memory else 1
+            )
             extra = ["--hook", phase, "--hook-at", str(rng.randint(1, per_checkpoint * left))]
         a = attempt(args + extra, log, phase, delay)
         if kills:
@@ -289,13 +291,16 @@ def _restored_from_memory(directory: Path) -> bool:
 def warm_up(base: list[str], workdir: Path) -> None:
     """Train once in this process, so that every forked job starts with torch's lazy setup done."""
     with open(os.devnull, "wb") as sink:
-        chaos_train.run(chaos_train.parse([*base, "--dir", str(workdir / "warm-up"), "--progress-fd", str(sink.fileno())]))
+        chaos_train.run(chaos_train.parse([*base, "--dir", str(workdir / "warm-up"),
+                                           "--progress-fd", str(sink.fileno())]))
     threads = len(os.listdir("/proc/self/task")) if Path("/proc/self/task").exists() else 1
     if threads != 1:
         print(f"warning: {threads} threads before forking; forked jobs may inherit a held lock", file=sys.stderr)
 
 
-def campaign(kills: int, kills_per_run: int, seed: int, workdir: Path, every: int, epochs: int, memory: int = 0) -> Results:
+def campaign(
+    kills: int, kills_per_run: int, seed: int, workdir: Path, every: int, epochs: int, memory: int = 0
+) -> Results:
     rng = random.Random(seed)
     base = ["--every", str(every), "--epochs", str(epochs), "--keep", "2", "--memory", str(memory)]
     warm_up(base, workdir)

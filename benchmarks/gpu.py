@@ -86,7 +86,8 @@ def bench_gpu(megabytes: float, repeats: int) -> dict[str, Any]:
     pinned = an.field(result, PINNED, "stall")
     stall = an.field(result, SNAPSHOT, "stall")
     ratios = {
-        "snapshot D2H bandwidth ÷ pinned copy_ bandwidth (target ≥ 0.8)": an.per_round(pinned, an.field(result, SNAPSHOT, "write")),
+        "snapshot D2H bandwidth ÷ pinned copy_ bandwidth (target ≥ 0.8)":
+            an.per_round(pinned, an.field(result, SNAPSHOT, "write")),
         "torch.save+fsync stall ÷ checkfreq stall": an.per_round(an.field(result, TorchSave.name, "stall"), stall),
     }
     best = an.dcp_async_best(result)

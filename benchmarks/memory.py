@@ -40,7 +40,8 @@ def bench_memory(megabytes: float, checkpoints: int = 3) -> dict[str, float]:
         before = _reset_peak()
         with cf.Checkpointer(Path(tmp), model=state.model, optimizer=state.optimizer, policy=NEVER, keep=1) as ckpt:
             for _ in range(checkpoints):
-                state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
+                # no gradients: changes nothing; step() follows an optimizer step, as in training
+                state.optimizer.step()
                 ckpt.step()
                 ckpt.save()
                 state.optimizer.step()  # the fence

@@ -70,13 +70,15 @@ def bench_restore(megabytes: float, repeats: int) -> dict[str, list[float]]:
     state = build_state(megabytes)
     times: dict[str, list[float]] = {"memory": [], "disk, cold cache": [], "disk, hot cache": []}
     with tempfile.TemporaryDirectory(prefix="cf-memory-") as tmp:
-        with cf.Checkpointer(Path(tmp) / "run", policy=NEVER, memory=1, model=state.model, optimizer=state.optimizer) as ckpt:
+        with cf.Checkpointer(Path(tmp) / "run", policy=NEVER, memory=1,
+                             model=state.model, optimizer=state.optimizer) as ckpt:
             state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
             ckpt.step()
             ckpt.save(blocking=True)  # step 1 on disk (and in memory)
             files = list(ckpt.directory.glob("step_*/*.safetensors"))
             for _ in range(repeats):
-                state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
+                # no gradients: changes nothing; step() follows an optimizer step, as in training
+                state.optimizer.step()
                 ckpt.step()
                 ckpt.step()  # memory holds the two newest steps, neither of them step 1
                 ckpt.wait()

@@ -468,7 +468,8 @@ class MemoryPeers:
             condition, queue = self.fabric.channel(sender, self.rank)
             with self.fabric.baton.passed(), condition:
                 if not condition.wait_for(lambda: queue, self.fabric.timeout):
-                    raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}")
+                    raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s "
+                                       f"for rank {sender}")
                 data = queue.popleft()
             if len(data) != size:
                 raise RuntimeError(f"rank {self.rank} expected {size} bytes from rank {sender}, got {len(data)}")
@@ -522,7 +523,7 @@ class StoreView:
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         store = self._op()
         with store.lock:
-            for key, value in zip(keys, values):
+            for key, value in zip(keys, values, strict=True):
                 store.data[key] = value.encode() if isinstance(value, str) else value
                 store.written(key)
 
@@ -625,7 +626,8 @@ class Job:
             own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [stored]}
         shared = dict(self.plan.shared)
         for name, (offset, shape) in self.blocks(rank).items():
-            stored, entry = private_name(name, rank), {"dtype": DTYPE_CODES[self.sharded[name].dtype], "shape": list(self.sharded[name].shape),
+            stored, entry = private_name(name, rank), {"dtype": DTYPE_CODES[self.sharded[name].dtype],
+                                                       "shape": list(self.sharded[name].shape),
                                                        "kind": SHARDED}
             arrays[stored] = (self.sharded[name].dtype, shape)
             own[name] = {**entry, "parts": [[stored, list(offset)]]}
@@ -705,7 +707,8 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     if restore:
         with ledger.phase("restore"):
             blocks = (lambda manifest: checkpoint.blocks(rank)) if checkpoint.sharded else None
-            found = Restorer(local, None, peers, directory_leader=directory).find(blocks=blocks)  # no page cache shared: a network file system
+            # no page cache shared: a network file system
+            found = Restorer(local, None, peers, directory_leader=directory).find(blocks=blocks)
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
@@ -812,8 +815,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         finally:
             time.sleep = _SLEEP
             gc.enable()
-    return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore, plan_cpu_s,
-               stream_cpu_s, stream_bytes, readers, file_bytes)
+    return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore,
+               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes)
 
 
 def _readable(store: LocalStore, step: int) -> Readable:
@@ -873,7 +876,9 @@ def summary(run: Run) -> dict[str, Any]:
         "manifest_bytes": run.manifest_bytes, "manifest_parse_ms": 1000 * run.manifest_parse_s,
         "restore_plan_ms": 1000 * run.plan_cpu_s,
         "restore_readers": sorted({len(ranks) for ranks in run.readers.values()}),
-        "restore_each_reads_its_own": all(ranks == [int(name[len("rank"):].split(".")[0])] for name, ranks in run.readers.items()),
+        "restore_each_reads_its_own": all(
+            ranks == [int(name[len("rank"):].split(".")[0])] for name, ranks in run.readers.items()
+        ),
         "restore_files_per_rank": max(sum(1 for ranks in run.readers.values() if r in ranks) for r in range(run.world)),
         "restore_stream_ms": 1000 * run.stream_cpu_s,
         "restore_bytes_in_max": max(c.bytes_in for c in run.counts("restore")) if run.restored else None,
@@ -893,9 +898,11 @@ def verdicts(sums: list[dict[str, Any]], fsdp2: dict[int, int], layers: int) -> 
     n0, n1 = f"N = {small['world']:,}", f"N = {large['world']:,}"
     return [
         ("a rank's bytes per checkpoint within 2x", per_rank_bytes,
-         f"most of a rank other than 0 (in + out): {small['commit_bytes_max']:,} B at {n0}, {large['commit_bytes_max']:,} B at {n1}"),
+         f"most of a rank other than 0 (in + out): {small['commit_bytes_max']:,} B at {n0}, "
+         f"{large['commit_bytes_max']:,} B at {n1}"),
         ("a rank's CPU per checkpoint within 2x", per_rank_cpu,
-         f"median of the ranks other than 0: {small['commit_cpu_ms_median']:.2f} ms at {n0}, {large['commit_cpu_ms_median']:.2f} ms at {n1}"),
+         f"median of the ranks other than 0: {small['commit_cpu_ms_median']:.2f} ms at {n0}, "
+         f"{large['commit_cpu_ms_median']:.2f} ms at {n1}"),
         ("rank 0's commit work <= 1 s", large["rank0_commit_cpu_s"] <= 1.0,
          f"rank 0's CPU in Committer.run at {n1}: {large['rank0_commit_cpu_s']:.3f} s"),
         ("start-up store operations per rank constant", len(ops) == 1,
@@ -910,7 +917,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--worlds", default=WORLDS, help="comma-separated numbers of ranks")
     parser.add_argument("--layers", type=int, default=LAYERS, help="linear layers of the DDP model (8 tensors each)")
     parser.add_argument("--restore-up-to", type=int, default=64, help="run the restore on every rank up to this N")
-    parser.add_argument("--state", choices=("ddp", "fsdp2"), default="ddp", help="what the ranks checkpoint and restore")
+    parser.add_argument("--state", choices=("ddp", "fsdp2"), default="ddp",
+                        help="what the ranks checkpoint and restore")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
     args = parser.parse_args(argv)
@@ -918,10 +926,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     sums = []
     print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
     for world in worlds:
-        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir, state=args.state)
+        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir,
+                       state=args.state)
         for row in rows(run):
-            print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {_number(row['rank0'])} | {_number(row['median'])} | "
-                  f"{_number(row['max'])} |", flush=True)
+            print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {_number(row['rank0'])} | "
+                  f"{_number(row['median'])} | {_number(row['max'])} |", flush=True)
         sums.append(summary(run))
         print(json.dumps(sums[-1]), flush=True)
     fsdp2 = {world: costs(world, "fsdp2", args.layers)["manifest_bytes"] for world in worlds}

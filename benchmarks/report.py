@@ -27,7 +27,8 @@ def state_table(result: dict[str, Any]) -> list[str]:
     lines = [
         f"#### State of {result['nbytes'] / 1e6:.0f} MB ({result['tensors']} tensors)",
         "",
-        "| method | kind | stall: median (min–max) | stall ÷ raw copy_ | time to durable | GB/s (write or read) | ÷ limit |",
+        "| method | kind | stall: median (min–max) | stall ÷ raw copy_ | time to durable | GB/s (write or read) "
+        "| ÷ limit |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for entry in result["methods"]:
@@ -70,8 +71,8 @@ def loop_table(training: dict[str, Any], rows: list[an.LoopRow]) -> list[str]:
         f"mean iteration {fmt_with_spread(base)} (median and range over those runs); overheads are "
         f"per run against the no-checkpoint runs just before and after it.",
         "",
-        "| variant | checkpoints per run | whole-run overhead: median (min–max) | stall per checkpoint: median (min–max) "
-        "| iteration slowdown while persisting |",
+        "| variant | checkpoints per run | whole-run overhead: median (min–max) "
+        "| stall per checkpoint: median (min–max) | iteration slowdown while persisting |",
         "| --- | --- | --- | --- | --- |",
     ]
     for row in rows:
@@ -155,7 +156,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     readers = {*an.RAW_READ.values(), *an.RESTORE.values()}
     writers = [m["name"] for m in next(iter(states.values()))["methods"] if m["name"] not in readers]
     width = 0.8 / max(len(states), 1)
-    for k, (key, result) in enumerate(states.items()):
+    for k, (_key, result) in enumerate(states.items()):
         xs = [i + k * width for i in range(len(writers))]
         label = f"{result['nbytes'] / 1e6:.0f} MB"
         axes[0].barh(xs, [median(an.field(result, n, "stall")) for n in writers], height=width, label=label)

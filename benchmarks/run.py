@@ -98,7 +98,8 @@ def spawn(args: argparse.Namespace, worker: str, tmp: Path, size: float | None =
         cmd += ["--train-steps", str(args.train_steps)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **MALLOC_ENV,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log.info("running %s%s", worker, f" ({size:g} MB)" if size is not None else "")
     done = subprocess.run(cmd, env=env, cwd=ROOT)
     if done.returncode:

@@ -39,7 +39,8 @@ PRIVATE_TENSORS = {"rng/torch": (torch.uint8, (5056,)), "rng/numpy": (torch.uint
 
 
 def replicated_state(layers: int = LAYERS) -> dict[str, torch.Tensor]:
-    """The parameters of ``layers`` linear layers and AdamW's state (8 tensors a layer), by the names checkfreq gives them."""
+    """The parameters of ``layers`` linear layers and AdamW's state (8 tensors a layer), by the names checkfreq gives
+    them."""
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(layers):
         for index, (kind, shape) in enumerate((("weight", (32, 32)), ("bias", (32,)))):
@@ -81,11 +82,13 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
             arrays[private_name(name, 0)] = (t.dtype, (min(rows, t.shape[0]), *t.shape[1:]) if t.dim() else ())
         claim = replicas.report(layout, {})
     for name, (dtype, shape) in PRIVATE_TENSORS.items():
-        own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [private_name(name, 0)]}
+        own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE,
+                     "parts": [private_name(name, 0)]}
         arrays[private_name(name, 0)] = (dtype, shape)
     share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest}
-    reports = [CommitReport(rank=r, created=1.8e9, ok=True, file=data_file_name(r), size=2**40, xxh3_64="0123456789abcdef",
-                            upload_idle=True, agree=agreement_digest(share), directory_leader=r, leader=False)
+    reports = [CommitReport(rank=r, created=1.8e9, ok=True, file=data_file_name(r), size=2**40,
+                            xxh3_64="0123456789abcdef", upload_idle=True, agree=agreement_digest(share),
+                            directory_leader=r, leader=False)
                for r in range(world)]
     report = reports[-1].to_wire()
     manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
@@ -123,12 +126,14 @@ def main() -> None:
     rows = [costs(world, state) for state in ("ddp", "fsdp2") for world in map(int, args.worlds.split(","))]
     for row in rows:
         print(json.dumps(row))
-    print("\n| state | N | report | a rank sends / receives | rank 0 receives | (all-gathers) | manifest.json | data file header | identity | restore note |")
+    print("\n| state | N | report | a rank sends / receives | rank 0 receives | (all-gathers) | manifest.json "
+          "| data file header | identity | restore note |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['rank_sends']} B / {r['rank_receives']} B | "
               f"{r['rank0_receives']:,} B | {r['all_gather_receives']:,} B | "
-              f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | {r['restore_note_bytes']} B |")
+              f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | "
+              f"{r['restore_note_bytes']} B |")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class Saver:
 
 def make_model(widths: tuple[int, ...]) -> nn.Module:
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in zip(widths, widths[1:], strict=False):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -104,7 +104,8 @@ class NoSave(Saver):
 
 
 class CheckfreqSaver(Saver):
-    """A ``Checkpointer`` with ``policy`` (and ``memory``); iterations overlapping a persist come from ``events.jsonl``."""
+    """A ``Checkpointer`` with ``policy`` (and ``memory``); iterations overlapping a persist come from
+    ``events.jsonl``."""
 
     def __init__(self, policy: Any, memory: bool | int = False) -> None:
         self.policy, self.memory = policy, memory

@@ -7,7 +7,7 @@ background persist) whenever its policy says so, and ``restore()`` resumes exact
 from __future__ import annotations
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.data.resumable import ResumableLoader, ResumableSampler
+from checkfreq.data import ResumableLoader, ResumableSampler
 from checkfreq.errors import (
     ArgumentTypeError,
     CheckfreqError,

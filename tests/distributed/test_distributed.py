@@ -59,7 +59,7 @@ def test_partition_balances_bytes_and_covers_every_element_once(world: int, seed
     for name, n in numel.items():
         ranges = sorted(covered[name])
         assert ranges[0][0] == 0 and ranges[-1][1] == n
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), name
 
 
 def test_verification_windows_cover_every_element_once() -> None:
@@ -72,7 +72,7 @@ def test_verification_windows_cover_every_element_once() -> None:
     for name, n, _ in sizes:
         ranges = sorted(covered.get(name, [(0, 0)]))
         assert ranges[0][0] == 0 and ranges[-1][1] == n, name
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False)), name
 
 
 def test_partition_keeps_small_tensors_whole() -> None:
@@ -148,7 +148,7 @@ def test_torchrun_restarts_after_kills_resume_exactly(runs: dict, buffers: str) 
     expected = [(life, r, step) for life, step in enumerate(job["restored"]) for r in (0, 1)]
     assert incarnations(job["killed_out"]) == expected, plan
     finals = final_states(killed)
-    for rank, (final, reference) in enumerate(zip(finals, final_states(job["reference"]))):
+    for _rank, (final, reference) in enumerate(zip(finals, final_states(job["reference"]), strict=True)):
         assert_state_equal(final, reference)  # model (BatchNorm buffers included), optimizer, values, RNG
     assert isinstance(finals[0]["mixed"], torch.Tensor) and isinstance(finals[1]["mixed"], float)
     assert not torch.equal(finals[0]["model"]["1.running_mean"], finals[1]["model"]["1.running_mean"])
@@ -191,7 +191,8 @@ def test_world_size_changes_follow_the_per_rank_rule(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()
     args = ("--dump", str(dump))
-    out = finish_job(launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "6", *args), restarts=0))
+    out = finish_job(launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "6", *args),
+                                restarts=0))
     assert "restored step=0" in out
     out = finish_job(launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "11", *args), nproc=0))
     assert "rank=0 restored step=6 epoch=1 consumed=32" in out  # 2 -> 1
@@ -221,12 +222,14 @@ def test_loader_built_before_the_process_group(tmp_path: Path) -> None:
     out = finish_job(launch_job(tmp_path, "loader_topology.py", restarts=0))
     indices = {int(r): set(map(int, i.split())) for r, i in re.findall(r"rank=(\d) indices=([\d ]+)", out)}
     assert indices[0] | indices[1] == set(range(12)) and not indices[0] & indices[1]
-    assert out.count("topology error: this loader partitions its samples for rank 0 of 1, but the job now has rank") == 2
+    assert out.count("topology error: this loader partitions its samples for rank 0 of 1, "
+                     "but the job now has rank") == 2
 
 
 @pytest.mark.slow
 def test_fsdp2_round_trip_and_reshard_to_one_process(tmp_path: Path) -> None:
-    out = finish_job(launch_job(tmp_path, "ddp_fsdp.py", "--ckpt-dir", str(tmp_path / "ckpt"), "--expect", str(tmp_path / "expect.pt")))
+    out = finish_job(launch_job(tmp_path, "ddp_fsdp.py", "--ckpt-dir", str(tmp_path / "ckpt"),
+                                "--expect", str(tmp_path / "expect.pt")))
     assert "rank=0 fsdp round trip ok local_rows=17" in out and "rank=1 fsdp round trip ok local_rows=16" in out
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))

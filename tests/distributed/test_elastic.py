@@ -95,7 +95,7 @@ def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Pa
     assert_on_course(steps, reference, tmp_path / "final.pt")
     text = summary_text(load_run(tmp_path / "ckpt"))  # the report shows each resize
     sizes = [*(max(nproc, 1) for nproc, _, _ in resizes), 4]
-    for restored_step, (saved, now) in zip(restored, zip([4, *sizes], sizes)):
+    for restored_step, (saved, now) in zip(restored, zip([4, *sizes], sizes, strict=False), strict=True):
         assert f"restored step {restored_step} on {now} rank(s), saved by {saved} " in text, text
 
 
@@ -111,7 +111,8 @@ def elastic_agent(work: Path, node: int, local_dir: str, port: int) -> subproces
                        "--kill-node", "5", "--die", "1:7", "--pause-at", "1:9")
     at = torchrun.index("--standalone")
     torchrun[at:at + 1] = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                           "--local-addr", f"127.0.0.{node + 1}", "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}"]
+                           "--local-addr", f"127.0.0.{node + 1}",
+                           "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}"]
     torchrun[torchrun.index("--max-restarts=0")] = "--max-restarts=3"
     log = (work / f"{local_dir}.out").open("w")
     return subprocess.Popen(torchrun, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -129,7 +130,9 @@ def test_torchrun_elastic_job_loses_a_node_and_gets_one_back_on_course(reference
         agents += [elastic_agent(tmp_path, node, f"node{node}", port) for node in (0, 1)]
         paused, deadline = tmp_path / "steps.log.paused", time.monotonic() + 150
         while not paused.exists():
-            assert time.monotonic() < deadline and agents[0].poll() is None, (tmp_path / "node0.out").read_text()[-4000:]
+            assert time.monotonic() < deadline and agents[0].poll() is None, (
+                (tmp_path / "node0.out").read_text()[-4000:]
+            )
             time.sleep(0.2)
         agents.append(elastic_agent(tmp_path, 1, "node1-new", port))
         codes = [agent.wait(timeout=150) for agent in agents]
@@ -203,8 +206,9 @@ def test_hf_trainer_resumed_on_one_process_keeps_the_global_batches(tmp_path: Pa
     hf_fit(reference, "final", "--grad-acc", "4")
     hf_fit(run, "killed", "--die-at", "4", killed=True, ranks=2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    code, out = run_job([sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(run), "--out", str(run / "refused.pt"),
-                         "--read-log", str(run / "refused.log"), "--resume_from_checkpoint", "true"], env)
+    code, out = run_job([sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(run),
+                         "--out", str(run / "refused.pt"), "--read-log", str(run / "refused.log"),
+                         "--resume_from_checkpoint", "true"], env)
     assert code != 0 and "the checkpoint's optimizer steps took 16 samples each" in out and "this run's take 8" in out
     assert not (run / "refused.log").exists()  # refused before reading a sample
     assert "restored 3 final 6" in hf_fit(run, "final", "--grad-acc", "4")

@@ -19,10 +19,12 @@ MEMORY = ("--every", "4", "--memory", "1", "--die", "0:0:6:step")  # persists at
 
 
 def _restored(out: str, life: int) -> set[int]:
-    return {int(step) for l, step in re.findall(r"life=(\d+) rank=\d+ restored step=(\d+)", out) if int(l) == life}
+    return {int(step) for lf, step in re.findall(r"life=(\d+) rank=\d+ restored step=(\d+)", out) if int(lf) == life}
 
 
-def test_torchrun_restarts_from_memory_or_falls_back_to_disk_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchrun_restarts_from_memory_or_falls_back_to_disk_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     shm = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
     shm.mkdir()
     monkeypatch.setenv(SHM_DIR_ENV, str(shm))
@@ -35,7 +37,7 @@ def test_torchrun_restarts_from_memory_or_falls_back_to_disk_together(tmp_path: 
             launch_job(memory, "ddp_train.py", *ddp_train_args(memory, *MEMORY)),
             launch_job(dropped, "ddp_train.py", *ddp_train_args(dropped, *MEMORY, "--drop-region", "1:1")),
         ]
-        outs = dict(zip(("reference", "memory", "dropped"), (finish_job(p) for p in procs)))
+        outs = dict(zip(("reference", "memory", "dropped"), (finish_job(p) for p in procs), strict=True))
         # both ranks restore the same step: 6, or 5 if rank 1 was killed before its snapshot of 6 was complete
         restored = _restored(outs["memory"], life=1)
         assert len(restored) == 1 and restored <= {5, 6}, outs["memory"][-3000:]

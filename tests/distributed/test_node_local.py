@@ -120,7 +120,9 @@ def test_a_damaged_copy_is_replaced_by_another_directorys_intact_one(nodes: Path
         events = [json.loads(line) for line in (directory / "events.jsonl").read_text().splitlines()]
         restores = [e for e in events if e["event"] == "restore"]
         # rank 0: its file from rank 1, rank 1's pieces from rank 1; rank 1: both files read itself
-        assert [(e["step"], e["tier"], e["skipped"]) for e in restores] == [(STEPS, "peer" if rank == 0 else "local", [])]
+        assert [(e["step"], e["tier"], e["skipped"]) for e in restores] == [
+            (STEPS, "peer" if rank == 0 else "local", [])
+        ]
 
 
 def test_a_node_directory_holds_its_ranks_files_and_names_the_others(nodes: Path) -> None:
@@ -136,7 +138,11 @@ def test_a_node_directory_holds_its_ranks_files_and_names_the_others(nodes: Path
 
 
 def test_the_report_of_the_node_without_rank_0_counts_its_checkpoints(nodes: Path) -> None:
-    assert [r.step for r in load_run(nodes / "node1").records] == [r.step for r in load_run(nodes / "node0").records] == [3, 6]
+    assert (
+        [r.step for r in load_run(nodes / "node1").records]
+        == [r.step for r in load_run(nodes / "node0").records]
+        == [3, 6]
+    )
 
 
 def test_damage_on_either_side_still_fails(nodes: Path, tmp_path: Path) -> None:

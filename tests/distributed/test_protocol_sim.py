@@ -17,7 +17,10 @@ from benchmarks.protocol_sim import Baton, Run, main, simulate  # noqa: E402
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
-    return {world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}"))) for world in (8, 64)}
+    return {
+        world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}")))
+        for world in (8, 64)
+    }
 
 
 def test_every_rank_ran_the_protocol_to_the_same_end(runs: dict[int, Run]) -> None:

@@ -58,7 +58,8 @@ def _rank(rank: int, world: int, store_path: str, directory: str) -> None:
 
 def _save(tmp_path: Path, world: int) -> Path:
     """The checkpoint a DDP job of ``world`` ranks saves at step 2."""
-    mp.spawn(_rank, args=(world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")),
+             nprocs=world, join=True)
     return tmp_path / f"ckpt{world}" / "step_000000002"
 
 
@@ -114,7 +115,7 @@ def test_a_schema_version_1_checkpoint_is_still_restored(tmp_path: Path) -> None
     fresh = make_model(seed=1)
     restored = Checkpointer(tmp_path, policy=1000, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
     assert restored.restore() == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True))
     restored.close()
 
 
@@ -159,10 +160,13 @@ def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
     message = replicas.sharded_disagreement([same, {"model/w": {"dtype": "F32", "shape": [8, 2]}}])
     assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 2) on ranks [1]" in message
     message = replicas.sharded_disagreement([same, {"model/w": {**same["model/w"], "chunked": 0}}])
-    assert message is not None and "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 4) chunked along dim 0 on ranks [1]" in message
+    assert message is not None and (
+        "'model/w' is F32 (8, 4) on ranks [0] but F32 (8, 4) chunked along dim 0 on ranks [1]" in message
+    )
 
 
-@pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}}, {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
+@pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}},
+                                    {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
                                     {"state": None, "tensors": {"x": {"kind": "private", "parts": [1, 2]}}}])
 @pytest.mark.parametrize("shared", [{}, [], {"x": {"kind": "replicated", "parts": []}}])
 def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: object) -> None:
@@ -219,8 +223,12 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     simulated = simulate(4, layers=LAYERS, restore_up_to=0, directory=str(tmp_path)).counts("commit")
     for rank in range(4):
         assert simulated[rank].all_gathers == 0
-        assert simulated[rank].bytes_in == pytest.approx(four[rank]["received"], abs=8 * 3), (rank, simulated[rank], four[rank])
-        assert simulated[rank].bytes_out == pytest.approx(four[rank]["sent"], abs=8), (rank, simulated[rank], four[rank])
+        assert simulated[rank].bytes_in == pytest.approx(four[rank]["received"], abs=8 * 3), (
+            rank, simulated[rank], four[rank]
+        )
+        assert simulated[rank].bytes_out == pytest.approx(four[rank]["sent"], abs=8), (
+            rank, simulated[rank], four[rank]
+        )
     assert all(c["all_gathers"] == 0 for c in two + four)
     for counts in (two[1], four[1], four[2], four[3]):
         assert counts["sent"] < 400 and counts["received"] < 100, counts
@@ -337,7 +345,9 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 def _fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Every tensor gathered to its global value, and the model's local shards."""
     state = {f"model/{k}": _full(v) for k, v in model.state_dict().items()}
-    state.update({f"optimizer/{i}/{k}": _full(v) for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()})
+    state.update({
+        f"optimizer/{i}/{k}": _full(v) for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()
+    })
     return {"state": state, "local": {k: v.to_local() for k, v in model.state_dict().items() if hasattr(v, "to_local")}}
 
 
@@ -396,9 +406,12 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())
     sizes, saved_tensors = manifest["files"], manifest["distributed"]["tensors"].values()
     layouts = [e.get("chunked") for e in saved_tensors if e["kind"] == "sharded"]
-    assert len(layouts) == 18 and set(layouts) == {0}  # 6 parameters and Adam's two moments: rows chunked over the ranks
-    for rank, (reads, received) in enumerate([(["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
-                                              (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors")]):
+    # 6 parameters and Adam's two moments: rows chunked over the ranks
+    assert len(layouts) == 18 and set(layouts) == {0}
+    for rank, (reads, received) in enumerate([
+        (["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
+        (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors"),
+    ]):
         resharded = torch.load(tmp_path / f"resharded{rank}.pt")
         assert [name for name, _ in resharded["reads"]] == reads, resharded["reads"]
         assert 0.9 * sizes[received]["size"] < resharded["received"] < 1.1 * sizes[received]["size"], (resharded, sizes)

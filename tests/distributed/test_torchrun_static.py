@@ -67,7 +67,7 @@ def test_static_form_restarts_resume_exactly(reference: Path, tmp_path: Path) ->
     # while checkpoint 9 is written, so the third attempt resumes from 6 again
     out = _finish(_static(tmp_path, "--die", "0:1:7:step,1:0:9:persist"))
     assert incarnations(out) == [(0, 0, 0), (0, 1, 0), (1, 0, 6), (1, 1, 6), (2, 0, 6), (2, 1, 6)]
-    for final, expected in zip(final_states(tmp_path), final_states(reference)):
+    for final, expected in zip(final_states(tmp_path), final_states(reference), strict=True):
         assert_state_equal(final, expected)  # model, optimizer, scheduler, per-rank values, RNG
     assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 
@@ -111,7 +111,7 @@ def test_checkfreq_groups_ignore_a_dead_attempts_keys(reference: Path, tmp_path:
     second = _outcomes([_worker(tmp_path, store.port, rank, 1) for rank in (0, 1)])
     assert [code for code, _ in second] == [0, 0], second
     assert incarnations("".join(out for _, out in second)) == [(1, 0, 6), (1, 1, 6)]
-    for final, expected in zip(final_states(tmp_path), final_states(reference)):
+    for final, expected in zip(final_states(tmp_path), final_states(reference), strict=True):
         assert_state_equal(final, expected)
     assert_each_sample_once_per_epoch(tmp_path / "batches.log")
 

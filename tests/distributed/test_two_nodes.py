@@ -84,9 +84,11 @@ def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: 
     procs, logs = [], [work / f"node{node}.log" for node in range(2)]
     for node, local_dir in enumerate(local_dirs):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--local-addr", f"127.0.0.{node + 1}",
                    "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPTS / "ddp_train.py"),
-                   "--ckpt-dir", str(local_dir), "--final", str(work / "final"), "--batch-log", str(work / "batches.log"),
+                   "--ckpt-dir", str(local_dir), "--final", str(work / "final"),
+                   "--batch-log", str(work / "batches.log"),
                    "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
                    "--every", str(EVERY), "--kill-marker", str(work / "killed"), *extra]
         with open(logs[node], "w") as log:
@@ -182,7 +184,8 @@ def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote,
     shutil.rmtree(node1)
     out = run_nodes(tmp_path, (node0, node1), *remote.args)
     assert restored(out) == {0: [HALF], 1: [HALF]}, out[-4000:]
-    assert restore_tiers(node1) == {1: [(HALF, "peer+remote")]}  # a fresh machine: node 0's file from it, its own remotely
+    # a fresh machine: node 0's file from it, its own remotely
+    assert restore_tiers(node1) == {1: [(HALF, "peer+remote")]}
     assert restore_tiers(node0) == {0: [(HALF, "local+peer")]}  # its own file locally, node 1's pieces from rank 1
     assert_same_final_state(tmp_path, reference)
     assert_each_sample_once_per_epoch(tmp_path / "batches.log")

@@ -71,7 +71,9 @@ def test_one_process_and_a_one_rank_job_resume_each_other_bit_identically(tmp_pa
     _session(str(directory), str(tmp_path / "third.pt"), memory)  # one process again: resumes the 1-rank job's
 
     # each session wrote its own kind of checkpoint: the 1-rank job's indexes its rank's share
-    assert [_manifest(directory, s).get("distributed") is not None for s in (LEG, 2 * LEG, 3 * LEG)] == [False, True, False]
+    assert [_manifest(directory, s).get("distributed") is not None for s in (LEG, 2 * LEG, 3 * LEG)] == [
+        False, True, False
+    ]
     events = read_events(directory)
     assert [(e["step"], e["tier"], e["world_size"]) for e in events if e["event"] == "restore"] == [
         (LEG, "local", 1), (2 * LEG, "local", 1)]

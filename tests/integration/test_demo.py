@@ -15,7 +15,8 @@ from checkfreq.tools.report import load_run, session_line
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "checkfreq.cli", "demo", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "checkfreq.cli", "demo", *args],
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path) -> None:
@@ -31,13 +32,16 @@ def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path
     assert listing and all(entry["valid"] for entry in listing)
     # each session's line is the one `checkfreq report` prints, overhead included; no wall-time comparison
     sessions = load_run(checkpoints).sessions
-    assert len(sessions) == 2 and [session_line(s) for s in sessions] == [line for line in lines if line.startswith("session ")]
+    assert len(sessions) == 2 and [session_line(s) for s in sessions] == [
+        line for line in lines if line.startswith("session ")
+    ]
     assert "wall time" not in result.stdout
     killed = int(re.search(r"killed at step\s+(\d+)", result.stdout).group(1))  # type: ignore[union-attr]
     first, resumed = sessions
     assert resumed.restored_step is not None and 0 < resumed.restored_step <= killed
     rate = first.checkpoints / killed
-    assert resumed.checkpoints / (120 - resumed.restored_step) <= 2 * rate + 0.05, sessions  # no back-to-back checkpoints
+    # no back-to-back checkpoints
+    assert resumed.checkpoints / (120 - resumed.restored_step) <= 2 * rate + 0.05, sessions
 
 
 def test_demo_refuses_a_directory_it_cannot_use_before_training(tmp_path: Path) -> None:

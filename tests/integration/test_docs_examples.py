@@ -35,14 +35,19 @@ def test_lightning_example_runs_and_resumes(tmp_path: Path) -> None:
 
 def test_accelerate_example_runs_on_two_processes_and_resumes(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    code = re.search(r"## Accelerate loops\n.*?```python\n(.*?)```", (DOCS / "huggingface.md").read_text(), re.S).group(1)
+    code = re.search(r"## Accelerate loops\n.*?```python\n(.*?)```", (DOCS / "huggingface.md").read_text(),
+                     re.S).group(1)
     (tmp_path / "train.py").write_text(code)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     for restored in (0, 15):  # 16 optimizer steps, the newest checkpoint at step 15
         proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
         for rank in (0, 1):
             assert f"rank {rank} restored {restored} final 16" in proc.stdout, proc.stderr[-3000:]
-        # torch's gloo teardown may abort a rank after its work is done (docs/distributed.md): only then a failure passes
-        assert proc.returncode == 0 or "terminate called without an active exception" in proc.stderr, proc.stderr[-3000:]
+        # torch's gloo teardown may abort a rank after its work is done (docs/distributed.md):
+        # only then a failure passes
+        assert proc.returncode == 0 or "terminate called without an active exception" in proc.stderr, (
+            proc.stderr[-3000:]
+        )

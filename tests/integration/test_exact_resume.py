@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from helpers import SCRIPTS, assert_state_equal
 
 SAMPLES, BATCH, EPOCHS, EVERY = 70, 8, 3, 2  # 9 batches per epoch, 8 with drop_last
@@ -187,7 +187,7 @@ def test_a_restart_right_after_a_kill_is_not_locked_out(tmp_path):
     killed = textwrap.dedent(f"""
         import os, signal
         from checkfreq.checkpointer import Checkpointer
-        from checkfreq.data.resumable import ResumableLoader
+        from checkfreq.data import ResumableLoader
         loader = ResumableLoader(list(range(100)), num_workers=1)
         ckpt = Checkpointer({str(tmp_path)!r}, loader=loader)
         batches = iter(loader)

@@ -41,7 +41,8 @@ def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = 
                "--callbacks", str(workdir / "lightning"), "--sleep-at", "2", "--max-time", "01:00:00:00", *args]
     if ddp:
         command += ["--devices", "2"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -93,7 +94,9 @@ def assert_same_end(reference: Path, run: Path, name: str = "final.pt") -> None:
     assert_state_equal(_relative(actual["callbacks"], run), _relative(expected["callbacks"], reference))
     files = [sorted(os.listdir(root / "lightning")) for root in (run, reference)]
     assert files == [["epoch=1-step=16.ckpt", "last.ckpt"]] * 2
-    last = [torch.load(root / "lightning" / "last.ckpt", weights_only=False)["global_step"] for root in (run, reference)]
+    last = [
+        torch.load(root / "lightning" / "last.ckpt", weights_only=False)["global_step"] for root in (run, reference)
+    ]
     assert last == [16, 16]  # ModelCheckpoint saves every 4 steps
 
 

@@ -59,7 +59,8 @@ def test_interval_grows_when_persist_slows_and_shrinks_when_it_recovers(tmp_path
     write = commit.write_data
 
     def slow_write(*args, **kwargs):  # type: ignore[no-untyped-def]
-        time.sleep(delay["iterations"] * ckpt.profiler.iteration.value)  # in today's iterations: a busier machine slows both
+        # in today's iterations: a busier machine slows both
+        time.sleep(delay["iterations"] * ckpt.profiler.iteration.value)
         return write(*args, **kwargs)
 
     monkeypatch.setattr(commit, "write_data", slow_write)  # where the commit protocol writes each rank's file

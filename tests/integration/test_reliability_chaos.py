@@ -34,7 +34,9 @@ def test_thirty_kills_lose_nothing_and_resume_exactly(tmp_path: Path) -> None:
     assert doc["unrestorable"] == 0 and doc["visible_checkpoints_corrupt"] == 0 and doc["hangs"] == 0
     assert doc["visible_checkpoints_verified"] > doc["kills"]
     assert doc["runs"] >= 3 and doc["runs_bit_identical"] == doc["runs"], doc["problems"]
-    assert doc["restores_from_checkpoint"] + doc["fresh_starts_after_kill"] == doc["kills"] - doc["kills_during_startup"]
+    assert (
+        doc["restores_from_checkpoint"] + doc["fresh_starts_after_kill"] == doc["kills"] - doc["kills_during_startup"]
+    )
     assert doc["max_lost_steps"] <= doc["lost_bound_steps"]
 
 

@@ -51,7 +51,9 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_the_checkpoint_carries_the_profile_and_the_policy_state_into_the_next_session(tmp_path: Path, name: str) -> None:
+def test_the_checkpoint_carries_the_profile_and_the_policy_state_into_the_next_session(
+    tmp_path: Path, name: str
+) -> None:
     first = _run(tmp_path, POLICIES[name](), 80, losses=True, settle=True)
     first.save(blocking=True)
     first.close()
@@ -125,13 +127,15 @@ def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     often under 1 point, too fine to compare two checkpointing runs with.
     """
     overhead, noise = judge(runs.resumed, runs.bases)
-    fresh = max(t / b for t, b in zip(runs.uninterrupted, runs.bases)) - 1
+    fresh = max(t / b for t, b in zip(runs.uninterrupted, runs.bases, strict=True)) - 1
     resumed = [len(c) for c in runs.resumed_checkpoints]
     uninterrupted = [len(c) for c in runs.uninterrupted_checkpoints]
     detail = (f"killed run {killed_run}; restored {runs.restored_steps}; resumed {runs.resumed_checkpoints}; "
-              f"uninterrupted {runs.uninterrupted_checkpoints}; times {runs.resumed}, bases {runs.bases}; {runs.reasons[-1]}")
+              f"uninterrupted {runs.uninterrupted_checkpoints}; times {runs.resumed}, bases {runs.bases}; "
+              f"{runs.reasons[-1]}")
     assert all(step > 0 for step in runs.restored_steps), detail
-    assert all(c[0] - r >= 10 for c, r in zip(runs.resumed_checkpoints, runs.restored_steps) if c), detail  # the session's warmup
+    # the session's warmup
+    assert all(c[0] - r >= 10 for c, r in zip(runs.resumed_checkpoints, runs.restored_steps, strict=True) if c), detail
     assert min(uninterrupted) / 2 <= statistics.mean(resumed) <= 2 * max(uninterrupted), detail
     assert overhead <= max(P, fresh) + noise, (
         f"resumed sessions: median overhead {overhead:.1%} > both the bound {P:.1%} and the costliest uninterrupted "
@@ -153,8 +157,11 @@ def test_resumed_session_after_sigkill_keeps_the_rate_and_the_bound(tmp_path: Pa
 
 @pytest.mark.slow
 def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path: Path) -> None:
-    out = finish_job(launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "5", "--steps", "200"))
-    records = [json.loads(line) for rank in (0, 1) for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()]
+    out = finish_job(launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "5",
+                                "--steps", "200"))
+    records = [
+        json.loads(line) for rank in (0, 1) for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+    ]
     sessions = {r["rank"]: Sessions(**r["sessions"]) for r in records if r["life"] == 1 and "sessions" in r}
     assert set(sessions) == {0, 1}, out[-3000:]
     assert sessions[0].resumed_checkpoints == sessions[1].resumed_checkpoints  # every rank agrees after restore

@@ -84,7 +84,10 @@ def test_ddp_trainer_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) ->
         full = sample_reads(reference / f"final.log.{rank}")
         assert sample_reads(run / f"final.log.{rank}") == full[4 * per_step :]
     for epoch in range(2):  # the ranks' shares make up each epoch, each sample once
-        shares = [sample_reads(reference / f"final.log.{rank}")[epoch * 3 * per_step : (epoch + 1) * 3 * per_step] for rank in (0, 1)]
+        shares = [
+            sample_reads(reference / f"final.log.{rank}")[epoch * 3 * per_step : (epoch + 1) * 3 * per_step]
+            for rank in (0, 1)
+        ]
         assert sorted(shares[0] + shares[1]) == list(range(48))
 
 
@@ -121,7 +124,8 @@ def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) 
 
 
 def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
-    """An in-process CheckFreqTrainer: a 1-layer GPT-2, 16 samples, batch 2, gradient accumulation 2 (4 optimizer steps)."""
+    """An in-process CheckFreqTrainer: a 1-layer GPT-2, 16 samples, batch 2, gradient accumulation 2
+    (4 optimizer steps)."""
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
 
     from checkfreq.integrations.transformers import CheckFreqTrainer
@@ -133,11 +137,13 @@ def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
     args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                              disable_tqdm=True)
-    return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, **checkfreq)
+    return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
+                            **checkfreq)
 
 
 def test_a_rerun_without_resume_is_refused_before_training(tmp_path: Path) -> None:
-    """A directory holding checkpoints and no resume flag: ExistingCheckpointsError at train(), not at the first checkpoint."""
+    """A directory holding checkpoints and no resume flag: ExistingCheckpointsError at train(), not at the first
+    checkpoint."""
     from checkfreq.errors import ExistingCheckpointsError
 
     tiny_trainer(tmp_path, checkfreq_policy=2).train()

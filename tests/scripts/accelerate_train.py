@@ -20,7 +20,7 @@ from torch import nn
 from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 
 
 def main() -> None:

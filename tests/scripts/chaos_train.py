@@ -1,6 +1,6 @@
 """The training job of the fault-injection campaign (``benchmarks/chaos.py``) and the preemption tests.
 
-A small but complete run: shuffled :class:`~checkfreq.data.resumable.ResumableLoader` over noisy
+A small but complete run: shuffled :class:`~checkfreq.data.ResumableLoader` over noisy
 samples, BatchNorm and dropout, AdamW, an LR schedule, a checkpoint every ``--every`` steps.
 It restores whatever the directory holds, trains to the end, and prints one line per event on
 ``--progress-fd`` (default stdout)::
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import checkfreq as cf
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.pipeline.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.storage.shm import MemoryRegion
 
@@ -203,8 +203,9 @@ def run(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loader = ResumableLoader(NoisySamples(args.samples), batch_size=args.batch_size, shuffle=True, seed=3)
     signals = tuple(signal.Signals(s) for s in args.save_on_signal)
-    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals, memory=args.memory or False,
-                         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader) as ckpt:
+    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals,
+                         memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler,
+                         loader=loader) as ckpt:
         progress("ready", ckpt.restore())
         for _ in range(loader.epoch, args.epochs):
             for x, y in loader:

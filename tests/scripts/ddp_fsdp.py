@@ -82,7 +82,7 @@ def main() -> None:
     assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
-    for (name, live), (_, back) in zip(model.state_dict().items(), restored_model.state_dict().items()):
+    for (name, live), (_, back) in zip(model.state_dict().items(), restored_model.state_dict().items(), strict=True):
         assert back.placements == live.placements and torch.equal(back.to_local(), live.to_local()), name
 
     train(model, optimizer, 4)
@@ -99,7 +99,8 @@ def main() -> None:
     assert sorted(os.listdir(agree_dir)) == [".checkfreq.lock", "events.jsonl", "step_000000003"]
 
     local_rows = model[0].weight.to_local().shape[0]
-    print(f"rank={rank} fsdp round trip ok local_rows={local_rows} files={sorted(os.listdir(ckpt.directory / 'step_000000003'))}", flush=True)
+    print(f"rank={rank} fsdp round trip ok local_rows={local_rows} "
+          f"files={sorted(os.listdir(ckpt.directory / 'step_000000003'))}", flush=True)
     dist.destroy_process_group()
 
 

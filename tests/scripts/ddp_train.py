@@ -54,7 +54,7 @@ from torch import nn
 from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.storage import FsspecStore, LocalStore, Store
 from checkfreq.storage.format import MANIFEST_NAME, checkpoint_name
 from checkfreq.storage.shm import region_path
@@ -175,7 +175,9 @@ def main() -> None:
 
     model = build_model()
     world = dist.get_world_size() if distributed else 1
-    sync = ({} if args.broadcast_buffers else {"forward_sync_buffers": False}) | {"find_unused_parameters": args.find_unused}
+    sync = ({} if args.broadcast_buffers else {"forward_sync_buffers": False}) | {
+        "find_unused_parameters": args.find_unused
+    }
     net = nn.parallel.DistributedDataParallel(model, **sync) if distributed else model
     if args.diverge and rank == 1:  # a parameter DDP no longer keeps in step: checkfreq must refuse it
         with torch.no_grad():
@@ -190,13 +192,15 @@ def main() -> None:
     if once := first_kill(args, args.kill_upload, rank):
         kill_before_upload(remote, int(args.kill_upload.split(":")[1]), once)
     ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=remote, on_error=args.on_error,
-                        memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+                        memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler,
+                        loader=loader)
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
     step = ckpt.restore()
     state = loader.state_dict()
-    print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}", flush=True)
+    print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}",
+          flush=True)
     if args.dump:
         torch.save(per_rank_state(model, ckpt), f"{args.dump}/restored-w{world}-r{rank}.pt")
 
@@ -208,7 +212,9 @@ def main() -> None:
                 loss = nn.functional.cross_entropy(net(x), y)
                 ckpt["running"] = ckpt["running"] * 0.5 + loss.detach()
                 ckpt["seen"] += int(index.sum())
-                ckpt["mixed"] = ckpt["mixed"] + (loss.detach() if isinstance(ckpt["mixed"], torch.Tensor) else loss.item())
+                ckpt["mixed"] = ckpt["mixed"] + (
+                    loss.detach() if isinstance(ckpt["mixed"], torch.Tensor) else loss.item()
+                )
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()

@@ -44,7 +44,7 @@ from torch import nn
 from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 
 StepLog = dict[int, dict[int, tuple[float, list[int], int]]]
 """Step -> rank -> (loss of the global batch, the rank's sample ids, world size)."""

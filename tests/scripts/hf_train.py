@@ -1,8 +1,9 @@
 """A 2-epoch ``transformers.Trainer`` fit of a tiny random GPT-2 with CheckFreqTrainer, for the exact-resume test.
 
 Trains on local text (character tokens), evaluates every 4 steps, logs every 2, checkpoints every
-``--every`` (3) optimizer steps (of ``--grad-acc`` (2) batches of 4 per process) and resumes with ``resume_from_checkpoint`` as the stock example
-scripts pass it: ``TrainingArguments`` parsed by ``HfArgumentParser``, so ``--resume_from_checkpoint
+``--every`` (3) optimizer steps (of ``--grad-acc`` (2) batches of 4 per process) and resumes with
+``resume_from_checkpoint`` as the stock example scripts pass it: ``TrainingArguments`` parsed by
+``HfArgumentParser``, so ``--resume_from_checkpoint
 true`` arrives as the string ``"true"`` (a path resumes from a Trainer ``checkpoint-N/``). Any other
 ``TrainingArguments`` flag (``--save_strategy steps --save_steps 5``) overrides the defaults. Runs as one
 process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank

@@ -18,7 +18,7 @@ from lightning_train import SAMPLES, Classifier, DieAt  # beside this script
 from noisy_points import NoisyPoints
 from worker_exit import exit_without_teardown  # beside this script
 
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.integrations.lightning import CheckFreqCallback
 
 GLOBAL_BATCH, EPOCHS = 8, 2  # 9 optimizer steps per epoch

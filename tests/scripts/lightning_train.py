@@ -32,7 +32,7 @@ from noisy_points import NoisyPoints  # beside this script
 from torch import nn
 from worker_exit import exit_without_teardown  # beside this script
 
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.integrations.lightning import CheckFreqCallback
 
 SAMPLES, BATCH, EVERY = 72, 8, 3  # 9 optimizer steps per epoch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from worker_exit import exit_without_teardown  # beside this script
 
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.errors import TopologyError
 
 

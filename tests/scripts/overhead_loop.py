@@ -59,8 +59,8 @@ def judge(timed: list[float], before: list[float], after: list[float] | None = N
     before ``after[i]``: then it is compared with the mean of the two, which cancels a steady drift
     of the machine's speed. A run is within a bound ``p`` when ``overhead <= p + noise``.
     """
-    references = before if after is None else [(b + a) / 2 for b, a in zip(before, after)]
-    overhead = statistics.median(t / r for t, r in zip(timed, references)) - 1
+    references = before if after is None else [(b + a) / 2 for b, a in zip(before, after, strict=True)]
+    overhead = statistics.median(t / r for t, r in zip(timed, references, strict=True)) - 1
     bases = [*before, *(after or [])]
     noise = (max(bases) - min(bases)) / statistics.median(bases)
     return overhead, noise
@@ -116,6 +116,7 @@ def resumed_sessions(
         out.reasons.append(str(getattr(ckpt.policy, "reason", "")))
         started: list[int] = []
         uninterrupted = Checkpointer(workdir / f"uninterrupted-{rep}", keep=2, model=model, optimizer=opt)
-        out.uninterrupted.append(train(steps, uninterrupted, net, opt, x, y, warmup=restored, started=started, timed_close=False))
+        out.uninterrupted.append(train(steps, uninterrupted, net, opt, x, y, warmup=restored, started=started,
+                                       timed_close=False))
         out.uninterrupted_checkpoints.append([s for s in started if s > restored])
     return out

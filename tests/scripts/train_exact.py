@@ -33,7 +33,7 @@ from noisy_points import NoisyPoints  # beside this script
 from torch import nn
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 
 ACCUMULATION = 2
 PR_SET_CHILD_SUBREAPER = 36  # Linux prctl option

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 import checkfreq as cf
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 
 CORPUS_MODULES = ("argparse", "textwrap", "json.decoder", "json.encoder", "csv", "string", "fractions", "heapq")
 CONTEXT = 32

@@ -9,7 +9,7 @@ its validation included, has ended), and restores in ``on_fit_start``, before th
 starts. A ``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
 
 The fit loop's state includes the state of every train dataloader that has
-``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.resumable.ResumableLoader` as the train
+``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.ResumableLoader` as the train
 dataloader, a resumed run continues mid-epoch at the next unseen batch, and ends bit-identical
 to an uninterrupted one. See docs/lightning.md.
 """
@@ -28,7 +28,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from checkfreq.errors import UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.policies import Policy

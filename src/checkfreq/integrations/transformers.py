@@ -9,7 +9,7 @@ evaluation are done, as the policy decides) and resumes from the newest valid ch
   generators and the Trainer's own state (``global_step``, ``epoch``, log and evaluation history,
   the loss accumulated since the last log, stateful callbacks) are restored;
 * the Trainer reads the restored ``global_step`` to compute where the epoch stands, and its
-  fast-forward then steps over index lists of a :class:`~checkfreq.data.resumable.ResumableSampler` whose
+  fast-forward then steps over index lists of a :class:`~checkfreq.data.ResumableSampler` whose
   order is a pure function of (seed, epoch): no sample is read, collated or sent to a worker
   again;
 * :meth:`CheckFreqTrainer.export_checkpoint` writes a checkpoint in the ``checkpoint-N/`` layout
@@ -34,7 +34,7 @@ from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
-from checkfreq.data.resumable import ResumableSampler
+from checkfreq.data import ResumableSampler
 from checkfreq.dist.shares import local_view
 from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
 from checkfreq.integrations.loss import LossFeed

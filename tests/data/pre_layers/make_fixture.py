@@ -2,7 +2,8 @@
 
 Run from that tree: ``PYTHONPATH=src python make_fixture.py OUT``; then delete ``OUT/run/.checkfreq.lock``.
 """
-import json, sys
+import json
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +24,10 @@ ckpt = cf.Checkpointer(out / "run", model=model, optimizer=optimizer, scheduler=
 steps = 0
 for x, y in loader:
     loss = torch.nn.functional.cross_entropy(model(x), y)
-    optimizer.zero_grad(); loss.backward(); optimizer.step(); scheduler.step()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
     steps += 1
     ckpt.step(loss=loss.item())
     if steps == 7:
@@ -33,7 +37,7 @@ ckpt.save(blocking=True)
 ckpt.close()
 position = loader.state_dict()
 expected = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
-for i, (p, s) in enumerate(zip(model.parameters(), optimizer.state.values())):
+for i, (_p, s) in enumerate(zip(model.parameters(), optimizer.state.values(), strict=True)):
     expected[f"optimizer/{i}/exp_avg"] = s["exp_avg"].clone()
     expected[f"optimizer/{i}/exp_avg_sq"] = s["exp_avg_sq"].clone()
 expected["rng/torch_rand"] = torch.rand(4)

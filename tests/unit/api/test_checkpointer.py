@@ -218,11 +218,16 @@ def _traversal(path: Path) -> None:
         (_traversal, "unsafe"),
     ],
 )
-def test_corruption_falls_back_to_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture, damage, reason: str) -> None:
+def test_corruption_falls_back_to_previous(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage, reason: str
+) -> None:
     newest = _three_checkpoints(tmp_path)
     damage(newest)
     model, opt, *_ = _stack()
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt,
+    ):
         assert ckpt.restore() == 2
     assert any("step_000000003" in r.message and reason in r.message for r in caplog.records)
 
@@ -239,7 +244,8 @@ def test_no_valid_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_wrong_model_lists_every_mismatch(tmp_path: Path) -> None:
     _three_checkpoints(tmp_path)
-    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
     opt = torch.optim.Adam(other.parameters())
     with cf.Checkpointer(tmp_path, model=other, optimizer=opt) as ckpt:
         with pytest.raises(cf.StateMismatchError) as info:

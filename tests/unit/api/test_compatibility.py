@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from helpers import ROOT
 from safetensors.torch import load_file
 
 import checkfreq as cf
 from checkfreq.data import ResumableLoader
+from helpers import ROOT
 
 FIXTURE = ROOT / "tests" / "data" / "pre_layers"
 
@@ -55,7 +55,8 @@ def test_a_checkpoint_written_before_the_layered_layout_restores_bit_for_bit(tmp
             assert torch.equal(state["exp_avg"], expected[f"optimizer/{i}/exp_avg"])
             assert torch.equal(state["exp_avg_sq"], expected[f"optimizer/{i}/exp_avg_sq"])
         assert torch.equal(rand, expected["rng/torch_rand"])
-        assert torch.equal(torch.cat([x for x, _ in loader]), expected["data/rest_x"])  # the rest of the epoch, in order
+        # the rest of the epoch, in order
+        assert torch.equal(torch.cat([x for x, _ in loader]), expected["data/rest_x"])
         assert ckpt.policy.overhead.warmup > 0  # the seeded Auto policy is usable
         x, y = next(iter(_objects()[3]))
         loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -132,7 +132,9 @@ def test_disk_full_with_warn_logs_and_training_goes_on(tmp_path: Path, caplog: p
         read_checkpoint(root / "ckpt" / "step_000000008")
 
 
-def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No device-mapper here to make a disk fail: the error is injected at the write call."""
     real_write_all = checkfreq.storage.posix._write_all
     failing = {"on": False}
@@ -220,7 +222,10 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_is_recovered(tmp_path: Pat
             cf.Checkpointer(tmp_path, model=make_model())
         # One line: the directory, the process holding it (its command line), what to do.
         message = str(refused.value)
-        assert "\n" not in message and str(tmp_path.resolve()) in message and f"pid {holder.pid}: {sys.executable} -c" in message
+        assert (
+            "\n" not in message and str(tmp_path.resolve()) in message
+            and f"pid {holder.pid}: {sys.executable} -c" in message
+        )
         assert "wait for it to end or stop it, or give this job a directory of its own" in message
         (tmp_path / "step_000000007.tmp-0123456789ab").mkdir()  # what a job killed mid-persist leaves
     finally:
@@ -364,7 +369,8 @@ def test_ten_thousand_checkpoints_leave_no_trace(tmp_path: Path) -> None:
     early, late = samples["early"], samples["late"]
     ratio = statistics.median(seconds[-1000:]) / statistics.median(seconds[500:1500])
     print(f"10k checkpoints: step()+wait() median late/early {ratio:.2f}, RSS {early['rss'] / 1e6:.1f} -> "
-          f"{late['rss'] / 1e6:.1f} MB, fds {early['fds']} -> {late['fds']}, threads {early['threads']} -> {late['threads']}")
+          f"{late['rss'] / 1e6:.1f} MB, fds {early['fds']} -> {late['fds']}, "
+          f"threads {early['threads']} -> {late['threads']}")
     assert entries == [".checkfreq.lock", "events.jsonl", f"step_{STEPS + 40:09d}"]
     assert late["fds"] == early["fds"]
     assert late["threads"] == early["threads"]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
-from checkfreq.data.resumable import ResumableLoader
+from checkfreq.data import ResumableLoader
 from helpers import make_model
 
 STEPS_PER_EPOCH = 4
@@ -30,7 +30,8 @@ def train(directory: Path, epochs: int = 5, width: int = 32) -> dict[str, torch.
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=1)
-    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10, values={"note": "cli"}) as ckpt:
+    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10,
+                         values={"note": "cli"}) as ckpt:
         for _ in range(loader.epoch, epochs):
             for x, y in loader:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -245,7 +246,9 @@ def test_diff_reports_which_tensors_differ_and_by_how_much(trained: tuple[Path, 
     weight = rows["model/0.weight"]
     assert weight["status"] == "differs" and weight["numel"] == 256
     assert weight["max_abs"] == pytest.approx(float((a["model/0.weight"] - b["model/0.weight"]).abs().max()))
-    expected_rel = float((a["model/0.weight"].double() - b["model/0.weight"].double()).norm() / a["model/0.weight"].double().norm())
+    expected_rel = float(
+        (a["model/0.weight"].double() - b["model/0.weight"].double()).norm() / a["model/0.weight"].double().norm()
+    )
     assert weight["rel_l2"] == pytest.approx(expected_rel)
     assert rows["model/1.num_batches_tracked"]["max_abs"] == 5
     assert result["identical"] is False and result["step_a"] == 5 and result["step_b"] == 10

@@ -15,7 +15,8 @@ runner = CliRunner()
 
 
 def test_plan_json_lists_each_policy() -> None:
-    result = runner.invoke(app, ["plan", "--iteration", "1", "--stall", "30", "--persist", "60", "--mtbf-hours", "4", "--json"])
+    result = runner.invoke(app, ["plan", "--iteration", "1", "--stall", "30", "--persist", "60", "--mtbf-hours", "4",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     plans = {row["policy"]: row for row in json.loads(result.output)["plans"]}
     assert plans["Daly"]["interval_steps"] == 910
@@ -36,7 +37,9 @@ def test_plan_shows_short_intervals_in_readable_units() -> None:
     assert result.exit_code == 0 and "200 µs" in result.output
 
 
-def test_simulate_fits_80_columns_and_writes_no_plot_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_simulate_fits_80_columns_and_writes_no_plot_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["simulate", "--runs", "50"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkfreq.data.resumable import ResumableLoader, ResumableSampler, sample_seed
+from checkfreq.data import ResumableLoader, ResumableSampler, sample_seed
 from checkfreq.errors import TopologyError
 
 

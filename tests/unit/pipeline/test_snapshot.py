@@ -27,7 +27,7 @@ SOURCES = {
 
 def _pending(sources: list[torch.Tensor]) -> tuple[PendingSnapshot, list[torch.Tensor]]:
     slots = [torch.full(src.shape, 7, dtype=src.dtype) for src in sources]
-    return PendingSnapshot(None, torch.empty(0), list(zip(slots, sources))), slots  # type: ignore[arg-type]
+    return PendingSnapshot(None, torch.empty(0), list(zip(slots, sources, strict=True))), slots  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind", SOURCES)
@@ -47,7 +47,7 @@ def test_the_fence_and_the_writer_share_the_pieces() -> None:
     pending.copy_pieces()  # what the fence does
     writer.join()
     assert pending.copied.is_set()
-    for slot, src in zip(slots, sources):
+    for slot, src in zip(slots, sources, strict=True):
         assert torch.equal(slot, src)
 
 
@@ -58,7 +58,7 @@ def test_the_fence_alone_can_do_every_copy() -> None:
     pending.copy_pieces()
     assert not pending.copied.is_set()  # only the writer releases the fence: it may have CUDA copies too
     pending.finish_copy()
-    assert pending.copied.is_set() and all(torch.equal(a, b) for a, b in zip(slots, sources))
+    assert pending.copied.is_set() and all(torch.equal(a, b) for a, b in zip(slots, sources, strict=True))
 
 
 def test_a_failed_copy_fails_the_persist_and_releases_the_fence() -> None:

@@ -39,7 +39,8 @@ def test_section_1_overhead_bound_and_retuning() -> None:
     assert target == 0.9 and Overhead().window == 3 and Overhead().hysteresis == 0.3 and Overhead().warmup == 10
     published = [6 + 2 * n for n in range(4)]  # ceil(C_p / t_i) = 6, then +2 while a window is above p
     assert [0.04 / (q * 0.1) > p for q in published] == [True, True, True, False]
-    says(f"starts at `k` = 6 (an overhead of {0.04 / 0.6:.2%})".replace("%", " %"), "climbs 8, 10, 12 (5 %, 4 %, 3.33 %)")
+    says(f"starts at `k` = 6 (an overhead of {0.04 / 0.6:.2%})".replace("%", " %"),
+         "climbs 8, 10, 12 (5 %, 4 %, 3.33 %)")
     correction = 0.05 / (target * p)
     says(f"correction to 0.05/(0.9·0.035) = {correction:.3f}",
          f"= {overhead_steps(0.1, 0.04 * correction, 0.6, target * p)}.")
@@ -50,7 +51,8 @@ def test_section_1_overhead_bound_and_retuning() -> None:
 def test_section_2_young_daly_and_the_exact_optimum() -> None:
     for hours, label in ((24, "24 h"), (6, "6 h"), (0.25, "15 min")):
         m = hours * HOUR
-        says(f"| {label} | {young(300, m) / MIN:.2f} min | {daly(300, m) / MIN:.2f} min | {exact_optimum(300, m) / MIN:.2f} min |")
+        says(f"| {label} | {young(300, m) / MIN:.2f} min | {daly(300, m) / MIN:.2f} min | "
+             f"{exact_optimum(300, m) / MIN:.2f} min |")
     says(f"Young gives {young(30, 4 * HOUR) / MIN:.2f} min, Daly {two_phase_interval(30, 60, 4 * HOUR) / MIN:.2f} min",
          f"Daly gives {two_phase_interval(0.6, 60, 4 * HOUR) / MIN:.2f} min")
 

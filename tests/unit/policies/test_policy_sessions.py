@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,8 @@ class Session:
     recorded: float = -math.inf
     checkpoints: list[int] = field(default_factory=list)
     clean_before: list[bool] = field(default_factory=list)
-    """For each checkpoint: whether an iteration with no persist ran in this session before it (since the previous one)."""
+    """For each checkpoint: whether an iteration with no persist ran in this session before it (since the previous
+    one)."""
     saved: list[tuple[int, float, dict[str, Any]]] = field(default_factory=list)
     """(step, durable at, state) of each checkpoint."""
     _clean_since_checkpoint: bool = False
@@ -109,7 +111,7 @@ class Session:
 
     def gaps(self, after: int = 0) -> list[int]:
         steps = [s for s in self.checkpoints if s > after]
-        return [b - a for a, b in zip(steps, steps[1:])]
+        return [b - a for a, b in zip(steps, steps[1:], strict=False)]
 
 
 # ------------------------------------------------ a context after a restore: wait and measure
@@ -141,7 +143,9 @@ def test_a_restored_context_without_measurements_never_checkpoints_back_to_back(
     policy = POLICIES[name]()
     assert not policy.should_save(_restored_context())
     for session_step in range(2, 10):  # still nothing measured: never "checkpoint now"
-        assert not policy.should_save(_restored_context(session_steps=session_step, steps_since_checkpoint=session_step))
+        assert not policy.should_save(
+            _restored_context(session_steps=session_step, steps_since_checkpoint=session_step)
+        )
     # the session that follows, with a persist of 3.5 iterations that slows them by half
     session = Session(POLICIES[name](), iteration=0.01, stall=0.002, persist=0.035, slowdown=0.5, start_step=1_000_000)
     session.run(400)
@@ -160,7 +164,8 @@ def test_every_seconds_waits_for_the_checkpoint_in_flight() -> None:
 
 def test_a_fit_without_this_sessions_measurements_waits() -> None:
     """A restored loss fit cannot place a checkpoint before the session has measured its iterations."""
-    donor = Session(ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), iteration=1.0, stall=30.0, persist=60.0, loss=WORKED)
+    donor = Session(ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), iteration=1.0, stall=30.0, persist=60.0,
+                    loss=WORKED)
     donor.run(3000)
     policy = ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR)
     policy.load_state_dict(donor.saved[-1][2]["policy"])
@@ -176,7 +181,8 @@ RESUMES: dict[str, tuple[Callable[[], Policy], float, tuple[float, float, float,
     "Auto": (Auto, 0.3, (0.01, 0.004, 0.1, 0.3), 1500, 1500),
     "Auto(mtbf)": (lambda: Auto(mtbf=20.0), 0.3, (0.01, 0.004, 0.1, 0.3), 1500, 1500),
     "YoungDaly": (lambda: YoungDaly(mtbf=4 * HOUR), 0.1, (1.0, 30.0, 60.0, 0.0), 3000, 3000),
-    "ConvergenceAware": (lambda: ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), 0.1, (1.0, 30.0, 60.0, 0.0), 4000, 4000),
+    "ConvergenceAware": (lambda: ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), 0.1, (1.0, 30.0, 60.0, 0.0),
+                         4000, 4000),
     "Every(seconds)": (lambda: Every(seconds=0.5), 0.0, (0.01, 0.004, 0.1, 0.3), 1000, 1000),
 }
 
@@ -213,7 +219,10 @@ def test_a_malformed_or_foreign_state_is_refused_and_changes_nothing(name: str) 
     state = run.saved[-1][2]["policy"]
     inner = "overhead" if name.startswith("Auto") else None
     broken = {**state, inner: {**state[inner], "interval": -1}} if inner else {**state, "interval": "ten"}
-    foreign = {**state, "params": {**state["params"], "mtbf": 1.0} if "mtbf" in state["params"] else {**state["params"], "p": 0.5}}
+    foreign = {
+        **state,
+        "params": {**state["params"], "mtbf": 1.0} if "mtbf" in state["params"] else {**state["params"], "p": 0.5},
+    }
     policy = make()
     pristine = policy.state_dict()  # type: ignore[attr-defined]
     for bad in (broken, foreign, {**state, "params": None}):

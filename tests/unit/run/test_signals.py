@@ -51,7 +51,7 @@ def test_sigterm_to_a_training_process_commits_and_resume_loses_nothing(tmp_path
             optimizer_steps = int(rest[0])
         if word == "step" and int(rest[0]) == 20:
             child.send_signal(signal.SIGTERM)
-    for line in child.stdout:  # type: ignore[union-attr]
+    for _line in child.stdout:  # type: ignore[union-attr]
         pass
     assert child.wait(timeout=120) == -signal.SIGTERM, child.stderr.read()  # type: ignore[union-attr]
     assert 20 < optimizer_steps < 96, "the signal must arrive mid-run"
@@ -122,7 +122,8 @@ def test_ignored_signal_still_checkpoints_and_training_goes_on(tmp_path: Path) -
     model, opt = _stack()
     previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        with cf.Checkpointer(tmp_path, policy=1000, model=model, optimizer=opt, save_on_signal=(signal.SIGUSR2,)) as ckpt:
+        with cf.Checkpointer(tmp_path, policy=1000, model=model, optimizer=opt,
+                             save_on_signal=(signal.SIGUSR2,)) as ckpt:
             train_step(model, opt)
             os.kill(os.getpid(), signal.SIGUSR2)
             ckpt.step()

@@ -2,8 +2,9 @@
 
 Called before, every checkpoint labelled step N would hold the state after N - 1 updates and a
 resume would lose one update. A session begins with the Checkpointer, ``restore()`` or
-``start_at()`` (which counts from a state loaded elsewhere). Also here: a checkpoint that does not fit lists every object's
-differences, and a model wrapped differently from the one saved gets the prefix hint.
+``start_at()`` (which counts from a state loaded elsewhere). Also here: a checkpoint that does not
+fit lists every object's differences, and a model wrapped differently from the one saved gets the
+prefix hint.
 """
 
 from __future__ import annotations
@@ -126,14 +127,18 @@ def test_a_checkpoint_that_does_not_fit_lists_every_object(tmp_path: Path) -> No
     _saved(tmp_path, model, torch.optim.AdamW(model.parameters()))
     wider = make_model(width=16)
     scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(wider.parameters()), 2)
-    with cf.Checkpointer(tmp_path, model=wider, optimizer=torch.optim.SGD(wider.parameters()), scheduler=scheduler) as ckpt:
+    with cf.Checkpointer(tmp_path, model=wider, optimizer=torch.optim.SGD(wider.parameters()),
+                         scheduler=scheduler) as ckpt:
         with pytest.raises(cf.StateMismatchError) as info:
             ckpt.restore()
     lines = str(info.value).splitlines()
     assert lines[0] == "checkpoint does not fit the registered objects:"
     assert lines[1] == "- checkpoint holds no state for scheduler"
-    assert lines[2].startswith("- checkpoint does not fit 'model': ") and "0.weight: shape (32, 8) in checkpoint, (16, 8) in model" in lines[2]
-    assert lines[3] == "- checkpoint does not fit 'optimizer': it was written by a torch.optim.adamw.AdamW, this optimizer is a torch.optim.sgd.SGD"
+    assert lines[2].startswith("- checkpoint does not fit 'model': ") and (
+        "0.weight: shape (32, 8) in checkpoint, (16, 8) in model" in lines[2]
+    )
+    assert lines[3] == ("- checkpoint does not fit 'optimizer': it was written by a torch.optim.adamw.AdamW, "
+                        "this optimizer is a torch.optim.sgd.SGD")
 
 
 @pytest.mark.parametrize("wrap", ["data_parallel", "compile"])
@@ -146,10 +151,14 @@ def test_a_model_wrapped_differently_gets_the_prefix_hint(tmp_path: Path, wrap: 
     _saved(tmp_path / "wrapped", wrapped, optimizer)
 
     with cf.Checkpointer(tmp_path / "bare", model=wrapped, optimizer=optimizer) as ckpt:
-        with pytest.raises(cf.StateMismatchError, match=f"only by the prefix '{prefix}', which this model's keys carry.*register the unwrapped module"):
+        with pytest.raises(cf.StateMismatchError,
+                           match=f"only by the prefix '{prefix}', which this model's keys carry"
+                           ".*register the unwrapped module"):
             ckpt.restore()
     with cf.Checkpointer(tmp_path / "wrapped", model=model, optimizer=optimizer) as ckpt:
-        with pytest.raises(cf.StateMismatchError, match=f"only by the prefix '{prefix}', which the checkpoint's keys carry.*wrapped the same way"):
+        with pytest.raises(cf.StateMismatchError,
+                           match=f"only by the prefix '{prefix}', which the checkpoint's keys carry"
+                           ".*wrapped the same way"):
             ckpt.restore()
     inner = wrapped.module if wrap == "data_parallel" else wrapped._orig_mod
     with cf.Checkpointer(tmp_path / "bare", model=inner, optimizer=optimizer) as ckpt:  # the fix the hint names

@@ -92,7 +92,9 @@ def test_an_aligned_data_section_bypasses_the_page_cache(tmp_path: Path) -> None
 
 
 @direct_io
-def test_a_filesystem_that_refuses_direct_io_gets_normal_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_filesystem_that_refuses_direct_io_gets_normal_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where setting O_DIRECT fails (EINVAL), every byte is written through the page cache."""
     real_fcntl = checkfreq.storage.posix.fcntl.fcntl
 
