@@ -20,7 +20,7 @@ from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fi
 from checkfreq.tools.report import human_bytes
 
 if TYPE_CHECKING:
-    from checkfreq.tools.catalog import CheckpointDiff
+    from checkfreq.tools.diff import CheckpointDiff
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 RemoteOption = Annotated[str | None, typer.Option(
@@ -220,7 +220,7 @@ def diff_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor; exit 1 if they differ, like diff(1)."""
-    from checkfreq.tools.catalog import diff
+    from checkfreq.tools.diff import diff
 
     result = diff(a, b)
     if as_json:
