@@ -148,9 +148,8 @@ class Checkpointer:
             self._objects["rng"] = RNGState()
 
         self._local, self._remote = open_tiers(directory, remote)
-        cluster = self._cluster = attach(
-            self._local, self._remote, persist_timeout, self._policy
-        )  # at every world size
+        # a cluster at every world size (a world of one alone)
+        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy)
         control = self._control = cluster.control
         self.directory = self._local.root
         self._memory = open_memory_tier(self._local.root, memory_cadence, control)

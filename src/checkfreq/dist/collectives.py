@@ -197,9 +197,8 @@ def scatter_json(peers: Peers, values: list[Any] | None) -> Any:
 def send_json(peers: Peers, value: Any, to: int) -> None:
     """Send a JSON-able ``value`` to rank ``to``, which takes it with :func:`receive_json`."""
     payload = _encode(value)
-    peers.send(
-        torch.frombuffer(bytearray(struct.pack("=q", payload.numel())), dtype=torch.uint8), to
-    )  # int64, as received
+    length = torch.frombuffer(bytearray(struct.pack("=q", payload.numel())), dtype=torch.uint8)  # int64, as received
+    peers.send(length, to)
     peers.send(payload, to)
 
 

@@ -156,9 +156,7 @@ class CheckFreqCallback(pl.Callback):
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
                 for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
-                    timer.on_fit_start(
-                        trainer, pl_module
-                    )  # its check ran before the restore: run it on the restored time
+                    timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it again
                 if trainer.is_global_zero and callbacks.saved_at is not None:
                     _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
         self._seen_step = trainer.global_step

@@ -106,9 +106,8 @@ class Readable:
                 needs.update(chunk_holders(entry["shape"], entry["chunked"], saved_world, box))
             elif saved_world != world_size:
                 return None
-        return sorted(
-            needs
-        )  # at the same world size, a layout not recorded is taken for the saved one: checked once read
+        # at the same world size, a layout not recorded is taken for the saved one: checked once read
+        return sorted(needs)
 
 
 class Restorer:
