@@ -602,7 +602,9 @@ class Checkpointer:
 
     def _save_for_signal(self) -> None:
         """Preempted: make the current state durable, then let the signal act as it would have."""
-        signum = self._trap.received  # type: ignore[union-attr]
+        trap = self._trap
+        assert trap is not None  # called once a trapped signal was received
+        signum = trap.received
         self._events.write("signal", step=self._timeline.step, signal=signum)
         log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._timeline.step)
         try:
@@ -611,7 +613,7 @@ class Checkpointer:
             log.error("the checkpoint taken for signal %s failed", signum, exc_info=True)
             raise
         finally:
-            self._trap.honour()  # type: ignore[union-attr]
+            trap.honour()
 
 
 def _has_int_epoch(obj: object) -> bool:

@@ -116,7 +116,8 @@ class ReplicatedStream:
 
     def whole(self, manifest: Manifest) -> Manifest:
         """``manifest`` with each replicated tensor recorded as one whole part (as :meth:`tensors_of` gives them)."""
-        shared = dict(manifest.distributed["tensors"])  # type: ignore[index]
+        assert manifest.distributed is not None  # a stream is made of a checkpoint written by ranks
+        shared = dict(manifest.distributed["tensors"])
         for name, _, shape, _ in self.tensors:
             shared[name] = {**shared[name], "parts": [[name, 0, math.prod(shape)]]}
-        return dataclasses.replace(manifest, distributed={**manifest.distributed, "tensors": shared})  # type: ignore[dict-item]
+        return dataclasses.replace(manifest, distributed={**manifest.distributed, "tensors": shared})
