@@ -14,7 +14,7 @@ from checkfreq.cli._output import JSON_HELP, console, emit_json, fitted_table, r
 from checkfreq.policies import Overhead
 from checkfreq.policies.intervals import daly, exact_optimum, overhead_steps, two_phase_interval, young, young_waste
 from checkfreq.policies.losscurve import LossCurve
-from checkfreq.tools import schedules as policy_schedules
+from checkfreq.tools import schedules
 from checkfreq.tools.report import human_seconds
 from checkfreq.tools.simulate import Result, Schedule, Workload, relative_change, simulate
 
@@ -148,16 +148,16 @@ def _loss(spec: str) -> LossCurve:
 
 def _schedules(wl: Workload, p: float) -> dict[str, Schedule]:
     return {
-        "epoch-level": policy_schedules.epoch_level(wl),
-        "CheckFreq (published)": policy_schedules.checkfreq_published(wl, p),
-        "Young": policy_schedules.young_daly(wl, "young"),
-        "Daly": policy_schedules.young_daly(wl, "daly"),
-        f"Overhead({p:g})": policy_schedules.overhead(wl, p),
-        "Auto (MTBF known)": policy_schedules.auto(wl, p, wl.mtbf),
-        "COCI (published, min)": policy_schedules.coci_published(wl),
-        "convergence β=0.5": policy_schedules.convergence_aware(wl, 0.5),
-        "convergence β=1": policy_schedules.convergence_aware(wl, 1.0),
-        "convergence exact (DP)": policy_schedules.convergence_optimal(wl),
+        "epoch-level": schedules.epoch_level(wl),
+        "CheckFreq (published)": schedules.checkfreq_published(wl, p),
+        "Young": schedules.young_daly(wl, "young"),
+        "Daly": schedules.young_daly(wl, "daly"),
+        f"Overhead({p:g})": schedules.overhead(wl, p),
+        "Auto (MTBF known)": schedules.auto(wl, p, wl.mtbf),
+        "COCI (published, min)": schedules.coci_published(wl),
+        "convergence β=0.5": schedules.convergence_aware(wl, 0.5),
+        "convergence β=1": schedules.convergence_aware(wl, 1.0),
+        "convergence exact (DP)": schedules.convergence_optimal(wl),
     }
 
 

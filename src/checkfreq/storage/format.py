@@ -245,7 +245,7 @@ class Manifest:
     versions: dict[str, str]
     created: float
     distributed: dict[str, Any] | None = None
-    """Written by several ranks: per-rank skeletons and how each tensor is split (see ``distributed_plan``)."""
+    """Written by several ranks: per-rank skeletons and how each tensor is split (see :mod:`checkfreq.dist.shares`)."""
 
     @property
     def complete(self) -> bool:

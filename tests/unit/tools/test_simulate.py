@@ -9,7 +9,7 @@ import pytest
 
 from checkfreq.policies.intervals import daly_waste, exact_optimum
 from checkfreq.policies.losscurve import LossCurve
-from checkfreq.tools import schedules as policy_schedules
+from checkfreq.tools import schedules
 from checkfreq.tools.simulate import Schedule, Workload, relative_change, simulate
 
 HOUR = 3600.0
@@ -44,7 +44,7 @@ def test_persist_lag_loses_the_checkpoint_in_flight() -> None:
     per_failure = []
     for persist in (0.0, 599.0):
         wl = Workload(persist=persist, **base)
-        r = simulate(wl, {"ten min": policy_schedules.every(wl, 600.0)}, runs=1000)[0]
+        r = simulate(wl, {"ten min": schedules.every(wl, 600.0)}, runs=1000)[0]
         per_failure.append(r.lost / r.failures)
     assert per_failure[0] == pytest.approx(300.0, rel=0.05)  # half an interval
     # plus the checkpoint in flight, except in the first interval after a restart (none is in flight then)
@@ -54,7 +54,7 @@ def test_persist_lag_loses_the_checkpoint_in_flight() -> None:
 
 def test_checkpoint_waits_for_previous_persist() -> None:
     wl = Workload(work=HOUR, iteration=1.0, stall=1.0, persist=100.0, restart=0.0, mtbf=1e12)
-    result = simulate(wl, {"dense": policy_schedules.every(wl, 10.0)}, runs=5)[0]
+    result = simulate(wl, {"dense": schedules.every(wl, 10.0)}, runs=5)[0]
     # 359 checkpoints plus the final one; each after the first waits 90 s; the last persist is waited for
     assert result.stall == pytest.approx(1 + 359 * 91 + 100)
     assert result.failures == 0 and result.checkpoints == 360
@@ -62,7 +62,7 @@ def test_checkpoint_waits_for_previous_persist() -> None:
 
 def test_nonhomogeneous_rate_and_failures_during_recovery() -> None:
     base = dict(work=24 * HOUR, iteration=1.0, stall=10.0, persist=0.0, restart=60.0)
-    sched = {"hourly": policy_schedules.every(Workload(mtbf=HOUR, **base), HOUR)}
+    sched = {"hourly": schedules.every(Workload(mtbf=HOUR, **base), HOUR)}
     low = simulate(Workload(mtbf=4 * HOUR, **base), sched, runs=2000)[0].failures
     high = simulate(Workload(mtbf=2 * HOUR, **base), sched, runs=2000)[0].failures
     mixed = simulate(Workload(mtbf=4 * HOUR, rate_changes=((12 * HOUR, 2.0),), **base), sched, runs=2000)[0].failures
@@ -77,7 +77,7 @@ def test_early_termination_shortens_runs() -> None:
     base = dict(work=24 * HOUR, iteration=1.0, stall=30.0, persist=60.0, restart=120.0, mtbf=4 * HOUR)
     full = Workload(**base)
     stopped = Workload(stop_probability=1.0, **base)
-    sched = {"young": policy_schedules.young_daly(full)}
+    sched = {"young": schedules.young_daly(full)}
     assert simulate(stopped, sched, runs=500)[0].overhead < 0.65 * simulate(full, sched, runs=500)[0].overhead
 
 
@@ -95,13 +95,13 @@ WORKED = Workload(
 
 
 def test_convergence_aware_lowers_value_weighted_overhead_against_young() -> None:
-    schedules = {
-        "young": policy_schedules.young_daly(WORKED, "young"),
-        "beta=1": policy_schedules.convergence_aware(WORKED, 1.0),
-        "beta=0.5": policy_schedules.convergence_aware(WORKED, 0.5),
-        "epoch": policy_schedules.epoch_level(WORKED),
+    placed = {
+        "young": schedules.young_daly(WORKED, "young"),
+        "beta=1": schedules.convergence_aware(WORKED, 1.0),
+        "beta=0.5": schedules.convergence_aware(WORKED, 0.5),
+        "epoch": schedules.epoch_level(WORKED),
     }
-    results = simulate(WORKED, schedules, runs=2000, seed=0)
+    results = simulate(WORKED, placed, runs=2000, seed=0)
     change = relative_change(results, "young")
     young = results[0]
     assert young.overhead / 60 == pytest.approx(116, rel=0.05)
@@ -114,12 +114,12 @@ def test_convergence_aware_lowers_value_weighted_overhead_against_young() -> Non
 
 
 def test_published_baselines_and_invalid_workloads() -> None:
-    cf = policy_schedules.checkfreq_published(WORKED)
+    cf = schedules.checkfreq_published(WORKED)
     assert not cf.absolute and cf.points[0] == 60.0 and np.all(np.diff(np.diff(cf.points)) >= 0)
-    assert policy_schedules.coci_published(WORKED, unit=1.0).points.size == 0  # in seconds it never checkpoints
-    assert policy_schedules.coci_published(WORKED, unit=HOUR).points.size > 500  # in hours, hundreds of times
+    assert schedules.coci_published(WORKED, unit=1.0).points.size == 0  # in seconds it never checkpoints
+    assert schedules.coci_published(WORKED, unit=HOUR).points.size > 500  # in hours, hundreds of times
     with pytest.raises(ValueError, match="mtbf"):
         Workload(work=1.0, iteration=1.0, stall=1.0, persist=1.0, restart=1.0, mtbf=0.0)
     no_curve = Workload(work=1.0, iteration=1.0, stall=1.0, persist=1.0, restart=1.0, mtbf=1.0)
     with pytest.raises(ValueError, match="loss curve"):
-        policy_schedules.convergence_aware(no_curve)
+        schedules.convergence_aware(no_curve)
