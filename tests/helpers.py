@@ -14,9 +14,11 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
+import torch.multiprocessing as mp
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -176,3 +178,18 @@ def hf_fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: in
 def sample_reads(log: Path) -> list[int]:
     """The sample indices a run of hf_train.py logged with ``--read-log``, in the order it read them."""
     return [int(line) for line in log.read_text().split()]
+
+
+def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, each rank leaving without the interpreter's
+    teardown once ``fn`` returned: torch's gloo threads can abort a finished process at teardown
+    (docs/distributed.md), and the test is about checkfreq, not that race. ``fn`` writes its results
+    before it returns; an exception in it fails the job as usual."""
+    mp.spawn(_run_then_leave, args=(fn, *args), nprocs=nprocs, join=True)
+
+
+def _run_then_leave(rank: int, fn: Any, *args: Any) -> None:
+    from worker_exit import exit_without_teardown  # tests/scripts, on the path conftest sets (and children inherit)
+
+    fn(rank, *args)
+    exit_without_teardown()

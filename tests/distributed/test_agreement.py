@@ -21,6 +21,7 @@ from checkfreq.dist.agreement import MAX_VOTE_STEPS, VOTE_SECONDS, AgreedPolicy,
 from checkfreq.dist.collectives import TREE_ARITY, GroupPeers, tree_max
 from checkfreq.errors import CheckfreqError
 from checkfreq.policies import DecisionContext
+from helpers import spawn_ranks
 
 STEPS = 120
 
@@ -58,7 +59,7 @@ def _rank(rank: int, store_path: str, out: str, script: dict[str, list]) -> None
 def _run(tmp_path: Path, yes_at: list[list[int]], iteration: list[float],
          intervals: tuple[int, int] | list[int] = (0, 0)) -> list[dict[str, list[int]]]:
     script = {"yes_at": yes_at, "iteration": iteration, "intervals": list(intervals)}
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path), script), nprocs=2, join=True)
+    spawn_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), script), 2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkfreq import Checkpointer
 from checkfreq.dist.ddp_order import ddp_wrappers, warn_if_buckets_reorder
-from helpers import make_model
+from helpers import make_model, spawn_ranks
 
 WARNING = "rebuilds its gradient buckets"
 CASES = {"wrapped": (False, "module"), "ddp-registered": (False, "ddp"), "nested": (False, "nested"),
@@ -64,7 +63,7 @@ def _restore_cases(rank: int, world: int, workdir: str) -> None:
 
 
 def test_restore_at_three_ranks_warns_when_ddp_reorders_its_buckets(tmp_path: Path) -> None:
-    mp.spawn(_restore_cases, args=(3, str(tmp_path)), nprocs=3, join=True)
+    spawn_ranks(_restore_cases, (3, str(tmp_path)), 3)
     expected = {"wrapped": 1, "ddp-registered": 1, "nested": 1, "find-unused": 0}
     assert [json.loads((tmp_path / f"warned{rank}.json").read_text()) for rank in range(3)] == [expected] * 3
 

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
 from checkfreq.tools.catalog import list_checkpoints
 from checkfreq.tools.report import load_run
-from helpers import make_model, train_step
+from helpers import make_model, spawn_ranks, train_step
 
 STEPS, EVERY = 6, 3
 
@@ -54,7 +53,7 @@ def _restore(rank: int, root: str, directories: list[str]) -> None:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("nodes")
-    mp.spawn(_rank, args=(str(root),), nprocs=2, join=True)
+    spawn_ranks(_rank, (str(root),), 2)
     return root
 
 
@@ -80,7 +79,7 @@ def test_ranks_restore_from_each_others_directories_without_the_remote_tier(node
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 0xFF
         path.write_bytes(bytes(raw))
-    mp.spawn(_restore, args=(str(tmp_path), swapped), nprocs=2, join=True)
+    spawn_ranks(_restore, (str(tmp_path), swapped), 2)
     step = EVERY if damaged else STEPS
     for rank in (0, 1):
         restored = torch.load(tmp_path / f"restored{rank}.pt")
@@ -111,7 +110,7 @@ def test_a_damaged_copy_is_replaced_by_another_directorys_intact_one(nodes: Path
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 0xFF
     path.write_bytes(bytes(raw))
-    mp.spawn(_restore, args=(str(tmp_path), [str(d) for d in directories]), nprocs=2, join=True)
+    spawn_ranks(_restore, (str(tmp_path), [str(d) for d in directories]), 2)
     final = torch.load(nodes / "final0.pt")
     for rank, directory in enumerate(directories):
         restored = torch.load(tmp_path / f"restored{rank}.pt")

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import checkfreq.dist.compat
 import checkfreq.dist.group_cluster
@@ -26,7 +25,7 @@ from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistErro
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.storage import LocalStore
 from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
-from helpers import ROOT, make_model, train_step
+from helpers import ROOT, make_model, spawn_ranks, train_step
 
 sys.path.insert(0, str(ROOT))
 
@@ -58,8 +57,7 @@ def _rank(rank: int, world: int, store_path: str, directory: str) -> None:
 
 def _save(tmp_path: Path, world: int) -> Path:
     """The checkpoint a DDP job of ``world`` ranks saves at step 2."""
-    mp.spawn(_rank, args=(world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")),
-             nprocs=world, join=True)
+    spawn_ranks(_rank, (world, str(tmp_path / f"store{world}"), str(tmp_path / f"ckpt{world}")), world)
     return tmp_path / f"ckpt{world}" / "step_000000002"
 
 
@@ -136,7 +134,7 @@ def _leaders(rank: int, root: str, directories: list[str], forged: bool, out: st
 
 def _run_leaders(tmp_path: Path, names: list[str], forged: bool = False) -> list[object]:
     directories = [str(tmp_path / name) for name in names]
-    mp.spawn(_leaders, args=(str(tmp_path), directories, forged, str(tmp_path)), nprocs=len(names), join=True)
+    spawn_ranks(_leaders, (str(tmp_path), directories, forged, str(tmp_path)), len(names))
     assert not [p for p in tmp_path.rglob(".checkfreq-probe-*")]  # every probe is removed
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(len(names))]
 
@@ -209,7 +207,7 @@ def _commit_bytes(tmp_path: Path, world: int, node_local: bool) -> list[dict]:
     out = tmp_path / f"{world}-{node_local}"
     out.mkdir()
     directories = [str(out / (f"node{r // 2}" if node_local else "shared")) for r in range(world)]
-    mp.spawn(_counted_rank, args=(world, str(out / "store"), directories, str(out)), nprocs=world, join=True)
+    spawn_ranks(_counted_rank, (world, str(out / "store"), directories, str(out)), world)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -304,7 +302,7 @@ def test_each_rank_reads_its_share_of_a_shared_directory(tmp_path: Path, network
     replicated = sum(math.prod(e["shape"]) * DTYPES_BY_CODE[e["dtype"]].itemsize
                      for e in manifest["distributed"]["tensors"].values() if e["kind"] == "replicated")
     directory = str(tmp_path / "ckpt4")
-    mp.spawn(_restore_counted, args=(4, str(tmp_path / "store-restore"), directory, network_fs), nprocs=4, join=True)
+    spawn_ranks(_restore_counted, (4, str(tmp_path / "store-restore"), directory, network_fs), 4)
     saved = torch.load(f"{directory}.final0.pt")
     total = sum(entry["size"] for entry in sizes.values())
     for rank in range(4):
@@ -401,8 +399,8 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
     and 3 by rank 1), so each receives one file, not two. Every restore ends with the saved state,
     bit for bit."""
     world = 4
-    mp.spawn(_fsdp_rank, args=(world, str(tmp_path)), nprocs=world, join=True)
-    mp.spawn(_fsdp_resharded, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_fsdp_rank, (world, str(tmp_path)), world)
+    spawn_ranks(_fsdp_resharded, (2, str(tmp_path)), 2)
     manifest = json.loads((tmp_path / "ckpt" / "step_000000002" / MANIFEST_NAME).read_bytes())
     sizes, saved_tensors = manifest["files"], manifest["distributed"]["tensors"].values()
     layouts = [e.get("chunked") for e in saved_tensors if e["kind"] == "sharded"]
@@ -505,7 +503,7 @@ def test_a_rank_connects_only_to_the_ranks_it_talks_to(tmp_path: Path, lazy: boo
     other ranks 4 to 6. Where torch cannot connect on demand, every rank holds three full meshes: 12."""
     world = 5
     args = (world, str(tmp_path / "store"), str(tmp_path / "ckpt"), str(tmp_path), lazy)
-    mp.spawn(_connections_rank, args=args, nprocs=world, join=True)
+    spawn_ranks(_connections_rank, args, world)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     full_mesh = 3 * (world - 1)
     assert all(r["default"] == world - 1 and r["votes"] >= 2 for r in ranks), ranks  # the count sees a full mesh

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkfreq import Checkpointer
 from checkfreq.run.events import read_events
-from helpers import assert_state_equal, make_model, train_step
+from helpers import assert_state_equal, make_model, spawn_ranks, train_step
 
 LEG = 4
 """Optimizer steps per session."""
@@ -66,8 +65,8 @@ def test_one_process_and_a_one_rank_job_resume_each_other_bit_identically(tmp_pa
                                                                           memory: bool) -> None:
     directory = tmp_path / "run"
     _session(str(directory), str(tmp_path / "first.pt"), memory)  # one process
-    mp.spawn(_one_rank_session, args=(str(directory), str(tmp_path / "second.pt"), memory, str(tmp_path / "store")),
-             nprocs=1, join=True)  # torch.distributed, one rank: resumes the one process's checkpoint
+    # torch.distributed, one rank: resumes the one process's checkpoint
+    spawn_ranks(_one_rank_session, (str(directory), str(tmp_path / "second.pt"), memory, str(tmp_path / "store")), 1)
     _session(str(directory), str(tmp_path / "third.pt"), memory)  # one process again: resumes the 1-rank job's
 
     # each session wrote its own kind of checkpoint: the 1-rank job's indexes its rank's share
