@@ -50,7 +50,7 @@ from checkfreq.run.session import run_state, seed_session
 from checkfreq.run.signals import SignalTrap
 from checkfreq.run.state import Stateful, apply_state, flatten, optimizer_owned, unflatten
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
-from checkfreq.run.tensors import is_dtensor
+from checkfreq.run.tensors import any_cuda, is_dtensor, objects_on_cuda
 from checkfreq.run.timeline import Timeline
 from checkfreq.storage import Store, open_tiers
 from checkfreq.storage.local import LocalStore
@@ -308,7 +308,9 @@ class Checkpointer:
         """
         self._check_open("restore()")
         self.wait()
-        found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects))
+        start = time.perf_counter()
+        found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects),
+                                    device_copies=objects_on_cuda(self._objects.values()))
         if found is None:
             self._foreign_step = None
             return 0
@@ -331,9 +333,11 @@ class Checkpointer:
         self._memory.forget_newer_than(manifest.step)
         self._memory.taken(manifest.step)
         self._profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
+        seconds = time.perf_counter() - start
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
-                           world_size=self._cluster.world_size, saved_world_size=manifest.world_size)
-        log.info("restored %s (step %d, %s tier)", found.name, manifest.step, found.tier)
+                           world_size=self._cluster.world_size, saved_world_size=manifest.world_size,
+                           restore_s=seconds)
+        log.info("restored %s (step %d, %s tier) in %.2f s", found.name, manifest.step, found.tier, seconds)
         return manifest.step
 
     def start_at(self, step: int) -> None:
@@ -457,7 +461,8 @@ class Checkpointer:
         layout = layout_of(tensors)
         target = None
         if self._cluster.writes_whole_state:  # else the share has a buffer of its own
-            target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time())
+            target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time(),
+                                         device_copies=any_cuda(tensors.values()))
         pending = self._snapshotter.take(
             tensors, owned, layout=layout, buffer=None if target is None else target.buffer
         )
@@ -517,7 +522,8 @@ class Checkpointer:
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return
         layout = layout_of(tensors)
-        target = memory.target(layout, skeleton, step, epoch, versions(), time.time())
+        target = memory.target(layout, skeleton, step, epoch, versions(), time.time(),
+                               device_copies=any_cuda(tensors.values()))
         if target is None:  # no room in /dev/shm: the tier turned itself off
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return

@@ -8,6 +8,11 @@ its slot before writing it to disk and keeps it from being overwritten until the
 
 If /dev/shm has no room, the tier turns itself off with one warning and checkpoints go to disk
 as without it.
+
+A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
+the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
+snapshot's side stream at the pinned bandwidth and only the fence waits for it; registering is a
+one-time cost, counted with the region's creation, not the cadence's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
+from checkfreq.storage.host_pinning import HostRegistry, host_registry
 from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature, remove_regions_beyond
 
 log = logging.getLogger("checkfreq.memory")
@@ -88,6 +94,8 @@ class MemoryTier:
         self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0
     ) -> None:
         self.region = MemoryRegion.for_directory(directory, rank)
+        self.registry: HostRegistry | None = None
+        """Pins slots for device copies; created at the first CUDA snapshot or restore."""
         self.cadence = cadence
         self._data_file = data_file
         self.writer = Writer()
@@ -131,9 +139,11 @@ class MemoryTier:
         self.cadence.record(seconds)
 
     def target(
-        self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float
+        self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float,
+        *, device_copies: bool = False,
     ) -> MemoryTarget | None:
-        """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm)."""
+        """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm).
+        With ``device_copies`` (CUDA tensors will be copied in) the slot is pinned first."""
         if not self.enabled:
             return None
         manifest = Manifest(
@@ -149,7 +159,15 @@ class MemoryTier:
             log.warning("memory tier off, checkpoints go to disk only: %s", e)
             self.enabled = False
             return None
-        return MemoryTarget(self.region.begin(keep=self._persisting), step, layout, meta, time.perf_counter() - start)
+        slot = self.region.begin(keep=self._persisting)
+        if device_copies:
+            self._pin(slot.slot)
+        return MemoryTarget(slot, step, layout, meta, time.perf_counter() - start)
+
+    def _pin(self, slot: int) -> None:
+        if self.registry is None:
+            self.registry = host_registry()
+        self.region.pin_slot(slot, self.registry)
 
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
@@ -196,13 +214,18 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ restore
 
-    def read_all(self, step: int | None = None) -> tuple[list[MemoryState], list[tuple[str, str]]]:
-        """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those skipped."""
+    def read_all(
+        self, step: int | None = None, *, device_copies: bool = False
+    ) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+        """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those
+        skipped; with ``device_copies`` (restored onto a GPU) each slot is pinned before it is read."""
         states: list[MemoryState] = []
         skipped: list[tuple[str, str]] = []
         for info in self.region.snapshots():
             if step is not None and info.step != step:
                 continue
+            if device_copies:
+                self._pin(info.slot)
             try:
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects
                 manifest = Manifest.from_json(meta)
@@ -248,13 +271,15 @@ class NoMemoryTier:
         pass
 
     def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str],
-               created: float) -> MemoryTarget | None:
+               created: float, *, device_copies: bool = False) -> MemoryTarget | None:
         return None
 
     def wait(self, timeout: float) -> BaseException | None:
         return None
 
-    def read_all(self, step: int | None = None) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+    def read_all(
+        self, step: int | None = None, *, device_copies: bool = False
+    ) -> tuple[list[MemoryState], list[tuple[str, str]]]:
         return [], []
 
     def forget_newer_than(self, step: int) -> None:

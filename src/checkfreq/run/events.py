@@ -19,9 +19,9 @@ Every rank of a distributed job appends to the same log:
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
 - ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier", "seeded", "world_size",
-  "saved_world_size"}`` — ``tier`` is where the state came from: ``"memory"``, ``"local"`` or
-  ``"remote"``; ``seeded`` lists what the checkpoint carried into the new session (``"profile"``,
-  ``"policy"``).
+  "saved_world_size", "restore_s"}`` — ``tier`` is where the state came from: ``"memory"``,
+  ``"local"`` or ``"remote"``; ``restore_s`` how long ``restore()`` took, reads included; ``seeded``
+  lists what the checkpoint carried into the new session (``"profile"``, ``"policy"``).
 Lines are appended without fsync: the log is for people and plots, not for recovery.
 """
 

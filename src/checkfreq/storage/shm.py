@@ -11,8 +11,9 @@ Layout (little-endian)::
 
 Commit protocol of one snapshot (:meth:`MemoryRegion.begin`, then :meth:`MemoryRegion.commit`):
 the slot's header is zeroed first, the data and metadata are copied in, and only then is the
-header written: magic, sequence number, step, lengths, layout signature, an xxh3-64 checksum of
-data and metadata, and a checksum of the header itself. A process killed anywhere in between
+header written: magic, sequence number, step, lengths, layout signature, a checksum of data and
+metadata (xxh3-64 of 64 MiB chunks hashed in parallel, :mod:`checkfreq.storage.parallel_hash`), and
+a checksum of the header itself. A process killed anywhere in between
 leaves that slot without a valid header (or with one whose checksum does not match), and the
 other slot, which the protocol never touches meanwhile, still holds the previous complete
 snapshot. Reading copies a slot into private memory and verifies its checksum on the copy, so
@@ -22,6 +23,11 @@ Shared memory survives the process, not the node (see docs/storage.md). tmpfs al
 lazily, so the region's pages are reserved with ``posix_fallocate`` up front: a full /dev/shm
 fails at :meth:`MemoryRegion.reserve` with :class:`ShmCapacityError`, never with a SIGBUS in
 the middle of a copy.
+
+Slots that CUDA tensors are copied into (or restored from) are registered with the CUDA runtime
+once (:meth:`MemoryRegion.pin_slot`, :mod:`checkfreq.storage.host_pinning`), so the copies run
+asynchronously at the pinned bandwidth; the registration is undone before the region is unmapped
+(:meth:`MemoryRegion.release`, and when it grows).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import xxhash
 
 from checkfreq.errors import CheckfreqError
 from checkfreq.storage.format import BLOCK_BYTES
+from checkfreq.storage.host_pinning import HostRegistry
+from checkfreq.storage.parallel_hash import chunked_xxh3
 
 log = logging.getLogger("checkfreq.shm")
 
@@ -48,7 +56,7 @@ DEFAULT_SHM_DIR = "/dev/shm"
 SLOTS = 2
 HEADER_BYTES = 4096
 META_MIN_BYTES = 64 << 10
-VERSION = 1
+VERSION = 2  # 2: chunked checksums
 _REGION_MAGIC = b"CKFQSHMR"
 _SLOT_MAGIC = b"CKFQSLOT"
 _REGION = struct.Struct("<8sIIQQQQ")  # magic, version, slots, data capacity, meta capacity, directory st_dev, st_ino
@@ -132,6 +140,8 @@ class MemoryRegion:
         self._meta_capacity = 0
         self._lock = threading.Lock()
         self._sequence = 0
+        self._registry: HostRegistry | None = None
+        self._pinned: dict[int, int] = {}  # slot -> registered address
         self.skipped: list[tuple[str, str]] = []
         """(slot, reason) of every snapshot :meth:`newest` found torn or damaged."""
         if path.exists():
@@ -233,8 +243,34 @@ class MemoryRegion:
         self._sequence = 0
         log.info("memory tier: %s, %d slots of %.1f MiB", self.path, SLOTS, data_cap / 2**20)
 
+    def pin_slot(self, slot: int, registry: HostRegistry) -> bool:
+        """Register ``slot``'s data area with ``registry`` (once per mapping: a no-op if it is
+        registered already); False if the platform refused and the slot stays pageable."""
+        assert self._bytes is not None
+        if slot in self._pinned:
+            return True
+        self._registry = registry
+        address = self._bytes.data_ptr() + self._data_at(slot)
+        if not registry.register(address, self._data_capacity):
+            return False
+        self._pinned[slot] = address
+        return True
+
+    @property
+    def pinned_slots(self) -> frozenset[int]:
+        """The slots registered for device copies in the current mapping."""
+        return frozenset(self._pinned)
+
+    def _unpin_all(self) -> None:
+        """Undo every registration: before the mapping goes (a registered range must never be unmapped)."""
+        registry, pinned, self._pinned = self._registry, self._pinned, {}
+        for address in pinned.values():
+            assert registry is not None
+            registry.unregister(address)
+
     def release(self, *, remove: bool) -> None:
-        """Unmap the region; with ``remove``, delete its file too (a clean close)."""
+        """Unmap the region (its slots unregistered first); with ``remove``, delete its file too."""
+        self._unpin_all()
         self._bytes = None
         if self._map is not None:
             try:
@@ -319,9 +355,7 @@ class MemoryRegion:
     def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
         view = memoryview(self._map)  # type: ignore[arg-type]
         try:
-            hasher = xxhash.xxh3_64(view[data_at : data_at + data_bytes])
-            hasher.update(view[meta_at : meta_at + meta_bytes])
-            return hasher.intdigest()
+            return chunked_xxh3(view[data_at : data_at + data_bytes], bytes(view[meta_at : meta_at + meta_bytes]))
         finally:
             view.release()
 
@@ -343,9 +377,7 @@ class MemoryRegion:
             data = data.clone()
         meta_at = start + self._data_capacity
         meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
-        hasher = xxhash.xxh3_64(data.numpy().data)
-        hasher.update(meta)
-        if hasher.intdigest() != info.checksum or self.header(info.slot) != info:
+        if chunked_xxh3(data.numpy().data, meta) != info.checksum or self.header(info.slot) != info:
             raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")
         return meta, data
 

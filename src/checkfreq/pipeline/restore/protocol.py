@@ -141,18 +141,21 @@ class Restorer:
             steps |= {s for s, _ in self.remote.checkpoints()}
         return sorted(steps, reverse=True)
 
-    def find(self, step: int | None = None, blocks: Blocks | None = None) -> Found | None:
+    def find(self, step: int | None = None, blocks: Blocks | None = None, *,
+             device_copies: bool = False) -> Found | None:
         """The newest valid checkpoint (or the one at ``step``) every rank can read; None if no
         rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
 
         ``blocks`` gives the blocks of the sharded tensors this rank restores: with it a rank gets
         only the files that hold them (its own, when the layout is the saved one); without it, every
-        rank gets every file of a checkpoint with sharded tensors.
+        rank gets every file of a checkpoint with sharded tensors. With ``device_copies`` (the state
+        is restored onto a GPU) memory slots are pinned before they are read, so the copies to the
+        device run at the pinned bandwidth.
         """
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
         if self.memory.present:
-            found = self._from_memory(step, listed)
+            found = self._from_memory(step, listed, device_copies)
             if found is not None:
                 return found
         try:
@@ -161,16 +164,16 @@ class Restorer:
             if not self.memory.present:
                 raise
             log.warning("no valid checkpoint on disk; trying older memory snapshots")
-            found = self._from_memory(step, [])
+            found = self._from_memory(step, [], device_copies)
             if found is None:
                 raise
             return found
 
     # ------------------------------------------------------------------ memory
 
-    def _from_memory(self, step: int | None, listed: list[int]) -> Found | None:
+    def _from_memory(self, step: int | None, listed: list[int], device_copies: bool = False) -> Found | None:
         """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
-        states, skipped = self.memory.read_all(step)
+        states, skipped = self.memory.read_all(step, device_copies=device_copies)
         by_step = {state.manifest.step: state for state in states}
         reports = self.peers.gather(MemoryReport(sorted(by_step), listed[0] if listed else None).to_wire())
         choice = None if reports is None else memory_choice([MemoryReport.from_wire(r) for r in reports])

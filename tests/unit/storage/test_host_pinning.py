@@ -1,0 +1,98 @@
+"""Pinning the memory tier's slots for device copies: the bookkeeping on the CPU, the registration on CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkfreq.storage.host_pinning import CudaHostRegistry, PinningError, RecordingRegistry
+from checkfreq.storage.parallel_hash import CHUNK_BYTES, chunked_xxh3
+from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, layout_signature
+
+SIG = layout_signature(("x",))
+
+
+def test_a_slot_is_registered_once_and_unregistered_before_the_region_is_unmapped(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    registry = RecordingRegistry()
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(8192, 100)
+    first = region.begin()
+    assert region.pin_slot(first.slot, registry) and region.pin_slot(first.slot, registry)  # idempotent
+    assert len(registry.registered()) == 1
+    (address, nbytes), = registry.registered().items()
+    assert address == first.data.data_ptr() and nbytes == first.data.numel()  # exactly the slot's data area
+    region.pin_slot(1 - first.slot, registry)
+    assert region.pinned_slots == {0, 1} and len(registry.registered()) == 2
+
+    region.reserve(4 << 20, 100)  # the state grew: a new mapping, the old one's ranges unregistered first
+    assert registry.registered() == {} and region.pinned_slots == frozenset()
+    grown = region.begin()
+    region.pin_slot(grown.slot, registry)
+    assert registry.registered() == {grown.data.data_ptr(): grown.data.numel()} and grown.data.numel() >= 4 << 20
+    region.release(remove=True)
+    assert registry.registered() == {}
+    kinds = [kind for kind, *_ in registry.calls]
+    assert kinds == ["register", "register", "unregister", "unregister", "register", "unregister"]
+
+
+def test_the_books_refuse_a_double_registration_and_a_stray_unregistration() -> None:
+    registry = RecordingRegistry()
+    registry.register(4096, 10)
+    with pytest.raises(PinningError, match="registered already"):
+        registry.register(4096, 10)
+    registry.unregister(4096)
+    with pytest.raises(PinningError, match="not registered"):
+        registry.unregister(4096)
+
+
+def test_the_chunked_checksum_covers_every_chunk_and_the_metadata() -> None:
+    data = bytearray(os.urandom(1024)) * (2 * CHUNK_BYTES // 1024 + 3)  # three chunks, the last one short
+    digest = chunked_xxh3(memoryview(data), b"meta")
+    assert chunked_xxh3(memoryview(data), b"meta") == digest  # the thread pool does not change it
+    assert chunked_xxh3(memoryview(data), b"metb") != digest
+    for at in (0, CHUNK_BYTES + 7, len(data) - 1):
+        data[at] ^= 1
+        assert chunked_xxh3(memoryview(data), b"meta") != digest, at
+        data[at] ^= 1
+
+
+def test_a_pinned_slot_commits_and_reads_back(shm_dir: Path, tmp_path: Path) -> None:
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(8192, 100)
+    registry = RecordingRegistry()
+    target = region.begin()
+    region.pin_slot(target.slot, registry)
+    target.data[:8192].fill_(7)
+    info = region.commit(target, 5, 8192, json.dumps({"step": 5}).encode(), SIG)
+    meta, data = region.read(info)
+    assert json.loads(meta) == {"step": 5} and bool((data == 7).all())
+    target.data[100] = 8
+    with pytest.raises(ShmSnapshotError):
+        region.read(info)
+    region.release(remove=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_registered_slot_is_pinned_for_cuda_copies(shm_dir: Path, tmp_path: Path) -> None:
+    registry = CudaHostRegistry()
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(64 << 20, 100)
+    target = region.begin()
+    assert not target.data.is_pinned()
+    assert region.pin_slot(target.slot, registry)
+    assert target.data.is_pinned()  # CUDA sees the registered mapping as page-locked
+    src = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        target.data[: src.numel()].copy_(src, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(target.data[: src.numel()], src.cpu())
+    region.release(remove=True)
+    assert registry.registered() == {}
