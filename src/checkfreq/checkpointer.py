@@ -43,6 +43,7 @@ from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
+from checkfreq.run.busy import MEMORY, PERSIST, BusyStorage
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
@@ -190,6 +191,7 @@ class Checkpointer:
             keep=retention.keep,
             keep_every=retention.every,
         )
+        self._busy = BusyStorage(self._events)
         self._profiler = Profiler()
         self._snapshotter = Snapshotter()
         self._writer = Writer()
@@ -450,11 +452,13 @@ class Checkpointer:
     def _checkpoint(self, *, blocking: bool, reason: str) -> None:
         self._check_not_foreign()
         start = time.perf_counter()
-        self._writer.wait(self._timeout)  # the host buffer is reused: one checkpoint in flight
+        step, epoch, busy = self._timeline.step, self._epoch(), self._busy
+        # the host buffer is reused: one checkpoint in flight
+        busy.wait(PERSIST, step, self._writer.busy, lambda: self._writer.wait(self._timeout), self._profiler,
+                  step - self._timeline.last_checkpoint if reason == "policy" else None)
         self._collect_background()
-        self._wait_memory()
+        busy.wait(MEMORY, step, self._memory.busy, self._wait_memory, self._profiler)
         self._finish_fence()
-        step, epoch = self._timeline.step, self._epoch()
         skeleton, tensors, owned = self._capture(step)
         tensors, owned, share = self._cluster.select(tensors, owned, self._objects)
         self._profiler.begin_checkpoint()
@@ -510,9 +514,9 @@ class Checkpointer:
         assert isinstance(memory, MemoryTier)  # a memory snapshot is due only in a tier
         self._check_not_foreign()
         start = time.perf_counter()
-        self._wait_memory()
-        self._finish_fence()
         step, epoch = self._timeline.step, self._epoch()
+        self._busy.wait(MEMORY, step, memory.busy, self._wait_memory, self._profiler)
+        self._finish_fence()
         skeleton, tensors, owned = self._capture(step)
         if any(is_dtensor(t) for t in tensors.values()):
             log.warning(

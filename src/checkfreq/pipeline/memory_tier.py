@@ -119,6 +119,11 @@ class MemoryTier:
             remove_regions_beyond(directory, peers.size)
         return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank)
 
+    @property
+    def busy(self) -> bool:
+        """The previous memory snapshot is still being copied or committed."""
+        return self.writer.busy
+
     def newest_step(self) -> int | None:
         """The step of the newest snapshot with a valid header (not verified), if any."""
         found = self.region.snapshots()
@@ -259,6 +264,7 @@ class NoMemoryTier:
 
     present = False
     enabled = False
+    busy = False
     newest: MemorySnapshot | None = None
 
     def newest_step(self) -> int | None:

@@ -16,7 +16,9 @@ class Every:
     """Checkpoint every ``n`` steps, or every ``seconds`` of wall time (give exactly one).
 
     ``seconds`` count from the last checkpoint or the restore; a checkpoint due while the previous
-    one is still being written waits for it to be durable (it would only block the loop).
+    one is still being written waits for it to be durable (it would only block the loop). With
+    ``n``, a checkpoint due while the previous persist runs blocks until it ends, with a warning
+    and an event (:mod:`checkfreq.run.busy`): the steps asked are kept.
     """
 
     n: int | None = None
