@@ -129,7 +129,7 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
 
         os.rename = hooked_rename
     elif phase == "header":
-        MemoryRegion.commit = _before(MemoryRegion.commit, lambda *_: reached())  # type: ignore[method-assign]
+        MemoryRegion.commit = _before(MemoryRegion.commit, lambda *_, **__: reached())  # type: ignore[method-assign]
     elif phase == "slot":
         def quiet(region: MemoryRegion, *_: Any, **__: Any) -> None:
             if seen + 1 == at:  # a persist's slot may still be committing: wait until both slots are

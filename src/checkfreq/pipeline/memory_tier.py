@@ -13,6 +13,13 @@ A slot that CUDA tensors are copied into, or restored from, is registered with t
 the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
 snapshot's side stream at the pinned bandwidth and only the fence waits for it; registering is a
 one-time cost, counted with the region's creation, not the cadence's.
+
+A snapshot of :data:`SEAL_AFTER_BYTES` or more is committed as soon as its copy is complete (the
+slot header is the commit marker) and its checksum is computed afterwards by a thread of its own
+(:meth:`~checkfreq.storage.shm.MemoryRegion.seal`, 64 MiB chunks hashed in parallel): a CPU pass
+over a 12.5 GB state takes longer than a training step, and the next snapshot must wait for the
+previous commit, so the pass must not be part of it. Smaller snapshots are checksummed in the
+commit, which costs less than a millisecond per MiB.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,6 +46,9 @@ from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layo
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
+
+SEAL_AFTER_BYTES = 256 << 20
+"""Snapshots at least this large are committed before their checksum, which is computed afterwards."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,7 @@ class MemoryTier:
         self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0
     ) -> None:
         self.region = MemoryRegion.for_directory(directory, rank)
+        self._sealer: ThreadPoolExecutor | None = None
         self.registry: HostRegistry | None = None
         """Pins slots for device copies; created at the first CUDA snapshot or restore."""
         self.cadence = cadence
@@ -177,9 +189,18 @@ class MemoryTier:
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
-        self.region.commit(
-            target.slot, target.step, target.layout.nbytes, target.meta, layout_signature(target.layout.signature)
-        )
+        later = target.layout.nbytes >= SEAL_AFTER_BYTES
+        info = self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta,
+                                  layout_signature(target.layout.signature), checksum=not later)
+        if later:
+            if self._sealer is None:
+                self._sealer = ThreadPoolExecutor(1, thread_name_prefix="checkfreq-seal")
+            self._sealer.submit(self.region.seal, info)
+
+    def wait_sealed(self) -> None:
+        """Wait until the checksums of the committed snapshots are written (or given up: slot reused)."""
+        if self._sealer is not None:
+            self._sealer.submit(lambda: None).result()
 
     def wait(self, timeout: float) -> BaseException | None:
         """Wait for the memory snapshot being committed; return its error if it failed."""
@@ -254,6 +275,8 @@ class MemoryTier:
         self.writer.close(timeout)
         self._finalizer.detach()
         self.newest = None
+        if self._sealer is not None:  # a checksum being computed reads the region: it goes first
+            self._sealer.shutdown(wait=True, cancel_futures=remove)
         self.region.release(remove=remove)
 
 

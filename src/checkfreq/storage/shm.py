@@ -19,6 +19,13 @@ other slot, which the protocol never touches meanwhile, still holds the previous
 snapshot. Reading copies a slot into private memory and verifies its checksum on the copy, so
 a torn or bit-flipped snapshot is detected and skipped, never loaded.
 
+A large snapshot may be committed before its checksum is known (``commit(..., checksum=False)``,
+then :meth:`MemoryRegion.seal`): the header, written only once the copy is complete, is the
+commit marker, and its checksum field says :data:`PENDING`; the checksum is computed afterwards,
+off the training's critical path, and written into the header if the slot still holds that
+snapshot. A pending snapshot is complete (the marker comes after the copy) but a bit flipped in
+memory since cannot be detected until it is sealed.
+
 Shared memory survives the process, not the node (see docs/storage.md). tmpfs allocates pages
 lazily, so the region's pages are reserved with ``posix_fallocate`` up front: a full /dev/shm
 fails at :meth:`MemoryRegion.reserve` with :class:`ShmCapacityError`, never with a SIGBUS in
@@ -62,6 +69,8 @@ _SLOT_MAGIC = b"CKFQSLOT"
 _REGION = struct.Struct("<8sIIQQQQ")  # magic, version, slots, data capacity, meta capacity, directory st_dev, st_ino
 _SLOT = struct.Struct("<8sQqQQ16sQ")  # magic, sequence, step, data bytes, meta bytes, layout signature, checksum
 _CHECK = struct.Struct("<Q")  # xxh3-64 of the packed slot header
+PENDING = 0
+"""The checksum field of a committed snapshot whose checksum is not computed yet."""
 _SLOT_HEADER_AT = 128
 _SLOT_HEADER_STRIDE = 128
 
@@ -324,26 +333,51 @@ class MemoryRegion:
         preferred = [s for s in free if newest is None or s != newest.slot]
         slot = (preferred or free)[0]
         at = self._header_at(slot)
-        self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
-        with self._lock:
+        with self._lock:  # a seal never writes a header that begin() has invalidated
+            self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
             self._sequence += 1
             sequence = self._sequence
         start = self._data_at(slot)
         return OpenSlot(slot, sequence, self._bytes[start : start + self._data_capacity])
 
-    def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes) -> SlotInfo:
-        """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last)."""
+    def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes, *,
+               checksum: bool = True) -> SlotInfo:
+        """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last).
+
+        Without ``checksum`` the header says :data:`PENDING`; :meth:`seal` adds the checksum later.
+        """
         assert self._map is not None
         if len(meta) > self._meta_capacity or data_bytes > self._data_capacity:
             raise ValueError("snapshot does not fit the reserved slot")
         start = self._data_at(target.slot)
         meta_at = start + self._data_capacity
         self._map[meta_at : meta_at + len(meta)] = meta
-        checksum = self._checksum(start, data_bytes, meta_at, len(meta))
-        body = _SLOT.pack(_SLOT_MAGIC, target.sequence, step, data_bytes, len(meta), signature, checksum)
-        at = self._header_at(target.slot)
+        digest = self._checksum(start, data_bytes, meta_at, len(meta)) if checksum else PENDING
+        info = SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, digest)
+        self._write_header(info)
+        return info
+
+    def seal(self, info: SlotInfo) -> SlotInfo | None:
+        """Compute the checksum of a snapshot committed :data:`PENDING` and write it into its header;
+        None (nothing written) if the slot has since been reopened for another snapshot."""
+        if self._map is None or self.header(info.slot) != info:
+            return None
+        start = self._data_at(info.slot)
+        digest = self._checksum(start, info.data_bytes, start + self._data_capacity, info.meta_bytes)
+        sealed = SlotInfo(info.slot, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature,
+                          digest)
+        with self._lock:
+            if self._map is None or self.header(info.slot) != info:
+                return None
+            self._write_header(sealed)
+        return sealed
+
+    def _write_header(self, info: SlotInfo) -> None:
+        assert self._map is not None
+        body = _SLOT.pack(_SLOT_MAGIC, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature,
+                          info.checksum)
+        at = self._header_at(info.slot)
         self._map[at : at + _SLOT.size + _CHECK.size] = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
-        return SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, checksum)
 
     def clear(self) -> None:
         """Invalidate every snapshot (the run went back to an older state: they are another timeline)."""
@@ -355,7 +389,7 @@ class MemoryRegion:
     def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
         view = memoryview(self._map)  # type: ignore[arg-type]
         try:
-            return chunked_xxh3(view[data_at : data_at + data_bytes], bytes(view[meta_at : meta_at + meta_bytes]))
+            return _digest(view[data_at : data_at + data_bytes], bytes(view[meta_at : meta_at + meta_bytes]))
         finally:
             view.release()
 
@@ -377,7 +411,8 @@ class MemoryRegion:
             data = data.clone()
         meta_at = start + self._data_capacity
         meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
-        if chunked_xxh3(data.numpy().data, meta) != info.checksum or self.header(info.slot) != info:
+        pending = info.checksum == PENDING  # committed after its copy, checksum not computed yet
+        if (not pending and _digest(data.numpy().data, meta) != info.checksum) or self.header(info.slot) != info:
             raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")
         return meta, data
 
@@ -396,6 +431,11 @@ class MemoryRegion:
                 continue
             return info, meta, data
         return None
+
+
+def _digest(data: memoryview, meta: bytes) -> int:
+    """A slot's checksum: never :data:`PENDING` (a 2**-64 chance, made 1)."""
+    return chunked_xxh3(data, meta) or 1
 
 
 class ShmSnapshotError(CheckfreqError):

@@ -1,4 +1,5 @@
-"""Pinning the memory tier's slots for device copies: the bookkeeping on the CPU, the registration on CUDA."""
+"""The memory tier on a GPU: slots pinned for device copies (the books on the CPU, the registration on
+CUDA), chunked checksums, and large snapshots committed before their checksum, sealed afterwards."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from checkfreq.storage.host_pinning import CudaHostRegistry, PinningError, RecordingRegistry
 from checkfreq.storage.parallel_hash import CHUNK_BYTES, chunked_xxh3
-from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, layout_signature
+from checkfreq.storage.shm import PENDING, MemoryRegion, ShmSnapshotError, layout_signature
 
 SIG = layout_signature(("x",))
 
@@ -96,3 +97,49 @@ def test_a_registered_slot_is_pinned_for_cuda_copies(shm_dir: Path, tmp_path: Pa
     assert torch.equal(target.data[: src.numel()], src.cpu())
     region.release(remove=True)
     assert registry.registered() == {}
+
+
+def test_a_snapshot_committed_before_its_checksum_is_sealed_afterwards(shm_dir: Path, tmp_path: Path) -> None:
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(8192, 100)
+    target = region.begin()
+    target.data[:8192].fill_(3)
+    info = region.commit(target, 1, 8192, b"{}", SIG, checksum=False)
+    assert info.checksum == PENDING and region.snapshots() == [info]
+    assert bool((region.read(info)[1] == 3).all())  # complete: the header came after the copy
+    sealed = region.seal(info)
+    assert sealed is not None and sealed.checksum != PENDING and region.snapshots() == [sealed]
+    target.data[5] = 4
+    with pytest.raises(ShmSnapshotError):  # sealed: a flipped byte is caught again
+        region.read(sealed)
+    target.data[5] = 3
+
+    second = region.begin()
+    info2 = region.commit(second, 2, 8192, b"{}", SIG, checksum=False)
+    reopened = region.begin()  # the slot of step 1 is reused before step 2's seal ran...
+    assert reopened.slot == sealed.slot
+    assert region.seal(info2) is not None and region.seal(sealed) is None  # ...so step 1's is given up
+    region.release(remove=True)
+
+
+def test_large_memory_snapshots_are_sealed_off_the_training_thread(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import checkfreq as cf
+    from checkfreq.pipeline import memory_tier
+    from helpers import make_model, train_step
+
+    monkeypatch.setattr(memory_tier, "SEAL_AFTER_BYTES", 0)  # every snapshot counts as large
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model, optimizer=opt) as ckpt:
+        for _ in range(3):
+            train_step(model, opt)
+            ckpt.step()
+        ckpt.wait()
+        tier = ckpt._memory
+        tier.wait_sealed()
+        infos = tier.region.snapshots()
+        assert [i.step for i in infos] == [3, 2] and all(i.checksum != PENDING for i in infos)
+        states, skipped = tier.read_all()
+        assert [s.manifest.step for s in states] == [3, 2] and not skipped
