@@ -99,6 +99,10 @@ class Checkpointer:
             steps; the policy still decides when to persist to disk. Falls back to disk only,
             with one warning, when /dev/shm has no room. Under torch.distributed with several
             ranks it must be a number of steps (every rank snapshots the same steps).
+        gpu_staging: CUDA state only: copy each snapshot into a reused device buffer first (a
+            device-to-device copy the next optimizer step waits for), then to the host in the
+            background. ``None`` (the default) does when the state fits in half of the free device
+            memory at the first snapshot; ``True``/``False`` always/never (docs/performance.md).
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -124,6 +128,7 @@ class Checkpointer:
         persist_timeout: float = 3600.0,
         save_on_signal: Iterable[int] = (),
         memory: bool | int = False,
+        gpu_staging: bool | None = None,
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
     ) -> None:
@@ -193,7 +198,9 @@ class Checkpointer:
         )
         self._busy = BusyStorage(self._events)
         self._profiler = Profiler()
-        self._snapshotter = Snapshotter()
+        if gpu_staging is not None and not isinstance(gpu_staging, bool):
+            raise InvalidArgumentError(f"gpu_staging must be None, True or False, got {gpu_staging!r}")
+        self._snapshotter = Snapshotter(gpu_staging)
         self._writer = Writer()
         self._finalizer = weakref.finalize(
             self,
@@ -257,6 +264,7 @@ class Checkpointer:
         self._check_open("step()")
         self._step_order.check(self._timeline.step + 1)
         self._collect_background()
+        self._record_gpu_waits()
         measured = self._timeline.advance(
             now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions
         )
@@ -468,7 +476,7 @@ class Checkpointer:
             target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time(),
                                          device_copies=any_cuda(tensors.values()))
         pending = self._snapshotter.take(
-            tensors, owned, layout=layout, buffer=None if target is None else target.buffer
+            tensors, owned, layout=layout, buffer=None if target is None else target.buffer, step=step
         )
         job: Callable[[], CommitResult] = functools.partial(
             self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
@@ -531,7 +539,7 @@ class Checkpointer:
         if target is None:  # no room in /dev/shm: the tier turned itself off
             self._profiler.record_memory_stall(time.perf_counter() - start)
             return
-        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer)
+        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
         memory.submit(target, pending, skeleton, epoch)
         memory.taken(step)
         stall = time.perf_counter() - start
@@ -588,6 +596,15 @@ class Checkpointer:
                     f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}"
                 ) from error
         memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
+
+    def _record_gpu_waits(self) -> None:
+        """Add the training streams' waits on snapshot copies, timed on the GPU, to their costs."""
+        for wait in self._snapshotter.gpu_waits.collect():
+            self._events.write("gpu_wait", step=wait.step, wait_s=wait.seconds, at=wait.at, memory=wait.memory)
+            if not wait.memory:
+                self._profiler.record_device_wait(wait.seconds)
+            elif isinstance(self._memory, MemoryTier):
+                self._memory.cadence.record_device_wait(wait.seconds)
 
     def _finish_fence(self) -> None:
         """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""

@@ -5,19 +5,31 @@ are copied before :meth:`Snapshotter.take` returns. Tensors only an optimizer ch
 (parameters and optimizer state) are *deferred*: on CPU the writer thread copies them while the
 next forward/backward runs; on CUDA they are copied on a side stream. Either way the returned
 :class:`PendingSnapshot` is the fence that the next ``optimizer.step()`` waits on.
+
+On CUDA the host buffer is pinned (the snapshotter's own, or a memory slot registered with the
+CUDA runtime), so the side stream's copies are asynchronous. Where device memory allows, the side
+stream first copies the state into a reused device buffer (:mod:`checkfreq.pipeline.staging`):
+the fence then waits only for that device-to-device copy, and the copy to the host follows on the
+side stream while training goes on. The training stream's waits on the side stream are timed on
+the GPU (:mod:`checkfreq.pipeline.gpu_waits`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import logging
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from checkfreq.pipeline.gpu_waits import GpuWaits
+from checkfreq.pipeline.staging import StagingBuffer, choose_staging, free_device_bytes
 from checkfreq.storage.format import BLOCK_BYTES, Layout, plan_layout, slot_view
+
+log = logging.getLogger("checkfreq.snapshot")
 
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -42,8 +54,14 @@ class PendingSnapshot:
     buffer: torch.Tensor
     deferred_cpu: CopyPairs
     cuda_done: list[torch.cuda.Event] = field(default_factory=list)
+    """One event per device: its side stream finished every copy to the host."""
+    cuda_fence: list[torch.cuda.Event] = field(default_factory=list)
+    """One event per device: the state was copied (to the host, or to the staging buffer)."""
     copied: threading.Event = field(default_factory=threading.Event)
     """Set by the writer once every deferred copy is done (or has failed)."""
+    waits: GpuWaits | None = None
+    step: int = 0
+    memory: bool = False
 
     def __post_init__(self) -> None:
         self.cpu_fence = bool(self.deferred_cpu)
@@ -93,9 +111,13 @@ class PendingSnapshot:
             self.copied.set()
 
     def order_after_copy(self) -> None:
-        """Make the current CUDA streams wait for the side-stream copies (no CPU wait)."""
-        for event in self.cuda_done:
-            torch.cuda.current_stream(event.device).wait_event(event)
+        """Make the current CUDA streams wait for the side-stream copies of the state (no CPU wait)."""
+        for event in self.cuda_fence:
+            stream = torch.cuda.current_stream(event.device)
+            if self.waits is None:
+                stream.wait_event(event)
+            else:
+                self.waits.wait(stream, event, step=self.step, memory=self.memory, at="fence")
 
 
 def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[CopyPiece]:
@@ -127,13 +149,23 @@ def _copy_piece(piece: CopyPiece) -> None:
 
 
 class Snapshotter:
-    """Owns the reusable host buffer and the side CUDA streams."""
+    """Owns the reusable host buffer, the side CUDA streams and the staging buffers.
 
-    def __init__(self) -> None:
+    Args:
+        gpu_staging: stage CUDA snapshots through device memory: ``None`` when the state fits in
+            half of the free device memory (:func:`~checkfreq.pipeline.staging.choose_staging`),
+            ``True``/``False`` always/never.
+    """
+
+    def __init__(self, gpu_staging: bool | None = None) -> None:
         self._signature: tuple[object, ...] | None = None
         self._buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._force_staging = gpu_staging
+        self._staging: dict[torch.device, StagingBuffer | None] = {}
+        self.gpu_waits = GpuWaits()
+        """The training streams' waits on the side streams, timed on the GPU."""
 
     @property
     def nbytes(self) -> int:
@@ -155,12 +187,14 @@ class Snapshotter:
         *,
         layout: Layout | None = None,
         buffer: torch.Tensor | None = None,
+        step: int = 0,
+        memory: bool = False,
     ) -> PendingSnapshot:
         """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced).
 
         ``buffer`` (``layout.nbytes`` bytes, e.g. a slot of the memory tier) replaces the
         snapshotter's own buffer for this snapshot; ``layout`` is ``layout_of(tensors)`` if the
-        caller planned it already.
+        caller planned it already. ``step`` and ``memory`` label the GPU waits it causes.
         """
         layout = layout or layout_of(tensors)
         if buffer is None:
@@ -179,11 +213,12 @@ class Snapshotter:
                 (cuda_later if later else cuda_now).setdefault(src.device, []).append((view, src))
             else:
                 (later_cpu if later else now_cpu).append((view, src))
-        pending = PendingSnapshot(layout, buffer, later_cpu)
+        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory)
         for device in set(cuda_now) | set(cuda_later):
-            pending.cuda_done.append(
-                self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, []))
-            )
+            fence, done = self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, []),
+                                                    step, memory)
+            pending.cuda_fence.append(fence)
+            pending.cuda_done.append(done)
         with torch.no_grad():
             for dst, src in now_cpu:
                 dst.copy_(src)
@@ -191,23 +226,58 @@ class Snapshotter:
             pending.copied.set()
         return pending
 
-    def _copy_on_side_stream(self, device: torch.device, now: CopyPairs, later: CopyPairs) -> torch.cuda.Event:
+    def _copy_on_side_stream(
+        self, device: torch.device, now: CopyPairs, later: CopyPairs, step: int, memory: bool
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` before the next
+        optimizer step. Returns the events (state copied: the fence; everything on the host)."""
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         stream.wait_stream(current)
+        pairs = now + later
         with torch.no_grad(), torch.cuda.stream(stream):
-            for dst, src in now:
+            staged = self._staged_views(device, pairs)  # allocated on the side stream, used only there
+            first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
+            for dst, src in first[: len(now)]:
                 dst.copy_(src, non_blocking=True)
             now_done = torch.cuda.Event()
             now_done.record(stream)
-            for dst, src in later:
+            for dst, src in first[len(now) :]:
                 dst.copy_(src, non_blocking=True)
-            all_done = torch.cuda.Event()
-            all_done.record(stream)
-        current.wait_event(now_done)  # the next forward runs only after forward-mutated tensors are copied
-        return all_done
+            fence = torch.cuda.Event()
+            fence.record(stream)
+            done = fence
+            if staged is not None:  # the slow copy to the host, while the next steps compute
+                for view, (dst, _) in zip(staged, pairs, strict=True):
+                    dst.copy_(view, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+        # the next forward runs only after forward-mutated tensors are copied
+        self.gpu_waits.wait(current, now_done, step=step, memory=memory, at="snapshot")
+        return fence, done
+
+    def _staged_views(self, device: torch.device, pairs: CopyPairs) -> list[torch.Tensor] | None:
+        """The staging buffer's views for ``pairs``' sources, or None where snapshots of ``device``
+        go straight to the host (decided, and logged, at its first snapshot)."""
+        if device not in self._staging:
+            nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+            choice = choose_staging(nbytes, free_device_bytes(device), self._force_staging)
+            path = "GPU staging buffer" if choice.use else "direct copy to the host"
+            log.info("snapshots of %s: %s: %s", device, path, choice.reason)
+            self._staging[device] = StagingBuffer(device) if choice.use else None
+        staging = self._staging[device]
+        if staging is None:
+            return None
+        try:
+            return staging.views_for([src for _, src in pairs])
+        except torch.cuda.OutOfMemoryError:
+            nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+            log.warning("snapshots of %s: no device memory left for the staging buffer (%.2f GB); copying straight "
+                        "to the host from now on", device, nbytes / 1e9)
+            self._staging[device] = None
+            return None
 
 
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:

@@ -82,6 +82,12 @@ class MemoryCadence:
         """The memory tier's thread worked ``seconds`` on one memory-only snapshot."""
         self.background.add(seconds)
 
+    def record_device_wait(self, seconds: float) -> None:
+        """A CUDA training stream waited ``seconds`` on a memory snapshot's copies (measured on the
+        GPU, after the snapshot's cost was recorded): the cost estimate rises by it."""
+        if self.cost.count:
+            self.cost.value += seconds
+
     def record(self, seconds: float) -> None:
         """One memory snapshot cost the training thread ``seconds`` (the first one is not
         representative: it pays one-time costs such as lazy imports, and is left out)."""

@@ -131,6 +131,12 @@ class Profiler:
         if self._open_cost is not None:
             self._open_cost += seconds
 
+    def record_device_wait(self, seconds: float) -> None:
+        """A CUDA training stream waited ``seconds`` on a checkpoint's copies, measured once the GPU
+        passed the wait (after the stall was recorded): the stall estimate rises by it at once. The
+        iterations it lengthened are measured already, so they are not corrected."""
+        self.stall.value = seconds + (self.stall.value if math.isfinite(self.stall.value) else 0.0)
+
     def record_memory_stall(self, seconds: float) -> None:
         """Time the training thread was blocked by a memory-only snapshot (its copy, its fence
         wait, creating the region): not training, so not iteration time, but no checkpoint's
