@@ -98,29 +98,31 @@ class DcpAsyncThread(_Dcp):
     ``async_staging=False``: the stager copies into its cached buffers before returning.
     ``async_staging=True``: it returns at once and copies on a thread; the state must not change
     until ``staging_completion`` resolves, so that wait is part of the stall.
+    ``fresh_stager=True``: a new stager for every save (torch 2.11's ``DefaultStager`` raises
+    ``KeyError: <class 'type'>`` when reused on CUDA state), closed once the save is durable.
     """
 
-    def __init__(self, async_staging: bool) -> None:
+    def __init__(self, async_staging: bool, fresh_stager: bool = False) -> None:
         self.async_staging = async_staging
+        self.fresh_stager = fresh_stager
         self.name = f"DCP async_save thread, {'async' if async_staging else 'cached'} staging"
+        if fresh_stager:
+            self.name += ", a stager per save"
 
     def setup(self, state: State, workdir: Path) -> None:
         super().setup(state, workdir)
-        cuda = torch.cuda.is_available() and any(t.is_cuda for t in state.tensors.values())
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=self.async_staging,
-                use_non_blocking_copy=cuda,
-            )
-        )
+        self._cuda = torch.cuda.is_available() and any(t.is_cuda for t in state.tensors.values())
+        self._stager = None if self.fresh_stager else self._new_stager()
+
+    def _new_stager(self) -> DefaultStager:
+        return dcp_stager(self._cuda, self.async_staging)
 
     def run(self) -> Sample:
         path = self._fresh_dir()
         start = time.perf_counter()
+        stager = self._stager or self._new_stager()
         result = dcp.async_save(
-            self._state.tensors, storage_writer=dcp.FileSystemWriter(path), async_stager=self._stager, no_dist=True
+            self._state.tensors, storage_writer=dcp.FileSystemWriter(path), async_stager=stager, no_dist=True
         )
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
@@ -130,11 +132,20 @@ class DcpAsyncThread(_Dcp):
         stall = time.perf_counter() - start
         upload.result()
         durable = time.perf_counter() - start
+        if stager is not self._stager:
+            stager.close()
         unlink(path)
         return Sample(stall=stall, durable=durable, write=durable - stall)
 
     def close(self) -> None:
-        self._stager.close()
+        if self._stager is not None:
+            self._stager.close()
+
+
+def dcp_stager(cuda: bool, async_staging: bool) -> DefaultStager:
+    """A ``DefaultStager`` as DCP's docs set it up for ``async_save``: pinned, non-blocking copies on CUDA."""
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=async_staging, use_non_blocking_copy=cuda))
 
 
 class DcpAsyncProcess(_Dcp):

@@ -1,4 +1,4 @@
-"""GPU mode: device-to-host snapshot into pinned buffers vs the measured pinned-copy bandwidth.
+"""GPU mode of ``benchmarks.run``: device-to-host snapshot into pinned buffers vs the measured pinned-copy bandwidth.
 
 Runs only where CUDA is available; elsewhere it reports why it skipped. The state lives on the
 GPU; checkfreq's snapshot copies it on a side stream into its reused pinned host buffer, so the
@@ -81,7 +81,8 @@ def bench_gpu(megabytes: float, repeats: int) -> dict[str, Any]:
         return {"skipped": "no CUDA device in this environment"}
     state = build_state(megabytes, device="cuda")
     methods: list[Method] = [PinnedCopy(), CheckfreqGpuSave(), TorchSave(),
-                             DcpAsyncThread(async_staging=False), DcpAsyncThread(async_staging=True)]
+                             DcpAsyncThread(async_staging=False, fresh_stager=True),
+                             DcpAsyncThread(async_staging=True, fresh_stager=True)]
     result = {"nbytes": state.nbytes, "device": torch.cuda.get_device_name(), **interleave(methods, state, repeats)}
     pinned = an.field(result, PINNED, "stall")
     stall = an.field(result, SNAPSHOT, "stall")

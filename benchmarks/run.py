@@ -79,7 +79,7 @@ def run_worker(args: argparse.Namespace) -> Any:
         workload = Workload(base.widths, base.batch, args.train_steps or base.steps)
         intervals = tuple(int(n) for n in args.intervals.split(","))
         return bench_training(workload, args.train_repeats if not args.quick else 2, intervals)
-    from benchmarks.gpu import bench_gpu
+    from benchmarks.gpu_state import bench_gpu
 
     return bench_gpu(args.size, args.repeats)
 

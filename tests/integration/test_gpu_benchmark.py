@@ -1,0 +1,39 @@
+"""The GPU benchmark (benchmarks/gpu.py) in its tiny configuration on the CPU: every mode runs and is
+reported, a failing DCP baseline is reported as failed without ending the run (timings never asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import baselines, gpu  # noqa: E402
+
+
+def test_every_mode_runs_and_a_failing_dcp_baseline_is_reported(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken_stager(cuda: bool, async_staging: bool) -> None:
+        raise KeyError(type)  # what torch 2.11's DefaultStager raises when reused
+
+    monkeypatch.setattr(baselines, "dcp_stager", broken_stager)
+    doc = gpu.main(["--tiny", "--device", "cpu", "--steps", "9", "--warmup", "1", "--dir", str(tmp_path),
+                    "--json", str(tmp_path / "out.json")])
+    assert list(doc["modes"]) == list(gpu.MODES)
+    for name, mode in doc["modes"].items():
+        assert "error" not in mode, (name, mode)
+        assert len(mode["step_s"]) == 9
+    assert doc["modes"]["DCP async_save/10"]["failed"].startswith("KeyError")
+    events = doc["modes"]["memory=1"]["events"]
+    assert events["memory stall_s"]["n"] >= 8 and events["restore_s"]["n"] >= 1
+    assert doc["modes"]["memory=1"]["restore"]["memory_s"] > 0
+    assert doc["modes"]["policy=10"]["events"]["snapshot stall_s"]["n"] == 1
+    assert set(doc["limits"]) >= {"D2H pinned copy_ GB/s", "D2D copy_ GB/s", "disk write+fsync GB/s"}
+    table = capsys.readouterr().out
+    assert "| DCP async_save/10 |" in table and "failed: KeyError" in table
+    assert (tmp_path / "out.json").exists() and not list(tmp_path.glob("cf-gpu-*"))  # its directory is removed
