@@ -37,6 +37,7 @@ from checkfreq.pipeline.memory_tier import MemoryTier, open_memory_tier
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.staging import check_gpu_staging
 from checkfreq.pipeline.upload import Uploader
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies import Policy, resolve
@@ -142,6 +143,7 @@ class Checkpointer:
         check_registration(objects, values, RESERVED_NAMES)
         self._policy = resolve(policy)
         memory_cadence = MemoryCadence.for_option(memory)
+        gpu_staging = check_gpu_staging(gpu_staging)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
         self._on_error = on_error
         self._allow_pickle = allow_pickle
@@ -198,8 +200,6 @@ class Checkpointer:
         )
         self._busy = BusyStorage(self._events)
         self._profiler = Profiler()
-        if gpu_staging is not None and not isinstance(gpu_staging, bool):
-            raise InvalidArgumentError(f"gpu_staging must be None, True or False, got {gpu_staging!r}")
         self._snapshotter = Snapshotter(gpu_staging)
         self._writer = Writer()
         self._finalizer = weakref.finalize(

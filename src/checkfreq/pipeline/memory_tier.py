@@ -250,7 +250,7 @@ class MemoryTier:
         for info in self.region.snapshots():
             if step is not None and info.step != step:
                 continue
-            if device_copies:
+            if device_copies and not states:  # the newest valid one is restored: its copies go to the device
                 self._pin(info.slot)
             try:
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from checkfreq.errors import InvalidArgumentError
+
 log = logging.getLogger("checkfreq.snapshot")
 
 ALIGN = 256
@@ -34,6 +36,13 @@ class StagingChoice:
 
     use: bool
     reason: str
+
+
+def check_gpu_staging(value: object) -> bool | None:
+    """The ``gpu_staging`` option, checked: None, True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgumentError(f"gpu_staging must be None, True or False, got {value!r}")
+    return value
 
 
 def choose_staging(state_bytes: int, free_bytes: int, force: bool | None) -> StagingChoice:
