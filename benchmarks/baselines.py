@@ -120,7 +120,7 @@ class DcpAsyncThread(_Dcp):
     def run(self) -> Sample:
         path = self._fresh_dir()
         start = time.perf_counter()
-        stager = self._stager or self._new_stager()
+        stager = self._new_stager() if self._stager is None else self._stager
         result = dcp.async_save(
             self._state.tensors, storage_writer=dcp.FileSystemWriter(path), async_stager=stager, no_dist=True
         )

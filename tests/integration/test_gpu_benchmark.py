@@ -31,7 +31,7 @@ def test_every_mode_runs_and_a_failing_dcp_baseline_is_reported(
     assert doc["modes"]["DCP async_save/10"]["failed"].startswith("KeyError")
     events = doc["modes"]["memory=1"]["events"]
     assert events["memory stall_s"]["n"] >= 8 and events["restore_s"]["n"] >= 1
-    assert doc["modes"]["memory=1"]["restore"]["memory_s"] > 0
+    assert doc["modes"]["memory=1"]["restore"]["memory_s"] > 0 and doc["tier"]["memory tier copy GB/s"] > 0
     assert doc["modes"]["policy=10"]["events"]["snapshot stall_s"]["n"] == 1
     assert set(doc["limits"]) >= {"D2H pinned copy_ GB/s", "D2D copy_ GB/s", "disk write+fsync GB/s"}
     table = capsys.readouterr().out
