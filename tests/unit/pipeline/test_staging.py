@@ -122,3 +122,23 @@ def test_the_memory_tier_pins_its_slots_for_cuda_and_restores_onto_the_device(
     assert all(torch.equal(v.cpu(), expected[k]) for k, v in model2.state_dict().items())
     restore = [e for e in read_events(tmp_path) if e["event"] == "restore"][-1]
     assert restore["tier"] == "memory" and restore["restore_s"] > 0
+
+
+def test_gpu_side_waits_raise_the_costs_the_policy_and_the_cadence_see() -> None:
+    from checkfreq.pipeline.gpu_waits import GpuWaits
+    from checkfreq.policies.memory_cadence import MemoryCadence
+    from checkfreq.policies.profiler import Profiler
+
+    assert GpuWaits().collect() == []  # nothing is ever recorded without CUDA: the CPU's stall stands
+    profiler = Profiler()
+    profiler.record_stall(0.011)
+    profiler.record_device_wait(0.28)  # the H100's step that was 0.28 s longer than the CPU saw
+    assert profiler.stall.value == pytest.approx(0.291)
+    cadence = MemoryCadence()
+    cadence.record_device_wait(0.5)  # before any cost is measured: nothing to raise
+    assert cadence.cost.count == 0
+    cadence.record(0.01)  # the first one is left out (one-time costs)
+    cadence.record(0.01)
+    cadence.record_device_wait(0.2)
+    assert cadence.cost.value == pytest.approx(0.21)
+    assert cadence.interval(0.22) > cadence.interval(0.22 * 100)
