@@ -58,6 +58,9 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":  # the math attention kernels: the fused ones' backward may be nondeterministic
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.manual_seed(0)
     model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
