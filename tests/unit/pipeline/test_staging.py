@@ -85,6 +85,8 @@ def test_a_cuda_snapshot_is_consistent_with_and_without_staging(
         at_k = {k: v.cpu() for k, v in model.state_dict().items()}
         _train(model, opt, 3, ckpt)  # the next optimizer steps run while the copy to the host goes on
         ckpt.wait()
+        torch.cuda.synchronize()
+        _train(model, opt, 1, ckpt)  # this step() finds every timed wait passed by the GPU
         assert (ckpt._snapshotter._staging[torch.device("cuda", 0)] is not None) == staging
     _, tensors = cf.read_checkpoint(tmp_path / "step_000000003")
     for key, value in at_k.items():
