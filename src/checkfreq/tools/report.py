@@ -139,6 +139,8 @@ class RunReport:
     starts: list[dict[str, Any]] = field(default_factory=list)
     """Each session's ``start`` event, and its restore (``restored_step``, ``seeded``) if it had one."""
     memory_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    """The ``busy`` waits (for the previous persist or memory snapshot) and ``gpu_wait`` waits."""
     """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
@@ -155,6 +157,7 @@ class RunReport:
             "restores": self.restores,
             "rank_stalls": self.rank_stalls,
             "memory_snapshots": self.memory_snapshots,
+            "waits": self.waits,
         }
 
 
@@ -198,6 +201,8 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
                                          resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
         elif kind == "memory":
             report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
+        elif kind in ("busy", "gpu_wait"):
+            report.waits.append({"event": kind, **{k: event.get(k) for k in ("time", "step", "wait_s", "waiting_for")}})
         elif kind == "snapshot":
             record = _record(event, new_session, max(sessions - 1, 0))
             new_session = False
@@ -403,6 +408,12 @@ def summary_text(report: RunReport) -> str:
             f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
             f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
         )
+    for kind, what in (("busy", "waited for busy storage (the previous persist or memory snapshot)"),
+                       ("gpu_wait", "GPU streams waited on snapshot copies")):
+        waits = _values(w["wait_s"] for w in report.waits if w["event"] == kind)
+        if waits:
+            lines.append(f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, "
+                         f"max {human_seconds(max(waits))}")
     lines.append(f"overhead: {number_text(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
     if len(report.sessions) > 1:
         lines.extend(session_line(session) for session in report.sessions)

@@ -16,6 +16,7 @@ from checkfreq.policies.profiler import Profiler
 from checkfreq.run.busy import MEMORY, PERSIST, busy_advice
 from checkfreq.run.events import read_events
 from checkfreq.storage.local import LocalStore
+from checkfreq.tools.report import load_run, summary_text
 from helpers import train_step
 
 RATE = 32e6
@@ -67,6 +68,9 @@ def test_a_fixed_interval_the_storage_cannot_keep_waits_and_says_so(
     for e in waits.values():
         assert e["waiting_for"] == PERSIST and e["interval_steps"] == 2 and e["wait_s"] >= 0
     assert waits[8]["persist_s"] > 0.2 and waits[8]["bandwidth_gbps"] > 0
+
+    text = summary_text(load_run(tmp_path))  # checkfreq report shows them too
+    assert f"waited for busy storage (the previous persist or memory snapshot): {len(waits)} times" in text
 
     warnings = [r.getMessage() for r in caplog.records if r.name == "checkfreq.busy"]
     assert len(warnings) == 1, warnings  # once, however many waits
