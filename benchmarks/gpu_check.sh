@@ -51,7 +51,7 @@ tests_s=$(( $(date +%s) - tests_start ))
 
 echo "== 3. the 1B-parameter benchmark ($(left) s left)"
 bench_start=$(date +%s)
-timeout "$(( $(left) - 10 ))" "$PY" -m benchmarks.gpu "${bench_args[@]}" --json "$out/gpu-benchmark.json" 2>&1 \
+timeout "$(( $(left) - 10 ))" "$PY" -m benchmarks.gpu ${bench_args[@]+"${bench_args[@]}"} --json "$out/gpu-benchmark.json" 2>&1 \
     | tee "$out/gpu-benchmark.log"
 bench_rc=${PIPESTATUS[0]}
 bench_s=$(( $(date +%s) - bench_start ))
