@@ -18,6 +18,11 @@ Every rank of a distributed job appends to the same log:
   fence wait for its deferred copies at the next optimizer step);
 - ``{"event": "commit", "step", "persist_s", "bytes", "bandwidth_gbps"}`` — checkpoint durable;
 - ``{"event": "error", "step", "message"}`` — a persist failed;
+- ``{"event": "busy", "step", "waiting_for", "wait_s", "interval_steps", "persist_s", "bandwidth_gbps"}``
+  — a checkpoint (or memory snapshot) waited ``wait_s`` for the previous ``"persist"`` (or
+  ``"memory"`` snapshot) to be written (:mod:`checkfreq.run.busy`);
+- ``{"event": "gpu_wait", "step", "wait_s", "at", "memory"}`` — a CUDA training stream waited
+  ``wait_s`` (timed on the GPU) on the copies of the snapshot of ``step``;
 - ``{"event": "restore", "step", "skipped": [[name, reason], ...], "tier", "seeded", "world_size",
   "saved_world_size", "restore_s"}`` — ``tier`` is where the state came from: ``"memory"``,
   ``"local"`` or ``"remote"``; ``restore_s`` how long ``restore()`` took, reads included; ``seeded``
