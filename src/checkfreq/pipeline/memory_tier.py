@@ -14,12 +14,13 @@ the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the c
 snapshot's side stream at the pinned bandwidth and only the fence waits for it; registering is a
 one-time cost, counted with the region's creation, not the cadence's.
 
-A snapshot of :data:`SEAL_AFTER_BYTES` or more is committed as soon as its copy is complete (the
-slot header is the commit marker) and its checksum is computed afterwards by a thread of its own
-(:meth:`~checkfreq.storage.shm.MemoryRegion.seal`, 64 MiB chunks hashed in parallel): a CPU pass
-over a 12.5 GB state takes longer than a training step, and the next snapshot must wait for the
-previous commit, so the pass must not be part of it. Smaller snapshots are checksummed in the
-commit, which costs less than a millisecond per MiB.
+A snapshot copied from a GPU, of :data:`SEAL_AFTER_BYTES` or more, is committed as soon as its
+copy is complete (the slot header is the commit marker) and its checksum is computed afterwards
+by a thread of its own (:meth:`~checkfreq.storage.shm.MemoryRegion.seal`, 64 MiB chunks hashed in
+parallel): a CPU pass over a 12.5 GB state takes longer than a training step, and the next
+snapshot must wait for the previous commit, so the pass must not be part of it. Other snapshots
+are checksummed in the commit: on a CPU host the copy itself runs on the cores training uses, and
+the memory cadence counts the commit's copy and checksum as the snapshot's cost.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
 
 SEAL_AFTER_BYTES = 256 << 20
-"""Snapshots at least this large are committed before their checksum, which is computed afterwards."""
+"""Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
+
+
+def seal_later(device_copies: bool, nbytes: int) -> bool:
+    """Whether a snapshot is committed before its checksum (:meth:`MemoryRegion.seal` adds it)."""
+    return device_copies and nbytes >= SEAL_AFTER_BYTES
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,8 @@ class MemoryTarget:
     meta: bytes
     setup_s: float
     """Seconds spent creating the region for this snapshot (a one-time cost, not the cadence's)."""
+    seal_later: bool = False
+    """Committed before its checksum, sealed afterwards (a large snapshot from a GPU)."""
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -179,7 +187,8 @@ class MemoryTier:
         slot = self.region.begin(keep=self._persisting)
         if device_copies:
             self._pin(slot.slot)
-        return MemoryTarget(slot, step, layout, meta, time.perf_counter() - start)
+        return MemoryTarget(slot, step, layout, meta, time.perf_counter() - start,
+                            seal_later(device_copies, layout.nbytes))
 
     def _pin(self, slot: int) -> None:
         if self.registry is None:
@@ -189,10 +198,9 @@ class MemoryTier:
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
-        later = target.layout.nbytes >= SEAL_AFTER_BYTES
         info = self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta,
-                                  layout_signature(target.layout.signature), checksum=not later)
-        if later:
+                                  layout_signature(target.layout.signature), checksum=not target.seal_later)
+        if target.seal_later:
             if self._sealer is None:
                 self._sealer = ThreadPoolExecutor(1, thread_name_prefix="checkfreq-seal")
             self._sealer.submit(self.region.seal, info)

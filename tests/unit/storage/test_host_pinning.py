@@ -129,7 +129,9 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
     from checkfreq.pipeline import memory_tier
     from helpers import make_model, train_step
 
-    monkeypatch.setattr(memory_tier, "SEAL_AFTER_BYTES", 0)  # every snapshot counts as large
+    assert not memory_tier.seal_later(False, 100 << 30) and memory_tier.seal_later(True, 256 << 20)
+    assert not memory_tier.seal_later(True, (256 << 20) - 1)
+    monkeypatch.setattr(memory_tier, "seal_later", lambda *_: True)  # every snapshot counts as a large GPU one
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model, optimizer=opt) as ckpt:
