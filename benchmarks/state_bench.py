@@ -54,9 +54,16 @@ def interleave(methods: list[Method], state: State, repeats: int) -> dict[str, A
         for round_ in range(repeats):
             shift = round_ % len(live) if live else 0
             for method in live[shift:] + live[:shift]:
+                if method.name in errors:
+                    continue
                 gc.collect()
                 os.sync()  # the previous method's writeback must not land on this one
-                samples[method.name].append(dataclasses.asdict(method.run()))
+                try:
+                    samples[method.name].append(dataclasses.asdict(method.run()))
+                except Exception as e:  # noqa: BLE001 - a baseline failing in a later round is reported too
+                    log.warning("%s failed in round %d: %s", method.name, round_ + 1, e)
+                    errors[method.name] = f"{type(e).__name__}: {e} (round {round_ + 1})"
+                    samples[method.name] = []  # the rounds compare methods that ran in every one
         for method in live:
             method.close()
     return {"methods": [{"name": m.name, "kind": m.kind} for m in methods], "samples": samples, "errors": errors}

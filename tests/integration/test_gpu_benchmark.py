@@ -37,3 +37,35 @@ def test_every_mode_runs_and_a_failing_dcp_baseline_is_reported(
     table = capsys.readouterr().out
     assert "| DCP async_save/10 |" in table and "failed: KeyError" in table
     assert (tmp_path / "out.json").exists() and not list(tmp_path.glob("cf-gpu-*"))  # its directory is removed
+
+
+def test_a_baseline_failing_after_its_warm_up_is_reported_and_the_others_go_on() -> None:
+    """As torch 2.11's reused DefaultStager did on the GPU: the first save works, the next raises."""
+    from benchmarks.methods import Method, Sample
+    from benchmarks.state_bench import interleave
+    from benchmarks.states import build_state
+
+    class Works(Method):
+        name = "works"
+
+        def setup(self, state: object, workdir: Path) -> None:
+            pass
+
+        def run(self) -> Sample:
+            return Sample(stall=0.001)
+
+    class FailsWhenReused(Method):
+        name = "fails when reused"
+
+        def setup(self, state: object, workdir: Path) -> None:
+            self.runs = 0
+
+        def run(self) -> Sample:
+            self.runs += 1
+            if self.runs > 1:
+                raise KeyError(type)
+            return Sample(stall=0.001)
+
+    result = interleave([Works(), FailsWhenReused()], build_state(1), repeats=2)
+    assert len(result["samples"]["works"]) == 2 and result["samples"]["fails when reused"] == []
+    assert result["errors"]["fails when reused"].startswith("KeyError") and "works" not in result["errors"]
