@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -132,6 +134,39 @@ def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: 
     result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path)])
     assert result.exit_code == 0 and summary_text(load_run(run)) in result.output
     assert str(tmp_path / "report.png") in result.output and (tmp_path / "report.html").is_file()
+
+
+def test_report_no_plots_writes_no_file(run: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path), "--no-plots"])
+    assert result.exit_code == 0 and summary_text(load_run(run)) in result.output
+    assert "report.png" not in result.output and not list(tmp_path.iterdir())
+    result = runner.invoke(app, ["report", str(run), "--no-plots", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["files"] is None
+    assert not list(run.glob("report.*"))
+
+
+MATPLOTLIB_MISSING = """
+import sys
+sys.modules["matplotlib"] = None  # as if it were not installed: any import of it fails
+sys.argv = ["checkfreq", *sys.argv[1:]]
+from checkfreq.command import main
+main()
+"""
+
+
+def test_report_without_matplotlib_is_one_error_line_and_no_plots_still_works(run: Path, tmp_path: Path) -> None:
+    """The ``checkfreq`` entry point in a process where matplotlib cannot be imported."""
+    plain = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
+    assert plain.stderr.strip().splitlines() == [
+        "error: the report's plots need the matplotlib package: pip install 'checkfreq[cli]' "
+        "(or leave them out: checkfreq report --no-plots prints the summary alone)"
+    ]
+    summary = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--no-plots"],
+                             capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.startswith(f"run {run}: 6 checkpoints") and not list(tmp_path.iterdir())
 
 
 def test_report_png_is_a_real_nonblank_image(reported: tuple[dict, Path]) -> None:
