@@ -320,7 +320,9 @@ class Checkpointer:
             note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
-        apply_state(self._objects, self._values, state)
+        where = "" if found.tier == "local" else f", read from the {found.tier} tier"
+        apply_state(self._objects, self._values, state, f"checkpoint {found.name} of {self.directory}{where}",
+                    os.path.join(self.directory, found.name))
         warn_if_buckets_reorder(
             (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
         )

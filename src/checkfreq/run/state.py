@@ -292,11 +292,15 @@ def load_into(name: str, obj: Any, state: Any) -> None:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e
 
 
-def apply_state(objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any]) -> None:
+def apply_state(
+    objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any],
+    source: str = "the checkpoint", path: str = "CHECKPOINT",
+) -> None:
     """Load a checkpoint's ``state`` into the registered ``objects`` and ``values``, all or nothing:
     every module and optimizer is checked against it first, and one :class:`StateMismatchError` lists
-    every difference of every object. The RNG state (``objects["rng"]``) is loaded last, so nothing
-    that runs here draws random numbers after it."""
+    every difference of every object, names the checkpoint (``source``: which one, where; ``path``:
+    what ``checkfreq export`` takes) and says what to do. The RNG state (``objects["rng"]``) is
+    loaded last, so nothing that runs here draws random numbers after it."""
     missing = sorted(set(objects) - set(state) - {"rng"})
     problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
     saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
@@ -307,16 +311,29 @@ def apply_state(objects: Mapping[str, Any], values: dict[str, Any], state: Mappi
             except StateMismatchError as e:
                 problems.append(str(e))
     if problems:
-        raise StateMismatchError(problems[0] if len(problems) == 1
-                                 else "\n- ".join(["checkpoint does not fit the registered objects:", *problems]))
+        raise StateMismatchError(misfit_message(source, path, problems))
     for name, obj in objects.items():
         if name != "rng":
-            load_into(name, obj, state[name])
+            try:
+                load_into(name, obj, state[name])
+            except StateMismatchError as e:
+                raise StateMismatchError(misfit_message(source, path, [str(e)])) from e
     for name in values:
         if name in state:
             values[name] = own_storage(state[name])
     if "rng" in objects and "rng" in state:
         objects["rng"].load_state_dict(state["rng"])
+
+
+def misfit_message(source: str, path: str, problems: list[str]) -> str:
+    """Which checkpoint did not fit, every difference, and the ways on."""
+    return "\n- ".join([f"{source} does not fit the registered objects:", *problems]) + (
+        "\nTo resume from it, register the objects as the run that wrote it did (the same names, model, "
+        "optimizer class and parameter groups). A run whose model or optimizer changed on purpose is a new "
+        "run: give it a directory of its own. To carry over the weights that still fit, export them "
+        f"(checkfreq export {path} --to model.pt --only model) and, before training, load the entries whose "
+        "names and shapes match into the new model (model.load_state_dict(those, strict=False))."
+    )
 
 
 def optimizer_owned(tensors: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer]) -> set[str]:
