@@ -217,6 +217,32 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
     assert s.clean_iteration_s == 0.3 and s.iteration_s == 0.5
 
 
+def test_a_one_checkpoint_session_and_a_negative_overhead_say_what_they_mean(tmp_path: Path) -> None:
+    """What `checkfreq demo` and `report` print for them, instead of ``n/a`` and a bare -50 %."""
+    log = EventLog(tmp_path)
+    log.write("start", pid=1, policy="Every", keep=3)
+    log.write("snapshot", step=5, stall_s=0.01, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.2,
+              clean_iterations=4, clean_iteration_s=0.2)
+    log.write("commit", step=5, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
+    log.write("start", pid=2, policy="Every", keep=3)
+    log.write("restore", step=5, skipped=[])
+    for step in (10, 15, 20):  # 5 steps of 0.3 s each in 1 s: overhead 1 - 1.5 / 1 = -50 %
+        log.write("snapshot", step=step, stall_s=0.01, bytes=100, interval_steps=5, interval_s=1.0, iteration_s=0.3,
+                  clean_iterations=4, clean_iteration_s=0.3)
+        log.write("commit", step=step, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
+    lines = summary_text(load_run(tmp_path)).splitlines()
+    negative = (" (below zero: the steps ran faster than the clean iterations it is measured against, so "
+                "checkpointing cost less than the timing noise: no measurable overhead)")
+    assert lines[-3] == "overhead: -50.00 % of wall time" + negative
+    assert lines[-2] == (
+        "session 1: started fresh; 1 checkpoint, at step 5, 200 per 1000 steps, interval and overhead not "
+        "measured: the window up to a session's first checkpoint holds its start-up, so they need a second checkpoint"
+    )
+    assert lines[-1] == ("session 2: restored step 5; 3 checkpoints, steps 10..20, 200 per 1000 steps, "
+                         "interval median 5 steps, overhead -50.00 %" + negative)
+    assert "n/a" not in "\n".join(lines[-3:])
+
+
 def test_report_without_an_event_log_is_a_clear_error(tmp_path: Path) -> None:
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "no event log" in result.output
