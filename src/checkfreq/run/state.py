@@ -69,9 +69,14 @@ class _Flattener:
         if self.allow_pickle:
             return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode()}
         raise UnserializableStateError(
-            f"{path!r} is a {type(value).__qualname__}, which checkfreq stores only by pickling; "
+            f"{path!r} is {with_article(type(value).__qualname__)}, which checkfreq stores only by pickling; "
             "store it as plain values/tensors, or pass allow_pickle=True if you trust every reader"
         )
+
+
+def with_article(noun: str) -> str:
+    """``noun`` after "a" or "an", by its first letter: "an object", "a Tensor"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -129,7 +134,9 @@ def _key(key: Any) -> Any:
 def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Raise one error listing every missing/unexpected key and shape/dtype mismatch for ``module``."""
     if not isinstance(state, Mapping):
-        raise StateMismatchError(f"checkpoint does not fit {name!r}: its state is a {type(state).__name__}, not a dict")
+        raise StateMismatchError(
+            f"checkpoint does not fit {name!r}: its state is {with_article(type(state).__name__)}, not a dict"
+        )
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
