@@ -419,7 +419,8 @@ class Checkpointer:
         if self._on_error == "warn":
             log.warning("%s; training goes on", error)
             return
-        raise error from cause
+        raise PersistError(f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
+                           "and trains on, and a restart resumes from the newest committed checkpoint") from cause
 
     def _apply_commits(
         self, results: list[CommitResult], error: BaseException | None, step: int
