@@ -162,11 +162,24 @@ class ResumableLoader:
         self._handed_out = 0
         """Samples of the batch last handed out: consumed once the next batch or a state_dict() is asked for."""
         self._step = _StepProgress()
+        self._last_of_epoch = False
 
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to."""
         return self.sampler.epoch
+
+    @property
+    def last_of_epoch(self) -> bool:
+        """Whether the batch the current iterator handed out last is the last of its epoch.
+
+        Work a loop does after an epoch's batches (an epoch-level LR scheduler, an evaluation) runs
+        after a checkpoint taken at that last batch, and a run resumed from that checkpoint starts
+        at the next epoch without it. Counting the epoch's last optimizer step after that work keeps
+        it in the checkpoint: ``if not loader.last_of_epoch: ckpt.step()`` in the loop, and
+        ``ckpt.step()`` after the work (docs/exactness.md, "Epochs").
+        """
+        return self._last_of_epoch
 
     @property
     def global_batch_size(self) -> int:
@@ -232,6 +245,7 @@ class ResumableLoader:
         self._handed_out = 0
         self._step = _StepProgress()
         self._generation += 1
+        self._last_of_epoch = False
 
     def _iterate(self, generation: int) -> Iterator[Any]:
         self._plan.epoch, self._plan.indices = self.sampler.epoch, self.sampler.rank_indices()
@@ -242,8 +256,10 @@ class ResumableLoader:
             batch = next(batches)
             self._consume_handed_out()  # asking for this batch means the previous one was used
             self._handed_out = self._plan.size_of(number)
+            self._last_of_epoch = number == len(self._plan) - 1
             yield batch
         self._check_current(generation)
+        self._last_of_epoch = False
         self._consume_handed_out()
         if self.sampler.epoch == self._plan.epoch:  # an epoch with no batch (one that had any moved on above)
             self.sampler.set_epoch(self.sampler.epoch + 1)
