@@ -1,9 +1,13 @@
-"""Run the benchmark suite and write ``docs/performance.md`` (tables) and ``docs/performance.png``.
+"""Run the benchmark suite and write ``performance.md`` (tables), ``performance.png`` and ``performance.json``.
 
     python -m benchmarks.run                    # 100 MB, 500 MB, 2 GB states + the training loop
     python -m benchmarks.run --sizes 500 --no-train
     python -m benchmarks.run --quick --out /tmp/x   # a few MB, seconds (the smoke test)
     python -m benchmarks.run --cuda             # adds the GPU mode (skips without CUDA)
+    python -m benchmarks.run --out docs         # rewrites docs/performance.* (the published figures)
+
+Without ``--out`` the files go to a new temporary directory, printed at the start and the end:
+a trial run never changes the checkout.
 
 Each state size, the memory measurement, the training loop and the GPU mode run in their own
 fresh process (the orchestrator re-executes itself with ``--worker``), all with the same malloc
@@ -46,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda", action="store_true", help="add the GPU mode (skipped cleanly without CUDA)")
     p.add_argument("--gpu-size", type=float, default=4000, help="GPU state size in MB")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's; quick: 1)")
-    p.add_argument("--out", type=Path, default=ROOT / "docs", help="where performance.md/.png/.json go")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where performance.md/.png/.json go (default: a new temporary directory; "
+                        "--out docs updates the published page)")
     p.add_argument("--worker", choices=["state", "memory", "train", "gpu"], help=argparse.SUPPRESS)
     p.add_argument("--size", type=float, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -150,6 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     from benchmarks.report import plot, render, splice
 
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="checkfreq-bench-"))
+    log.info("results go to %s", args.out)
     results = orchestrate(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "performance.json").write_text(json.dumps(results, allow_nan=True))
@@ -158,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     section = render(results, png.name if png.exists() else None)
     splice(args.out / "performance.md", section)
     print(section)
+    print(f"\nwritten into {args.out}: performance.md, performance.png, performance.json")
 
 
 if __name__ == "__main__":

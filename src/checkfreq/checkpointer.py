@@ -332,7 +332,9 @@ class Checkpointer:
             note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
-        apply_state(self._objects, self._values, state)
+        where = "" if found.tier == "local" else f", read from the {found.tier} tier"
+        apply_state(self._objects, self._values, state, f"checkpoint {found.name} of {self.directory}{where}",
+                    os.path.join(self.directory, found.name))
         warn_if_buckets_reorder(
             (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
         )
@@ -431,7 +433,8 @@ class Checkpointer:
         if self._on_error == "warn":
             log.warning("%s; training goes on", error)
             return
-        raise error from cause
+        raise PersistError(f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
+                           "and trains on, and a restart resumes from the newest committed checkpoint") from cause
 
     def _apply_commits(
         self, results: list[CommitResult], error: BaseException | None, step: int

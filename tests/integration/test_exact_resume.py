@@ -119,7 +119,7 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path, train, uninterrupted,
 
     step, _, consumed = restored(outputs[1])
     assert step == mid_epoch and 0 < consumed < seen_per_epoch
-    assert restored(outputs[2]) == (boundary, *((1, seen_per_epoch) if drop_last else (2, 0)))
+    assert restored(outputs[2]) == (boundary, 2, 0)  # after epoch 1's last batch: the start of epoch 2
     expected_state, expected_log = uninterrupted[drop_last]
     assert_state_equal(torch.load(tmp_path / "final.pt"), expected_state)
     log = consumed_per_epoch(tmp_path / "batches.log")

@@ -3,6 +3,7 @@ killed with SIGKILL and started again ends bit-identical to one never killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from checkfreq.cli import app
 from checkfreq.run.events import read_events
 from helpers import README
 
@@ -86,3 +90,10 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
     assert _digest(script, tmp_path / "killed") == reference
     restored = [e["step"] for e in read_events(run) if e["event"] == "restore"]
     assert len(restored) == 1 and 0 < restored[0] <= KILL_AT, restored  # resumed mid-run, not from scratch
+
+    # `checkfreq diff` of the two runs' last checkpoints: no tensor differs, the generators' states included
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "uninterrupted" / "runs" / "exp1"), str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    compared = json.loads(result.output)
+    assert compared["identical"] and compared["step_a"] == compared["step_b"] == 96
+    assert {"rng/numpy/state/key", "rng/torch"} <= {t["name"] for t in compared["tensors"]}

@@ -11,6 +11,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from checkfreq.errors import CheckfreqError
@@ -71,7 +72,7 @@ def reports_errors(command: F) -> F:
 
 def exit_with_error(error: Exception) -> NoReturn:
     """Print ``error`` as one red ``error:`` line on stderr (no traceback) and exit with status 2."""
-    message = error.args[0] if isinstance(error, KeyError) and error.args else error
+    message = escape(str(error.args[0] if isinstance(error, KeyError) and error.args else error))
     Console(stderr=True, highlight=False).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True)
     raise typer.Exit(EXIT_ERROR) from None
 

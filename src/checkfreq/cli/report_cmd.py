@@ -22,21 +22,25 @@ def report_command(
         Path | None,
         typer.Option("--tensorboard", help="Also write the numbers as TensorBoard scalars into this log directory."),
     ] = None,
+    no_plots: Annotated[
+        bool, typer.Option("--no-plots", help="Write no report.png or report.html (and need no matplotlib).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Plot iteration time, stall, persist time and bandwidth, the chosen interval and overhead; print a summary."""
     from dataclasses import asdict
 
-    from checkfreq.tools.report import summary_text
+    from checkfreq.tools.report import load_run, summary_text
     from checkfreq.tools.report_files import write_report, write_tensorboard
 
-    report, files = write_report(directory, out)
+    report, files = (load_run(directory), None) if no_plots else write_report(directory, out)
     scalars = None if tensorboard is None else write_tensorboard(report, tensorboard)
     if as_json:
-        emit_json({**report.to_dict(), "files": asdict(files), "tensorboard_scalars": scalars})
+        emit_json({**report.to_dict(), "files": files and asdict(files), "tensorboard_scalars": scalars})
         return
     output = console()
     output.print(summary_text(report), soft_wrap=True)
-    output.print(f"timeline: {files.png}\npage:     {files.html}", soft_wrap=True)
+    if files is not None:
+        output.print(f"timeline: {files.png}\npage:     {files.html}", soft_wrap=True)
     if tensorboard is not None:
         output.print(f"tensorboard: {scalars} scalars in {tensorboard}", soft_wrap=True)

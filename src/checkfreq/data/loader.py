@@ -89,11 +89,12 @@ class ResumableLoader:
     the loader itself. Only map-style datasets (``__len__`` and ``__getitem__``) are supported;
     ``dataset[i]`` is called once per sample, after the generators are seeded from ``(seed, epoch, i)``.
 
-    **Epochs.** Iterating yields the rest of the current epoch (all of it after a boundary) and,
-    once the last batch has been taken and the loop asks for the next one, moves :attr:`epoch` on
-    by one. So ``for epoch in range(loader.epoch, n): for batch in loader:`` continues correctly
-    after a restore: mid-epoch it yields the rest of that epoch; at a boundary saved right after
-    the last batch it yields nothing for that epoch and goes on to the next.
+    **Epochs.** Iterating yields the rest of the current epoch (all of it after a boundary). Once
+    the epoch's last batch is consumed (the loop asks for the next one, or a checkpoint is taken
+    after it), :attr:`epoch` moves on by one: the position is then the start of the next epoch,
+    and so is that of a loader restored from a checkpoint taken right after an epoch's last batch.
+    So ``for epoch in range(loader.epoch, n): for batch in loader:`` continues correctly after any
+    restore, and a peek at the next batch (below) always finds one.
 
     **State.** :meth:`state_dict` holds the epoch, the samples consumed *by the training loop*
     (batches handed out, not those prefetched by workers) and a fingerprint (dataset length, seed,
@@ -111,7 +112,8 @@ class ResumableLoader:
 
     **Peeking.** A batch counts as consumed when the loop asks for the next one or a checkpoint
     reads :meth:`state_dict`. So ``next(iter(loader))`` (to look at a batch's shape) costs
-    nothing: the next iterator starts with that same batch.
+    nothing: the next iterator starts with that same batch, and ``set_epoch`` with the current
+    epoch after it keeps the position.
 
     An iterator is valid until the next :meth:`__iter__`, :meth:`set_epoch` or
     :meth:`load_state_dict`; using it afterwards raises ``RuntimeError``.
@@ -160,11 +162,24 @@ class ResumableLoader:
         self._handed_out = 0
         """Samples of the batch last handed out: consumed once the next batch or a state_dict() is asked for."""
         self._step = _StepProgress()
+        self._last_of_epoch = False
 
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to."""
         return self.sampler.epoch
+
+    @property
+    def last_of_epoch(self) -> bool:
+        """Whether the batch the current iterator handed out last is the last of its epoch.
+
+        Work a loop does after an epoch's batches (an epoch-level LR scheduler, an evaluation) runs
+        after a checkpoint taken at that last batch, and a run resumed from that checkpoint starts
+        at the next epoch without it. Counting the epoch's last optimizer step after that work keeps
+        it in the checkpoint: ``if not loader.last_of_epoch: ckpt.step()`` in the loop, and
+        ``ckpt.step()`` after the work (docs/exactness.md, "Epochs").
+        """
+        return self._last_of_epoch
 
     @property
     def global_batch_size(self) -> int:
@@ -204,10 +219,22 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         """Batches this rank yields in a whole epoch, as for a DataLoader (a resumed pass yields fewer)."""
-        per_rank, size = self.sampler.epoch_length(), self.batch_size
-        if self._plan.drop_last:
-            return per_rank // size
-        return -(-per_rank // size)
+        return self._batches(self.sampler.epoch_length())
+
+    def _batches(self, samples: int) -> int:
+        """Batches that ``samples`` of this rank's indices make."""
+        size = self.batch_size
+        return samples // size if self._plan.drop_last else -(-samples // size)
+
+    def _next_epoch_if_over(self) -> None:
+        """Move to the start of the next epoch when every batch of the current one has been consumed.
+
+        "Epoch ``e``, all taken" and "epoch ``e + 1``, nothing taken" are the same position; the second
+        is the one kept, so that ``epoch`` names the epoch the next batch belongs to and a new
+        iterator (a peek) finds a batch.
+        """
+        if self.sampler.consumed and not self._batches(len(self.sampler)):
+            self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def __iter__(self) -> Iterator[Any]:
         self._reset_pass()  # a batch the previous iterator handed out but nobody used: yielded again
@@ -218,6 +245,7 @@ class ResumableLoader:
         self._handed_out = 0
         self._step = _StepProgress()
         self._generation += 1
+        self._last_of_epoch = False
 
     def _iterate(self, generation: int) -> Iterator[Any]:
         self._plan.epoch, self._plan.indices = self.sampler.epoch, self.sampler.rank_indices()
@@ -228,10 +256,13 @@ class ResumableLoader:
             batch = next(batches)
             self._consume_handed_out()  # asking for this batch means the previous one was used
             self._handed_out = self._plan.size_of(number)
+            self._last_of_epoch = number == len(self._plan) - 1
             yield batch
         self._check_current(generation)
+        self._last_of_epoch = False
         self._consume_handed_out()
-        self.sampler.set_epoch(self.sampler.epoch + 1)
+        if self.sampler.epoch == self._plan.epoch:  # an epoch with no batch (one that had any moved on above)
+            self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def _consume_handed_out(self) -> None:
         """Count the batch handed out last as consumed (once its optimizer step is complete), unless the
@@ -242,6 +273,7 @@ class ResumableLoader:
         elif self._handed_out and self._step.take(self._handed_out):
             self.sampler.advance(self._step.samples)
             self._step = _StepProgress(batches=self._step.batches)
+            self._next_epoch_if_over()
         self._handed_out = 0
 
     def _check_current(self, generation: int) -> None:
@@ -270,8 +302,13 @@ class ResumableLoader:
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the saved position; see :meth:`ResumableSampler.load_state_dict`."""
+        """Resume at the saved position; see :meth:`ResumableSampler.load_state_dict`.
+
+        A position after the last batch of an epoch (as earlier versions saved it) is the start of
+        the next epoch.
+        """
         self.sampler.load_state_dict(state)
+        self._next_epoch_if_over()
         self._reset_pass()
 
 

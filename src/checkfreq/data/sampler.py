@@ -204,10 +204,18 @@ class ResumableSampler(Sampler[int]):
         """Move to the start of ``epoch``; a call with the current epoch keeps the position.
 
         Keeping the position makes the ``DistributedSampler`` habit of calling
-        ``set_epoch(epoch)`` at the top of each epoch safe after a mid-epoch restore.
+        ``set_epoch(epoch)`` at the top of each epoch safe after a restore (start the epoch loop
+        at the loader's ``epoch``). Moving back to an earlier epoch trains its samples again, and
+        logs a warning saying so.
         """
         if epoch < 0:
             raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
+        if epoch < self.epoch:
+            log.warning(
+                "set_epoch(%d) moves the data position back from epoch %d to the start of epoch %d: its samples "
+                "are taken again. After a restore, start the epoch loop at the loader's epoch "
+                "(for epoch in range(loader.epoch, epochs)).", epoch, self.epoch, epoch,
+            )
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 

@@ -69,9 +69,14 @@ class _Flattener:
         if self.allow_pickle:
             return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode()}
         raise UnserializableStateError(
-            f"{path!r} is a {type(value).__qualname__}, which checkfreq stores only by pickling; "
+            f"{path!r} is {with_article(type(value).__qualname__)}, which checkfreq stores only by pickling; "
             "store it as plain values/tensors, or pass allow_pickle=True if you trust every reader"
         )
+
+
+def with_article(noun: str) -> str:
+    """``noun`` after "a" or "an", by its first letter: "an object", "a Tensor"."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -129,7 +134,9 @@ def _key(key: Any) -> Any:
 def check_module_state(name: str, module: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Raise one error listing every missing/unexpected key and shape/dtype mismatch for ``module``."""
     if not isinstance(state, Mapping):
-        raise StateMismatchError(f"checkpoint does not fit {name!r}: its state is a {type(state).__name__}, not a dict")
+        raise StateMismatchError(
+            f"checkpoint does not fit {name!r}: its state is {with_article(type(state).__name__)}, not a dict"
+        )
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -292,11 +299,15 @@ def load_into(name: str, obj: Any, state: Any) -> None:
         raise StateMismatchError(f"checkpoint does not fit {name!r}: {e}") from e
 
 
-def apply_state(objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any]) -> None:
+def apply_state(
+    objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any],
+    source: str = "the checkpoint", path: str = "CHECKPOINT",
+) -> None:
     """Load a checkpoint's ``state`` into the registered ``objects`` and ``values``, all or nothing:
     every module and optimizer is checked against it first, and one :class:`StateMismatchError` lists
-    every difference of every object. The RNG state (``objects["rng"]``) is loaded last, so nothing
-    that runs here draws random numbers after it."""
+    every difference of every object, names the checkpoint (``source``: which one, where; ``path``:
+    what ``checkfreq export`` takes) and says what to do. The RNG state (``objects["rng"]``) is
+    loaded last, so nothing that runs here draws random numbers after it."""
     missing = sorted(set(objects) - set(state) - {"rng"})
     problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
     saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
@@ -307,16 +318,29 @@ def apply_state(objects: Mapping[str, Any], values: dict[str, Any], state: Mappi
             except StateMismatchError as e:
                 problems.append(str(e))
     if problems:
-        raise StateMismatchError(problems[0] if len(problems) == 1
-                                 else "\n- ".join(["checkpoint does not fit the registered objects:", *problems]))
+        raise StateMismatchError(misfit_message(source, path, problems))
     for name, obj in objects.items():
         if name != "rng":
-            load_into(name, obj, state[name])
+            try:
+                load_into(name, obj, state[name])
+            except StateMismatchError as e:
+                raise StateMismatchError(misfit_message(source, path, [str(e)])) from e
     for name in values:
         if name in state:
             values[name] = own_storage(state[name])
     if "rng" in objects and "rng" in state:
         objects["rng"].load_state_dict(state["rng"])
+
+
+def misfit_message(source: str, path: str, problems: list[str]) -> str:
+    """Which checkpoint did not fit, every difference, and the ways on."""
+    return "\n- ".join([f"{source} does not fit the registered objects:", *problems]) + (
+        "\nTo resume from it, register the objects as the run that wrote it did (the same names, model, "
+        "optimizer class and parameter groups). A run whose model or optimizer changed on purpose is a new "
+        "run: give it a directory of its own. To carry over the weights that still fit, export them "
+        f"(checkfreq export {path} --to model.pt --only model) and, before training, load the entries whose "
+        "names and shapes match into the new model (model.load_state_dict(those, strict=False))."
+    )
 
 
 def optimizer_owned(tensors: Mapping[str, torch.Tensor], optimizers: Mapping[str, torch.optim.Optimizer]) -> set[str]:

@@ -414,7 +414,7 @@ def summary_text(report: RunReport) -> str:
         if waits:
             lines.append(f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, "
                          f"max {human_seconds(max(waits))}")
-    lines.append(f"overhead: {number_text(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} % of wall time")
+    lines.append(f"overhead: {overhead_text(s.overhead, ' of wall time')}")
     if len(report.sessions) > 1:
         lines.extend(session_line(session) for session in report.sessions)
     return "\n".join(lines)
@@ -427,14 +427,35 @@ def session_line(s: SessionSummary) -> str:
         began += f" on {s.resized[1]} rank(s), saved by {s.resized[0]}"
     if s.seeded:
         began += f" (carried: {', '.join(s.seeded)})"
-    steps = f", steps {s.first_step}..{s.last_step}" if s.checkpoints else ""
-    return (
-        f"session {s.index + 1}: {began}; {s.checkpoints} checkpoints{steps}, "
-        f"{number_text(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, '{:.3g}')} "
-        "per 1000 steps, "
-        f"interval median {number_text(s.interval_median_steps, '{:g}')} steps, "
-        f"overhead {number_text(None if s.overhead is None else 100 * s.overhead, '{:.2f}')} %"
+    head = f"session {s.index + 1}: {began}; "
+    if not s.checkpoints:
+        return head + "no checkpoint"
+    taken = f"1 checkpoint, at step {s.last_step}" if s.checkpoints == 1 else (
+        f"{s.checkpoints} checkpoints, steps {s.first_step}..{s.last_step}"
     )
+    rate = number_text(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, "{:.3g}")
+    if s.interval_median_steps is None and s.overhead is None:
+        measured = (
+            "interval and overhead not measured: the window up to a session's first checkpoint holds its "
+            "start-up, so they need a second checkpoint"
+        )
+    else:
+        interval = number_text(s.interval_median_steps, "{:g}")
+        measured = f"interval median {interval} steps, overhead {overhead_text(s.overhead)}"
+    return f"{head}{taken}, {rate} per 1000 steps, {measured}"
+
+
+def overhead_text(overhead: float | None, unit: str = "") -> str:
+    """An overhead as a percentage followed by ``unit``; one below zero says what it means."""
+    if overhead is None:
+        return f"n/a %{unit}"
+    text = f"{100 * overhead:.2f} %{unit}"
+    if overhead < 0:
+        text += (
+            " (below zero: the steps ran faster than the clean iterations it is measured against, so "
+            "checkpointing cost less than the timing noise: no measurable overhead)"
+        )
+    return text
 
 
 def number_text(value: float | None, fmt: str) -> str:

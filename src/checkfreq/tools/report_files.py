@@ -50,9 +50,18 @@ def render_figure(report: RunReport) -> Any:
 
     Each session is drawn as its own line: no line joins the last checkpoint before a restart to
     the first one after it.
+
+    Raises:
+        CheckfreqError: matplotlib is not installed (it comes with ``checkfreq[cli]``).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise CheckfreqError(
+            "the report's plots need the matplotlib package: pip install 'checkfreq[cli]' "
+            "(or leave them out: checkfreq report --no-plots prints the summary alone)"
+        ) from e
 
     fig = Figure(figsize=(10, 12), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)

@@ -290,6 +290,8 @@ def test_unserializable_values_need_opt_in(tmp_path: Path) -> None:
     model = make_model()
     with pytest.raises(cf.UnserializableStateError, match="'thing' is a Fraction.*allow_pickle"):
         cf.Checkpointer(tmp_path, model=model, values={"thing": Fraction(1, 3)})
+    with pytest.raises(cf.UnserializableStateError, match="^'obj' is an object, which"):
+        cf.Checkpointer(tmp_path, model=model, values={"obj": object()})
     with cf.Checkpointer(tmp_path, model=model, values={"thing": Fraction(1, 3)}, allow_pickle=True) as ckpt:
         ckpt.save(blocking=True)
     with cf.Checkpointer(tmp_path, model=model, values={"thing": None}) as ckpt:

@@ -193,6 +193,26 @@ def test_read_only_filesystem_fails_at_construction(tmp_path: Path) -> None:
             cf.Checkpointer(root / "missing" / "deeper", model=make_model())
 
 
+def test_a_directory_made_unwritable_mid_run_fails_naming_on_error_warn(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    model, opt = _stack()
+    with cf.Checkpointer(directory, policy=1, model=model, optimizer=opt) as ckpt:
+        train_step(model, opt)
+        ckpt.step()
+        ckpt.wait()
+        if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode:  # not even root adds files
+            pytest.skip("cannot make a directory immutable here (chattr +i needs root and a filesystem that has it)")
+        try:
+            train_step(model, opt)
+            ckpt.step()  # its persist fails
+            with pytest.raises(cf.PersistError) as info:
+                ckpt.wait()
+        finally:
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+    assert "Operation not permitted" in str(info.value)
+    assert 'with on_error="warn" the Checkpointer logs such a failure and trains on' in str(info.value)
+
+
 def test_missing_directory_is_created_and_a_file_in_the_way_is_refused(tmp_path: Path) -> None:
     with cf.Checkpointer(tmp_path / "a" / "b", model=make_model()) as ckpt:
         ckpt.save(blocking=True)

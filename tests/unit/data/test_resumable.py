@@ -156,11 +156,12 @@ def test_resume_mid_epoch_continues_with_the_next_sample(drop_last, stop_after):
     first = loader(drop_last=drop_last)
     head = take(iter(first), stop_after)
     state = json.loads(json.dumps(first.state_dict()))  # JSON-able, and survives the round trip
-    assert state["epoch"] == 0 and state["consumed"] == 4 * stop_after
+    at_end = stop_after == len(first)  # 5 batches with drop_last: the epoch's last
+    assert (state["epoch"], state["consumed"]) == ((1, 0) if at_end else (0, 4 * stop_after))
 
     second = loader(drop_last=drop_last)
     second.load_state_dict(state)
-    assert head + one_epoch(second) == expected
+    assert head + ([] if at_end else one_epoch(second)) == expected
     assert second.epoch == 1
 
 
@@ -171,15 +172,79 @@ def test_resume_at_the_epoch_boundary():
     first = loader()
     it = iter(first)
     head = take(it, len(first))  # every batch taken, the loop has not asked for the next one
-    assert first.state_dict()["consumed"] == 23 and first.epoch == 0
+    assert first.epoch == 0
+    state = first.state_dict()  # a checkpoint after the last batch: the start of the next epoch
+    assert (state["epoch"], state["consumed"], first.epoch) == (1, 0, 1)
     second = loader()
-    second.load_state_dict(first.state_dict())
-    assert one_epoch(second) == [] and second.epoch == 1
+    second.load_state_dict(state)
+    assert second.epoch == 1
     assert [head, one_epoch(second)] == expected
 
     with pytest.raises(StopIteration):
-        next(it)  # the loop asks: the epoch moves on
+        next(it)  # the loop asks: the epoch has already moved on, and moves no further
     assert first.state_dict()["epoch"] == 1 and first.state_dict()["consumed"] == 0
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_state_saved_after_an_epochs_last_batch_is_the_next_epochs_start(drop_last):
+    """As earlier versions saved it ("epoch 0, every sample taken"), and, with ``drop_last``, where the
+    samples left make no whole batch (20 of 23 taken in batches of 4)."""
+    expected = _epoch(1, drop_last=drop_last)
+    restored = loader(drop_last=drop_last)
+    restored.load_state_dict({**restored.state_dict(), "consumed": 20 if drop_last else 23})
+    assert restored.epoch == 1 and restored.state_dict()["consumed"] == 0
+    assert one_epoch(restored) == expected
+
+
+def _epoch(epoch: int, **kwargs) -> list[tuple]:
+    fresh = loader(**kwargs)
+    fresh.set_epoch(epoch)
+    return one_epoch(fresh)
+
+
+@pytest.mark.parametrize("defaulted", [False, True])
+def test_a_peek_after_an_epoch_boundary_restore_costs_nothing(defaulted):
+    """The DDP tutorial's epoch: ``next(iter(loader))`` for the batch size, ``set_epoch(epoch)``, the loop."""
+    first = loader()
+    for _ in first:
+        pass
+    take(iter(first), len(first))  # the second epoch, up to its last batch
+    state = first.state_dict()  # a checkpoint right after it, before the loop asks for more
+    restored = loader()
+    restored.load_state_dict(state)
+    start = restored.epoch
+    assert start == 2
+    peeked = next(iter(restored), None) if defaulted else next(iter(restored))
+    assert peeked == _epoch(2)[:4]
+    assert (restored.epoch, restored.sampler.consumed) == (2, 0)  # the peek moved nothing
+    restored.sampler.set_epoch(start)  # the epoch it is in: changes nothing
+    restored.set_epoch(start)
+    assert restored.state_dict() == state  # nor did the peek count (a checkpoint now would not count it)
+    assert one_epoch(restored) == _epoch(2)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_last_of_epoch_marks_the_epochs_last_batch(drop_last):
+    source = loader(drop_last=drop_last)
+    marks = [source.last_of_epoch for _ in source]
+    assert marks == [False] * (len(source) - 1) + [True]
+    assert not source.last_of_epoch  # the pass is over
+    it = iter(source)
+    take(it, len(source))
+    assert source.last_of_epoch
+    iter(source)  # a new pass starts over
+    assert not source.last_of_epoch
+
+
+def test_moving_back_to_an_epoch_already_trained_is_logged(caplog):
+    source = loader()
+    one_epoch(source)
+    with caplog.at_level("WARNING", logger="checkfreq.data"):
+        source.set_epoch(1)
+        assert not caplog.records
+        source.set_epoch(0)
+    assert "back from epoch 1 to the start of epoch 0" in caplog.text
+    assert source.state_dict()["consumed"] == 0 and source.epoch == 0
 
 
 def test_prefetched_batches_are_not_counted_as_consumed():

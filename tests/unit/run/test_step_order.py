@@ -9,12 +9,15 @@ prefix hint.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import checkfreq as cf
+from checkfreq.cli import app
 from helpers import assert_state_equal, make_model, train_step
 
 ORDER = "before any registered optimizer stepped"
@@ -132,13 +135,27 @@ def test_a_checkpoint_that_does_not_fit_lists_every_object(tmp_path: Path) -> No
         with pytest.raises(cf.StateMismatchError) as info:
             ckpt.restore()
     lines = str(info.value).splitlines()
-    assert lines[0] == "checkpoint does not fit the registered objects:"
+    assert lines[0] == f"checkpoint step_000000001 of {tmp_path} does not fit the registered objects:"
     assert lines[1] == "- checkpoint holds no state for scheduler"
     assert lines[2].startswith("- checkpoint does not fit 'model': ") and (
         "0.weight: shape (32, 8) in checkpoint, (16, 8) in model" in lines[2]
     )
     assert lines[3] == ("- checkpoint does not fit 'optimizer': it was written by a torch.optim.adamw.AdamW, "
                         "this optimizer is a torch.optim.sgd.SGD")
+    assert len(lines) == 5 and "A run whose model or optimizer changed on purpose is a new run: give it a " \
+        "directory of its own." in lines[4]
+
+    # the way on it names: export the weights, and load those that fit into the changed model
+    export = re.search(r"\(checkfreq (export .*?)\)", lines[4]).group(1)  # type: ignore[union-attr]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        result = CliRunner().invoke(app, export.split())
+        assert result.exit_code == 0, result.output
+        saved = torch.load("model.pt", weights_only=True)
+    fits = {k: v for k, v in saved.items() if k in wider.state_dict() and v.shape == wider.state_dict()[k].shape}
+    assert fits and set(fits) < set(saved)
+    wider.load_state_dict(fits, strict=False)
+    assert all(torch.equal(wider.state_dict()[k], v) for k, v in fits.items())
 
 
 @pytest.mark.parametrize("wrap", ["data_parallel", "compile"])

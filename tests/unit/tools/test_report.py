@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -134,6 +136,39 @@ def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: 
     assert str(tmp_path / "report.png") in result.output and (tmp_path / "report.html").is_file()
 
 
+def test_report_no_plots_writes_no_file(run: Path, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path), "--no-plots"])
+    assert result.exit_code == 0 and summary_text(load_run(run)) in result.output
+    assert "report.png" not in result.output and not list(tmp_path.iterdir())
+    result = runner.invoke(app, ["report", str(run), "--no-plots", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["files"] is None
+    assert not list(run.glob("report.*"))
+
+
+MATPLOTLIB_MISSING = """
+import sys
+sys.modules["matplotlib"] = None  # as if it were not installed: any import of it fails
+sys.argv = ["checkfreq", *sys.argv[1:]]
+from checkfreq.command import main
+main()
+"""
+
+
+def test_report_without_matplotlib_is_one_error_line_and_no_plots_still_works(run: Path, tmp_path: Path) -> None:
+    """The ``checkfreq`` entry point in a process where matplotlib cannot be imported."""
+    plain = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
+    assert plain.stderr.strip().splitlines() == [
+        "error: the report's plots need the matplotlib package: pip install 'checkfreq[cli]' "
+        "(or leave them out: checkfreq report --no-plots prints the summary alone)"
+    ]
+    summary = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--no-plots"],
+                             capture_output=True, text=True, timeout=120)
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.startswith(f"run {run}: 6 checkpoints") and not list(tmp_path.iterdir())
+
+
 def test_report_png_is_a_real_nonblank_image(reported: tuple[dict, Path]) -> None:
     image = matplotlib.image.imread(reported[1] / "report.png")
     height, width = image.shape[:2]
@@ -180,6 +215,32 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
     assert s.overhead == pytest.approx(1 - (5 * 0.3 + 5 * 0.3) / (2.0 + 2.0))
     assert s.stall_total_s == pytest.approx(0.02 + 0.01 + 0.03 + 0.04) and s.bytes_written == 240
     assert s.clean_iteration_s == 0.3 and s.iteration_s == 0.5
+
+
+def test_a_one_checkpoint_session_and_a_negative_overhead_say_what_they_mean(tmp_path: Path) -> None:
+    """What `checkfreq demo` and `report` print for them, instead of ``n/a`` and a bare -50 %."""
+    log = EventLog(tmp_path)
+    log.write("start", pid=1, policy="Every", keep=3)
+    log.write("snapshot", step=5, stall_s=0.01, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.2,
+              clean_iterations=4, clean_iteration_s=0.2)
+    log.write("commit", step=5, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
+    log.write("start", pid=2, policy="Every", keep=3)
+    log.write("restore", step=5, skipped=[])
+    for step in (10, 15, 20):  # 5 steps of 0.3 s each in 1 s: overhead 1 - 1.5 / 1 = -50 %
+        log.write("snapshot", step=step, stall_s=0.01, bytes=100, interval_steps=5, interval_s=1.0, iteration_s=0.3,
+                  clean_iterations=4, clean_iteration_s=0.3)
+        log.write("commit", step=step, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
+    lines = summary_text(load_run(tmp_path)).splitlines()
+    negative = (" (below zero: the steps ran faster than the clean iterations it is measured against, so "
+                "checkpointing cost less than the timing noise: no measurable overhead)")
+    assert lines[-3] == "overhead: -50.00 % of wall time" + negative
+    assert lines[-2] == (
+        "session 1: started fresh; 1 checkpoint, at step 5, 200 per 1000 steps, interval and overhead not "
+        "measured: the window up to a session's first checkpoint holds its start-up, so they need a second checkpoint"
+    )
+    assert lines[-1] == ("session 2: restored step 5; 3 checkpoints, steps 10..20, 200 per 1000 steps, "
+                         "interval median 5 steps, overhead -50.00 %" + negative)
+    assert "n/a" not in "\n".join(lines[-3:])
 
 
 def test_report_without_an_event_log_is_a_clear_error(tmp_path: Path) -> None:
