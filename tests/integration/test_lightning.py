@@ -274,3 +274,55 @@ def test_a_checkpoint_at_the_end_of_an_epoch_sees_each_epoch_start_once(tmp_path
     checkfreq, starts = CheckFreqCallback(tmp_path, policy=4), Starts()
     _tiny_fit(tmp_path, 3, [checkfreq, starts])
     assert checkfreq.restored_step == 8 and starts.starts == 3
+
+
+def monitored_fit(workdir: Path, *args: str, killed: bool = False, ddp: bool = False) -> str:
+    """A fit of at most 8 epochs that logs ``train_loss`` on step and epoch, with ``EarlyStopping`` and a
+    top-1 ``ModelCheckpoint`` (in ``workdir/best``) monitoring its epoch mean ``train_loss_epoch``."""
+    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / "ckpt"),
+               "--out", str(workdir / "final.pt"), "--log", str(workdir / "batches.log"), "--epochs", "8",
+               "--monitor-epoch", str(workdir / "best"), *args, *(("--devices", "2") if ddp else ())]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        _kill_session(proc.pid)  # a rank left behind by the killed one
+    expected = ((1, -signal.SIGKILL) if ddp else (-signal.SIGKILL,)) if killed else (0,)
+    assert proc.returncode in expected, f"exit {proc.returncode}\n{out}"
+    return out
+
+
+def assert_same_monitored_end(reference: Path, run: Path, ranks: int = 1) -> None:
+    """Every rank ends with the uninterrupted fit's callback and logged metrics (the epoch means included),
+    EarlyStopping and ModelCheckpoint states, and the same best checkpoint file."""
+    for name in ["final.pt", *(f"final.pt.{rank}" for rank in range(1, ranks))]:
+        expected, actual = torch.load(reference / name, weights_only=False), torch.load(run / name, weights_only=False)
+        assert set(actual["metrics"]["logged"]) == {"train_loss_step", "train_loss_epoch"}
+        assert_state_equal(actual["metrics"], expected["metrics"])
+        assert_state_equal(_relative(actual["callbacks"], run), _relative(expected["callbacks"], reference))
+        assert_state_equal(actual["model"], expected["model"])
+    assert os.listdir(run / "best") == os.listdir(reference / "best") == ["epoch=2-step=27.ckpt"]
+
+
+def test_epoch_metrics_of_a_fit_killed_mid_epoch_are_restored(tmp_path: Path) -> None:
+    """Killed at step 14 (restore: step 12, mid-epoch 1), the resumed fit's epoch-1 mean of train_loss covers
+    the whole epoch: EarlyStopping(min_delta=0.02) stops at step 36 as uninterrupted (with the mean of steps
+    13-18 only, it stopped at step 27), with the same metrics and ModelCheckpoint(monitor=) choice."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert "restored 0 final 36" in monitored_fit(reference)
+    monitored_fit(run, "--die-at", "14", killed=True)
+    assert "restored 12 final 36" in monitored_fit(run)
+    assert_same_monitored_end(reference, run)
+
+
+def test_ddp_epoch_metrics_come_back_to_each_rank(tmp_path: Path) -> None:
+    """2 ranks, train_loss logged with sync_dist=True: rank 0 killed at step 23 (restore: step 21, mid-epoch 2,
+    the best epoch); each rank restores its own epoch sums, so the synced epoch mean, EarlyStopping's best
+    score and ModelCheckpoint's best file are the uninterrupted fit's (without the sums, the best score
+    was the mean of steps 22-27)."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert monitored_fit(reference, ddp=True).count("restored 0 final 36") == 2
+    monitored_fit(run, "--die-at", "23", killed=True, ddp=True)
+    assert monitored_fit(run, ddp=True).count("restored 21 final 36") == 2
+    assert_same_monitored_end(reference, run, ranks=2)

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableLoader
 from checkfreq.errors import UsageError
+from checkfreq.integrations.lightning_metrics import EpochMetrics
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.policies import Policy
 from checkfreq.policies.retention import Retention
@@ -38,12 +39,16 @@ from checkfreq.storage import Store
 
 log = logging.getLogger("checkfreq.integrations.lightning")
 
+_METRICS = "checkfreq.logged_metrics"  # beside the fit loop's own keys
+
 
 class FitLoopState:
-    """The trainer's fit-loop progress (epochs, batches, optimizer steps, dataloader states) as a stateful object."""
+    """The trainer's fit-loop progress (epochs, batches, optimizer steps, dataloader states) and its
+    logged metrics (the running epoch's aggregates included, see :class:`EpochMetrics`) as a stateful object."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
+        self._metrics = EpochMetrics(trainer)
 
     @property
     def epoch(self) -> int:
@@ -51,10 +56,17 @@ class FitLoopState:
         return self._trainer.current_epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return self._trainer.fit_loop.state_dict()
+        return {**self._trainer.fit_loop.state_dict(), _METRICS: self._metrics.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        metrics = state.pop(_METRICS, None)
         self._trainer.fit_loop.load_state_dict(state)
+        if metrics is None:
+            log.warning("the checkpoint, from an earlier checkfreq version, holds no logged metrics: the epoch values "
+                        "of a fit resumed mid-epoch cover only the batches trained after the resume")
+        else:
+            self._metrics.load_state_dict(metrics)
 
 
 class CallbackStates:
@@ -86,6 +98,8 @@ class CallbackStates:
         for key, callback_state in saved.items():
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
+                if isinstance(callbacks[key], ModelCheckpoint) and "current_score" in callback_state:
+                    callbacks[key].current_score = callback_state["current_score"]  # its load_state_dict skips it
         self.saved_at = state["saved_at"]
 
 
