@@ -102,18 +102,26 @@ def trainer_steps(checkfreq_dir: Path) -> dict[int, int]:
 
 
 def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) -> None:
-    """Resumed from the Trainer's own ``checkpoint-5/`` (a path, as the stock scripts pass it), killed at
-    step 9, resumed with ``--resume_from_checkpoint true``: checkfreq's labels, ``restored_step`` and the
-    export agree with ``global_step``, and the fit ends bit-identical to the uninterrupted one."""
+    """Resumed from ``checkpoint-5/`` that CheckFreqTrainer's ``save_steps`` wrote (a path, as the stock scripts
+    pass it: it goes on in checkfreq's data order, which the checkpoint's note names), killed at step 11 after
+    the Trainer saved ``checkpoint-10/``, resumed with ``--resume_from_checkpoint true``: it resumes from checkfreq's
+    step 8 and says that checkpoint-10 is newer; checkfreq's labels, ``restored_step`` and the export agree with
+    ``global_step``, and the fit ends bit-identical to the uninterrupted one."""
     reference, run = tmp_path / "reference", tmp_path / "run"
     reference.mkdir()
     run.mkdir()
     hf_fit(reference, "final", "--save_strategy", "steps", "--save_steps", "5")
+    note = json.loads((reference / "out" / "checkpoint-5" / "checkfreq.json").read_text())
+    assert note == {"data_order": "checkfreq"}
     plain = shutil.copytree(reference / "out" / "checkpoint-5", run / "plain" / "checkpoint-5")
-    out = hf_fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "9", killed=True)
-    assert "restored 5 killed at 9" in out
+    out = hf_fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "11", "--save_strategy", "steps",
+                 "--save_steps", "5", killed=True)
+    assert "restored 5 killed at 11" in out and "holds no checkfreq.json" not in out
     assert trainer_steps(run / "checkfreq") == {8: 8}  # every 3 steps from step 5
-    assert "restored 8 final 12 epoch 2.0" in hf_fit(run, "final")
+    out = hf_fit(run, "final")
+    assert "restored 8 final 12 epoch 2.0" in out
+    assert "resuming from checkfreq's newest checkpoint, step 8, though the Trainer's" in out
+    assert "checkpoint-10 (step 10) is newer" in out
     assert trainer_steps(run / "checkfreq") == {11: 11, 12: 12}
 
     expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
@@ -238,3 +246,35 @@ def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(policy.seen) == len(logged) == 4
     assert policy.seen == pytest.approx(logged, abs=1e-3)
+
+
+def test_a_run_begun_with_the_plain_trainer_goes_on_in_its_data_order(tmp_path: Path) -> None:
+    """``checkpoint-5/`` saved by the plain ``transformers.Trainer`` (mid-epoch 0), resumed through CheckFreqTrainer
+    and killed twice (restores: step 6, an epoch's end, and step 8, mid-epoch 1): each step trains the samples
+    of the Trainer's own resume from checkpoint-5, with the same loss, and the weights end bit-identical."""
+    plain, own, run = tmp_path / "plain", tmp_path / "own", tmp_path / "run"
+    hf_fit(plain, "final", "--plain", "--save_strategy", "steps", "--save_steps", "5", "--logging_steps", "1")
+    for target in (own, run):
+        shutil.copytree(plain / "out" / "checkpoint-5", target / "checkpoint-5")
+    assert "plain final 12" in hf_fit(own, "final", "--plain", "--resume_from_checkpoint", str(own / "checkpoint-5"),
+                                      "--logging_steps", "1")
+    resume = ("--resume_from_checkpoint", str(run / "checkpoint-5"), "--logging_steps", "1", "--every", "1")
+    out = hf_fit(run, "killed1", *resume, "--die-at", "7", killed=True)
+    assert "restored 5 killed at 7" in out and "holds no checkfreq.json, so the plain Trainer saved it" in out
+    assert "restored 6 killed at 9" in hf_fit(run, "killed2", "--logging_steps", "1", "--every", "1",
+                                              "--die-at", "9", killed=True)
+    assert "restored 8 final 12 epoch 2.0" in hf_fit(run, "final", "--logging_steps", "1", "--every", "1")
+
+    expected, actual = torch.load(own / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    losses = [[(e["step"], e["loss"]) for e in history if "loss" in e]
+              for history in (actual["log_history"], expected["log_history"])]
+    assert losses[0] == losses[1] and [step for step, _ in losses[0]] == list(range(1, 13))
+    # The Trainer's own resume read steps 6-12 in its sampler's order; each run read on from its restored step
+    # (a killed run's last read may be the batch accelerate's loader fetched ahead).
+    full = sample_reads(own / "final.log")
+    for name, start, steps in (("killed1", 0, 2), ("killed2", 1, 3)):
+        reads = sample_reads(run / f"{name}.log")
+        assert reads == full[start * SAMPLES_PER_STEP :][: len(reads)] and len(reads) >= steps * SAMPLES_PER_STEP
+    assert sample_reads(run / "final.log") == full[3 * SAMPLES_PER_STEP :]
