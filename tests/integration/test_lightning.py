@@ -6,9 +6,11 @@ loss (it stops the fit after epoch 1, at step 18, of at most 4), ``ModelCheckpoi
 every 4 steps and ``max_time``. In one process the fit dies at step 5 (restore: step 3,
 mid-epoch), at step 10 (restore: step 9, taken once epoch 0 and its validation ended) and at step
 14 (restore: step 12, where ModelCheckpoint saved too), then finishes; a copy of the checkpoints
-re-run with a spent ``max_time`` trains nothing, and ``fit(ckpt_path="last")`` is refused. Under
+re-run with a spent ``max_time`` trains nothing, ``fit(ckpt_path="last")`` is refused, and a fit resumed
+from ModelCheckpoint's step-16 file with an empty checkfreq directory ends as Lightning's own resume. Under
 DDP (two CPU processes) rank 0 dies at step 10, and the spent ``max_time`` and the resumed fit run
-under ``ddp_spawn``. Skipped when the ``lightning`` extra is not installed.
+under ``ddp_spawn``. Two more pairs of fits log ``train_loss`` on epoch, killed mid-epoch, and check the
+epoch means and the callbacks monitoring them. Skipped when the ``lightning`` extra is not installed.
 """
 
 from __future__ import annotations
@@ -117,6 +119,23 @@ def assert_ckpt_path_is_refused(run: Path, *args: str, ddp: bool = False) -> Non
     assert sorted(os.listdir(run / "ckpt")) == before
 
 
+def assert_ckpt_path_resumes_as_lightning_does(root: Path, ckpt: Path) -> None:
+    """A Lightning ``.ckpt`` (step 16, mid-epoch 1) passed as ``fit(ckpt_path=...)`` with an empty checkfreq
+    directory: Lightning resumes the fit its own way, and it ends as Lightning's resume without checkfreq does,
+    checkpointed by checkfreq from step 16 on."""
+    own, migrated = root / "own", root / "migrated"
+    for workdir in (own, migrated):
+        workdir.mkdir()
+    assert "restored 0 final 18" in fit(own, "final", "--plain", "--ckpt-path", str(ckpt))
+    assert "restored 0 final 18" in fit(migrated, "final", "--ckpt-path", str(ckpt))
+    expected, actual = (torch.load(workdir / "final.pt", weights_only=False) for workdir in (own, migrated))
+    for part in ("model", "optimizer", "scheduler"):
+        assert_state_equal(actual[part], expected[part])
+    assert batches(migrated / "batches.log") == batches(own / "batches.log") == {1: batches(own / "batches.log")[1]}
+    assert len(batches(own / "batches.log")[1]) == 2 * 8  # batches 7 and 8 of epoch 1: the loader's position
+    assert [p.name for p in sorted((migrated / "ckpt").glob("step_*"))] == ["step_000000018"]  # labels go on from 16
+
+
 def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -131,6 +150,7 @@ def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     assert "restored 12 final 18" in fit(run, "final")
     assert_same_end(reference, run)
     assert_ckpt_path_is_refused(run)
+    assert_ckpt_path_resumes_as_lightning_does(tmp_path, reference / "lightning" / "epoch=1-step=16.ckpt")
 
     order = [tuple(map(int, line.split()[:2])) for line in (run / "batches.log").read_text().splitlines()]
     # Run 1 trains batches 0-4 of epoch 0; run 2 restores step 3, replays batches 3-4 and goes on to

@@ -12,7 +12,8 @@ improvement) and ``ModelCheckpoint(save_last=True)`` writing to ``DIR`` every 4 
 ``--max-time`` is the Trainer's ``max_time``, ``--sleep-at K`` sleeps 2 s in optimizer step
 ``K`` (time the Timer counts) and ``--ckpt-path`` is passed to ``fit()``. ``--monitor-epoch DIR`` logs
 ``train_loss`` on step and epoch (``sync_dist=True``) and adds ``EarlyStopping`` and a top-1
-``ModelCheckpoint`` writing to ``DIR``, both monitoring its epoch mean ``train_loss_epoch``.
+``ModelCheckpoint`` writing to ``DIR``, both monitoring its epoch mean ``train_loss_epoch``. ``--plain``
+leaves CheckFreqCallback out: the fit is Lightning's alone (``--ckpt-path`` resumes it Lightning's way).
 
 With ``--devices 2`` the fit runs under ``--strategy`` (``ddp`` or ``ddp_spawn``) on two CPU
 processes (gloo), each rank writing its final state (rank ``r > 0`` to ``--out`` + ``.r``); the
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--sleep-at", type=int, default=None)
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--monitor-epoch", default=None)
+    parser.add_argument("--plain", action="store_true", help="Lightning alone, without CheckFreqCallback")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
@@ -137,7 +139,9 @@ def main() -> None:
     model.sleep_at = args.sleep_at
     model.log_epoch = args.monitor_epoch is not None
     checkfreq = CheckFreqCallback(args.dir, policy=EVERY, keep=2)
-    callbacks = [checkfreq, DieAt(args.die_at, checkfreq, args.die_rank), SaveFinal(args.out, checkfreq)]
+    callbacks = [DieAt(args.die_at, checkfreq, args.die_rank), SaveFinal(args.out, checkfreq)]
+    if not args.plain:
+        callbacks.insert(0, checkfreq)
     if args.callbacks:
         callbacks += [EarlyStopping("val_loss", min_delta=10.0, patience=PATIENCE),
                       ModelCheckpoint(args.callbacks, save_last=True, every_n_train_steps=4)]
