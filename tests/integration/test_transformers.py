@@ -131,9 +131,9 @@ def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) 
     assert_state_equal(actual["optimizer"], expected["optimizer"])
 
 
-def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
+def tiny_trainer(output_dir: Path, training: dict[str, Any] | None = None, **checkfreq: Any) -> Any:
     """An in-process CheckFreqTrainer: a 1-layer GPT-2, 16 samples, batch 2, gradient accumulation 2
-    (4 optimizer steps)."""
+    (4 optimizer steps); ``training`` overrides TrainingArguments."""
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
 
     from checkfreq.integrations.transformers import CheckFreqTrainer
@@ -143,8 +143,8 @@ def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
     args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True)
+                             num_train_epochs=1, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             **{"save_strategy": "no", **(training or {})})
     return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                             **checkfreq)
 
@@ -171,6 +171,23 @@ def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_
               ranks=2, static_restarts=1)
     assert "restored 0 killed at 3" in out  # the first attempt
     assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
+
+
+def test_resume_true_without_checkfreq_checkpoints_takes_the_trainers_newest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``resume_from_checkpoint=True`` with no checkfreq checkpoint but the Trainer's ``checkpoint-2/`` in
+    output_dir resumes from it, as the plain Trainer would, says so, and ends as the uninterrupted run."""
+    save = {"save_strategy": "steps", "save_steps": 2}
+    uninterrupted = tiny_trainer(tmp_path, save, checkfreq_policy=1000)
+    uninterrupted.train()
+    shutil.rmtree(tmp_path / "checkfreq")  # as if the run had begun without checkfreq
+    shutil.rmtree(tmp_path / "checkpoint-4")
+    resumed = tiny_trainer(tmp_path, save, checkfreq_policy=1000)
+    with caplog.at_level("WARNING", logger="checkfreq.integrations.transformers"):
+        assert resumed.train(resume_from_checkpoint="true").global_step == 4
+    assert resumed.restored_step == 2
+    assert "holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint" in caplog.text
+    assert_state_equal(resumed.model.state_dict(), uninterrupted.model.state_dict())
 
 
 def test_a_resume_whose_checkpoints_are_all_damaged_is_refused(tmp_path: Path) -> None:

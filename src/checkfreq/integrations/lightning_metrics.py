@@ -51,15 +51,18 @@ class EpochMetrics:
 
     def state_dict(self) -> dict[str, Any]:
         connector = self._trainer._logger_connector
+        try:  # the properties add this batch's values, as Lightning does after the batch's hooks
+            last = {"callback": dict(connector.callback_metrics), "logged": dict(connector.logged_metrics),
+                    "progress_bar": dict(connector.progress_bar_metrics)}
+        except RuntimeError:  # outside the train and validation loops (Lightning has no active results)
+            last = {"callback": dict(connector._callback_metrics), "logged": dict(connector._logged_metrics),
+                    "progress_bar": dict(connector._progress_bar_metrics)}
         return {
             "world_size": self._trainer.world_size,
             # None at an epoch's start; a mid-epoch restore must not reset the sums at its first batch
             "first_batch": connector._first_loop_iter,
             "collections": {name: _collection_state(results) for name, results in self._collections().items()},
-            # the properties add this batch's values, as Lightning does after the batch's hooks
-            "callback": dict(connector.callback_metrics),
-            "logged": dict(connector.logged_metrics),
-            "progress_bar": dict(connector.progress_bar_metrics),
+            **last,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -176,6 +176,12 @@ class CheckFreqTrainer(Trainer):
             # ``--resume_from_checkpoint true`` parsed by HfArgumentParser: TrainingArguments holds a string
             resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         self._resume = resume_from_checkpoint is True
+        if self._resume and not _holds_checkpoints(self.checkfreq_dir):
+            theirs = _newest_trainer_checkpoint(self.args.output_dir)
+            if theirs is not None:  # as the plain Trainer's resume_from_checkpoint=True: its checkpoint-N/
+                log.warning("%s holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint, %s "
+                            "(step %d)", self.checkfreq_dir, theirs[0], theirs[1])
+                self._resume, resume_from_checkpoint = False, str(theirs[0])
         return super().train(None if self._resume else resume_from_checkpoint or None, *args, **kwargs)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
@@ -188,8 +194,8 @@ class CheckFreqTrainer(Trainer):
                 self.restored_step = self._resume_step
                 kwargs["resume_from_checkpoint"] = str(path)
                 _note_newer_trainer_checkpoint(self.args.output_dir, self._resume_step)
-        elif kwargs.get("resume_from_checkpoint"):  # one of the Trainer's own checkpoint-N/ directories
-            self._data_order = _order_of(Path(kwargs["resume_from_checkpoint"]))
+        elif kwargs.get("resume_from_checkpoint") and Path(kwargs["resume_from_checkpoint"]).is_dir():
+            self._data_order = _order_of(Path(kwargs["resume_from_checkpoint"]))  # one of the Trainer's checkpoint-N/
         try:
             return super()._inner_training_loop(*args, **kwargs)
         finally:
@@ -351,7 +357,9 @@ class CheckFreqTrainer(Trainer):
             weights = unflatten(skeleton["model"], tensors)
             model = self.accelerator.unwrap_model(self.model)
             model.save_pretrained(target, state_dict={k: v.clone() for k, v in weights.items()})
-            (target / TRAINER_STATE).write_text(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+            progress = unflatten(skeleton["trainer"], tensors)
+            (target / TRAINER_STATE).write_text(progress["trainer_state"])
+            (target / ORDER_NOTE).write_text(json.dumps({"data_order": progress.get("data_order", CHECKFREQ_ORDER)}))
             log.info("exported checkfreq checkpoint %d to %s", step, target)
         self.accelerator.wait_for_everyone()  # no process reads the export before it is written
         return target
@@ -430,12 +438,25 @@ def _seeded_trainer_loader(loader: DataLoader) -> DataLoader:
     return loader
 
 
+def _holds_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds checkfreq checkpoints, valid or not."""
+    return directory.is_dir() and any(True for _ in LocalStore(directory, create=False).checkpoints())
+
+
+def _newest_trainer_checkpoint(output_dir: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """(path, global_step) of the newest ``checkpoint-N/`` the Trainer finished writing in ``output_dir``."""
+    newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if newest is None or not (Path(newest) / TRAINER_STATE).is_file():  # its state is written last
+        return None
+    return Path(newest), int(json.loads((Path(newest) / TRAINER_STATE).read_text())["global_step"])
+
+
 def _note_newer_trainer_checkpoint(output_dir: str | os.PathLike[str], step: int) -> None:
     """Say so when the Trainer saved a ``checkpoint-N/`` newer than checkfreq checkpoint ``step``."""
-    newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    if newest is None or not (Path(newest) / TRAINER_STATE).is_file():
+    found = _newest_trainer_checkpoint(output_dir)
+    if found is None:
         return
-    theirs = int(json.loads((Path(newest) / TRAINER_STATE).read_text())["global_step"])
+    newest, theirs = found
     if theirs > step:
         log.warning(
             "resuming from checkfreq's newest checkpoint, step %d, though the Trainer's %s (step %d) is newer: "
