@@ -278,11 +278,13 @@ class CheckFreqTrainer(Trainer):
         return model, train_dataloader
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's ``checkpoint-N/``, with a note of the data order it was trained in (see :func:`_order_of`)."""
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-        if self.args.should_save and folder.is_dir():
+        """The Trainer's ``checkpoint-N/``, with a note of the data order it was trained in (see :func:`_order_of`),
+        written before the Trainer's ``trainer_state.json``, which it writes last."""
+        if self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
             (folder / ORDER_NOTE).write_text(json.dumps({"data_order": self._data_order}) + "\n")
+        super()._save_checkpoint(model, trial)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self._resume_step:  # the Trainer's own checkpoint
