@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from checkfreq.dist.shares import local_view
+from checkfreq.errors import UsageError
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.run.state import unflatten
 from helpers import assert_state_equal, hf_fit, sample_reads
@@ -188,6 +189,18 @@ def test_resume_true_without_checkfreq_checkpoints_takes_the_trainers_newest(
     assert resumed.restored_step == 2
     assert "holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint" in caplog.text
     assert_state_equal(resumed.model.state_dict(), uninterrupted.model.state_dict())
+
+
+def test_a_plain_trainer_order_no_resume_could_redraw_is_refused(tmp_path: Path) -> None:
+    """A ``checkpoint-N/`` without checkfreq's note (the plain Trainer's) whose run drew batches with a
+    RandomSampler seeded from the global generator (use_seedable_sampler=False): refused before any step."""
+    tiny_trainer(tmp_path, {"save_strategy": "steps", "save_steps": 2}, checkfreq_policy=1000).train()
+    (tmp_path / "checkpoint-2" / "checkfreq.json").unlink()  # as the plain Trainer writes it
+    shutil.rmtree(tmp_path / "checkfreq")
+    trainer = tiny_trainer(tmp_path / "again", {"accelerator_config": {"use_seedable_sampler": False}})
+    with pytest.raises(UsageError, match="RandomSampler draws an order that a resume from a checkfreq checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "again" / "checkfreq").exists()
 
 
 def test_a_resume_whose_checkpoints_are_all_damaged_is_refused(tmp_path: Path) -> None:
