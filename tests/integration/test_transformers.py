@@ -3,7 +3,9 @@
 Each run is ``scripts/hf_train.py`` (a tiny random GPT-2, 2 epochs of 6 optimizer steps, evaluation
 every 4 steps, a checkpoint every 3) in a child process. The first run dies at step 5 (restore:
 step 3, mid-epoch), the second at step 8 (restore: step 6, the end of epoch 0), the third finishes.
-The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time.
+The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time. With
+``--plain`` it trains with the plain ``Trainer``: a run it saved is continued by CheckFreqTrainer in the
+Trainer's own data order, compared step by step with the Trainer's own resume.
 Skipped when the ``transformers`` extra is not installed.
 """
 
