@@ -179,7 +179,8 @@ def lightning_steps(*logs: Path) -> dict[int, list[int]]:
 def test_lightning_ddp_fit_resumed_on_one_device_keeps_the_global_batches(tmp_path: Path) -> None:
     """A global batch of 8 over 2 devices (DDP), the fit killed after step 4 (restored at 3), resumed
     on 1 device: the steps of an uninterrupted fit. Resuming mid-epoch with 2 batches per step
-    instead of 1 is refused before any step (Lightning counts the epoch's batches, not steps)."""
+    instead of 1 is refused before any step (Lightning counts the epoch's batches, not steps). The
+    ranks' epoch sums of a logged metric cannot all come back to one rank: they start afresh, with a warning."""
     pytest.importorskip("lightning")
     fit_lightning(tmp_path / "reference", "steps.log")
     fit_lightning(tmp_path, "run0.log", "--devices", "2", "--die-at", "4", expect_success=False)
@@ -190,6 +191,8 @@ def test_lightning_ddp_fit_resumed_on_one_device_keeps_the_global_batches(tmp_pa
     assert "pass accumulate_grad_batches=2" in out
     out = fit_lightning(tmp_path, "run1.log")
     assert "rank 0 restored 3 final 18" in out
+    assert "taken on 2 rank(s) in the middle of an epoch, this fit runs on 1" in out  # the epoch sums of train_loss
+    assert "the epoch values of train_loss start afresh" in out
     steps = lightning_steps(tmp_path / "run0.log", tmp_path / "run1.log")
     assert steps == lightning_steps(tmp_path / "reference" / "steps.log")
     assert len(steps) == 18 and all(len(ids) == 8 for ids in steps.values())

@@ -6,9 +6,11 @@ loss (it stops the fit after epoch 1, at step 18, of at most 4), ``ModelCheckpoi
 every 4 steps and ``max_time``. In one process the fit dies at step 5 (restore: step 3,
 mid-epoch), at step 10 (restore: step 9, taken once epoch 0 and its validation ended) and at step
 14 (restore: step 12, where ModelCheckpoint saved too), then finishes; a copy of the checkpoints
-re-run with a spent ``max_time`` trains nothing, and ``fit(ckpt_path="last")`` is refused. Under
+re-run with a spent ``max_time`` trains nothing, ``fit(ckpt_path="last")`` is refused, and a fit resumed
+from ModelCheckpoint's step-16 file with an empty checkfreq directory ends as Lightning's own resume. Under
 DDP (two CPU processes) rank 0 dies at step 10, and the spent ``max_time`` and the resumed fit run
-under ``ddp_spawn``. Skipped when the ``lightning`` extra is not installed.
+under ``ddp_spawn``. Two more pairs of fits log ``train_loss`` on epoch, killed mid-epoch, and check the
+epoch means and the callbacks monitoring them. Skipped when the ``lightning`` extra is not installed.
 """
 
 from __future__ import annotations
@@ -117,6 +119,23 @@ def assert_ckpt_path_is_refused(run: Path, *args: str, ddp: bool = False) -> Non
     assert sorted(os.listdir(run / "ckpt")) == before
 
 
+def assert_ckpt_path_resumes_as_lightning_does(root: Path, ckpt: Path) -> None:
+    """A Lightning ``.ckpt`` (step 16, mid-epoch 1) passed as ``fit(ckpt_path=...)`` with an empty checkfreq
+    directory: Lightning resumes the fit its own way, and it ends as Lightning's resume without checkfreq does,
+    checkpointed by checkfreq from step 16 on."""
+    own, migrated = root / "own", root / "migrated"
+    for workdir in (own, migrated):
+        workdir.mkdir()
+    assert "restored 0 final 18" in fit(own, "final", "--plain", "--ckpt-path", str(ckpt))
+    assert "restored 0 final 18" in fit(migrated, "final", "--ckpt-path", str(ckpt))
+    expected, actual = (torch.load(workdir / "final.pt", weights_only=False) for workdir in (own, migrated))
+    for part in ("model", "optimizer", "scheduler"):
+        assert_state_equal(actual[part], expected[part])
+    assert batches(migrated / "batches.log") == batches(own / "batches.log") == {1: batches(own / "batches.log")[1]}
+    assert len(batches(own / "batches.log")[1]) == 2 * 8  # batches 7 and 8 of epoch 1: the loader's position
+    assert [p.name for p in sorted((migrated / "ckpt").glob("step_*"))] == ["step_000000018"]  # labels go on from 16
+
+
 def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -131,6 +150,7 @@ def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     assert "restored 12 final 18" in fit(run, "final")
     assert_same_end(reference, run)
     assert_ckpt_path_is_refused(run)
+    assert_ckpt_path_resumes_as_lightning_does(tmp_path, reference / "lightning" / "epoch=1-step=16.ckpt")
 
     order = [tuple(map(int, line.split()[:2])) for line in (run / "batches.log").read_text().splitlines()]
     # Run 1 trains batches 0-4 of epoch 0; run 2 restores step 3, replays batches 3-4 and goes on to
@@ -274,3 +294,55 @@ def test_a_checkpoint_at_the_end_of_an_epoch_sees_each_epoch_start_once(tmp_path
     checkfreq, starts = CheckFreqCallback(tmp_path, policy=4), Starts()
     _tiny_fit(tmp_path, 3, [checkfreq, starts])
     assert checkfreq.restored_step == 8 and starts.starts == 3
+
+
+def monitored_fit(workdir: Path, *args: str, killed: bool = False, ddp: bool = False) -> str:
+    """A fit of at most 8 epochs that logs ``train_loss`` on step and epoch, with ``EarlyStopping`` and a
+    top-1 ``ModelCheckpoint`` (in ``workdir/best``) monitoring its epoch mean ``train_loss_epoch``."""
+    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / "ckpt"),
+               "--out", str(workdir / "final.pt"), "--log", str(workdir / "batches.log"), "--epochs", "8",
+               "--monitor-epoch", str(workdir / "best"), *args, *(("--devices", "2") if ddp else ())]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        _kill_session(proc.pid)  # a rank left behind by the killed one
+    expected = ((1, -signal.SIGKILL) if ddp else (-signal.SIGKILL,)) if killed else (0,)
+    assert proc.returncode in expected, f"exit {proc.returncode}\n{out}"
+    return out
+
+
+def assert_same_monitored_end(reference: Path, run: Path, ranks: int = 1) -> None:
+    """Every rank ends with the uninterrupted fit's callback and logged metrics (the epoch means included),
+    EarlyStopping and ModelCheckpoint states, and the same best checkpoint file."""
+    for name in ["final.pt", *(f"final.pt.{rank}" for rank in range(1, ranks))]:
+        expected, actual = torch.load(reference / name, weights_only=False), torch.load(run / name, weights_only=False)
+        assert set(actual["metrics"]["logged"]) == {"train_loss_step", "train_loss_epoch"}
+        assert_state_equal(actual["metrics"], expected["metrics"])
+        assert_state_equal(_relative(actual["callbacks"], run), _relative(expected["callbacks"], reference))
+        assert_state_equal(actual["model"], expected["model"])
+    assert os.listdir(run / "best") == os.listdir(reference / "best") == ["epoch=2-step=27.ckpt"]
+
+
+def test_epoch_metrics_of_a_fit_killed_mid_epoch_are_restored(tmp_path: Path) -> None:
+    """Killed at step 14 (restore: step 12, mid-epoch 1), the resumed fit's epoch-1 mean of train_loss covers
+    the whole epoch: EarlyStopping(min_delta=0.02) stops at step 36 as uninterrupted (with the mean of steps
+    13-18 only, it stopped at step 27), with the same metrics and ModelCheckpoint(monitor=) choice."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert "restored 0 final 36" in monitored_fit(reference)
+    monitored_fit(run, "--die-at", "14", killed=True)
+    assert "restored 12 final 36" in monitored_fit(run)
+    assert_same_monitored_end(reference, run)
+
+
+def test_ddp_epoch_metrics_come_back_to_each_rank(tmp_path: Path) -> None:
+    """2 ranks, train_loss logged with sync_dist=True: rank 0 killed at step 23 (restore: step 21, mid-epoch 2,
+    the best epoch); each rank restores its own epoch sums, so the synced epoch mean, EarlyStopping's best
+    score and ModelCheckpoint's best file are the uninterrupted fit's (without the sums, the best score
+    was the mean of steps 22-27)."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert monitored_fit(reference, ddp=True).count("restored 0 final 36") == 2
+    monitored_fit(run, "--die-at", "23", killed=True, ddp=True)
+    assert monitored_fit(run, ddp=True).count("restored 21 final 36") == 2
+    assert_same_monitored_end(reference, run, ranks=2)

@@ -3,7 +3,9 @@
 Each run is ``scripts/hf_train.py`` (a tiny random GPT-2, 2 epochs of 6 optimizer steps, evaluation
 every 4 steps, a checkpoint every 3) in a child process. The first run dies at step 5 (restore:
 step 3, mid-epoch), the second at step 8 (restore: step 6, the end of epoch 0), the third finishes.
-The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time.
+The same script runs under ``torchrun`` on two CPU processes, where one rank is killed at a time. With
+``--plain`` it trains with the plain ``Trainer``: a run it saved is continued by CheckFreqTrainer in the
+Trainer's own data order, compared step by step with the Trainer's own resume.
 Skipped when the ``transformers`` extra is not installed.
 """
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from checkfreq.dist.shares import local_view
+from checkfreq.errors import UsageError
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.run.state import unflatten
 from helpers import assert_state_equal, hf_fit, sample_reads
@@ -102,18 +105,26 @@ def trainer_steps(checkfreq_dir: Path) -> dict[int, int]:
 
 
 def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) -> None:
-    """Resumed from the Trainer's own ``checkpoint-5/`` (a path, as the stock scripts pass it), killed at
-    step 9, resumed with ``--resume_from_checkpoint true``: checkfreq's labels, ``restored_step`` and the
-    export agree with ``global_step``, and the fit ends bit-identical to the uninterrupted one."""
+    """Resumed from ``checkpoint-5/`` that CheckFreqTrainer's ``save_steps`` wrote (a path, as the stock scripts
+    pass it: it goes on in checkfreq's data order, which the checkpoint's note names), killed at step 11 after
+    the Trainer saved ``checkpoint-10/``, resumed with ``--resume_from_checkpoint true``: it resumes from checkfreq's
+    step 8 and says that checkpoint-10 is newer; checkfreq's labels, ``restored_step`` and the export agree with
+    ``global_step``, and the fit ends bit-identical to the uninterrupted one."""
     reference, run = tmp_path / "reference", tmp_path / "run"
     reference.mkdir()
     run.mkdir()
     hf_fit(reference, "final", "--save_strategy", "steps", "--save_steps", "5")
+    note = json.loads((reference / "out" / "checkpoint-5" / "checkfreq.json").read_text())
+    assert note == {"data_order": "checkfreq"}
     plain = shutil.copytree(reference / "out" / "checkpoint-5", run / "plain" / "checkpoint-5")
-    out = hf_fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "9", killed=True)
-    assert "restored 5 killed at 9" in out
+    out = hf_fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "11", "--save_strategy", "steps",
+                 "--save_steps", "5", killed=True)
+    assert "restored 5 killed at 11" in out and "holds no checkfreq.json" not in out
     assert trainer_steps(run / "checkfreq") == {8: 8}  # every 3 steps from step 5
-    assert "restored 8 final 12 epoch 2.0" in hf_fit(run, "final")
+    out = hf_fit(run, "final")
+    assert "restored 8 final 12 epoch 2.0" in out
+    assert "resuming from checkfreq's newest checkpoint, step 8, though the Trainer's" in out
+    assert "checkpoint-10 (step 10) is newer" in out
     assert trainer_steps(run / "checkfreq") == {11: 11, 12: 12}
 
     expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")
@@ -123,9 +134,9 @@ def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) 
     assert_state_equal(actual["optimizer"], expected["optimizer"])
 
 
-def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
+def tiny_trainer(output_dir: Path, training: dict[str, Any] | None = None, **checkfreq: Any) -> Any:
     """An in-process CheckFreqTrainer: a 1-layer GPT-2, 16 samples, batch 2, gradient accumulation 2
-    (4 optimizer steps)."""
+    (4 optimizer steps); ``training`` overrides TrainingArguments."""
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, default_data_collator
 
     from checkfreq.integrations.transformers import CheckFreqTrainer
@@ -135,8 +146,8 @@ def tiny_trainer(output_dir: Path, **checkfreq: Any) -> Any:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
     args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             num_train_epochs=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True)
+                             num_train_epochs=1, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             **{"save_strategy": "no", **(training or {})})
     return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
                             **checkfreq)
 
@@ -163,6 +174,35 @@ def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_
               ranks=2, static_restarts=1)
     assert "restored 0 killed at 3" in out  # the first attempt
     assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
+
+
+def test_resume_true_without_checkfreq_checkpoints_takes_the_trainers_newest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``resume_from_checkpoint=True`` with no checkfreq checkpoint but the Trainer's ``checkpoint-2/`` in
+    output_dir resumes from it, as the plain Trainer would, says so, and ends as the uninterrupted run."""
+    save = {"save_strategy": "steps", "save_steps": 2}
+    uninterrupted = tiny_trainer(tmp_path, save, checkfreq_policy=1000)
+    uninterrupted.train()
+    shutil.rmtree(tmp_path / "checkfreq")  # as if the run had begun without checkfreq
+    shutil.rmtree(tmp_path / "checkpoint-4")
+    resumed = tiny_trainer(tmp_path, save, checkfreq_policy=1000)
+    with caplog.at_level("WARNING", logger="checkfreq.integrations.transformers"):
+        assert resumed.train(resume_from_checkpoint="true").global_step == 4
+    assert resumed.restored_step == 2
+    assert "holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint" in caplog.text
+    assert_state_equal(resumed.model.state_dict(), uninterrupted.model.state_dict())
+
+
+def test_a_plain_trainer_order_no_resume_could_redraw_is_refused(tmp_path: Path) -> None:
+    """A ``checkpoint-N/`` without checkfreq's note (the plain Trainer's) whose run drew batches with a
+    RandomSampler seeded from the global generator (use_seedable_sampler=False): refused before any step."""
+    tiny_trainer(tmp_path, {"save_strategy": "steps", "save_steps": 2}, checkfreq_policy=1000).train()
+    (tmp_path / "checkpoint-2" / "checkfreq.json").unlink()  # as the plain Trainer writes it
+    shutil.rmtree(tmp_path / "checkfreq")
+    trainer = tiny_trainer(tmp_path / "again", {"accelerator_config": {"use_seedable_sampler": False}})
+    with pytest.raises(UsageError, match="RandomSampler draws an order that a resume from a checkfreq checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "again" / "checkfreq").exists()
 
 
 def test_a_resume_whose_checkpoints_are_all_damaged_is_refused(tmp_path: Path) -> None:
@@ -238,3 +278,35 @@ def test_policy_sees_each_optimizer_steps_loss(tmp_path: Path) -> None:
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(policy.seen) == len(logged) == 4
     assert policy.seen == pytest.approx(logged, abs=1e-3)
+
+
+def test_a_run_begun_with_the_plain_trainer_goes_on_in_its_data_order(tmp_path: Path) -> None:
+    """``checkpoint-5/`` saved by the plain ``transformers.Trainer`` (mid-epoch 0), resumed through CheckFreqTrainer
+    and killed twice (restores: step 6, an epoch's end, and step 8, mid-epoch 1): each step trains the samples
+    of the Trainer's own resume from checkpoint-5, with the same loss, and the weights end bit-identical."""
+    plain, own, run = tmp_path / "plain", tmp_path / "own", tmp_path / "run"
+    hf_fit(plain, "final", "--plain", "--save_strategy", "steps", "--save_steps", "5", "--logging_steps", "1")
+    for target in (own, run):
+        shutil.copytree(plain / "out" / "checkpoint-5", target / "checkpoint-5")
+    assert "plain final 12" in hf_fit(own, "final", "--plain", "--resume_from_checkpoint", str(own / "checkpoint-5"),
+                                      "--logging_steps", "1")
+    resume = ("--resume_from_checkpoint", str(run / "checkpoint-5"), "--logging_steps", "1", "--every", "1")
+    out = hf_fit(run, "killed1", *resume, "--die-at", "7", killed=True)
+    assert "restored 5 killed at 7" in out and "holds no checkfreq.json, so the plain Trainer saved it" in out
+    assert "restored 6 killed at 9" in hf_fit(run, "killed2", "--logging_steps", "1", "--every", "1",
+                                              "--die-at", "9", killed=True)
+    assert "restored 8 final 12 epoch 2.0" in hf_fit(run, "final", "--logging_steps", "1", "--every", "1")
+
+    expected, actual = torch.load(own / "final.pt"), torch.load(run / "final.pt")
+    assert_state_equal(actual["model"], expected["model"])
+    assert_state_equal(actual["optimizer"], expected["optimizer"])
+    losses = [[(e["step"], e["loss"]) for e in history if "loss" in e]
+              for history in (actual["log_history"], expected["log_history"])]
+    assert losses[0] == losses[1] and [step for step, _ in losses[0]] == list(range(1, 13))
+    # The Trainer's own resume read steps 6-12 in its sampler's order; each run read on from its restored step
+    # (a killed run's last read may be the batch accelerate's loader fetched ahead).
+    full = sample_reads(own / "final.log")
+    for name, start, steps in (("killed1", 0, 2), ("killed2", 1, 3)):
+        reads = sample_reads(run / f"{name}.log")
+        assert reads == full[start * SAMPLES_PER_STEP :][: len(reads)] and len(reads) >= steps * SAMPLES_PER_STEP
+    assert sample_reads(run / "final.log") == full[3 * SAMPLES_PER_STEP :]

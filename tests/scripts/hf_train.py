@@ -8,10 +8,11 @@ true`` arrives as the string ``"true"`` (a path resumes from a Trainer ``checkpo
 ``TrainingArguments`` flag (``--save_strategy steps --save_steps 5``) overrides the defaults. Runs as one
 process or under ``torchrun`` (DDP over gloo); there ``--die-rank`` says which rank dies, each rank
 logs its reads to ``--read-log`` + ``.RANK`` and rank 0 writes ``--out``. With ``--die-at K`` it SIGKILLs
-itself at the end of optimizer step K, once the checkpoint in flight is durable. Every sample the
-dataset reads is appended to ``--read-log``. At the end it writes the final weights, optimizer and
-scheduler state and the log history to ``--out``, exports the newest checkpoint to
-``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it. With ``--attempt-store``
+itself at the end of optimizer step K, once the checkpoint in flight is durable. ``--plain`` trains with
+the plain ``transformers.Trainer`` instead (no checkfreq) and writes its weights, optimizer and log
+history. Every sample the dataset reads is appended to ``--read-log``. At the end it writes the final
+weights, optimizer and scheduler state and the log history to ``--out``, exports the newest
+checkpoint to ``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it. With ``--attempt-store``
 (torchrun's static launch form) it creates the default process group on keys of its own for each
 restart attempt before ``TrainingArguments`` would create it, as docs/huggingface.md shows;
 ``--die-at`` kills only in the first attempt.
@@ -31,6 +32,7 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     HfArgumentParser,
+    Trainer,
     TrainerCallback,
     TrainingArguments,
     default_data_collator,
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--attempt-store", action="store_true")
     parser.add_argument("--grad-acc", type=int, default=2)
+    parser.add_argument("--plain", action="store_true", help="the plain transformers.Trainer, without checkfreq")
     args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.attempt_store:  # before TrainingArguments, which would create the default group on stale keys
@@ -101,10 +104,19 @@ def main() -> None:
     (training,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=flags + training_flags)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     die = DieAt(args.die_at if rank == args.die_rank and first_attempt else None)
+    data = dict(train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
+                data_collator=default_data_collator)
+    if args.plain:
+        plain = Trainer(model=model, args=training, **data)
+        given = training.resume_from_checkpoint  # a path; hf_fit's default "true" means a fresh run here
+        plain.train(resume_from_checkpoint=None if given in ("true", "false") else given)
+        print(f"plain final {plain.state.global_step}", flush=True)
+        torch.save({"model": model.state_dict(), "optimizer": plain.optimizer.state_dict(),
+                    "log_history": plain.state.log_history}, args.out)
+        return
     trainer = CheckFreqTrainer(
-        model=model, args=training, train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
-        data_collator=default_data_collator, callbacks=[die],
-        checkfreq_dir=os.path.join(args.dir, "checkfreq"), checkfreq_policy=args.every, checkfreq_keep=2,
+        model=model, args=training, callbacks=[die], checkfreq_dir=os.path.join(args.dir, "checkfreq"),
+        checkfreq_policy=args.every, checkfreq_keep=2, **data,
     )
     die.trainer = trainer
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)

@@ -37,7 +37,9 @@ class GlobalBatchClassifier(Classifier):
         x, y, index = batch
         with open(self.base_log, "a") as log:
             log.write(f"{self.trainer.global_step + 1} {self.global_rank} {' '.join(map(str, index.tolist()))}\n")
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)  # each rank's epoch sums: not for another size
+        return loss
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ Every batch's sample indices are appended to ``--log`` as ``epoch batch_idx inde
 loop, ``EarlyStopping`` on its loss (it stops after ``PATIENCE`` epochs without a large
 improvement) and ``ModelCheckpoint(save_last=True)`` writing to ``DIR`` every 4 steps;
 ``--max-time`` is the Trainer's ``max_time``, ``--sleep-at K`` sleeps 2 s in optimizer step
-``K`` (time the Timer counts) and ``--ckpt-path`` is passed to ``fit()``.
+``K`` (time the Timer counts) and ``--ckpt-path`` is passed to ``fit()``. ``--monitor-epoch DIR`` logs
+``train_loss`` on step and epoch (``sync_dist=True``) and adds ``EarlyStopping`` and a top-1
+``ModelCheckpoint`` writing to ``DIR``, both monitoring its epoch mean ``train_loss_epoch``. ``--plain``
+leaves CheckFreqCallback out: the fit is Lightning's alone (``--ckpt-path`` resumes it Lightning's way).
 
 With ``--devices 2`` the fit runs under ``--strategy`` (``ddp`` or ``ddp_spawn``) on two CPU
 processes (gloo), each rank writing its final state (rank ``r > 0`` to ``--out`` + ``.r``); the
@@ -47,6 +50,7 @@ class Classifier(pl.LightningModule):
         self.log_path = log_path if devices == 1 else None
         self.base_log = log_path
         self.sleep_at: int | None = None
+        self.log_epoch = False
 
     def train_dataloader(self) -> ResumableLoader:
         """Built in the fit, once torch.distributed is up: the loader takes this rank's share."""
@@ -59,7 +63,10 @@ class Classifier(pl.LightningModule):
             log.write(f"{self.current_epoch} {batch_idx} {' '.join(map(str, index.tolist()))}\n")
         if self.global_step + 1 == self.sleep_at:
             time.sleep(2)
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.log_epoch:
+            self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         x, y, _ = batch
@@ -93,8 +100,10 @@ class SaveFinal(pl.Callback):
         rank = trainer.global_rank
         print(f"rank {rank} restored {self.checkfreq.restored_step} final {trainer.global_step}", flush=True)
         watched = (EarlyStopping, ModelCheckpoint)
-        callbacks = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, watched)}
-        torch.save({"model": pl_module.state_dict(), "optimizer": trainer.optimizers[0].state_dict(),
+        callbacks = {cb.state_key: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, watched)}
+        metrics = {"callback": dict(trainer.callback_metrics), "logged": dict(trainer.logged_metrics)}
+        torch.save({"metrics": metrics, "model": pl_module.state_dict(),
+                    "optimizer": trainer.optimizers[0].state_dict(),
                     "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "callbacks": callbacks},
                    self.out if rank == 0 else f"{self.out}.{rank}")  # each rank's BatchNorm buffers
 
@@ -120,21 +129,30 @@ def main() -> None:
     parser.add_argument("--max-time", default=None)
     parser.add_argument("--sleep-at", type=int, default=None)
     parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--monitor-epoch", default=None)
+    parser.add_argument("--plain", action="store_true", help="Lightning alone, without CheckFreqCallback")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
 
     model = Classifier(args.log, args.devices)
     model.sleep_at = args.sleep_at
+    model.log_epoch = args.monitor_epoch is not None
     checkfreq = CheckFreqCallback(args.dir, policy=EVERY, keep=2)
-    callbacks = [checkfreq, DieAt(args.die_at, checkfreq, args.die_rank), SaveFinal(args.out, checkfreq)]
+    callbacks = [DieAt(args.die_at, checkfreq, args.die_rank), SaveFinal(args.out, checkfreq)]
+    if not args.plain:
+        callbacks.insert(0, checkfreq)
     if args.callbacks:
         callbacks += [EarlyStopping("val_loss", min_delta=10.0, patience=PATIENCE),
                       ModelCheckpoint(args.callbacks, save_last=True, every_n_train_steps=4)]
+    if args.monitor_epoch:
+        callbacks += [EarlyStopping("train_loss_epoch", min_delta=0.02, patience=PATIENCE),
+                      ModelCheckpoint(args.monitor_epoch, monitor="train_loss_epoch", filename="{epoch}-{step}")]
     trainer = pl.Trainer(
         max_epochs=args.epochs, max_time=args.max_time, accelerator="cpu", devices=args.devices,
         strategy=args.strategy if args.devices > 1 else "auto", callbacks=callbacks,
-        logger=False, enable_checkpointing=bool(args.callbacks), enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_checkpointing=bool(args.callbacks or args.monitor_epoch), enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True, limit_val_batches=1.0 if args.callbacks else 0,
     )
     val = validation_points() if args.callbacks else None

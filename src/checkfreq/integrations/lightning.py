@@ -6,7 +6,10 @@ Trainer's other callbacks (``EarlyStopping``, ``ModelCheckpoint``, the ``Timer``
 ``max_time``) with a :class:`~checkfreq.Checkpointer`. It hands each optimizer step to the policy
 from ``on_train_batch_end``, after every other callback's (an epoch's last step once the epoch,
 its validation included, has ended), and restores in ``on_fit_start``, before the fit loop
-starts. A ``Trainer.fit(ckpt_path=...)`` beside it is refused: two checkpoints would be mixed.
+starts. A ``Trainer.fit(ckpt_path=...)`` beside it resumes Lightning's way when checkfreq's directory
+holds no checkpoint (checkfreq checkpoints the fit from that step on), and is refused otherwise: two
+checkpoints would be mixed. The logged metrics' epoch aggregates are checkpointed too (see
+:mod:`checkfreq.integrations.lightning_metrics`).
 
 The fit loop's state includes the state of every train dataloader that has
 ``state_dict``/``load_state_dict``: with a :class:`checkfreq.data.ResumableLoader` as the train
@@ -29,7 +32,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableLoader
-from checkfreq.errors import UsageError
+from checkfreq.errors import ExistingCheckpointsError, UsageError
+from checkfreq.integrations.lightning_metrics import EpochMetrics
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.policies import Policy
 from checkfreq.policies.retention import Retention
@@ -38,12 +42,16 @@ from checkfreq.storage import Store
 
 log = logging.getLogger("checkfreq.integrations.lightning")
 
+_METRICS = "checkfreq.logged_metrics"  # beside the fit loop's own keys
+
 
 class FitLoopState:
-    """The trainer's fit-loop progress (epochs, batches, optimizer steps, dataloader states) as a stateful object."""
+    """The trainer's fit-loop progress (epochs, batches, optimizer steps, dataloader states) and its
+    logged metrics (the running epoch's aggregates included, see :class:`EpochMetrics`) as a stateful object."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
+        self._metrics = EpochMetrics(trainer)
 
     @property
     def epoch(self) -> int:
@@ -51,10 +59,17 @@ class FitLoopState:
         return self._trainer.current_epoch
 
     def state_dict(self) -> dict[str, Any]:
-        return self._trainer.fit_loop.state_dict()
+        return {**self._trainer.fit_loop.state_dict(), _METRICS: self._metrics.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        metrics = state.pop(_METRICS, None)
         self._trainer.fit_loop.load_state_dict(state)
+        if metrics is None:
+            log.warning("the checkpoint, from an earlier checkfreq version, holds no logged metrics: the epoch values "
+                        "of a fit resumed mid-epoch cover only the batches trained after the resume")
+        else:
+            self._metrics.load_state_dict(metrics)
 
 
 class CallbackStates:
@@ -86,6 +101,8 @@ class CallbackStates:
         for key, callback_state in saved.items():
             if key in callbacks:
                 callbacks[key].load_state_dict(callback_state)
+                if isinstance(callbacks[key], ModelCheckpoint) and "current_score" in callback_state:
+                    callbacks[key].current_score = callback_state["current_score"]  # its load_state_dict skips it
         self.saved_at = state["saved_at"]
 
 
@@ -147,11 +164,12 @@ class CheckFreqCallback(pl.Callback):
         _place(trainer, self, first=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _refuse_ckpt_path(trainer)
         self._epoch_ending = False
         callbacks = CallbackStates(trainer, self)
         self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, callbacks))
-        if self._resume:
+        if trainer.ckpt_path is not None:
+            _hand_over_from_ckpt_path(trainer, self._checkpointer)
+        elif self._resume:
             self.restored_step = self._checkpointer.restore()
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
@@ -159,9 +177,9 @@ class CheckFreqCallback(pl.Callback):
                     timer.on_fit_start(trainer, pl_module)  # its check ran before the restore: run it again
                 if trainer.is_global_zero and callbacks.saved_at is not None:
                     _remove_lost_model_checkpoints(trainer, callbacks.saved_at)
-        self._seen_step = trainer.global_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = trainer.global_step  # once Lightning restored a ckpt_path's loops too
         _check_global_batches(trainer)
 
     def on_train_batch_end(
@@ -271,16 +289,29 @@ def _start_epoch_progress(trainer: pl.Trainer) -> None:
     epoch_loop.val_loop.batch_progress.total.reset()
 
 
-def _refuse_ckpt_path(trainer: pl.Trainer) -> None:
-    """Lightning restores a ``fit(ckpt_path=...)`` partly before ``on_fit_start`` and partly after it:
-    beside checkfreq's restore the fit would go on from a mix of two checkpoints."""
-    if trainer.ckpt_path is not None:
+def _hand_over_from_ckpt_path(trainer: pl.Trainer, checkpointer: Checkpointer) -> None:
+    """Let Lightning resume the fit from ``fit(ckpt_path=...)``, its own way, and checkpoint it from that
+    step on; refused when checkfreq's directory holds checkpoints: Lightning restores the file partly
+    before ``on_fit_start`` and partly after it, so beside a checkfreq restore the fit would go on from
+    a mix of two checkpoints."""
+    path = str(trainer.ckpt_path)
+    step = trainer._checkpoint_connector._loaded_checkpoint.get("global_step")
+    if step is None:  # strategies that restore after setup (FSDP, DeepSpeed), which the callback does not cover
+        strategy = type(trainer.strategy).__name__
+        raise UsageError(f"Trainer.fit(ckpt_path={path!r}) beside CheckFreqCallback: under {strategy} Lightning "
+                         "loads the file after the fit starts; leave ckpt_path out")
+    try:
+        checkpointer.start_at(int(step))
+    except ExistingCheckpointsError as e:
         raise UsageError(
-            f"Trainer.fit(ckpt_path={str(trainer.ckpt_path)!r}) beside CheckFreqCallback: Lightning would restore the "
-            "optimizers, schedulers and loop progress of that file over the state checkfreq restores (or starts "
-            "afresh), a mix of two checkpoints. Leave ckpt_path out: the callback resumes the fit from its own "
-            "directory (ModelCheckpoint may go on writing its files beside it)."
-        )
+            f"Trainer.fit(ckpt_path={path!r}) beside CheckFreqCallback, whose directory holds checkpoints: Lightning "
+            "would restore the optimizers, schedulers and loop progress of that file over the state checkfreq "
+            "restores, a mix of two checkpoints. Leave ckpt_path out to resume from checkfreq's newest checkpoint "
+            f"(ModelCheckpoint may go on writing its files beside it), or give the callback a directory of its own to "
+            f"go on from the file. ({e})"
+        ) from e
+    log.info("Lightning resumes the fit from %s (optimizer step %d) as its own resume does; checkfreq checkpoints "
+             "it from there on", path, int(step))
 
 
 def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import get_last_checkpoint
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableSampler
@@ -47,6 +48,9 @@ from checkfreq.storage.local import LocalStore
 log = logging.getLogger("checkfreq.integrations.transformers")
 
 TRAINER_STATE = "trainer_state.json"
+ORDER_NOTE = "checkfreq.json"  # in the checkpoint-N/ directories CheckFreqTrainer saves: the data order
+CHECKFREQ_ORDER = "checkfreq"  # a ResumableSampler's
+TRAINER_ORDER = "trainer"  # the Trainer's own (accelerate's seeded sampler), for runs begun with the plain Trainer
 
 
 class _EpochLoader(DataLoader):
@@ -78,6 +82,7 @@ class TrainerProgress:
             "initial_global_step": t._initial_global_step,
             "current_flos": float(t.current_flos),
             "global_batch_size": _global_batch_size(t),
+            "data_order": t._data_order,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,6 +152,8 @@ class CheckFreqTrainer(Trainer):
         self._resume_step = 0  # the checkpoint being resumed from, restored at the first batch fetch
         self._saved_state: dict[str, Any] = {}  # its TrainerState, put in place before the Trainer reads it
         self._train_sampler: ResumableSampler | None = None
+        self._data_order = CHECKFREQ_ORDER  # or TRAINER_ORDER: the Trainer's own sampler (see _inner_training_loop)
+        self._resume_mid_epoch = False
         self._counted_step = 0
         self._end_of_epoch_pending = False
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
@@ -169,16 +176,26 @@ class CheckFreqTrainer(Trainer):
             # ``--resume_from_checkpoint true`` parsed by HfArgumentParser: TrainingArguments holds a string
             resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
         self._resume = resume_from_checkpoint is True
+        if self._resume and not _holds_checkpoints(self.checkfreq_dir):
+            theirs = _newest_trainer_checkpoint(self.args.output_dir)
+            if theirs is not None:  # as the plain Trainer's resume_from_checkpoint=True: its checkpoint-N/
+                log.warning("%s holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint, %s "
+                            "(step %d)", self.checkfreq_dir, theirs[0], theirs[1])
+                self._resume, resume_from_checkpoint = False, str(theirs[0])
         return super().train(None if self._resume else resume_from_checkpoint or None, *args, **kwargs)
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._resume_step = self.restored_step = 0
+        self._data_order = CHECKFREQ_ORDER
         if self._resume:
             found = _resume_point(self.checkfreq_dir)
             if found is not None:  # the Trainer's resume path, fed from the checkfreq checkpoint
-                self._resume_step, path, self._saved_state = found
+                self._resume_step, path, self._saved_state, self._data_order = found
                 self.restored_step = self._resume_step
                 kwargs["resume_from_checkpoint"] = str(path)
+                _note_newer_trainer_checkpoint(self.args.output_dir, self._resume_step)
+        elif kwargs.get("resume_from_checkpoint") and Path(kwargs["resume_from_checkpoint"]).is_dir():
+            self._data_order = _order_of(Path(kwargs["resume_from_checkpoint"]))  # one of the Trainer's checkpoint-N/
         try:
             return super()._inner_training_loop(*args, **kwargs)
         finally:
@@ -187,7 +204,12 @@ class CheckFreqTrainer(Trainer):
                 checkpointer.close()
 
     def get_train_dataloader(self) -> DataLoader:
-        """The training data in an order that is a pure function of (seed, epoch), split over the ranks."""
+        """The training data in an order that is a pure function of (seed, epoch), split over the ranks:
+        checkfreq's :class:`ResumableSampler`, or the Trainer's own seeded sampler for a run that began
+        with the plain ``Trainer``."""
+        self._train_sampler = None
+        if self._data_order == TRAINER_ORDER:
+            return _seeded_trainer_loader(super().get_train_dataloader())
         dataset, collator = self.train_dataset, self.data_collator
         if self.args.train_sampling_strategy not in ("random", "sequential"):
             raise InvalidArgumentError(
@@ -235,6 +257,7 @@ class CheckFreqTrainer(Trainer):
             self._load_callback_state()
             epochs_trained = self.state.global_step // num_update_steps_per_epoch
             batches_done = self.state.global_step % num_update_steps_per_epoch * self.args.gradient_accumulation_steps
+        self._resume_mid_epoch = batches_done > 0 and not self.args.ignore_data_skip
         if self._train_sampler is not None:  # the Trainer's fast-forward does not set the epoch
             self._train_sampler.set_epoch(epochs_trained)
         return epochs_trained, batches_done
@@ -254,6 +277,15 @@ class CheckFreqTrainer(Trainer):
         self._end_of_epoch_pending = False
         return model, train_dataloader
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's ``checkpoint-N/``, with a note of the data order it was trained in (see :func:`_order_of`),
+        written before the Trainer's ``trainer_state.json``, which it writes last."""
+        if self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / ORDER_NOTE).write_text(json.dumps({"data_order": self._data_order}) + "\n")
+        super()._save_checkpoint(model, trial)
+
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self._resume_step:  # the Trainer's own checkpoint
             super()._load_rng_state(checkpoint)
@@ -261,7 +293,14 @@ class CheckFreqTrainer(Trainer):
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         # Restored here, after the Trainer set up the epoch and before anything is drawn from the
-        # data or the generators: the next draw is the one the interrupted run made next.
+        # data or the generators: the next draw is the one the interrupted run made next. The
+        # Trainer's own loader draws its iterator's seed from the global generator at its first batch,
+        # which the interrupted run did at the epoch's start: mid-epoch, restore after that draw (as
+        # the Trainer's own resume loads its RNG file after it).
+        if self._data_order == TRAINER_ORDER and self._resume_mid_epoch:
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+            self._restore_pending()
+            return batches
         self._restore_pending()
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
@@ -320,7 +359,9 @@ class CheckFreqTrainer(Trainer):
             weights = unflatten(skeleton["model"], tensors)
             model = self.accelerator.unwrap_model(self.model)
             model.save_pretrained(target, state_dict={k: v.clone() for k, v in weights.items()})
-            (target / TRAINER_STATE).write_text(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+            progress = unflatten(skeleton["trainer"], tensors)
+            (target / TRAINER_STATE).write_text(progress["trainer_state"])
+            (target / ORDER_NOTE).write_text(json.dumps({"data_order": progress.get("data_order", CHECKFREQ_ORDER)}))
             log.info("exported checkfreq checkpoint %d to %s", step, target)
         self.accelerator.wait_for_everyone()  # no process reads the export before it is written
         return target
@@ -334,9 +375,9 @@ def _state_json(trainer: Trainer) -> str:
     return json.dumps(dataclasses.asdict(state), sort_keys=True)
 
 
-def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any]] | None:
-    """(step, path, saved TrainerState) of the newest checkpoint in ``directory`` that verifies, or
-    None when it holds none; :class:`NoValidCheckpointError` when it holds some but none verifies."""
+def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any], str] | None:
+    """(step, path, saved TrainerState, data order) of the newest checkpoint in ``directory`` that verifies,
+    or None when it holds none; :class:`NoValidCheckpointError` when it holds some but none verifies."""
     if not directory.is_dir():
         return None
     store = LocalStore(directory, create=False)
@@ -349,7 +390,8 @@ def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any]] | None:
             skipped.append(f"{path.name}: {e}")
             continue
         skeleton, tensors = local_view(manifest, tensors)
-        return step, path, json.loads(unflatten(skeleton["trainer"], tensors)["trainer_state"])
+        progress = unflatten(skeleton["trainer"], tensors)
+        return step, path, json.loads(progress["trainer_state"]), progress.get("data_order", CHECKFREQ_ORDER)
     if skipped:
         raise NoValidCheckpointError(f"no valid checkpoint in {directory} ({'; '.join(skipped)})")
     return None
@@ -363,3 +405,64 @@ def _checkpoint_view(directory: Path, step: int) -> tuple[dict[str, Any], dict[s
         raise NoValidCheckpointError(f"no checkpoint for step {step} in {directory}")
     manifest, tensors = read_checkpoint(path, store)
     return local_view(manifest, tensors)
+
+
+def _order_of(checkpoint: Path) -> str:
+    """The data order of the run that saved the Trainer checkpoint ``checkpoint``: the one its note
+    names, or, without a note, the plain Trainer's own."""
+    note = checkpoint / ORDER_NOTE
+    if note.is_file():
+        order = json.loads(note.read_text())["data_order"]
+        if order not in (CHECKFREQ_ORDER, TRAINER_ORDER):
+            raise CorruptCheckpointError(f"{note} names an unknown data order {order!r}")
+        return str(order)
+    log.warning(
+        "%s holds no %s, so the plain Trainer saved it: the run goes on in the Trainer's own data order, as its own "
+        "resume would (the rest of the epoch without the batches it already trained), and checkfreq's checkpoints "
+        "keep that order from now on", checkpoint, ORDER_NOTE)
+    return TRAINER_ORDER
+
+
+def _seeded_trainer_loader(loader: DataLoader) -> DataLoader:
+    """The Trainer's own train loader, once it is known to draw an order a later resume draws again:
+    accelerate's seeded sampler (an order that is a function of the seed and the epoch) or a sequential one."""
+    from accelerate.data_loader import SeedableRandomSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)
+    if not isinstance(sampler, (SeedableRandomSampler, torch.utils.data.SequentialSampler)):
+        raise UsageError(
+            f"this run began with the plain Trainer, whose data order CheckFreqTrainer keeps; its train sampler "
+            f"{type(sampler).__name__} draws an order that a resume from a checkfreq checkpoint could not draw again. "
+            "Keep accelerator_config's use_seedable_sampler=True (the default) and train_sampling_strategy 'random' or "
+            "'sequential'; or finish the run with the plain Trainer and start the next one with CheckFreqTrainer."
+        )
+    return loader
+
+
+def _holds_checkpoints(directory: Path) -> bool:
+    """Whether ``directory`` holds checkfreq checkpoints, valid or not."""
+    return directory.is_dir() and any(True for _ in LocalStore(directory, create=False).checkpoints())
+
+
+def _newest_trainer_checkpoint(output_dir: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """(path, global_step) of the newest ``checkpoint-N/`` the Trainer finished writing in ``output_dir``."""
+    newest = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if newest is None or not (Path(newest) / TRAINER_STATE).is_file():  # its state is written last
+        return None
+    return Path(newest), int(json.loads((Path(newest) / TRAINER_STATE).read_text())["global_step"])
+
+
+def _note_newer_trainer_checkpoint(output_dir: str | os.PathLike[str], step: int) -> None:
+    """Say so when the Trainer saved a ``checkpoint-N/`` newer than checkfreq checkpoint ``step``."""
+    found = _newest_trainer_checkpoint(output_dir)
+    if found is None:
+        return
+    newest, theirs = found
+    if theirs > step:
+        log.warning(
+            "resuming from checkfreq's newest checkpoint, step %d, though the Trainer's %s (step %d) is newer: "
+            "checkfreq's is verified by its checksums and holds the whole state (the loss accumulated since the "
+            "last log included), so the %d steps after it are trained again to the same result. To resume from %s "
+            "instead, pass its path as resume_from_checkpoint, with a checkfreq_dir of its own.",
+            step, newest, theirs, theirs - step, newest)
