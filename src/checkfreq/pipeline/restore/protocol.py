@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.dist.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
+from checkfreq.dist.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
 from checkfreq.dist.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.memory_tier import AnyMemoryTier, NoMemoryTier
@@ -149,6 +149,10 @@ class Restorer:
         only the files that hold them (its own, when the layout is the saved one); without it, every
         rank gets every file of a checkpoint with sharded tensors.
         """
+        with during(self.peers, "the restore"):
+            return self._find(step, blocks)
+
+    def _find(self, step: int | None, blocks: Blocks | None) -> Found | None:
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
         if self.memory.present:
