@@ -1,7 +1,8 @@
 """A data-parallel run that loses a rank, or a whole torchrun agent, at a chosen phase: the fault matrix
 (tests/distributed/test_faults.py).
 
-Runs under ``torchrun`` (DDP over gloo). The job of ``elastic_train.py``: a ``ResumableLoader`` with
+Runs under ``torchrun`` (DDP over gloo), or as one plain process (the uninterrupted run to compare
+with). The job of ``elastic_train.py``: a ``ResumableLoader`` with
 ``--global-batch`` samples per optimizer step over the ranks, an MLP, AdamW and an LR schedule, so
 that a job resumed on fewer ranks takes the same global batches. The policy checkpoints every
 ``--every`` steps, but is one the ranks vote on (so that the vote runs); ``--remote`` adds a shared
@@ -13,8 +14,10 @@ STEP on are written in the background while training goes on).
 
 ``--faults PHASE:RANK:STEP:WHAT,...``: the faults, in order, each once (``--markers`` holds a file per
 fault done, with the time of the kill and the pids killed). Rank RANK SIGKILLs itself (WHAT ``rank``)
-or its torchrun agent, the agent's other workers and itself (WHAT ``agent``: a node lost) when,
-at or after optimizer step STEP, it reaches PHASE:
+or its torchrun agent, the agent's other workers and itself (WHAT ``agent``: a node lost), or
+SIGSTOPs them all (WHAT ``freeze``: a node that vanished without closing its connections, as a
+powered-off machine does; the harness kills them at the end) when, at or after optimizer step
+STEP, it reaches PHASE:
 
 * ``between``: after ``step()`` returned at step STEP (no checkpoint in flight: STEP is not a
   checkpoint's step and the one before it is durable);
@@ -95,6 +98,7 @@ class Faults:
                 return
             me = psutil.Process()
             doomed = [me] if what == "rank" else [me.parent(), *me.parent().children()]
+            stop = signal.SIGSTOP if what == "freeze" else signal.SIGKILL
             record = {"time": time.time(), "phase": phase, "rank": self.rank, "what": what, "step": step,
                       "pids": [p.pid for p in doomed],
                       "ranks": [self.rank] if what == "rank" else sibling_ranks()}
@@ -103,8 +107,8 @@ class Faults:
             temporary.rename(self.markers / f"fault{number}")
             for process in doomed:  # the agent first: it must not restart anything
                 if process.pid != me.pid:
-                    process.send_signal(signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+                    process.send_signal(stop)
+            os.kill(os.getpid(), stop)
 
 
 def sibling_ranks() -> list[int]:
@@ -198,15 +202,18 @@ def main() -> None:
     args = parse()
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(args.samples), shuffle=True, seed=5, global_batch_size=args.global_batch)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faults = Faults(args.faults, Path(args.markers), rank)
     inject(faults)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
-    net = nn.parallel.DistributedDataParallel(model)
+    # a resume is bit-identical at 3 ranks or more where DDP never rebuilds its gradient buckets (docs/exactness.md)
+    net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
@@ -228,7 +235,8 @@ def main() -> None:
                 if started and ckpt.global_step < args.wait_remote_before:
                     ckpt.wait(remote=True)  # collective: the checkpoints before the faults are in the remote tier
                 step_loss = losses.detach().sum()
-                dist.all_reduce(step_loss)
+                if distributed:
+                    dist.all_reduce(step_loss)
                 fingerprint = sum(p.detach().double().sum() for p in model.parameters()).item()
                 log.write(f"{life} {ckpt.global_step} {rank} {world} 1 {step_loss.item() / args.global_batch!r} "
                           f"{fingerprint!r} "
@@ -242,7 +250,8 @@ def main() -> None:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict()}, args.final)
     ckpt.close()
-    dist.destroy_process_group()
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

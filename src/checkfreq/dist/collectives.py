@@ -146,8 +146,9 @@ class GroupPeers:
         liveness = self._liveness
         if liveness is None or self._calls is None:
             return exchange()
-        if self._failure is not None:
-            raise self._failure
+        failure = self._failure or liveness.failure
+        if failure is not None:  # the job failed: no exchange can succeed
+            raise failure
         ranks = [r for r in range(self.size) if r != self.rank] if awaited is None else awaited
         answer: Future[Any] = Future()
         self._calls.put((exchange, answer))

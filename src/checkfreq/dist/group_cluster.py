@@ -146,8 +146,9 @@ class GroupCluster:
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         vote = needs_agreement(policy)
         purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if remote is not None else [])]
-        # gloo's own timeout is only a backstop: a rank may wait for a peer writing for up to persist_timeout
-        prefix, made = new_gloo_groups(purposes, timedelta(seconds=timeout),
+        # every rank is here: agreeing on the token takes milliseconds unless a rank died. gloo's own
+        # timeout is only a backstop: a rank may wait for a peer writing for up to persist_timeout
+        prefix, made = new_gloo_groups(purposes, timedelta(seconds=min(timeout, failure_timeout)),
                                        timedelta(seconds=timeout + failure_timeout))
         self.liveness = Liveness(dist.PrefixStore(f"{prefix}/liveness", default_store()), self.rank,
                                  self.world_size, failure_timeout)
