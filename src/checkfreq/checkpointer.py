@@ -365,11 +365,7 @@ class Checkpointer:
                 self._save_for_signal()
             finally:
                 self._finalizer()
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._step_order.close()
-        self._fence.clear()
+        self._detach()
         if not self._cluster.writes_whole_state:
             self._persist_newest_state()
         self._cluster.close()
@@ -389,12 +385,21 @@ class Checkpointer:
     ) -> None:
         if exc is not None and self._cluster.world_size > 1:  # leave within failure_timeout: no rank waits for it
             self._closed = True
+            self._detach()
             self._leaving.append(exc)
             self._finalizer()
             return
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _detach(self) -> None:
+        """Take the hooks off the optimizers and forget the fence: nothing waits for this Checkpointer."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._step_order.close()
+        self._fence.clear()
 
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""

@@ -33,9 +33,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from elastic_train import read_steps, step_samples
 
-from helpers import SCRIPTS, free_port, kill_tree
+import checkfreq as cf
+from helpers import SCRIPTS, free_port, kill_tree, spawn_ranks
 
 SAMPLES, GLOBAL_BATCH, EPOCHS, EVERY = 96, 16, 2, 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 12: checkpoints at 2, 4, ... (a step later where the vote delays them)
@@ -286,3 +288,41 @@ def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
     assert_survived(job, FAILURE_TIMEOUT_S, count=2)
     assert_replays_identical(tmp_path)
     assert_bit_identical(tmp_path, four_ranks)
+
+
+def _leave_on_an_error(rank: int, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result: dict = {}
+    try:
+        with cf.Checkpointer(Path(out) / f"node{rank}", policy=1, failure_timeout=FAILURE_TIMEOUT_S,
+                             model=model, optimizer=optimizer) as ckpt:
+            for step in range(1, 1000):
+                model(torch.ones(8, 64)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                ckpt.step()  # a checkpoint at every step: the ranks commit together
+                if rank == 1 and step == 3:
+                    result["raised"] = time.time()
+                    raise ValueError("boom on rank 1")
+                time.sleep(0.02)
+    except ValueError as e:  # rank 1: out of its with block, the checkpoint in flight abandoned
+        result.update(left=time.time(), error=str(e))
+    except cf.PeerLostError as e:  # rank 0: its step() names rank 1 and why it left
+        result.update(lost=time.time(), error=str(e))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_rank_leaving_its_with_block_on_an_error_releases_the_other_ranks_at_once(tmp_path: Path) -> None:
+    """Rank 1 raises inside ``with Checkpointer(...)`` while the ranks checkpoint at every step: it
+    leaves its block within the failure timeout (the commit in flight abandoned, not waited for
+    until ``persist_timeout``), and rank 0's next ``step()`` raises ``PeerLostError`` saying that
+    rank 1 left, and on what, without waiting for the failure timeout."""
+    spawn_ranks(_leave_on_an_error, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    survivor, leaver = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert leaver["error"] == "boom on rank 1" and leaver["left"] - leaver["raised"] < FAILURE_TIMEOUT_S + 1, leaver
+    assert "rank 1 left on ValueError: boom on rank 1" in survivor["error"], survivor
+    assert "rank 0 gives up" in survivor["error"] and survivor["lost"] - leaver["raised"] < FAILURE_TIMEOUT_S, survivor
+

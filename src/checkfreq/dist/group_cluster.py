@@ -243,8 +243,8 @@ class GroupCluster:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             liveness.find_lost(f"training (this rank failed with {type(error).__name__}: {first_line})",
                                min(seconds, 4.5 * liveness.interval), silence=2.5 * liveness.interval)
-        if liveness.failure is None:
-            liveness.give_up(f"rank {self.rank} left on {type(error).__name__}: {error}")
+        if liveness.failure is None:  # this rank's own error: the other ranks end, it goes on as its caller decides
+            liveness.give_up(f"rank {self.rank} left on {type(error).__name__}: {error}", end_process=False)
 
     def close(self) -> None:
         """Finish the vote in flight (every rank has started the same number)."""

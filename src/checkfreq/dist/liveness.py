@@ -9,19 +9,21 @@ minutes is alive, a rank whose process is gone is not. The signs of life:
 * **heartbeats**: each rank's heartbeat thread adds 1 to a counter of its own in the job's store
   every :attr:`Liveness.interval` (a quarter of the failure timeout, at most 5 s). A rank waiting
   longer than a poll reads the counters of the ranks it waits for (at most once per interval each);
-  a counter that has not moved for the failure timeout means its rank is lost. A rank's cost is one
-  store operation per interval, whatever the number of ranks, plus, only while a wait lasts, one
-  per awaited rank per interval (rank 0 awaits every rank in a commit's gather, as it already
-  receives a message from each); the store serves ``N / interval`` operations per second.
+  a counter that has not moved for the failure timeout means its rank is lost. A rank's cost is two
+  store operations per interval (its counter, and a look at the job's failure), whatever the number
+  of ranks, plus, only while a wait lasts, one per awaited rank per interval (rank 0 awaits every
+  rank in a commit's gather, as it already receives a message from each); the store serves
+  ``2 N / interval`` operations per second.
 * **the job's failure**: a rank that gives up (it lost a peer, or it leaves on an error with its
   Checkpointer open) writes why under one key; every rank's heartbeat thread reads that key at each
   beat, and each wait in progress raises :class:`~checkfreq.errors.PeerLostError` at once with the
   first rank's words. A rank that left therefore never keeps its peers waiting for the timeout.
 * **a closed connection**: gloo's "Connection closed by peer" on a wait for one rank names that rank.
 
-Once this process knows the job failed, it ends itself (``os._exit(1)``) if it is still running
-:data:`EXIT_GRACE` times the failure timeout later, whatever its threads are blocked in (a training
-thread stuck in a collective with a vanished node, say), so that torchrun restarts the job.
+Once this process learns that the job failed (a peer lost, or another rank's failure published), it
+ends itself (``os._exit(1)``) if it is still running :data:`EXIT_GRACE` times the failure timeout
+later, whatever its threads are blocked in (a training thread stuck in a collective with a vanished
+node, say), so that torchrun restarts the job. A rank leaving on its own error is not ended.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ class Liveness:
 
     # ------------------------------------------------------------------ giving up
 
-    def give_up(self, reason: str) -> PeerLostError:
+    def give_up(self, reason: str, *, end_process: bool = True) -> PeerLostError:
         """Record that the job failed (``reason``: what happened, to whom), tell every rank through
-        the store, and arm the exit; returns the error to raise. The first reason stays."""
+        the store, and arm the exit (unless ``end_process`` is False: this rank leaves by its own
+        error, which its caller may handle); returns the error to raise. The first reason stays."""
         with self._lock:
             if self.failure is None:
                 self.failure = self._error(f"{reason} (seen by rank {self.rank})")
@@ -119,7 +122,8 @@ class Liveness:
                         self.store.set(_FAILED, f"{reason} (seen by rank {self.rank})")
                 except RuntimeError:
                     pass  # the store is gone: every rank finds that out by itself
-                self._arm_exit()
+                if end_process:
+                    self._arm_exit()
             return self.failure
 
     def describe(self, rank: int) -> str:
