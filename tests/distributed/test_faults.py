@@ -10,10 +10,11 @@ job must restart and end bit-identical to an uninterrupted run at the same size 
 replaced with ``--nnodes 2``) or on course at the smaller size (``--nnodes 1:2``: the same global
 batch at every step), and a survivor's error must name a lost rank with its host and pid.
 
-By default two jobs run (about a minute and a half on two busy cores, with the one-process run they
-are compared with): the issue's case (a node of two ranks SIGKILLed for good in a commit, default
-options) and a frozen node (the heartbeats find it). ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase
-with the three kinds of fault and both launch forms, and a fault in a restore's exchange
+By default (about a minute on the 2-core test machine, with the one-process run the jobs are
+compared with) two jobs run: a node of two ranks SIGKILLed for good in a commit, with the default
+options, and a frozen node (the heartbeats find it); and two spawned ranks test a ``with`` block
+left on an error. ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three kinds of fault and
+both launch forms, and a fault in a restore's exchange: 39 jobs, about 20 minutes
 (docs/reliability.md has the table of measured times).
 """
 
