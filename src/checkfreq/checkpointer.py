@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.cluster import Cluster, attach
+from checkfreq.dist.cluster import attach
 from checkfreq.dist.ddp_order import warn_if_buckets_reorder
 from checkfreq.dist.shares import local_view, note_world_size_change
 from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
     InvalidArgumentError,
+    PeerLostError,
     PersistError,
     ReplicaMismatchError,
     UnknownObjectError,
@@ -36,6 +37,7 @@ from checkfreq.pipeline.fence import Fence
 from checkfreq.pipeline.memory_tier import MemoryTier, open_memory_tier
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.shutdown import shutdown
 from checkfreq.pipeline.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.staging import check_gpu_staging
 from checkfreq.pipeline.upload import Uploader
@@ -89,6 +91,11 @@ class Checkpointer:
         allow_pickle: store (and load) values JSON cannot hold by pickling them. Off by
             default: loading a pickle can execute code.
         persist_timeout: seconds any wait on the background writer may take before raising.
+        failure_timeout: under torch.distributed, seconds a rank waits for another that gives no
+            sign of life (its process died, its node vanished) before it raises
+            :class:`~checkfreq.errors.PeerLostError`, naming that rank, so that torchrun can restart
+            the job; a rank busy writing is alive. A process leaving on an error waits at most this
+            long for its background threads. See docs/reliability.md.
         save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) that mean "preempted": the handler
             only records the signal; the next :meth:`step` (or :meth:`close`) takes a blocking
             checkpoint and then lets the signal take its original effect (the default action
@@ -127,6 +134,7 @@ class Checkpointer:
         on_error: str = "raise",
         allow_pickle: bool = False,
         persist_timeout: float = 3600.0,
+        failure_timeout: float = 30.0,
         save_on_signal: Iterable[int] = (),
         memory: bool | int = False,
         gpu_staging: bool | None = None,
@@ -135,7 +143,8 @@ class Checkpointer:
     ) -> None:
         check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
         check_option_types(
-            keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout
+            keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout,
+            failure_timeout=failure_timeout,
         )
         if on_error not in ("raise", "warn"):
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -157,7 +166,7 @@ class Checkpointer:
 
         self._local, self._remote = open_tiers(directory, remote)
         # a cluster at every world size (a world of one alone)
-        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy)
+        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy, failure_timeout)
         control = self._control = cluster.control
         self.directory = self._local.root
         self._memory = open_memory_tier(self._local.root, memory_cadence, control)
@@ -202,15 +211,10 @@ class Checkpointer:
         self._profiler = Profiler()
         self._snapshotter = Snapshotter(gpu_staging)
         self._writer = Writer()
+        self._leaving: list[BaseException] = []  # the error a ``with`` block ends on
         self._finalizer = weakref.finalize(
-            self,
-            _shutdown,
-            self._writer,
-            self._uploader,
-            [self._local, self._remote],
-            persist_timeout,
-            self._trap,
-            self._cluster,
+            self, shutdown, self._writer, self._uploader, [self._local, self._remote], timeout=persist_timeout,
+            failure_timeout=failure_timeout, trap=self._trap, cluster=self._cluster, leaving=self._leaving,
         )
         if self._trap is not None:
             self._trap.install()
@@ -377,11 +381,7 @@ class Checkpointer:
                 self._save_for_signal()
             finally:
                 self._finalizer()
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._step_order.close()
-        self._fence.clear()
+        self._detach()
         if not self._cluster.writes_whole_state:
             self._persist_newest_state()
         self._cluster.close()
@@ -399,9 +399,23 @@ class Checkpointer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc is not None and self._cluster.world_size > 1:  # leave within failure_timeout: no rank waits for it
+            self._closed = True
+            self._detach()
+            self._leaving.append(exc)
+            self._finalizer()
+            return
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _detach(self) -> None:
+        """Take the hooks off the optimizers and forget the fence: nothing waits for this Checkpointer."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        self._step_order.close()
+        self._fence.clear()
 
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""
@@ -420,10 +434,12 @@ class Checkpointer:
             self._writer.take_results(), self._writer.take_error(), self._timeline.last_checkpoint
         )
         if error is not None:
-            if isinstance(error, ReplicaMismatchError):  # the training state is wrong, not the storage: always raised
+            if isinstance(error, (ReplicaMismatchError, PeerLostError)):  # not the storage's fault: always raised
                 raise error
             self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
         upload_error = None if self._uploader is None else self._uploader.take_error()
+        if isinstance(upload_error, PeerLostError):
+            raise upload_error
         if upload_error is not None:
             self._events.write("error", step=self._committed, message=str(upload_error))
             remote = "the remote tier" if self._remote is None else self._remote.root
@@ -655,21 +671,6 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
     checkpointer = ref()
     if checkpointer is not None:
         checkpointer._finish_fence()
-
-
-def _shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], timeout: float,
-              trap: SignalTrap | None, cluster: Cluster) -> None:
-    try:
-        if trap is not None:
-            trap.uninstall()
-        writer.close(timeout)
-        if uploader is not None:
-            uploader.wait(timeout)
-        cluster.release()
-    finally:
-        for store in stores:
-            if store is not None:
-                store.unlock()
 
 
 CHECKPOINTER_OPTIONS = tuple(

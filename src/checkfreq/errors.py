@@ -86,3 +86,9 @@ class CheckpointNotFoundError(CheckpointDirectoryError, FileNotFoundError):
 
 class DirectoryNotWritableError(CheckpointDirectoryError, PermissionError):
     """Checkpoints could not be written into a directory (read-only filesystem, permissions, a refusing store)."""
+
+
+class PeerLostError(CheckfreqError):
+    """Another rank stopped answering (its process died, its node vanished, or it left on an error)
+    while this rank waited for it; the message names the rank, its host and pid, and what the ranks
+    were doing. This rank gives up so that torchrun can restart the job (``failure_timeout``)."""

@@ -178,8 +178,8 @@ def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: ob
 class _CountingPeers(CountingPeers):
     """A real gloo group whose messages this rank counts, as the protocol simulator counts its ranks'."""
 
-    def __init__(self, group: object) -> None:
-        super().__init__(GroupPeers(group))
+    def __init__(self, group: object, *options: object) -> None:
+        super().__init__(GroupPeers(group, *options))  # GroupCluster passes its liveness and the activity
 
 
 def _counted_rank(rank: int, world: int, store_path: str, directories: list[str], out: str) -> None:

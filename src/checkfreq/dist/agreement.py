@@ -22,7 +22,7 @@ from concurrent.futures import Future
 import torch
 
 from checkfreq.dist.collectives import Peers, tree_max
-from checkfreq.errors import CheckfreqError
+from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Every, Policy
 
 VOTE_SECONDS = 0.25
@@ -112,6 +112,9 @@ class AgreedPolicy:
                 f"{self._timeout:g} s: every rank must call step() as often as the others, and all must be alive"
             )
             raise self._failure from None
+        except PeerLostError as e:  # names the rank lost
+            self._failure = e
+            raise
         except Exception as e:
             self._failure = CheckfreqError(
                 f"rank {self._peers.rank}: the ranks' vote on when to checkpoint failed ({type(e).__name__}: {e}); "

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from checkfreq.dist.collectives import Peers, Solo
 from checkfreq.dist.group_cluster import GroupCluster, open_directories
 from checkfreq.dist.shares import Box, Share, local_view, sharded_blocks
+from checkfreq.errors import PeerLostError
 from checkfreq.storage.format import Manifest
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.storage.base import Store
@@ -100,6 +101,18 @@ class Cluster(Protocol):
         (what :meth:`view` cuts from the saved shards)."""
         ...
 
+    @property
+    def failure(self) -> PeerLostError | None:
+        """Why the job failed (a rank was lost, or left on an error), once this rank knows; None in a
+        world of one."""
+        ...
+
+    def leave(self, error: BaseException, seconds: float) -> None:
+        """This rank leaves on ``error``: tell the other ranks, so that none waits for it. If ``error``
+        looks like a lost peer's (gloo's closed connection), first watch for at most ``seconds``
+        which rank stopped answering, so that the error names it."""
+        ...
+
     def close(self) -> None:
         """Finish what the ranks do together in the background (a vote in flight)."""
         ...
@@ -109,11 +122,12 @@ class Cluster(Protocol):
         ...
 
 
-def attach(local: Store, remote: Store | None, timeout: float, policy: Policy) -> Cluster:
+def attach(local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0) -> Cluster:
     """The cluster this process checkpoints in, its directories opened: the ranks of the default
-    process group if one is initialised (collective), else a world of one."""
+    process group if one is initialised (collective), else a world of one. ``timeout``: how long
+    storage may take; ``failure_timeout``: how long a rank waits for a silent peer."""
     if dist.is_available() and dist.is_initialized():
-        return GroupCluster(local, remote, timeout, policy)
+        return GroupCluster(local, remote, timeout, policy, failure_timeout)
     return SoloCluster(local, remote, policy)
 
 
@@ -128,6 +142,7 @@ class SoloCluster:
     leader = True
     page_cache = None
     writes_whole_state = True
+    failure = None
 
     def __init__(self, local: Store, remote: Store | None, policy: Policy) -> None:
         self.control = self.commit = Solo()
@@ -146,6 +161,9 @@ class SoloCluster:
 
     def blocks(self, manifest: Manifest, objects: Mapping[str, Any]) -> dict[str, Box]:
         return sharded_blocks(manifest, {})  # no DTensor without a process group: every tensor whole
+
+    def leave(self, error: BaseException, seconds: float) -> None:
+        """No other rank waits for this one."""
 
     def close(self) -> None:
         """Nothing runs in the background between ranks."""

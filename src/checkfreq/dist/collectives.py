@@ -9,12 +9,23 @@ JSON, never pickles.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import struct
-from typing import Any, Protocol
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from checkfreq.errors import PeerLostError
+
+if TYPE_CHECKING:
+    from checkfreq.dist.liveness import Liveness
 
 
 class Peers(Protocol):
@@ -76,46 +87,139 @@ class Solo:
 
 
 class GroupPeers:
-    """The ranks of a gloo process group (the group's rank 0 is the sender of broadcasts)."""
+    """The ranks of a gloo process group (the group's rank 0 is the sender of broadcasts).
 
-    def __init__(self, group: Any) -> None:
+    With a :class:`~checkfreq.dist.liveness.Liveness`, every call is bounded by the failure timeout:
+    the messages move on a thread of the group's own while the calling thread watches the ranks it
+    waits for, and raises :class:`~checkfreq.errors.PeerLostError` (naming the rank, and
+    :attr:`activity`) when one is lost or closed its connection; the group is then broken, and every
+    later call raises the same error at once. Without one, calls run on the calling thread and
+    wait as long as gloo's timeout.
+    """
+
+    def __init__(self, group: Any, liveness: Liveness | None = None, activity: str = "an exchange between the ranks") -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.activity = activity
+        """What the ranks are doing on this group, as errors name it (see :func:`during`)."""
+        self._liveness = liveness
+        self._failure: PeerLostError | None = None
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
+        if liveness is not None:
+            self._calls = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(self._calls,), name="checkfreq-messages", daemon=True).start()
 
     def all_gather(self, value: Any) -> list[Any]:
-        return all_gather_json(value, self.group)
+        return self._call(lambda: all_gather_json(value, self.group), None)
 
     def gather(self, value: Any) -> list[Any] | None:
-        return gather_json(value, self.group)
+        return self._call(lambda: gather_json(value, self.group), None if self.rank == 0 else [0])
 
     def broadcast(self, value: Any) -> Any:
-        return broadcast_json(value, self.group)
+        return self._call(lambda: broadcast_json(value, self.group), None if self.rank == 0 else [0])
 
     def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        rows = torch.empty(self.size, row.numel(), dtype=torch.uint8)
-        _all_gather_single(rows.view(-1), row, group=self.group)
-        return rows
+        def gather_rows() -> torch.Tensor:
+            rows = torch.empty(self.size, row.numel(), dtype=torch.uint8)
+            _all_gather_single(rows.view(-1), row, group=self.group)
+            return rows
+
+        return self._call(gather_rows, None)
 
     def send(self, payload: torch.Tensor, to: int) -> None:
         if payload.numel():
-            dist.send(payload, group=self.group, group_dst=to)
+            self._call(lambda: dist.send(payload, group=self.group, group_dst=to), [to])
 
     def receive(self, size: int, sender: int) -> torch.Tensor:
         buffer = torch.empty(size, dtype=torch.uint8)
         if size:
-            dist.recv(buffer, group=self.group, group_src=sender)
+            self._call(lambda: dist.recv(buffer, group=self.group, group_src=sender), [sender])
         return buffer
+
+    def close(self) -> None:
+        """Stop the group's message thread (the group is about to be destroyed)."""
+        if self._calls is not None:
+            self._calls.put(None)
+
+    def _call(self, exchange: Callable[[], Any], awaited: list[int] | None) -> Any:
+        """``exchange()``'s result, waiting for ``awaited`` (None: every other rank) under the liveness's watch."""
+        liveness = self._liveness
+        if liveness is None or self._calls is None:
+            return exchange()
+        failure = self._failure or liveness.failure
+        if failure is not None:  # the job failed: no exchange can succeed
+            raise failure
+        ranks = [r for r in range(self.size) if r != self.rank] if awaited is None else awaited
+        answer: Future[Any] = Future()
+        self._calls.put((exchange, answer))
+        while True:
+            try:
+                return answer.result(timeout=POLL_S)
+            except FutureTimeout:
+                try:
+                    liveness.check(ranks, self.activity)
+                except PeerLostError as e:
+                    self._failure = e
+                    raise
+            except RuntimeError as e:  # gloo's: a closed connection, a timeout
+                rank = e.rank if isinstance(e, PeerFailure) else (ranks[0] if len(ranks) == 1 else None)
+                self._failure = liveness.closed(rank, self.activity, e)
+                raise self._failure from e
+
+
+POLL_S = 0.1
+"""How often a thread waiting on other ranks looks at their liveness (it reads their heartbeats less often)."""
+
+
+def _serve(calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+    """A group's message thread: runs each exchange handed to it, in order."""
+    while (call := calls.get()) is not None:
+        exchange, answer = call
+        try:
+            answer.set_result(exchange())
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+            answer.set_exception(e)
+
+
+@contextlib.contextmanager
+def during(peers: Peers, activity: str) -> Iterator[None]:
+    """Name what the ranks do on ``peers`` while in the block (errors say it), where ``peers`` names its activity."""
+    before = getattr(peers, "activity", None)
+    if before is None:
+        yield
+        return
+    setattr(peers, "activity", activity)
+    try:
+        yield
+    finally:
+        setattr(peers, "activity", before)
+
+
+class PeerFailure(RuntimeError):
+    """A wait for one rank's message failed (gloo's error is the cause); ``rank`` names it."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank}: {error}")
+        self.rank = rank
 
 
 def broadcast_json(value: Any, group: Any) -> Any:
-    """Rank 0's JSON-able ``value`` on every rank of ``group`` (no pickling)."""
-    is_source = dist.get_rank() == dist.get_global_rank(group, 0)
-    payload = _encode(value) if is_source else torch.empty(0, dtype=torch.uint8)
-    length = torch.tensor([payload.numel()], dtype=torch.int64)
-    dist.broadcast(length, group=group, group_src=0)
-    if not is_source:
+    """Rank 0's JSON-able ``value`` on every rank of ``group`` (no pickling).
+
+    Point to point: rank 0 sends its length and its message to each other rank, all at once, so
+    that a failed send names its rank; another rank receives two messages whatever the number of ranks.
+    """
+    size = dist.get_world_size(group)
+    if dist.get_rank(group) != 0:
+        length = torch.zeros(1, dtype=torch.int64)
+        _wait_all([(0, dist.irecv(length, group=group, group_src=0))])
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    dist.broadcast(payload, group=group, group_src=0)
+        _wait_all([(0, dist.irecv(payload, group=group, group_src=0))])
+        return _decode(payload)
+    payload = _encode(value)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    _wait_all([(r, dist.isend(length, group=group, group_dst=r)) for r in range(1, size)])
+    _wait_all([(r, dist.isend(payload, group=group, group_dst=r)) for r in range(1, size)])
     return _decode(payload)
 
 
@@ -129,20 +233,24 @@ def gather_json(value: Any, group: Any) -> list[Any] | None:
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     size = dist.get_world_size(group)
     if dist.get_rank(group) != 0:
-        dist.send(length, group=group, group_dst=0)
-        dist.send(payload, group=group, group_dst=0)
+        _wait_all([(0, dist.isend(length, group=group, group_dst=0))])
+        _wait_all([(0, dist.isend(payload, group=group, group_dst=0))])
         return None
     lengths = [length] + [torch.zeros(1, dtype=torch.int64) for _ in range(1, size)]
-    _wait_all([dist.irecv(lengths[r], group=group, group_src=r) for r in range(1, size)])
+    _wait_all([(r, dist.irecv(lengths[r], group=group, group_src=r)) for r in range(1, size)])
     payloads = [payload] + [torch.empty(int(lengths[r].item()), dtype=torch.uint8) for r in range(1, size)]
-    _wait_all([dist.irecv(payloads[r], group=group, group_src=r) for r in range(1, size)])
+    _wait_all([(r, dist.irecv(payloads[r], group=group, group_src=r)) for r in range(1, size)])
     return [_decode(p) for p in payloads]
 
 
-def _wait_all(works: list[Any]) -> None:
-    """Wait for point-to-point receives posted together (each a ``Work``)."""
-    for work in works:
-        work.wait()
+def _wait_all(works: list[tuple[int, Any]]) -> None:
+    """Wait for point-to-point messages posted together (each ``(rank, Work)``); a failed wait
+    raises :class:`PeerFailure` naming its rank."""
+    for rank, work in works:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise PeerFailure(rank, e) from e
 
 
 def collect_errors(peers: Peers, error: str | None) -> list[str]:

@@ -60,7 +60,8 @@ from checkfreq.dist.shares import (
     sharded_blocks,
     stream_range,
 )
-from checkfreq.errors import CheckfreqError
+from checkfreq.dist.liveness import Liveness
+from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.storage.format import Manifest
 from checkfreq.dist.groups import new_gloo_groups
 from checkfreq.policies import DecisionContext, Policy
@@ -75,6 +76,13 @@ log = logging.getLogger("checkfreq.distributed")
 JOIN_TIMEOUT = 600.0
 """At most this many seconds for every rank to construct its Checkpointer (``persist_timeout`` if shorter)."""
 _JOIN_WARNING_S = 30.0
+ACTIVITIES = {
+    "control": "the start-up or a restore",
+    "commit": "a commit",
+    "vote": "the vote on when to checkpoint",
+    "upload": "an upload to the remote tier",
+}
+"""What the ranks do on each of checkfreq's groups, as a lost rank's error says (a commit and an upload name their step)."""
 _joins = itertools.count()
 
 
@@ -131,12 +139,22 @@ class GroupCluster:
     the remote tier, before any rank goes on.
     """
 
-    def __init__(self, local: Store, remote: Store | None, timeout: float, policy: Policy) -> None:
+    def __init__(
+        self, local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0
+    ) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         vote = needs_agreement(policy)
         purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if remote is not None else [])]
-        groups = dict(zip(purposes, (GroupPeers(g) for g in new_gloo_groups(purposes, timedelta(seconds=timeout)))))
+        # every rank is here: agreeing on the token takes milliseconds unless a rank died. gloo's own
+        # timeout is only a backstop: a rank may wait for a peer writing for up to persist_timeout
+        prefix, made = new_gloo_groups(purposes, timedelta(seconds=min(timeout, failure_timeout)),
+                                       timedelta(seconds=timeout + failure_timeout))
+        self.liveness = Liveness(dist.PrefixStore(f"{prefix}/liveness", default_store()), self.rank,
+                                 self.world_size, failure_timeout)
+        """The ranks' heartbeats: every wait on another rank is bounded by ``failure_timeout`` (docs/reliability.md)."""
+        groups = {purpose: GroupPeers(group, self.liveness, ACTIVITIES[purpose])
+                  for purpose, group in zip(purposes, made)}
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: SharePlan | None = None
@@ -211,6 +229,23 @@ class GroupCluster:
         """The block of each sharded tensor of ``manifest`` that this rank restores into ``objects``."""
         return sharded_blocks(manifest, _targets(manifest, [], objects))
 
+    @property
+    def failure(self) -> PeerLostError | None:
+        """Why the job failed (a rank lost, or left on an error), once this rank knows."""
+        return self.liveness.failure
+
+    def leave(self, error: BaseException, seconds: float) -> None:
+        """Tell every rank that this one leaves on ``error``: their waits on it end at once. If
+        ``error`` looks like a lost peer's, first watch the heartbeats for at most ``seconds``."""
+        liveness = self.liveness
+        if liveness.failure is None and seconds > 0 and looks_like_a_lost_peer(error):
+            # only to name the rank (this one leaves anyway): silent for 2.5 beats, where a live rank beats every one
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            liveness.find_lost(f"training (this rank failed with {type(error).__name__}: {first_line})",
+                               min(seconds, 4.5 * liveness.interval), silence=2.5 * liveness.interval)
+        if liveness.failure is None:  # this rank's own error: the other ranks end, it goes on as its caller decides
+            liveness.give_up(f"rank {self.rank} left on {type(error).__name__}: {error}", end_process=False)
+
     def close(self) -> None:
         """Finish the vote in flight (every rank has started the same number)."""
         if self._decider is not None:
@@ -224,12 +259,28 @@ class GroupCluster:
         Destroying a gloo group is local: a peer still finishing its last message on it gets it,
         as the data already sent precedes the closed connection.
         """
+        self.liveness.stop()
         if not dist.is_initialized():  # the user destroyed every group already
             return
         for peers in (self.control, self.commit, self.vote, self.upload):
             if peers is not None:
+                peers.close()
                 with contextlib.suppress(ValueError):  # gone with a default group the user replaced
                     dist.destroy_process_group(peers.group)
+
+
+_LOST_PEER_WORDS = ("connection closed", "connection reset", "connection refused", "broken pipe", "timed out")
+
+
+def looks_like_a_lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is torch.distributed's word for a peer gone (gloo's closed connection, a timeout)."""
+    if isinstance(error, PeerLostError):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if not isinstance(error, RuntimeError) and not (dist_error is not None and isinstance(error, dist_error)):
+        return False
+    text = str(error).lower()
+    return any(word in text for word in _LOST_PEER_WORDS)
 
 
 @dataclass

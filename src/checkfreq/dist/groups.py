@@ -35,19 +35,26 @@ _KEYS = "checkfreq/groups"
 _POLL_S = 0.005
 
 
-def new_gloo_groups(purposes: Sequence[str], timeout: timedelta) -> list[dist.ProcessGroup]:
-    """New gloo groups of every rank, one per purpose, whose rendezvous no dead predecessor's keys can disturb.
+def new_gloo_groups(
+    purposes: Sequence[str], timeout: timedelta, group_timeout: timedelta | None = None
+) -> tuple[str, list[dist.ProcessGroup]]:
+    """New gloo groups of every rank, one per purpose, whose rendezvous no dead predecessor's keys
+    can disturb, and the store prefix that is this call's own (its token's).
 
     Collective: every rank calls it at the same point with the same ``purposes`` (short names, part
     of the store keys and of each group's description). One token is agreed for the call (once, not once per group);
-    each group's keys live under the token and its purpose. ``timeout`` bounds the agreement and is
-    the groups' collective timeout. Raises :class:`CheckfreqError` if some rank does not come.
+    each group's keys live under the token and its purpose. ``timeout`` bounds the agreement;
+    ``group_timeout`` (``timeout`` if None) is the groups' collective timeout. Raises
+    :class:`CheckfreqError` if some rank does not come.
     """
     store = default_store()
     keys = f"{_KEYS}/{'+'.join(purposes)}"
     token = agree_on_token(store, keys, dist.get_rank(), dist.get_world_size(), timeout)
-    return [gloo_group_on_store(dist.PrefixStore(f"{keys}/{token}/{purpose}", store), timeout, f"checkfreq:{purpose}")
-            for purpose in purposes]
+    group_timeout = timeout if group_timeout is None else group_timeout
+    return f"{keys}/{token}", [
+        gloo_group_on_store(dist.PrefixStore(f"{keys}/{token}/{purpose}", store), group_timeout, f"checkfreq:{purpose}")
+        for purpose in purposes
+    ]
 
 
 def agree_on_token(store: dist.Store, keys: str, rank: int, world_size: int, timeout: timedelta) -> str:

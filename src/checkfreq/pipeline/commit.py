@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from checkfreq.dist import replicas
-from checkfreq.dist.collectives import Peers, collect_errors, receive_json, send_json
+from checkfreq.dist.collectives import Peers, collect_errors, during, receive_json, send_json
 from checkfreq.dist.shares import REPLICATED, SHARDED, Share
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.pipeline.retainer import Retainer
@@ -178,7 +178,8 @@ class Committer:
 
     def run(self, job: CommitJob) -> CommitResult:
         try:
-            return self._run(job)
+            with during(self.peers, f"the commit of step {job.step}"):
+                return self._run(job)
         finally:
             job.pending.copied.set()  # a fence never waits on a failed persist
 

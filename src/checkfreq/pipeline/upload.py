@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from checkfreq.dist.collectives import Peers, collect_errors
+from checkfreq.dist.collectives import Peers, collect_errors, during
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.policies.retention import Retention
@@ -104,7 +104,8 @@ class Uploader:
     def _run(self, step: int) -> None:
         try:
             start = time.perf_counter()
-            self._upload(step)
+            with during(self.peers, f"the upload of step {step} to the remote tier"):
+                self._upload(step)
             self.uploaded = step
             log.info("copied step %d to %s in %.2f s", step, self.remote.root, time.perf_counter() - start)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread

@@ -73,7 +73,7 @@ def check_names(caller: str, names: Iterable[str], options: Iterable[str]) -> No
 
 
 def check_option_types(
-    *, keep: Any, remote_keep: Any, rng: Any, allow_pickle: Any, persist_timeout: Any
+    *, keep: Any, remote_keep: Any, rng: Any, allow_pickle: Any, persist_timeout: Any, failure_timeout: Any = 30.0
 ) -> None:
     """Refuse option values of the wrong type, such as an object registered under an option's name."""
     counts = {"keep": keep} if remote_keep is None else {"keep": keep, "remote_keep": remote_keep}
@@ -91,6 +91,11 @@ def check_option_types(
             raise ArgumentTypeError(f"{name} must be True or False, got {type(value).__qualname__}")
     if isinstance(persist_timeout, bool) or not isinstance(persist_timeout, (int, float)) or persist_timeout <= 0:
         raise ArgumentTypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
+    if isinstance(failure_timeout, bool) or not isinstance(failure_timeout, (int, float)) \
+            or not 0 < failure_timeout < 1e6:
+        raise ArgumentTypeError(
+            f"failure_timeout must be a positive number of seconds (under a million), got {failure_timeout!r}"
+        )
 
 
 def check_registration(objects: Mapping[str, Any], values: Mapping[str, Any], reserved: Iterable[str]) -> None:

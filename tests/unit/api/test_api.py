@@ -28,6 +28,7 @@ from helpers import SCRIPTS, make_model, train_step
         ({"on_signal": (signal.SIGTERM,)}, "save_on_signal"),
         ({"polcy": cf.Every(10)}, "policy"),  # a policy under a misspelled name is not state either
         ({"persist_timout": 5.0}, "persist_timeout"),
+        ({"failure_timout": 5.0}, "failure_timeout"),
     ],
 )
 def test_a_misspelled_option_is_refused_with_the_closest_name(tmp_path: Path, options: dict, guess: str) -> None:
@@ -50,6 +51,9 @@ def test_an_object_under_an_option_name_is_not_taken_as_that_option(tmp_path: Pa
         cf.Checkpointer(tmp_path, model=model, policy=model)
     with pytest.raises(TypeError, match="rng must be True or False"):
         cf.Checkpointer(tmp_path, model=model, rng=cf.data.ResumableLoader([1, 2]))
+    for timeout in (0, -1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(TypeError, match="failure_timeout must be a positive number of seconds"):
+            cf.Checkpointer(tmp_path, model=model, failure_timeout=timeout)
 
 
 def test_values_and_item_assignment_register_plain_values(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.dist.collectives import Peers, collect_errors, receive_json, scatter_json, send_json
+from checkfreq.dist.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
 from checkfreq.dist.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.memory_tier import AnyMemoryTier, NoMemoryTier
@@ -152,6 +152,10 @@ class Restorer:
         is restored onto a GPU) memory slots are pinned before they are read, so the copies to the
         device run at the pinned bandwidth.
         """
+        with during(self.peers, "the restore"):
+            return self._find(step, blocks)
+
+    def _find(self, step: int | None, blocks: Blocks | None) -> Found | None:
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
         if self.memory.present:

@@ -1,0 +1,200 @@
+"""Whether the other ranks are alive: heartbeats in the job's key-value store, the job's failure, and
+the bound on how long any rank waits for another.
+
+Every wait on another rank (a commit's rounds, an upload's, the restore's exchanges, the vote,
+the start-up exchanges) is bounded by the *failure timeout*, measured from the last sign of life
+of the ranks it waits for, not from the start of the wait: a rank busy writing a large file for
+minutes is alive, a rank whose process is gone is not. The signs of life:
+
+* **heartbeats**: each rank's heartbeat thread adds 1 to a counter of its own in the job's store
+  every :attr:`Liveness.interval` (a quarter of the failure timeout, at most 5 s). A rank waiting
+  longer than a poll reads the counters of the ranks it waits for (at most once per interval each);
+  a counter that has not moved for the failure timeout means its rank is lost. A rank's cost is two
+  store operations per interval (its counter, and a look at the job's failure), whatever the number
+  of ranks, plus, only while a wait lasts, one per awaited rank per interval (rank 0 awaits every
+  rank in a commit's gather, as it already receives a message from each); the store serves
+  ``2 N / interval`` operations per second.
+* **the job's failure**: a rank that gives up (it lost a peer, or it leaves on an error with its
+  Checkpointer open) writes why under one key; every rank's heartbeat thread reads that key at each
+  beat, and each wait in progress raises :class:`~checkfreq.errors.PeerLostError` at once with the
+  first rank's words. A rank that left therefore never keeps its peers waiting for the timeout.
+* **a closed connection**: gloo's "Connection closed by peer" on a wait for one rank names that rank.
+
+Once this process learns that the job failed (a peer lost, or another rank's failure published), it
+ends itself (``os._exit(1)``) if it is still running :data:`EXIT_GRACE` times the failure timeout
+later, whatever its threads are blocked in (a training thread stuck in a collective with a vanished
+node, say), so that torchrun restarts the job. A rank leaving on its own error is not ended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from checkfreq.errors import PeerLostError
+
+log = logging.getLogger("checkfreq.liveness")
+
+MAX_INTERVAL_S = 5.0
+"""The longest time between two heartbeats, whatever the failure timeout."""
+EXIT_GRACE = 1.0
+"""A process that knows the job failed ends itself this many failure timeouts later if still running."""
+_FAILED = "failed"
+
+
+class Liveness:
+    """This rank's heartbeat, and what it knows of the other ranks' (one per :class:`GroupCluster`).
+
+    Args:
+        store: a store private to this incarnation of the job (under the groups' token).
+        rank, size: this rank and the number of ranks.
+        timeout: the failure timeout, in seconds.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: float) -> None:
+        self.store, self.rank, self.size, self.timeout = store, rank, size, timeout
+        self.interval = min(MAX_INTERVAL_S, timeout / 4)
+        self.failure: PeerLostError | None = None
+        """Why the job failed, once this process knows it."""
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
+        self._read: dict[int, float] = {}  # rank -> when its counter was last read
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._exit_timer: threading.Timer | None = None
+        store.set(f"who/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        store.add(f"alive/{rank}", 1)
+        self._thread = threading.Thread(target=self._beat, name="checkfreq-heartbeat", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ asked by waiting threads
+
+    def check(self, awaited: Iterable[int], activity: str, silence: float | None = None) -> None:
+        """Raise :class:`PeerLostError` if the job failed, or if a rank of ``awaited`` gave no sign of
+        life for ``silence`` seconds (the failure timeout if None). Called every poll of a wait;
+        reads a counter at most once per interval."""
+        silence = self.timeout if silence is None else silence
+        if self.failure is not None:
+            raise self.failure
+        now = time.monotonic()
+        due = [r for r in awaited if r != self.rank and now - self._read.get(r, -1e9) >= self.interval]
+        for rank in due:
+            try:
+                count = self.store.add(f"alive/{rank}", 0)
+            except RuntimeError as e:  # the store is gone: so is the job
+                raise self.give_up(f"the job's key-value store stopped answering ({e}) during {activity}") from e
+            self._read[rank] = now
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != count:
+                self._seen[rank] = (count, now)
+            elif now - seen[1] > silence:
+                raise self.give_up(f"{self.describe(rank)} stopped answering during {activity}")
+
+    def closed(self, rank: int | None, activity: str, error: BaseException) -> PeerLostError:
+        """The error for a wait that failed with ``error`` (gloo's): ``rank`` closed its connection
+        (None: the wait was on several ranks), unless the job's failure already says why."""
+        known = self.failure or self._published()
+        if known is not None:
+            return known
+        if rank is None:  # which one: the first whose heartbeat stops within the timeout
+            found = self.find_lost(activity, self.timeout + 2 * self.interval)
+            return found or self.give_up(f"a rank closed its connection during {activity} ({error})")
+        return self.give_up(f"{self.describe(rank)} closed its connection during {activity}: it died or left")
+
+    # ------------------------------------------------------------------ giving up
+
+    def give_up(self, reason: str, *, end_process: bool = True) -> PeerLostError:
+        """Record that the job failed (``reason``: what happened, to whom), tell every rank through
+        the store, and arm the exit (unless ``end_process`` is False: this rank leaves by its own
+        error, which its caller may handle); returns the error to raise. The first reason stays."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = self._error(f"{reason} (seen by rank {self.rank})")
+                log.error("%s", self.failure)
+                try:
+                    if not self.store.check([_FAILED]):
+                        self.store.set(_FAILED, f"{reason} (seen by rank {self.rank})")
+                except RuntimeError:
+                    pass  # the store is gone: every rank finds that out by itself
+                if end_process:
+                    self._arm_exit()
+            return self.failure
+
+    def describe(self, rank: int) -> str:
+        """``rank 3 (host, pid 1234)``, as the rank published it at start-up."""
+        try:
+            who = json.loads(self.store.get(f"who/{rank}")) if self.store.check([f"who/{rank}"]) else None
+        except (RuntimeError, ValueError):
+            who = None
+        return f"rank {rank}" if who is None else f"rank {rank} ({who['host']}, pid {who['pid']})"
+
+    def stop(self) -> None:
+        """Stop the heartbeat (the Checkpointer is closed)."""
+        self._stop.set()
+        if self._exit_timer is not None:
+            self._exit_timer.cancel()
+
+    # ------------------------------------------------------------------ internals
+
+    def _error(self, reason: str) -> PeerLostError:
+        return PeerLostError(
+            f"{reason}; rank {self.rank} gives up (failure timeout {self.timeout:g} s) so that torchrun can "
+            "restart the job"
+        )
+
+    def _published(self) -> PeerLostError | None:
+        """The job's failure as another rank published it, if one did (adopted as this rank's)."""
+        try:
+            reason = self.store.get(_FAILED).decode() if self.store.check([_FAILED]) else None
+        except RuntimeError:
+            return None
+        if reason is None:
+            return None
+        with self._lock:
+            if self.failure is None:
+                self.failure = self._error(reason)
+                log.error("%s", self.failure)
+                self._arm_exit()
+            return self.failure
+
+    def find_lost(self, activity: str, seconds: float, silence: float | None = None) -> PeerLostError | None:
+        """The job's failure, found by watching every other rank's heartbeat (and the published
+        failure) for at most ``seconds``, a rank silent for ``silence`` seconds (the failure timeout
+        if None) being lost, or None if every rank stays alive that long."""
+        deadline = time.monotonic() + seconds
+        others = [r for r in range(self.size) if r != self.rank]
+        while time.monotonic() < deadline:
+            try:
+                self.check(others, activity, silence)
+            except PeerLostError as e:
+                return e
+            time.sleep(min(0.1, self.interval))
+        return None
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"alive/{self.rank}", 1)
+                if self.failure is None:
+                    self._published()
+            except RuntimeError as e:
+                log.debug("heartbeat of rank %d failed: %s", self.rank, e)
+
+    def _arm_exit(self) -> None:
+        if self._exit_timer is None and not self._stop.is_set():
+            self._exit_timer = threading.Timer(EXIT_GRACE * self.timeout, _exit, args=(self,))
+            self._exit_timer.daemon = True
+            self._exit_timer.start()
+
+
+def _exit(liveness: Liveness) -> None:
+    """The process is still running a failure timeout after it knew the job failed: end it."""
+    log.critical("%s; ending this process now", liveness.failure)
+    logging.shutdown()
+    os._exit(1)

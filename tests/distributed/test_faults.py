@@ -1,0 +1,329 @@
+"""The fault matrix: a rank, or a whole torchrun agent, lost at each phase; the job never hangs.
+
+Each job runs ``scripts/fault_train.py`` on two torchrun agents of two ranks each (gloo, c10d
+rendezvous on 127.0.0.1, node 0 hosting it; each agent with its own node-local directory and a
+shared remote tier), with ``--nnodes 2`` or ``--nnodes 1:2``. The script SIGKILLs a rank, or its
+agent and the agent's workers (a node lost), or SIGSTOPs the agent and its workers (a node that
+vanished without closing its connections), at a named phase. The harness watches the processes:
+every worker alive at the kill must be gone within the failure timeout plus :data:`MARGIN_S`, the
+job must restart and end bit-identical to an uninterrupted run at the same size (a lost agent is
+replaced with ``--nnodes 2``) or on course at the smaller size (``--nnodes 1:2``: the same global
+batch at every step), and a survivor's error must name a lost rank with its host and pid.
+
+By default (about a minute on the 2-core test machine, with the one-process run the jobs are
+compared with) two jobs run: a node of two ranks SIGKILLed for good in a commit, with the default
+options, and a frozen node (the heartbeats find it); and two spawned ranks test a ``with`` block
+left on an error. ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three kinds of fault and
+both launch forms, and a fault in a restore's exchange: 39 jobs, about 20 minutes
+(docs/reliability.md has the table of measured times).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from elastic_train import read_steps, step_samples
+
+import checkfreq as cf
+from helpers import SCRIPTS, free_port, kill_tree, spawn_ranks
+
+SAMPLES, GLOBAL_BATCH, EPOCHS, EVERY = 96, 16, 2, 2
+STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 12: checkpoints at 2, 4, ... (a step later where the vote delays them)
+FAILURE_TIMEOUT_S = 3.0
+MARGIN_S = 12.0
+"""Beyond the failure timeout, for a survivor to notice, leave and be reaped on two busy cores."""
+JOB_TIMEOUT_S = 240
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # test_elastic's: the same global batches summed in another order
+FULL = os.environ.get("CHECKFREQ_FAULT_MATRIX") == "1"
+
+
+@dataclass
+class Fault:
+    """One kill the script made (its marker), and what the harness saw after it."""
+
+    record: dict
+    exited_s: float | None = None
+    """Seconds from the kill until every worker alive at the kill had exited."""
+    restarted_s: float | None = None
+    """Seconds from the kill until a worker of the next incarnation had restored."""
+
+
+@dataclass
+class Job:
+    out: dict[str, str]
+    codes: list[int | None]
+    faults: list[Fault] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(f"---- {name}\n{text}" for name, text in self.out.items())
+
+
+def agent(work: Path, node: int, port: int, nnodes: str, name: str, *args: str,
+          directory: str | None = None) -> subprocess.Popen[str]:
+    """A torchrun agent of two ranks on 127.0.0.<node+1> (node 0 hosts the rendezvous: it must outlive
+    node 1), its local directory ``work/directory`` (``node<node>`` if None)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
+               "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
+               "--monitor-interval", "0.1", str(SCRIPTS / "fault_train.py"),
+               "--ckpt-dir", str(work / (directory or f"node{node}")), "--remote", str(work / "remote"),
+               "--final", str(work / "final.pt"), "--step-log", str(work / "steps.log"), "--markers", str(work),
+               "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS),
+               "--every", str(EVERY), *args]
+    log = (work / f"{name}.out").open("w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
+
+
+def workers(agents: list[subprocess.Popen[str]], before: float) -> set[int]:
+    """The pids of the agents' workers started before ``before`` (time.time())."""
+    pids = set()
+    for proc in agents:
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for child in children:
+            try:
+                if child.create_time() < before:
+                    pids.add(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return pids
+
+
+def alive(pids: set[int]) -> set[int]:
+    living = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return living
+
+
+def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False) -> Job:
+    """One job with ``faults`` (fault_train.py's ``--faults``), watched; node 1's agent is started
+    again after it is lost when ``replace_lost_agent`` (on a new machine, with an empty directory,
+    when the node is frozen: the frozen one still holds its directory's lock)."""
+    work.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    first = min((int(f.split(":")[2]) for f in faults.split(",") if int(f.split(":")[2])), default=0)
+    args = ("--faults", faults, "--wait-remote-before", str(first), *extra)
+    agents = [agent(work, node, port, nnodes, f"node{node}", *args) for node in (0, 1)]
+    names = ["node0", "node1"]
+    seen: list[Fault] = []
+    watched: list[tuple[Fault, set[int]]] = []
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        lost = {pid for fault in seen for pid in fault.record["pids"]}  # a frozen agent never exits
+        while any(a.poll() is None and a.pid not in lost for a in agents) and time.monotonic() < deadline:
+            marker = work / f"fault{len(seen)}"
+            if marker.exists():
+                fault = Fault(json.loads(marker.read_text()))
+                seen.append(fault)
+                lost |= set(fault.record["pids"])
+                watched.append((fault, workers(agents, fault.record["time"]) - set(fault.record["pids"])))
+                if fault.record["what"] != "rank" and replace_lost_agent:  # a frozen node is replaced by a new machine
+                    fresh = "node1-new" if fault.record["what"] == "freeze" else None
+                    agents.append(agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh))
+                    names.append(f"node1-{len(agents) - 1}")
+            for fault, pids in list(watched):
+                if not alive(pids):
+                    fault.exited_s = time.time() - fault.record["time"]
+                    watched.remove((fault, pids))
+                elif time.time() - fault.record["time"] > FAILURE_TIMEOUT_S + 3 * MARGIN_S:
+                    watched.remove((fault, pids))  # hung: exited_s stays None
+            time.sleep(0.1)
+    finally:
+        for proc in agents:  # the workers of a torchrun agent run in sessions of their own
+            kill_tree(proc.pid)
+            proc.wait()
+    out = {name: (work / f"{name}.out").read_text() for name in names}
+    job = Job(out, [a.returncode for a in agents], seen)
+    restores = [float(at) for at in re.findall(r"restored step=\d+ at=([\d.]+)", job.text)]
+    for fault in seen:
+        later = [at - fault.record["time"] for at in restores if at > fault.record["time"]]
+        fault.restarted_s = min(later, default=None)
+        exited = "hung" if fault.exited_s is None else f"{fault.exited_s:.1f} s"
+        restarted = "never" if fault.restarted_s is None else f"{fault.restarted_s:.1f} s"
+        print(f"--nnodes {nnodes}, {fault.record['what']} of rank {fault.record['rank']} lost at "
+              f"{fault.record['phase']} (step {fault.record['step']}): survivors gone after {exited}, "
+              f"restored after {restarted}")  # the table of docs/reliability.md (pytest -s)
+    return job
+
+
+def uninterrupted(work: Path, nproc: int) -> Path:
+    """The job uninterrupted on ``nproc`` ranks under one agent (0: one plain process)."""
+    script = [str(SCRIPTS / "fault_train.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"),
+              "--step-log", str(work / "steps.log"), "--markers", str(work), "--samples", str(SAMPLES),
+              "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), "--every", str(EVERY)]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "--monitor-interval", "0.1"] if nproc else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run([sys.executable, *launcher, *script], capture_output=True, text=True, env=env,
+                          timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return work
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What a job on course ends with (the same global batches; sums in another order): one process."""
+    return uninterrupted(tmp_path_factory.mktemp("one-process"), 0)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What a job resumed at 4 ranks ends with, bit for bit (where the ranks run does not change the training)."""
+    return uninterrupted(tmp_path_factory.mktemp("four-ranks"), 4)
+
+
+def assert_survived(job: Job, failure_timeout: float, count: int = 1) -> None:
+    """Every fault made, no worker outlived it by more than the failure timeout plus the margin, and
+    a survivor named a lost rank, with its host and pid."""
+    assert len(job.faults) == count, job.text[-6000:]
+    for fault in job.faults:
+        record = fault.record
+        assert fault.exited_s is not None and fault.exited_s < failure_timeout + MARGIN_S, (record, job.text[-6000:])
+        assert fault.restarted_s is not None, (record, job.text[-6000:])
+        host = socket.gethostname()
+        named = [f"rank {rank} ({host}, pid " for rank in record["ranks"]]
+        assert any(name in job.text for name in named), (record, job.text[-8000:])
+    lost = [1] if any(f.record["what"] != "rank" for f in job.faults) else []  # node 1's first agent
+    assert all(code == 0 for number, code in enumerate(job.codes) if number not in lost), (job.codes, job.text[-6000:])
+
+
+def assert_bit_identical(work: Path, reference: Path) -> None:
+    final, expected = torch.load(work / "final.pt"), torch.load(reference / "final.pt")
+    assert final["scheduler"] == expected["scheduler"]
+    for part in ("model", "optimizer"):
+        torch.testing.assert_close(final[part], expected[part], rtol=0, atol=0)
+
+
+def assert_replays_identical(work: Path) -> None:
+    """A step run again after a restart at the same world size took the same loss to the same
+    parameters, bit for bit (the resumed state was exact)."""
+    runs: dict[tuple[str, str, str], set[tuple[str, str]]] = {}
+    for line in (work / "steps.log").read_text().splitlines():
+        _, step, rank, world, _, loss, fingerprint, *_ = line.split()
+        runs.setdefault((step, rank, world), set()).add((loss, fingerprint))
+    assert all(len(seen) == 1 for seen in runs.values()), {key: seen for key, seen in runs.items() if len(seen) > 1}
+
+
+def assert_on_course(work: Path, reference: Path) -> None:
+    """Every step took the uninterrupted job's samples, each once per epoch; the result equals its
+    result up to the order of the sums."""
+    steps, expected = read_steps(work / "steps.log"), read_steps(reference / "steps.log")
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert step_samples(steps) == step_samples(expected)
+    per_epoch = SAMPLES // GLOBAL_BATCH
+    for epoch in range(EPOCHS):
+        seen = Counter(i for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
+                       for i in step_samples(steps)[step])
+        assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
+    final, uninterrupted = torch.load(work / "final.pt"), torch.load(reference / "final.pt")
+    torch.testing.assert_close(final["model"], uninterrupted["model"], **TOLERANCE)
+
+
+@pytest.mark.slow
+def test_a_lost_node_of_two_ranks_restarts_the_survivors_within_a_minute_with_the_defaults(
+        one_process: Path, tmp_path: Path) -> None:
+    """``--nnodes 1:2``, default options (failure_timeout 30 s): node 1 (ranks 2 and 3, and its agent)
+    is lost for good in the commit of checkpoint 4, as rank 3 sends its report. The survivors leave
+    and restart within 60 s of the loss, at 2 ranks, and finish on course."""
+    job = run_job(tmp_path, "1:2", "gather:3:4:agent")
+    assert_survived(job, 30.0)
+    assert job.faults[0].restarted_s is not None and job.faults[0].restarted_s < 60, job.faults
+    assert_on_course(tmp_path, one_process)
+
+
+CHEAP = [("broadcast", "freeze", "1:2")]
+MATRIX = [(phase, what, nnodes) for phase in ("between", "snapshot", "gather", "broadcast", "upload", "vote")
+          for what in ("rank", "agent", "freeze") for nnodes in ("2", "1:2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("phase", "what", "nnodes"), MATRIX if FULL else CHEAP)
+def test_a_rank_or_node_lost_at_a_phase_never_hangs_the_job(
+        request: pytest.FixtureRequest, one_process: Path, tmp_path: Path, phase: str, what: str, nnodes: str) -> None:
+    """Rank 3 (or node 1: ranks 2 and 3) lost at ``phase`` of step 4's checkpoint (or after step 5,
+    between checkpoints); a lost node comes back with ``--nnodes 2`` (the job resumes at 4 ranks,
+    bit-identical) and stays lost with ``--nnodes 1:2`` (it resumes at 2 ranks, on course)."""
+    rank = "2" if phase == "broadcast" and what == "rank" else "3"
+    step = "5" if phase == "between" else "4"
+    job = run_job(tmp_path, nnodes, f"{phase}:{rank}:{step}:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
+                  replace_lost_agent=nnodes == "2" and what != "rank")
+    assert_survived(job, FAILURE_TIMEOUT_S)
+    assert_replays_identical(tmp_path)
+    if what != "rank" and nnodes == "1:2":
+        assert_on_course(tmp_path, one_process)
+    else:
+        assert_bit_identical(tmp_path, request.getfixturevalue("four_ranks"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="CHECKFREQ_FAULT_MATRIX=1 runs it")
+@pytest.mark.parametrize("what", ["rank", "agent"])
+def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
+        four_ranks: Path, tmp_path: Path, what: str) -> None:
+    """A first fault makes the job restart (rank 3 lost between checkpoints); rank 3, or node 1, is then
+    lost as the restore exchanges data; node 1 comes back (``--nnodes 2``): bit-identical."""
+    job = run_job(tmp_path, "2", f"between:3:5:rank,restore:3:0:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
+                  replace_lost_agent=True)
+    assert_survived(job, FAILURE_TIMEOUT_S, count=2)
+    assert_replays_identical(tmp_path)
+    assert_bit_identical(tmp_path, four_ranks)
+
+
+def _leave_on_an_error(rank: int, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result: dict = {}
+    try:
+        with cf.Checkpointer(Path(out) / f"node{rank}", policy=1, failure_timeout=FAILURE_TIMEOUT_S,
+                             model=model, optimizer=optimizer) as ckpt:
+            for step in range(1, 1000):
+                model(torch.ones(8, 64)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                ckpt.step()  # a checkpoint at every step: the ranks commit together
+                if rank == 1 and step == 3:
+                    result["raised"] = time.time()
+                    raise ValueError("boom on rank 1")
+                time.sleep(0.02)
+    except ValueError as e:  # rank 1: out of its with block, the checkpoint in flight abandoned
+        result.update(left=time.time(), error=str(e))
+    except cf.PeerLostError as e:  # rank 0: its step() names rank 1 and why it left
+        result.update(lost=time.time(), error=str(e))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_a_rank_leaving_its_with_block_on_an_error_releases_the_other_ranks_at_once(tmp_path: Path) -> None:
+    """Rank 1 raises inside ``with Checkpointer(...)`` while the ranks checkpoint at every step: it
+    leaves its block within the failure timeout (the commit in flight abandoned, not waited for
+    until ``persist_timeout``), and rank 0's next ``step()`` raises ``PeerLostError`` saying that
+    rank 1 left, and on what, without waiting for the failure timeout."""
+    spawn_ranks(_leave_on_an_error, (str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    survivor, leaver = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert leaver["error"] == "boom on rank 1" and leaver["left"] - leaver["raised"] < FAILURE_TIMEOUT_S + 1, leaver
+    assert "rank 1 left on ValueError: boom on rank 1" in survivor["error"], survivor
+    assert "rank 0 gives up" in survivor["error"] and survivor["lost"] - leaver["raised"] < FAILURE_TIMEOUT_S, survivor
+
