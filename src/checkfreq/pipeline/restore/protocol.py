@@ -153,9 +153,9 @@ class Restorer:
         device run at the pinned bandwidth.
         """
         with during(self.peers, "the restore"):
-            return self._find(step, blocks)
+            return self._find(step, blocks, device_copies)
 
-    def _find(self, step: int | None, blocks: Blocks | None) -> Found | None:
+    def _find(self, step: int | None, blocks: Blocks | None, device_copies: bool) -> Found | None:
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
         if self.memory.present:
