@@ -157,7 +157,7 @@ def test_resumed_session_after_sigkill_keeps_the_rate_and_the_bound(tmp_path: Pa
 
 @pytest.mark.slow
 def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path: Path) -> None:
-    out = finish_job(launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "5",
+    out = finish_job(launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "3",
                                 "--steps", "200"))
     records = [
         json.loads(line) for rank in (0, 1) for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
