@@ -52,7 +52,15 @@ from checkfreq.run.options import check_objects, check_option_types, check_regis
 from checkfreq.run.rng import RNGState
 from checkfreq.run.session import run_state, seed_session
 from checkfreq.run.signals import SignalTrap
-from checkfreq.run.state import Stateful, apply_state, flatten, optimizer_owned, unflatten
+from checkfreq.run.state import (
+    Stateful,
+    apply_state,
+    flatten,
+    optimizer_owned,
+    unclaimed,
+    unclaimed_message,
+    unflatten,
+)
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
 from checkfreq.run.tensors import any_cuda, is_dtensor, objects_on_cuda
 from checkfreq.run.timeline import Timeline
@@ -159,6 +167,7 @@ class Checkpointer:
         self._timeout = persist_timeout
         self._objects: dict[str, Stateful] = dict(objects)
         self._values: dict[str, Any] = values
+        self._unclaimed: list[str] = []  # what the restored checkpoint held that nothing registered took
         flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
         self._epoch_source = next((o for o in self._objects.values() if _has_int_epoch(o)), None)
         if rng:
@@ -250,6 +259,8 @@ class Checkpointer:
         return self._profiler
 
     def __getitem__(self, name: str) -> Any:
+        if name not in self._values and name in self._unclaimed:
+            raise KeyError(f"{name!r} is not registered: {unclaimed_message('the restored checkpoint', [name])}")
         return self._values[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
@@ -337,8 +348,11 @@ class Checkpointer:
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
         where = "" if found.tier == "local" else f", read from the {found.tier} tier"
-        apply_state(self._objects, self._values, state, f"checkpoint {found.name} of {self.directory}{where}",
-                    os.path.join(self.directory, found.name))
+        source = f"checkpoint {found.name} of {self.directory}{where}"
+        apply_state(self._objects, self._values, state, source, os.path.join(self.directory, found.name))
+        self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
+        if self._unclaimed:
+            log.warning("%s", unclaimed_message(source, self._unclaimed))
         warn_if_buckets_reorder(
             (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
         )

@@ -160,3 +160,17 @@ def test_damage_on_either_side_still_fails(nodes: Path, tmp_path: Path) -> None:
     (copy / "remote" / "step_000000003" / "rank00000.safetensors").unlink()
     quick = list_checkpoints(copy / "node1", checksums=False, remote=copy / "remote")
     assert quick[1].reason == f"data file rank00000.safetensors in {copy / 'remote'} is missing"
+
+
+def test_export_of_a_checkpoint_written_by_two_ranks_gives_the_whole_model(nodes: Path, tmp_path: Path) -> None:
+    """The ranks each wrote a share of the parameters (a tensor cut between their files): ``export``
+    puts them together, as a one-process restore does, and takes saved rank 0's own state."""
+    checkpoint = nodes / "remote" / f"step_{STEPS:09d}"  # the remote tier holds both ranks' files
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert any(len(e["parts"]) > 1 for e in manifest["distributed"]["tensors"].values())  # a tensor is cut
+    code, out = _cli("export", checkpoint, "--to", tmp_path / "model.pt", "--only", "model")
+    assert code == 0, out
+    exported, final = torch.load(tmp_path / "model.pt", weights_only=True), torch.load(nodes / "final0.pt")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], v) for k, v in final.items())
+    code, out = _cli("export", checkpoint, "--to", tmp_path / "state.safetensors")
+    assert code == 0 and "(11 tensors)" in out, out

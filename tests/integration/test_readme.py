@@ -91,9 +91,11 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
     restored = [e["step"] for e in read_events(run) if e["event"] == "restore"]
     assert len(restored) == 1 and 0 < restored[0] <= KILL_AT, restored  # resumed mid-run, not from scratch
 
-    # `checkfreq diff` of the two runs' last checkpoints: no tensor differs, the generators' states included
+    # `checkfreq diff` of the two runs' last checkpoints: no tensor and no other value differs, the
+    # generators' states included (Python's is a value, NumPy's and torch's are tensors)
     result = CliRunner().invoke(app, ["diff", str(tmp_path / "uninterrupted" / "runs" / "exp1"), str(run), "--json"])
     assert result.exit_code == 0, result.output
     compared = json.loads(result.output)
     assert compared["identical"] and compared["step_a"] == compared["step_b"] == 96
     assert {"rng/numpy/state/key", "rng/torch"} <= {t["name"] for t in compared["tensors"]}
+    assert any(v["name"].startswith("rng/python") for v in compared["values"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -250,6 +250,19 @@ def _print_diff(result: CheckpointDiff, show_all: bool) -> None:
         out.print(fitted_table(headers, rows, wrap={"tensor": 3, "status": 2}))
     equal = sum(t.status == "equal" for t in result.tensors)
     out.print(f"{len(result.tensors) - equal} of {len(result.tensors)} tensors differ")
+    values = [(v.name, v.status, _shown(v.a), _shown(v.b)) for v in result.values if show_all or v.status != "equal"]
+    if values:
+        out.print(fitted_table(("value", "status", "A", "B"), values, wrap={"value": 3, "A": 2, "B": 2}))
+    equal = sum(v.status == "equal" for v in result.values)
+    out.print(f"{len(result.values) - equal} of {len(result.values)} other values differ")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value for a table cell: a long list is summarised, a long text shortened (``--json`` has them whole)."""
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{len(value)} items: {', '.join(map(repr, value[:2]))}, ...]"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _g(value: float | None) -> str:

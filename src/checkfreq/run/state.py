@@ -332,6 +332,23 @@ def apply_state(
         objects["rng"].load_state_dict(state["rng"])
 
 
+def unclaimed(state: Mapping[str, Any], objects: Mapping[str, Any], values: Mapping[str, Any],
+              reserved: frozenset[str]) -> list[str]:
+    """The names a checkpoint's ``state`` holds that no registered object or value takes (its
+    reserved entries aside): :func:`apply_state` leaves them where they are, unrestored."""
+    return sorted(set(state) - set(objects) - set(values) - reserved)
+
+
+def unclaimed_message(source: str, names: list[str]) -> str:
+    """Why the state under ``names`` was not restored, and how to get it back."""
+    listed = ", ".join(repr(n) for n in names)
+    return (
+        f"{source} holds state for {listed}, which nothing registered takes: not restored. A plain value "
+        f"comes back only if it is registered before restore() (values={{{names[0]!r}: default}} or "
+        f"ckpt[{names[0]!r}] = default, then restore()); an object, if it is registered under the same name"
+    )
+
+
 def misfit_message(source: str, path: str, problems: list[str]) -> str:
     """Which checkpoint did not fit, every difference, and the ways on."""
     return "\n- ".join([f"{source} does not fit the registered objects:", *problems]) + (

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from checkfreq.dist.shares import local_view
 from checkfreq.errors import (
     CheckfreqError,
     CheckpointNotFoundError,
@@ -369,9 +370,13 @@ class ExportResult:
 
 def load_state(ref: CheckpointRef, only: str | None = None) -> tuple[Manifest, Any]:
     """The verified state of one checkpoint as plain Python: ``{registered_name: state}``, or one
-    object's state with ``only``. Tensors are independent CPU copies; NumPy arrays become tensors."""
-    manifest, tensors = ref.read()
-    state = unflatten(manifest.state, tensors, allow_pickle=False)
+    object's state with ``only``. Tensors are independent CPU copies; NumPy arrays become tensors.
+    A checkpoint written by several ranks gives the state one process restores from it: every
+    parameter and optimizer tensor whole (put together from the ranks' pieces and shards), and
+    saved rank 0's own buffers, values and generators."""
+    manifest, stored = ref.read()
+    skeleton, tensors = local_view(manifest, stored)
+    state = unflatten(skeleton, tensors, allow_pickle=False)
     if only is not None:
         if only not in state:
             raise UnknownObjectError(

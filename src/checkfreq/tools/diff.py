@@ -1,14 +1,17 @@
-"""Two checkpoints compared tensor by tensor: which differ, by how much (``checkfreq diff``)."""
+"""Two checkpoints compared: which tensors differ and by how much, and which other values
+(numbers, strings, ... of the registered state) differ (``checkfreq diff``)."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from checkfreq.dist.shares import private_name
 from checkfreq.errors import (
     CorruptCheckpointError,
 )
@@ -38,28 +41,48 @@ class TensorDiff:
 
 
 @dataclass(frozen=True)
+class ValueDiff:
+    """How one value of the state that is not a tensor (a registered plain value such as a
+    learning rate, a loader's position, Python's random state, an optimizer's hyperparameter)
+    differs between checkpoints A and B."""
+
+    name: str
+    status: str
+    """``equal``, ``differs``, ``only_a`` or ``only_b``."""
+    a: Any
+    b: Any
+    """The values (None where absent); a list of numbers is one value."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_safe(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class CheckpointDiff:
-    """Every tensor of two checkpoints compared by name."""
+    """Every tensor and every other value of two checkpoints compared by name."""
 
     a: str
     b: str
     step_a: int
     step_b: int
     tensors: list[TensorDiff]
+    values: list[ValueDiff] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
-        return all(t.status == "equal" for t in self.tensors)
+        return all(t.status == "equal" for t in self.tensors) and all(v.status == "equal" for v in self.values)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a, "b": self.b, "step_a": self.step_a, "step_b": self.step_b,
             "identical": self.identical, "tensors": [t.to_dict() for t in self.tensors],
+            "values": [v.to_dict() for v in self.values],
         }
 
 
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff:
-    """Compare two checkpoints (both verified against their checksums) tensor by tensor."""
+    """Compare two checkpoints (both verified against their checksums): every tensor by name, and
+    every other value of the state (but the reserved ``checkfreq`` entry: what the run measured)."""
     ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
     manifest_a, tensors_a = _read_side("A", ref_a)
     manifest_b, tensors_b = _read_side("B", ref_b)
@@ -68,7 +91,13 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff
     ]
     order = {"mismatch": 0, "only_a": 1, "only_b": 1, "differs": 2, "equal": 3}
     rows.sort(key=lambda r: (order[r.status], -(r.rel_l2 or 0.0), r.name))
-    return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows)
+    values_a, values_b = _values(manifest_a), _values(manifest_b)
+    values = [
+        _compare_value(name, values_a.get(name, _ABSENT), values_b.get(name, _ABSENT))
+        for name in sorted(values_a.keys() | values_b.keys())
+    ]
+    values.sort(key=lambda v: (order[v.status], v.name))
+    return CheckpointDiff(ref_a.address, ref_b.address, manifest_a.step, manifest_b.step, rows, values)
 
 
 def _read_side(side: str, ref: CheckpointRef) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -98,6 +127,68 @@ def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> Tenso
     return TensorDiff(name, "differs", None, changed, x.numel(), max_abs, rel)
 
 
+_ABSENT = object()
+_SCALARS = (bool, int, float, str, type(None))
+RUN_ENTRY = "checkfreq"
+"""The reserved entry holding what the run measured (timings, the policy's state): not compared."""
+
+
+def _values(manifest: Manifest) -> dict[str, Any]:
+    """Every value of the state that is not a tensor, by path; in a checkpoint of several ranks,
+    each rank's (its skeleton is its own) named as its private tensors are, ``path@rankNNNNN``."""
+    ranks = (manifest.distributed or {}).get("ranks") if manifest.world_size > 1 else None
+    skeletons = [(manifest.state, None)] if not ranks else [(s, r) for r, s in enumerate(ranks)]
+    found: dict[str, Any] = {}
+    for skeleton, rank in skeletons:
+        for name, node in (skeleton or {}).items():
+            if name == RUN_ENTRY:
+                continue
+            for path, value in _leaves(node, name):
+                found[path if rank is None else private_name(path, rank)] = value
+    return found
+
+
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The non-tensor leaves of a skeleton node (docs: ``checkfreq.run.state``); a list or tuple of
+    plain scalars (Python's random state, Adam's betas) is one leaf."""
+    if isinstance(node, dict) and len(node) == 1:
+        (marker, inner), = node.items()
+        if marker in ("__tensor__", "__ndarray__"):
+            return  # compared as a tensor
+        if marker == "__tuple__":
+            node = inner
+        elif marker == "__items__":
+            node = {str(k): v for k, v in inner}
+    if isinstance(node, list) and node and not all(isinstance(v, _SCALARS) for v in node):
+        for i, value in enumerate(node):
+            yield from _leaves(value, f"{path}/{i}")
+    elif isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}/{key}")
+    else:
+        yield path, node
+
+
+def _compare_value(name: str, x: Any, y: Any) -> ValueDiff:
+    if x is _ABSENT or y is _ABSENT:
+        return ValueDiff(name, "only_b" if x is _ABSENT else "only_a", None if x is _ABSENT else x,
+                         None if y is _ABSENT else y)
+    return ValueDiff(name, "equal" if _same(x, y) else "differs", x, y)
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Equal in type and value (NaN equals NaN; 1 is not 1.0 or True)."""
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y, strict=True))
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float) and math.isnan(x):
+        return math.isnan(y)
+    return bool(x == y)
+
+
 def _json_safe(value: Any) -> Any:
-    """``value``, but a float that JSON cannot hold (inf, nan) as None."""
+    """``value``, but a float that JSON cannot hold (inf, nan) as None, in a list too."""
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
     return None if isinstance(value, float) and not math.isfinite(value) else value

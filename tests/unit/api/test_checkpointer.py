@@ -92,6 +92,35 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for slots in opt.state.values() for t in slots.values() if isinstance(t, torch.Tensor)]
 
 
+def test_state_the_checkpoint_holds_but_nothing_registered_takes_is_named(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A value (or object) saved but not registered when restore() runs is not restored: restore()
+    warns naming it, and reading it raises a KeyError that says to register it before restore()."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    hidden = (torch.ones(1, 2, 3), torch.zeros(1, 2, 3))
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt, scheduler=sched, policy=1,
+                         values={"lr": 20.0, "hidden": hidden}) as ckpt:
+        ckpt.save(blocking=True)
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
+            cf.Checkpointer(tmp_path, model=model, optimizer=opt, values={"lr": 1.0}) as ckpt:
+        ckpt.restore()
+        assert ckpt["lr"] == 20.0
+        with pytest.raises(KeyError, match=r"'hidden' is not registered: .* before restore\(\)"):
+            ckpt["hidden"]
+        ckpt["hidden"] = None  # registered now: the value set, nothing restored behind it
+        assert ckpt["hidden"] is None
+    warned = [r.getMessage() for r in caplog.records if "nothing registered takes" in r.getMessage()]
+    assert len(warned) == 1 and "'hidden', 'scheduler'" in warned[0] and "'lr'" not in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), cf.Checkpointer(
+            tmp_path, model=model, optimizer=opt, scheduler=sched, values={"lr": 1.0, "hidden": None}) as ckpt:
+        ckpt.restore()
+        restored = ckpt["hidden"]
+    assert isinstance(restored, tuple) and torch.equal(restored[0], hidden[0])
+    assert "nothing registered takes" not in caplog.text
+
+
 def test_restored_values_hold_no_view_of_the_checkpoint(tmp_path: Path) -> None:
     """Tensors and arrays in plain values come back with storage of their own, not pinning the file."""
     model = make_model()

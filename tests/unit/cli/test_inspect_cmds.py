@@ -342,3 +342,33 @@ def test_a_checkpoint_without_its_manifest_is_listed_invalid(run: Path) -> None:
     assert not listing["step_000000005"]["valid"] and "manifest.json is missing" in listing["step_000000005"]["reason"]
     code, out = invoke("verify", run)
     assert code == 1 and "FAILED step_000000005: manifest.json is missing" in out
+
+
+def test_diff_compares_the_values_that_are_not_tensors(tmp_path: Path) -> None:
+    """A learning rate kept as a plain value (or in an optimizer's parameter groups), a position
+    or a random state that differs makes two checkpoints differ, though every tensor is equal;
+    what the runs measured (the reserved ``checkfreq`` entry) does not."""
+
+    def save(name: str, lr: float, position: int) -> Path:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        with cf.Checkpointer(tmp_path / name, model=model, optimizer=opt, policy=1, rng=False,
+                             values={"lr": lr, "position": {"epoch": 2, "batch": position}, "hidden": None}) as ckpt:
+            ckpt.save(blocking=True)
+        return tmp_path / name
+
+    first, again, other = save("first", 20.0, 7), save("again", 20.0, 7), save("other", 5.0, 8)
+    result = as_json_allow_failure("diff", first, other)
+    rows = {v["name"]: v for v in result["values"]}
+    code, out = invoke("diff", first, again)
+    assert code == 0 and "0 of 2 tensors differ" in out and f"0 of {len(rows)} other values differ" in out
+    code, out = invoke("diff", first, other, columns=80)
+    assert code == 1 and "0 of 2 tensors differ" in out and f"3 of {len(rows)} other values differ" in out
+    assert "lr" in out and "20.0" in out and "5.0" in out
+    assert result["identical"] is False and all(t["status"] == "equal" for t in result["tensors"])
+    assert rows["lr"] == {"name": "lr", "status": "differs", "a": 20.0, "b": 5.0}
+    assert rows["optimizer/param_groups/0/lr"]["status"] == "differs"
+    assert rows["position/batch"]["a"] == 7 and rows["position/batch"]["b"] == 8
+    assert rows["position/epoch"]["status"] == rows["hidden"]["status"] == "equal"
+    assert not any(name.startswith("checkfreq") for name in rows)
