@@ -519,7 +519,7 @@ class Checkpointer:
             job = self._memory.around_persist(target, pending, job)
             self._memory.taken(step)
         self._writer.submit(job)
-        window = self._timeline.checkpointed(start)
+        window = self._timeline.checkpointed(start, self._profiler.away)
         stall = time.perf_counter() - start
         self._events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,

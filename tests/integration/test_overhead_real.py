@@ -88,3 +88,36 @@ def test_interval_grows_when_persist_slows_and_shrinks_when_it_recovers(tmp_path
     ckpt.close()
     assert during > before and during >= 75, policy.reason  # at least half the injected delay, in steps
     assert after < during, policy.reason
+
+
+def _evaluating_loop(directory: Path, evaluation: float) -> tuple[int, float, float]:
+    """400 steps under ``Overhead(p=0.05)``, sleeping ``evaluation`` seconds every 40 (other work
+    between steps): (checkpoints taken, seconds slept, the profiler's ``away``)."""
+    model, opt, x, y = setup()
+    ckpt = Checkpointer(directory, policy=Overhead(p=0.05), keep=2, model=model, optimizer=opt)
+    taken, slept = 0, 0.0
+    for i in range(1, 401):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        taken += ckpt.step()
+        if i % 40 == 0 and evaluation:
+            time.sleep(evaluation)
+            slept += evaluation
+    away = ckpt.profiler.away
+    ckpt.close()
+    return taken, slept, away
+
+
+def test_an_evaluation_between_steps_is_not_counted_as_checkpointing(tmp_path: Path) -> None:
+    """A loop that spends 0.1 s on other work (an evaluation) every 40 steps, about as long as its
+    training: the profiler tells that time apart from training and checkpointing (``away``),
+    whether or not a persist ran meanwhile, so the policy's budget and windows do not read it as
+    the checkpoints' cost, and it checkpoints about as often as the same loop without it (counted
+    as overhead, the evaluations left it 5 or 6 checkpoints against 20 to 60)."""
+    torch.set_num_threads(1)
+    plain, _, _ = _evaluating_loop(tmp_path / "plain", 0.0)
+    taken, slept, away = _evaluating_loop(tmp_path / "evaluating", 0.1)
+    assert 0.7 * slept <= away <= slept + 0.5, (away, slept)
+    assert taken >= plain / 2, (taken, plain)

@@ -40,6 +40,11 @@ class DecisionContext:
     checkpoint_cost: float = math.nan
     """What a checkpoint cost the loop, measured: its stall plus the extra time of the iterations its
     persist overlapped."""
+    away: float = 0.0
+    """Seconds of :attr:`elapsed` the loop spent between steps on other work than training and
+    checkpointing (an evaluation, an epoch's end), as the profiler tells them apart: not overhead."""
+    away_since_checkpoint: float = 0.0
+    """The part of :attr:`away` within :attr:`seconds_since_checkpoint`."""
 
 
 

@@ -30,7 +30,8 @@ log = logging.getLogger("checkfreq.policies")
 
 @dataclass
 class _Cycles:
-    """Detects checkpoints from the context and measures each checkpoint-to-checkpoint cycle."""
+    """Detects checkpoints from the context and measures each checkpoint-to-checkpoint cycle, in
+    seconds of training and checkpointing (the loop's other work between steps left out)."""
 
     last_since: int | None = None
     start_step: int | None = None
@@ -45,7 +46,8 @@ class _Cycles:
         self.closed = None
         if not fresh:
             return False
-        step, time = ctx.step - ctx.steps_since_checkpoint, ctx.elapsed - ctx.seconds_since_checkpoint
+        step = ctx.step - ctx.steps_since_checkpoint
+        time = ctx.elapsed - ctx.seconds_since_checkpoint - (ctx.away - ctx.away_since_checkpoint)
         if self.start_step is not None and step > self.start_step and time > self.start_time:
             self.closed = (step - self.start_step, time - self.start_time)
         self.start_step, self.start_time = step, time

@@ -80,6 +80,10 @@ class Smoothed:
         self._run.clear()
 
 
+AWAY_FACTOR = 2.0
+"""A step with no persist that takes more than this many iteration times held other work too."""
+
+
 @dataclass
 class Profiler:
     """Measurements the policies decide from.
@@ -104,6 +108,12 @@ class Profiler:
     """Seconds one checkpoint cost the training loop, measured whole: its stall plus the time the
     iterations its persist overlapped took beyond :attr:`iteration`."""
     bytes_per_checkpoint: int = 0
+    away: float = 0.0
+    """Seconds the loop spent between steps on neither training nor checkpointing (an evaluation,
+    an epoch's end): a step that no persist overlapped and that took more than
+    :data:`AWAY_FACTOR` times :attr:`iteration` adds what it took beyond :attr:`iteration`; a step
+    that a persist overlapped, what it took beyond :attr:`iteration` plus :attr:`persist` (a
+    background write cannot slow a step by more than it lasts)."""
     _stall_to_discount: float = 0.0
     _open_cost: float | None = None  # the cost of the checkpoint whose aftermath is being measured
 
@@ -115,11 +125,17 @@ class Profiler:
     def record_iteration(self, seconds: float, persisting: bool) -> None:
         """One step's wall time; ``persisting``: a background write overlapped it."""
         seconds, self._stall_to_discount = max(seconds - self._stall_to_discount, 0.0), 0.0
+        if not persisting and self.iteration.value > 0 and seconds > AWAY_FACTOR * self.iteration.value:
+            self.away += seconds - self.iteration.value
         if self._open_cost is not None and not persisting:
             self._close_cost()
         elif self._open_cost is not None:
             if self.iteration.value > 0:
-                self._open_cost += seconds - self.iteration.value
+                extra = seconds - self.iteration.value
+                if self.persist.value > 0 and extra > self.persist.value:  # a write slows a step by its length at most
+                    self.away += extra - self.persist.value
+                    extra = self.persist.value
+                self._open_cost += extra
             else:  # no clean baseline yet: this checkpoint's cost cannot be told apart
                 self._open_cost = None
         (self.iteration_while_persisting if persisting else self.iteration).add(seconds)

@@ -28,6 +28,8 @@ class Timeline:
     clean_count: int = 0
     """Iterations since the last checkpoint that no stall or persist overlapped."""
     clean_seconds: float = 0.0
+    away_at_checkpoint: float = 0.0
+    """The profiler's ``away`` (other work between steps) when the last checkpoint began."""
     _last_step_time: float | None = None
     _transitions: int = 0
     _last_epoch: int | None = None
@@ -54,16 +56,17 @@ class Timeline:
         self._last_step_time, self._transitions = now, writer_transitions
         return measured
 
-    def checkpointed(self, start: float) -> dict[str, Any]:
-        """A checkpoint began at ``start`` at the current step: what the snapshot event says about
-        the window it closes (interval, clean iterations); the next window starts."""
+    def checkpointed(self, start: float, away: float) -> dict[str, Any]:
+        """A checkpoint began at ``start`` at the current step, the profiler's ``away`` then at
+        ``away``: what the snapshot event says about the window it closes (interval, clean
+        iterations); the next window starts."""
         window = {
             "interval_steps": self.step - self.last_checkpoint,
             "interval_s": start - self.last_checkpoint_time,
             "clean_iterations": self.clean_count,
             "clean_iteration_s": self.clean_seconds / self.clean_count if self.clean_count else None,
         }
-        self.last_checkpoint, self.last_checkpoint_time = self.step, start
+        self.last_checkpoint, self.last_checkpoint_time, self.away_at_checkpoint = self.step, start, away
         self.clean_count, self.clean_seconds = 0, 0.0
         return window
 
@@ -84,6 +87,8 @@ class Timeline:
             stall=profiler.stall.value,
             persist_time=profiler.persist.value,
             checkpoint_cost=profiler.checkpoint_cost.value,
+            away=profiler.away,
+            away_since_checkpoint=profiler.away - self.away_at_checkpoint,
             bytes_per_checkpoint=profiler.bytes_per_checkpoint,
             persist_in_flight=persist_in_flight,
             epoch=epoch,

@@ -39,6 +39,13 @@ class FakeRun:
     last: float = 0.0
     durable_at: float = -1.0
     compute: float = 0.0
+    evaluation: tuple[int, float] = (0, 0.0)
+    """(every, seconds): work between steps every so many steps (an evaluation)."""
+    away: float = 0.0
+    """Seconds of that work the profiler told apart (it took place with no persist running)."""
+    away_at_checkpoint: float = 0.0
+    told_apart: bool = True
+    """False: the context says nothing of that work (as before the profiler measured it)."""
     intervals: list[int] = field(default_factory=list)
 
     def run(self, policy, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -47,6 +54,10 @@ class FakeRun:
             self.step += 1
             self.since += 1
             self.now += self.iteration * (1 + self.slowdown if persisting else 1)
+            every, seconds = self.evaluation
+            if every and self.step % every == 0:
+                self.now += seconds
+                self.away += seconds if self.told_apart and not persisting else 0.0
             self.compute += self.iteration
             ctx = DecisionContext(
                 step=self.step,
@@ -61,9 +72,11 @@ class FakeRun:
                 bytes_per_checkpoint=1,
                 persist_in_flight=persisting,
                 loss=float(self.loss.value(self.step)) if self.loss else None,
+                away=self.away,
+                away_since_checkpoint=self.away - self.away_at_checkpoint,
             )
             if policy.should_save(ctx):
-                self.last = self.now
+                self.last, self.away_at_checkpoint = self.now, self.away
                 self.now += self.stall
                 self.since = 0
                 self.durable_at = self.last + self.persist
@@ -169,6 +182,40 @@ def test_overhead_measured_overhead_corrects_a_wrong_cost_model() -> None:
     assert policy2.interval > 2 * planned and policy2.correction > 2
     assert "measured overhead" in policy2.reason
     assert hidden.overhead <= 0.05
+
+
+def test_overhead_does_not_count_the_loops_other_work_as_checkpointing() -> None:
+    """An evaluation of 30 iterations every 100 steps (a fifth of the run): the windows measure
+    the checkpoints' cost alone, so the plan is the one of the same loop without evaluations;
+    counted as overhead (the time the profiler tells apart ignored), it would stretch the interval."""
+    plain = Overhead(p=0.05)
+    FakeRun(iteration=0.01, stall=0.02, persist=0.1).run(plain, 20_000)
+    evaluating = Overhead(p=0.05)
+    FakeRun(iteration=0.01, stall=0.02, persist=0.1, evaluation=(100, 0.3)).run(evaluating, 20_000)
+    assert evaluating.interval <= plain.interval * 1.3 and evaluating.correction < 1.5, evaluating.reason
+    blind = Overhead(p=0.05)
+    FakeRun(iteration=0.01, stall=0.02, persist=0.1, evaluation=(100, 0.3), told_apart=False).run(blind, 20_000)
+    assert blind.interval > 2 * plain.interval
+
+
+def test_profiler_tells_the_loops_other_work_apart() -> None:
+    """A step with no persist that takes over twice the iteration time held other work: its time
+    beyond the iteration time is away; a slow step that a persist overlapped is a checkpoint's cost."""
+    profiler = Profiler()
+    for _ in range(20):
+        profiler.record_iteration(0.01, persisting=False)
+    profiler.record_iteration(0.015, persisting=False)  # noise
+    assert profiler.away == 0.0
+    profiler.record_iteration(0.31, persisting=False)  # an evaluation of 0.3 s
+    assert profiler.away == pytest.approx(0.3, rel=0.05)
+    profiler.record_persist(0.02, 1000)
+    profiler.begin_checkpoint()
+    profiler.record_iteration(0.025, persisting=True)  # slowed by the write: its cost
+    assert profiler.away == pytest.approx(0.3, rel=0.05)
+    profiler.record_iteration(0.33, persisting=True)  # an evaluation while the write ran: 0.02 s at most is its cost
+    assert profiler.away == pytest.approx(0.3 + 0.3, rel=0.05)
+    profiler.record_iteration(0.01, persisting=False)
+    assert profiler.checkpoint_cost.value == pytest.approx(0.015 + 0.02, rel=0.1)
 
 
 def test_overhead_defers_while_persist_in_flight_and_reacts_to_phase_change() -> None:
