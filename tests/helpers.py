@@ -63,6 +63,28 @@ def assert_state_equal(a: dict, b: dict) -> None:
             assert x == y, key
 
 
+def docs_example(page: Path, heading: str) -> str:
+    """The first Python block under ``heading`` of a docs page."""
+    section = page.read_text().split(f"## {heading}", 1)[1]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found is not None, f"no Python block under {heading!r} in {page.name}"
+    return found.group(1)
+
+
+def run_example(workdir: Path, module: str, steps: int, then: str, *, killed: bool = False) -> None:
+    """In a child process, ``result = train(workdir/'ckpt', steps)`` of the example module ``module``
+    written into ``workdir``, then the statement ``then``, then a SIGKILL of the child if ``killed``."""
+    code = (
+        f"import os, signal, sys, torch; sys.path.insert(0, {str(workdir)!r}); torch.set_num_threads(1)\n"
+        f"from {module} import train\n"
+        f"result = train({str(workdir / 'ckpt')!r}, {steps})\n"
+        f"{then}\n"
+        f"if {killed}: os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == (-signal.SIGKILL if killed else 0), proc.stderr
+
+
 def run_job(command: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
     """Run a job in a session of its own and return (exit status, output); nothing of it outlives it."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

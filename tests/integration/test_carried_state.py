@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import glob
 import json
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +13,7 @@ from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
-from helpers import DOCS, assert_state_equal
+from helpers import DOCS, assert_state_equal, docs_example, run_example
 
 PAGE = DOCS / "exactness.md"
 CARRIED = 'ckpt["i"], ckpt["hidden"] = i + BPTT, hidden'
@@ -25,22 +21,15 @@ TO_THE_END = 10**9
 
 
 def example() -> str:
-    section = PAGE.read_text().split("## State the loop carries", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    return docs_example(PAGE, "State the loop carries")
 
 
 def run(workdir: Path, module: str, steps: int, *, killed: bool = False) -> None:
-    """Train ``module``'s example until global step ``steps`` in a child process, then SIGKILL it
-    if ``killed``, else save its final weights."""
-    code = (
-        f"import os, signal, sys, torch; sys.path.insert(0, {str(workdir)!r}); torch.set_num_threads(1)\n"
-        f"from {module} import train\n"
-        f"model = train({str(workdir / 'ckpt')!r}, {steps})\n"
-        f"if {killed}: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"torch.save(model.state_dict(), {str(workdir / 'final.pt')!r})\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == (-signal.SIGKILL if killed else 0), proc.stderr
+    """Train ``module``'s example until global step ``steps``, then SIGKILL it if ``killed``, else
+    save its final weights."""
+    final = str(workdir / "final.pt")
+    run_example(workdir, module, steps, "pass" if killed else f"torch.save(result.state_dict(), {final!r})",
+                killed=killed)
 
 
 def newest(workdir: Path) -> Path:

@@ -3,36 +3,26 @@ prefetched batch is registered, as the page's example does, and does not when it
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from helpers import DOCS, assert_state_equal
+from helpers import DOCS, assert_state_equal, docs_example, run_example
 
 PAGE = DOCS / "exactness.md"
 READ_BACK = 'x, y = ckpt["batch"]'
 
 
 def example() -> str:
-    section = PAGE.read_text().split("## The step boundary", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return docs_example(PAGE, "The step boundary")
 
 
 def run(workdir: Path, module: str, steps: int, out: str, *, killed: bool = False) -> None:
-    """Train ``module``'s example to ``steps`` in a child process; SIGKILL it at the end if ``killed``."""
-    code = (
-        f"import os, signal, sys, torch; sys.path.insert(0, {str(workdir)!r}); torch.set_num_threads(1)\n"
-        f"from {module} import train\n"
-        f"model, opt = train({str(workdir / 'ckpt')!r}, {steps})\n"
-        f"torch.save({{'model': model.state_dict(), 'optimizer': opt.state_dict()}}, {str(workdir / out)!r})\n"
-        f"if {killed}: os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == (-signal.SIGKILL if killed else 0), proc.stderr
+    """Train ``module``'s example to ``steps`` and save its model and optimizer to ``out``; SIGKILL it
+    then if ``killed``."""
+    path = str(workdir / out)
+    saved = f"torch.save({{'model': result[0].state_dict(), 'optimizer': result[1].state_dict()}}, {path!r})"
+    run_example(workdir, module, steps, saved, killed=killed)
 
 
 def test_prefetching_loop_resumes_exactly_when_the_batch_is_registered(tmp_path: Path) -> None:
