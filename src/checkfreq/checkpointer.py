@@ -266,6 +266,9 @@ class Checkpointer:
     def __setitem__(self, name: str, value: Any) -> None:
         if name in self._objects or name in RESERVED_NAMES:
             raise UnknownObjectError(f"{name!r} is a registered object, not a plain value")
+        if name in self._unclaimed and name not in self._values:
+            raise UsageError(f"{name!r} is registered after restore(), which would lose its restored value: "
+                             + unclaimed_message("the restored checkpoint", [name]))
         flatten({name: value}, allow_pickle=self._allow_pickle)
         self._values[name] = value
 

@@ -94,7 +94,8 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def test_state_the_checkpoint_holds_but_nothing_registered_takes_is_named(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     """A value (or object) saved but not registered when restore() runs is not restored: restore()
-    warns naming it, and reading it raises a KeyError that says to register it before restore()."""
+    warns naming it, reading it raises a KeyError that says to register it before restore(), and
+    registering it afterwards (which would carry on without its restored value) raises."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
@@ -108,8 +109,9 @@ def test_state_the_checkpoint_holds_but_nothing_registered_takes_is_named(tmp_pa
         assert ckpt["lr"] == 20.0
         with pytest.raises(KeyError, match=r"'hidden' is not registered: .* before restore\(\)"):
             ckpt["hidden"]
-        ckpt["hidden"] = None  # registered now: the value set, nothing restored behind it
-        assert ckpt["hidden"] is None
+        with pytest.raises(cf.UsageError, match=r"'hidden' is registered after restore\(\), which would lose"):
+            ckpt["hidden"] = None  # the loop's first assignment: it would carry on without the restored state
+        ckpt["fresh"] = 1  # a name the checkpoint does not hold is registered as ever
     warned = [r.getMessage() for r in caplog.records if "nothing registered takes" in r.getMessage()]
     assert len(warned) == 1 and "'hidden', 'scheduler'" in warned[0] and "'lr'" not in warned[0]
     caplog.clear()
