@@ -287,7 +287,7 @@ class Checkpointer:
             now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions
         )
         if measured is not None:
-            self._profiler.record_iteration(measured[0], persisting=measured[1])
+            self._timeline.set_aside(self._profiler.record_iteration(measured[0], persisting=measured[1]))
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         ctx = self._timeline.context(
@@ -522,7 +522,7 @@ class Checkpointer:
             job = self._memory.around_persist(target, pending, job)
             self._memory.taken(step)
         self._writer.submit(job)
-        window = self._timeline.checkpointed(start, self._profiler.away)
+        window = self._timeline.checkpointed(start)
         stall = time.perf_counter() - start
         self._events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,

@@ -20,6 +20,7 @@ from overhead_loop import judge, setup, train  # tests/scripts, on the path thro
 from checkfreq.checkpointer import Checkpointer
 from checkfreq.pipeline import commit
 from checkfreq.policies import Overhead
+from checkfreq.tools.report import load_run
 
 STEPS = 200
 WARMUP = 15  # Overhead takes its profiling checkpoint at step 10
@@ -115,9 +116,15 @@ def test_an_evaluation_between_steps_is_not_counted_as_checkpointing(tmp_path: P
     training: the profiler tells that time apart from training and checkpointing (``away``),
     whether or not a persist ran meanwhile, so the policy's budget and windows do not read it as
     the checkpoints' cost, and it checkpoints about as often as the same loop without it (counted
-    as overhead, the evaluations left it 5 or 6 checkpoints against 20 to 60)."""
+    as overhead, the evaluations left it 5 or 6 checkpoints against 20 to 60); the event log
+    carries it (``away_s``) and ``checkfreq report`` leaves it out of the overhead."""
     torch.set_num_threads(1)
     plain, _, _ = _evaluating_loop(tmp_path / "plain", 0.0)
     taken, slept, away = _evaluating_loop(tmp_path / "evaluating", 0.1)
     assert 0.7 * slept <= away <= slept + 0.5, (away, slept)
     assert taken >= plain / 2, (taken, plain)
+    report = load_run(tmp_path / "evaluating")  # checkfreq report: the windows' other work set aside too
+    logged = sum(r.away_s for r in report.records)
+    assert 0.7 * slept <= logged <= away + 1e-9, (logged, away)
+    assert report.summary is not None and report.summary.overhead is not None
+    assert report.summary.overhead < 0.25, report.summary  # counted, the sleeps alone read as about half

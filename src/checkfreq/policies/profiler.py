@@ -122,9 +122,11 @@ class Profiler:
         self._close_cost()
         self._open_cost = 0.0
 
-    def record_iteration(self, seconds: float, persisting: bool) -> None:
-        """One step's wall time; ``persisting``: a background write overlapped it."""
+    def record_iteration(self, seconds: float, persisting: bool) -> float:
+        """One step's wall time; ``persisting``: a background write overlapped it. Returns the
+        seconds of it spent on other work (added to :attr:`away`)."""
         seconds, self._stall_to_discount = max(seconds - self._stall_to_discount, 0.0), 0.0
+        away_before = self.away
         if not persisting and self.iteration.value > 0 and seconds > AWAY_FACTOR * self.iteration.value:
             self.away += seconds - self.iteration.value
         if self._open_cost is not None and not persisting:
@@ -139,6 +141,7 @@ class Profiler:
             else:  # no clean baseline yet: this checkpoint's cost cannot be told apart
                 self._open_cost = None
         (self.iteration_while_persisting if persisting else self.iteration).add(seconds)
+        return self.away - away_before
 
     def record_stall(self, seconds: float) -> None:
         """Time the training thread was blocked by one checkpoint (snapshot plus fence wait)."""

@@ -6,11 +6,13 @@ none, which means 0); a measurement not taken yet is ``null``; docs/cli.md descr
 Every rank of a distributed job appends to the same log:
 - ``{"event": "start", "pid", "policy", "keep"}`` — a Checkpointer opened the directory;
 - ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason", "epoch", "interval_steps",
-  "interval_s", "iteration_s", "iteration_persisting_s", "clean_iterations", "clean_iteration_s"}`` —
-  training thread blocked for ``stall_s``; the interval is the one the policy chose (steps and
-  seconds since the previous checkpoint); the iteration times are the profiler's smoothed
-  estimates without and with a persist overlapping; ``clean_iteration_s`` is the mean of the
-  ``clean_iterations`` iterations of that interval that neither overlapped a persist nor held a stall;
+  "interval_s", "iteration_s", "iteration_persisting_s", "clean_iterations", "clean_iteration_s",
+  "away_s"}`` — training thread blocked for ``stall_s``; the interval is the one the policy chose
+  (steps and seconds since the previous checkpoint); the iteration times are the profiler's
+  smoothed estimates without and with a persist overlapping; ``clean_iteration_s`` is the mean of
+  the ``clean_iterations`` iterations of that interval that neither overlapped a persist nor held
+  a stall (their other work left out); ``away_s`` the seconds of the interval the loop spent on
+  other work between steps (an evaluation: the profiler's ``away``);
 - ``{"event": "fence", "step", "wait_s", "stall_s"}`` — the next optimizer step waited ``wait_s`` for
   the deferred copies of checkpoint ``step``; ``stall_s`` is that checkpoint's total stall;
 - ``{"event": "memory", "step", "stall_s", "bytes"}`` — a snapshot into the memory tier only

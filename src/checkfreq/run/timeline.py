@@ -28,9 +28,10 @@ class Timeline:
     clean_count: int = 0
     """Iterations since the last checkpoint that no stall or persist overlapped."""
     clean_seconds: float = 0.0
-    away_at_checkpoint: float = 0.0
-    """The profiler's ``away`` (other work between steps) when the last checkpoint began."""
+    away_seconds: float = 0.0
+    """Seconds of the steps since the last checkpoint spent on other work (:meth:`set_aside`)."""
     _last_step_time: float | None = None
+    _last_clean: bool = False
     _transitions: int = 0
     _last_epoch: int | None = None
 
@@ -50,24 +51,32 @@ class Timeline:
         if self._last_step_time is not None:
             seconds = now - self._last_step_time
             persisting = writer_busy or writer_transitions != self._transitions
-            if not persisting and self.step - self.last_checkpoint > 1:  # the first one holds the stall
+            self._last_clean = not persisting and self.step - self.last_checkpoint > 1  # the first holds the stall
+            if self._last_clean:
                 self.clean_count, self.clean_seconds = self.clean_count + 1, self.clean_seconds + seconds
             measured = (seconds, persisting)
         self._last_step_time, self._transitions = now, writer_transitions
         return measured
 
-    def checkpointed(self, start: float, away: float) -> dict[str, Any]:
-        """A checkpoint began at ``start`` at the current step, the profiler's ``away`` then at
-        ``away``: what the snapshot event says about the window it closes (interval, clean
-        iterations); the next window starts."""
+    def set_aside(self, seconds: float) -> None:
+        """``seconds`` of the step just counted were other work than training (the profiler's
+        ``away``): not part of the clean iterations' time."""
+        self.away_seconds += seconds
+        if self._last_clean:
+            self.clean_seconds -= seconds
+
+    def checkpointed(self, start: float) -> dict[str, Any]:
+        """A checkpoint began at ``start`` at the current step: what the snapshot event says about
+        the window it closes (interval, clean iterations, other work); the next window starts."""
         window = {
             "interval_steps": self.step - self.last_checkpoint,
             "interval_s": start - self.last_checkpoint_time,
             "clean_iterations": self.clean_count,
             "clean_iteration_s": self.clean_seconds / self.clean_count if self.clean_count else None,
+            "away_s": self.away_seconds,
         }
-        self.last_checkpoint, self.last_checkpoint_time, self.away_at_checkpoint = self.step, start, away
-        self.clean_count, self.clean_seconds = 0, 0.0
+        self.last_checkpoint, self.last_checkpoint_time = self.step, start
+        self.clean_count, self.clean_seconds, self.away_seconds = 0, 0.0, 0.0
         return window
 
     def context(
@@ -88,7 +97,7 @@ class Timeline:
             persist_time=profiler.persist.value,
             checkpoint_cost=profiler.checkpoint_cost.value,
             away=profiler.away,
-            away_since_checkpoint=profiler.away - self.away_at_checkpoint,
+            away_since_checkpoint=self.away_seconds,
             bytes_per_checkpoint=profiler.bytes_per_checkpoint,
             persist_in_flight=persist_in_flight,
             epoch=epoch,

@@ -2,15 +2,17 @@
 (:mod:`checkfreq.tools.report_files` draws and writes them).
 
 Overhead is estimated per window between two consecutive checkpoints of one session as the share
-of the window's wall time not explained by clean iterations::
+of the window's wall time, less the loop's other work between steps (``away_s``: an evaluation),
+not explained by clean iterations::
 
-    overhead = 1 - interval_steps * clean_iteration_s / interval_s
+    overhead = 1 - interval_steps * clean_iteration_s / (interval_s - away_s)
 
 where ``clean_iteration_s`` is the mean time of the window's iterations that neither overlapped a
 persist nor held a stall; for a window without such an iteration, the mean over the whole run's
 clean iterations, and without any, the profiler's smoothed ``iteration_s``. So it
-counts the stall, the slowdown of iterations that overlap a persist, and anything else the loop
-did in that window. The first checkpoint after a start or a restore is left out (its window
+counts the stall, the slowdown of iterations that overlap a persist, and what else the loop did
+in that window that the profiler could not tell apart from them (logs written before ``away_s``
+have none: their evaluations count). The first checkpoint after a start or a restore is left out (its window
 includes setup). The run's overhead is the same ratio over the sums of all counted windows.
 
 Under torch.distributed every rank logs its own events into its directory's log. A checkpoint, a
@@ -60,6 +62,8 @@ class CheckpointRecord:
     clean_iterations: int | None
     clean_iteration_s: float | None
     first_of_session: bool
+    away_s: float = 0.0
+    """Seconds of the window the loop spent on other work between steps (0 in older logs)."""
     session: int = 0
     """Index of the session (``start`` event) that took it, from 0."""
     status: str = "unfinished"
@@ -71,6 +75,11 @@ class CheckpointRecord:
     """The iteration time without checkpointing this window's overhead is measured against."""
     overhead: float | None = None
     """This window's overhead (see the module docstring); None when it cannot be estimated."""
+
+    @property
+    def busy_s(self) -> float:
+        """The window's seconds of training and checkpointing: its wall time less the other work."""
+        return (self.interval_s or 0.0) - self.away_s
 
 
 @dataclass(frozen=True)
@@ -258,7 +267,7 @@ def _record(event: dict[str, Any], first: bool, session: int) -> CheckpointRecor
         interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
         iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
         clean_iterations=event.get("clean_iterations"), clean_iteration_s=event.get("clean_iteration_s"),
-        first_of_session=first, session=session,
+        first_of_session=first, session=session, away_s=event.get("away_s") or 0.0,
     )
 
 
@@ -283,8 +292,8 @@ def _estimate_overheads(records: list[CheckpointRecord]) -> None:
         r.baseline_iteration_s = next(
             (v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None
         )
-        if not r.first_of_session and r.interval_steps and r.interval_s and r.baseline_iteration_s:
-            r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.interval_s
+        if not r.first_of_session and r.interval_steps and r.busy_s > 0 and r.baseline_iteration_s:
+            r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.busy_s
 
 
 def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
@@ -294,7 +303,7 @@ def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
     committed = [r for r in recs if r.status == "committed"]
     counted = [r for r in recs if r.overhead is not None]
     explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
-    window = sum(r.interval_s or 0.0 for r in counted)
+    window = sum(r.busy_s for r in counted)
     return Summary(
         sessions=sessions,
         restores=len(report.restores),
@@ -326,7 +335,7 @@ def summarize_session(report: RunReport, index: int) -> SessionSummary:
     start = report.starts[index]
     recs = [r for r in report.records if r.session == index]
     counted = [r for r in recs if r.overhead is not None]
-    window = sum(r.interval_s or 0.0 for r in counted)
+    window = sum(r.busy_s for r in counted)
     explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
     begin = start["restored_step"] or 0
     span = recs[-1].step - begin if recs else 0
