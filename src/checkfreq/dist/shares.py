@@ -484,6 +484,6 @@ def note_world_size_change(manifest: Manifest, rank: int, world_size: int) -> No
     log.warning(
         "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
         "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
-        "every rank shared%s (docs/distributed.md)",
+        "(whole, or its block of the sharded ones)%s (docs/distributed.md)",
         manifest.step, manifest.world_size, world_size, rank, source_rank(rank, manifest.world_size), dropped,
     )
