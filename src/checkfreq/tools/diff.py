@@ -128,6 +128,8 @@ def _tensors(
                 for rank, part in enumerate(entry["parts"]):
                     if part is not None:
                         tensors[name if manifest.world_size == 1 else private_name(name, rank)] = stored[part]
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"checkpoint {side} ({ref.address}): {e}") from e
     except (KeyError, TypeError, IndexError) as e:
         raise CorruptCheckpointError(
             f"checkpoint {side} ({ref.address}): manifest's distributed index is malformed: {type(e).__name__}: {e}"
