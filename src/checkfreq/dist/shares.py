@@ -293,6 +293,20 @@ def local_view(
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
 
 
+def check_assembles(manifest: Manifest, stored: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every tensor of ``manifest`` can be put together
+    from the stored arrays as its index says (what a restore at any world size reads), one tensor at
+    a time: memory holds at most one whole tensor besides the files."""
+    meta = manifest.distributed or {"ranks": [], "tensors": {}}
+    try:
+        for rank in range(len(meta["ranks"])):
+            for name, entry in meta["tensors"].items():
+                if (rank == 0 or entry["kind"] == PRIVATE) and _holds(entry, rank):
+                    materialize(name, _source(entry, stored, rank), None)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+        raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
+
+
 def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], partial: bool = False) -> Manifest:
     """``manifest`` with every rank's part added from its data file's header (``headers``: file name →
     parsed header): the index of every stored array, each rank's skeleton, and each tensor's parts.
