@@ -174,3 +174,21 @@ def test_export_of_a_checkpoint_written_by_two_ranks_gives_the_whole_model(nodes
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], v) for k, v in final.items())
     code, out = _cli("export", checkpoint, "--to", tmp_path / "state.safetensors")
     assert code == 0 and "(11 tensors)" in out, out
+
+
+def test_verify_fails_a_checkpoint_whose_index_does_not_put_its_tensors_together(nodes: Path, tmp_path: Path) -> None:
+    """Every file matches its checksum, but the manifest gives a cut tensor a shape its pieces do not
+    cover: ``restore()`` skips such a checkpoint, so ``verify`` fails it, and ``diff`` names the side."""
+    import shutil
+
+    good = nodes / "remote" / f"step_{STEPS:09d}"
+    run = tmp_path / "run"
+    bad = Path(shutil.copytree(good, run / good.name))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    name = next(n for n, e in manifest["distributed"]["tensors"].items() if len(e["parts"]) > 1)
+    manifest["distributed"]["tensors"][name]["shape"][0] += 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    code, out = _cli("verify", run)
+    assert code == 1 and f"FAILED {good.name}: manifest's distributed index is malformed" in out, out
+    code, out = _cli("diff", good, bad)
+    assert code == 2 and f"checkpoint B ({bad})" in out, out

@@ -25,6 +25,7 @@ from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistErro
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.storage import LocalStore
 from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
+from checkfreq.tools.diff import diff
 from helpers import ROOT, make_model, spawn_ranks, train_step
 
 sys.path.insert(0, str(ROOT))
@@ -386,6 +387,9 @@ def _fsdp_resharded(rank: int, world: int, root: str) -> None:
         counts.update(reads=[], mapped=[], received=0, gathered=0)
         assert ckpt.restore() == 2
     torch.save({**counts, **_fsdp_state(model, optimizer)}, f"{root}/resharded{rank}.pt")
+    with Checkpointer(f"{root}/ckpt{world}", policy=1000, model=model, optimizer=optimizer) as ckpt:
+        ckpt.start_at(2)
+        ckpt.save(blocking=True)  # the same state, written by ``world`` ranks
     dist.destroy_process_group()
 
 
@@ -430,6 +434,11 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
             assert restored["state"].keys() == saved["state"].keys()
             for key, value in saved["state"].items():
                 assert torch.equal(restored["state"][key], value), key
+    # ``checkfreq diff`` compares the parameters and optimizer state whole, whatever the world size
+    compared = diff(tmp_path / "ckpt" / "step_000000002", tmp_path / "ckpt2" / "step_000000002").tensors
+    shared = {row.name: row.status for row in compared if not row.name.startswith("rng/")}
+    assert shared.keys() == {k.replace("optimizer/", "optimizer/state/") for k in saved["state"]}
+    assert set(shared.values()) == {"equal"}, shared
 
 
 def _chunks(size: int, parts: int) -> list[tuple[int, int]]:

@@ -293,6 +293,20 @@ def local_view(
     return skeleton, {n: materialize(n, s, targets.get(n)) for n, s in sources.items()}
 
 
+def check_assembles(manifest: Manifest, stored: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`CorruptCheckpointError` unless every tensor of ``manifest`` can be put together
+    from the stored arrays as its index says (what a restore at any world size reads), one tensor at
+    a time: memory holds at most one whole tensor besides the files."""
+    meta = manifest.distributed or {"ranks": [], "tensors": {}}
+    try:
+        for rank in range(len(meta["ranks"])):
+            for name, entry in meta["tensors"].items():
+                if (rank == 0 or entry["kind"] == PRIVATE) and _holds(entry, rank):
+                    materialize(name, _source(entry, stored, rank), None)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as e:
+        raise CorruptCheckpointError(f"manifest's distributed index is malformed: {type(e).__name__}: {e}") from None
+
+
 def complete(manifest: Manifest, headers: Mapping[str, Mapping[str, Any]], partial: bool = False) -> Manifest:
     """``manifest`` with every rank's part added from its data file's header (``headers``: file name →
     parsed header): the index of every stored array, each rank's skeleton, and each tensor's parts.
@@ -484,6 +498,6 @@ def note_world_size_change(manifest: Manifest, rank: int, world_size: int) -> No
     log.warning(
         "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
         "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
-        "every rank shared%s (docs/distributed.md)",
+        "(whole, or its block of the sharded ones)%s (docs/distributed.md)",
         manifest.step, manifest.world_size, world_size, rank, source_rank(rank, manifest.world_size), dropped,
     )

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError
+from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError, UsageError
 from checkfreq.run.tensors import storage_ptr
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__pickle__")
@@ -308,6 +308,7 @@ def apply_state(
     every difference of every object, names the checkpoint (``source``: which one, where; ``path``:
     what ``checkfreq export`` takes) and says what to do. The RNG state (``objects["rng"]``) is
     loaded last, so nothing that runs here draws random numbers after it."""
+    check_materialized(objects, source)
     missing = sorted(set(objects) - set(state) - {"rng"})
     problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
     saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
@@ -330,6 +331,26 @@ def apply_state(
             values[name] = own_storage(state[name])
     if "rng" in objects and "rng" in state:
         objects["rng"].load_state_dict(state["rng"])
+
+
+def check_materialized(objects: Mapping[str, Any], source: str = "the checkpoint") -> None:
+    """Raise :class:`UsageError` if a registered module or optimizer holds tensors on the meta
+    device: a restore copies into the live tensors, and a copy into a meta tensor does nothing."""
+    on_meta = []
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            on_meta += [f"{name}/{k}" for k, t in obj.state_dict().items() if isinstance(t, torch.Tensor) and t.is_meta]
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for group in obj.param_groups for p in group["params"]]
+            on_meta += [f"{name}'s parameter {i}" for i, p in enumerate(params) if p.is_meta]
+    if on_meta:
+        shown = ", ".join(on_meta[:4]) + (f" and {len(on_meta) - 4} more" if len(on_meta) > 4 else "")
+        raise UsageError(
+            f"{source} cannot be restored into tensors on the meta device ({shown}): restore() copies the saved "
+            "values into the registered objects' own tensors, and a copy into a meta tensor does nothing. "
+            "Materialize the model first (model.to_empty(device=...)), build the optimizer over its parameters, "
+            "then call restore(); initialise the parameters (reset_parameters()) only when restore() returns 0."
+        )
 
 
 def unclaimed(state: Mapping[str, Any], objects: Mapping[str, Any], values: Mapping[str, Any],

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkfreq.dist.shares import local_view
+from checkfreq.dist.shares import check_assembles, local_view
 from checkfreq.errors import (
     CheckfreqError,
     CheckpointNotFoundError,
@@ -207,7 +207,7 @@ def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Stor
         absent = _absent_files(ref, manifest)
         if not absent:
             if checksums:
-                ref.read()
+                check_assembles(*ref.read())  # its index puts every tensor together, as a restore reads it
             elif isinstance(ref.store, LocalStore):
                 _check_sizes(ref.location, manifest)
         else:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.shares import private_name
+from checkfreq.dist.shares import PRIVATE, local_view, private_name
 from checkfreq.errors import (
     CorruptCheckpointError,
 )
@@ -86,6 +86,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> CheckpointDiff
     ref_a, ref_b = resolve_checkpoint(a), resolve_checkpoint(b)
     manifest_a, tensors_a = _read_side("A", ref_a)
     manifest_b, tensors_b = _read_side("B", ref_b)
+    tensors_a, tensors_b = _tensors("A", ref_a, manifest_a, tensors_a), _tensors("B", ref_b, manifest_b, tensors_b)
     rows = [
         _compare(name, tensors_a.get(name), tensors_b.get(name)) for name in sorted(tensors_a.keys() | tensors_b.keys())
     ]
@@ -106,6 +107,34 @@ def _read_side(side: str, ref: CheckpointRef) -> tuple[Manifest, dict[str, torch
         return ref.read()
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(f"checkpoint {side} ({ref.address}): {e}") from e
+
+
+def _tensors(
+    side: str, ref: CheckpointRef, manifest: Manifest, stored: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint by name, whatever the world size that wrote it: a parameter or
+    an optimizer tensor whole (put together from the ranks' pieces and shards, as a restore in one
+    process gets it), a private tensor (a buffer, a random state) once per rank, named
+    ``name@rankNNNNN`` when several ranks wrote it, as :func:`_values` names the values."""
+    meta = manifest.distributed
+    if meta is None:
+        return stored
+    try:
+        _, whole = local_view(manifest, stored)
+        entries = meta["tensors"]
+        tensors = {name: t for name, t in whole.items() if entries[name]["kind"] != PRIVATE}
+        for name, entry in entries.items():
+            if entry["kind"] == PRIVATE:
+                for rank, part in enumerate(entry["parts"]):
+                    if part is not None:
+                        tensors[name if manifest.world_size == 1 else private_name(name, rank)] = stored[part]
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"checkpoint {side} ({ref.address}): {e}") from e
+    except (KeyError, TypeError, IndexError) as e:
+        raise CorruptCheckpointError(
+            f"checkpoint {side} ({ref.address}): manifest's distributed index is malformed: {type(e).__name__}: {e}"
+        ) from None
+    return tensors
 
 
 def _compare(name: str, x: torch.Tensor | None, y: torch.Tensor | None) -> TensorDiff:

@@ -298,6 +298,27 @@ def test_a_checkpoint_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
     assert_state_equal(model.state_dict(), before)
 
 
+def test_a_model_on_the_meta_device_is_refused_not_restored_into(tmp_path: Path) -> None:
+    """A model built on the meta device (and not yet materialized) cannot take a restore: a copy into a
+    meta tensor does nothing, so restore() would report a step whose state it never loaded."""
+    newest = _three_checkpoints(tmp_path)
+    with torch.device("meta"):
+        model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.UsageError, match=r"meta device \(model/0.weight, .* more\).*to_empty"):
+            ckpt.restore()
+    model.to_empty(device="cpu")  # new parameters: the optimizer over the meta ones cannot serve
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.UsageError, match=r"meta device \(optimizer's parameter 0, "):
+            ckpt.restore()
+    opt = torch.optim.Adam(model.parameters())
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        assert ckpt.restore() == 3
+    _, saved = cf.read_checkpoint(newest)
+    assert_state_equal(model.state_dict(), {k: saved[f"model/{k}"] for k in model.state_dict()})
+
+
 def test_wrong_optimizer_shape_is_detected(tmp_path: Path) -> None:
     _three_checkpoints(tmp_path)
     model = make_model()
