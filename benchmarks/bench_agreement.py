@@ -8,7 +8,7 @@ overhead loop's MLP with DDP and, in pairs of runs, compares the wall time of ``
 * without a Checkpointer (the base, measured right before each variant);
 * ``agreed``: a Checkpointer whose policy never saves but, not counting steps, has its answer
   agreed by the ranks (a vote up and down a tree of the ranks, on each rank's vote thread, about
-  every ``checkfreq.dist.agreement.VOTE_SECONDS`` of training);
+  every ``checkfreq.ranks.agreement.VOTE_SECONDS`` of training);
 * ``every step``: the same, agreed at every ``step()`` (``VOTE_SECONDS = 0``);
 * ``step count``: a Checkpointer with ``Every(n)`` for a huge ``n``, which needs no messages.
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq import Auto, Checkpointer, DecisionContext, Every, Policy
-from checkfreq.dist import agreement
+from checkfreq.ranks import agreement
 
 
 class Never(Policy):

@@ -7,7 +7,7 @@ the two ways of taking the maximum of every rank's ``(wanted, −proposal)``:
 
 * ``ring``: a MAX all-reduce on a gloo group whose pairs all connect at creation (the exchange of
   the previous version);
-* ``tree``: :func:`checkfreq.dist.collectives.tree_max` over a group connected on first message (the
+* ``tree``: :func:`checkfreq.ranks.collectives.tree_max` over a group connected on first message (the
   exchange now, which the vote thread runs).
 
 Each repeat starts on every rank after a barrier on the default group; a rank's time is from its
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from checkfreq.dist.collectives import GroupPeers, tree_max
-from checkfreq.dist.compat import default_store, gloo_group_on_store
+from checkfreq.ranks.collectives import GroupPeers, tree_max
+from checkfreq.ranks.compat import default_store, gloo_group_on_store
 
 
 def _rank(rank: int, world: int, store_path: str, repeats: int, out: str) -> None:

@@ -12,7 +12,7 @@ rank, and the replicated tensors all-gathered; the directory is taken for one on
 system, where no two ranks share a page cache, as in a job of many nodes).
 What stands in for the real thing:
 
-* the transport: :class:`MemoryPeers` implements :class:`checkfreq.dist.collectives.Peers` in memory.
+* the transport: :class:`MemoryPeers` implements :class:`checkfreq.ranks.collectives.Peers` in memory.
   Collectives are matched by their order, point-to-point messages by (sender, receiver). A message
   counts as ``tests/distributed/test_scale.py`` counts it on real gloo groups (:class:`CountingPeers`, shared
   with that test): its JSON and an 8-byte length; a gather is each rank's message to rank 0, a
@@ -73,11 +73,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
-from checkfreq.dist import replicas  # noqa: E402
-from checkfreq.dist.collectives import Peers, Solo, tree_max  # noqa: E402
-from checkfreq.dist.group_cluster import SharePlan, meet, wait_for_every_rank  # noqa: E402
-from checkfreq.dist.groups import agree_on_token  # noqa: E402
-from checkfreq.dist.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
 from checkfreq.pipeline.restore import Found, Restorer  # noqa: E402
 from checkfreq.pipeline.restore.plan import ReadPlan  # noqa: E402
@@ -86,6 +81,11 @@ from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
 from checkfreq.pipeline.retainer import Retainer  # noqa: E402
 from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.policies.retention import Retention  # noqa: E402
+from checkfreq.ranks import replicas  # noqa: E402
+from checkfreq.ranks.collectives import Peers, Solo, tree_max  # noqa: E402
+from checkfreq.ranks.group_cluster import SharePlan, meet, wait_for_every_rank  # noqa: E402
+from checkfreq.ranks.groups import agree_on_token  # noqa: E402
+from checkfreq.ranks.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
 from checkfreq.storage.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
 
@@ -170,7 +170,7 @@ class Gathered(list):
 
 
 class CountingPeers:
-    """Any :class:`~checkfreq.dist.collectives.Peers`, counting the messages this rank sends and receives
+    """Any :class:`~checkfreq.ranks.collectives.Peers`, counting the messages this rank sends and receives
     through it into ``ledger`` (see the module docstring); the messages still go through ``inner``."""
 
     def __init__(self, inner: Peers, ledger: Ledger | None = None) -> None:
@@ -403,7 +403,7 @@ def _notify(condition: threading.Condition, every: bool = False) -> None:
 
 
 class MemoryPeers:
-    """:class:`~checkfreq.dist.collectives.Peers` over a :class:`Fabric`: JSON messages, never pickles."""
+    """:class:`~checkfreq.ranks.collectives.Peers` over a :class:`Fabric`: JSON messages, never pickles."""
 
     def __init__(self, fabric: Fabric, rank: int) -> None:
         self.fabric, self.rank, self.size = fabric, rank, fabric.size

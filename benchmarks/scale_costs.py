@@ -3,10 +3,10 @@
 Usage: ``python benchmarks/scale_costs.py [--worlds 1,2,4,64,1024,16384]``
 
 Computed with checkfreq's own code on synthetic inputs, in one process (no ranks are started): for
-each world size N, the plan every rank computes (:class:`checkfreq.dist.group_cluster.SharePlan`), one rank's
+each world size N, the plan every rank computes (:class:`checkfreq.ranks.group_cluster.SharePlan`), one rank's
 commit report as :class:`checkfreq.pipeline.commit.Committer` builds it, the manifest rank 0 writes
 (:func:`checkfreq.pipeline.commit.merge`), each rank's record in its data file's header, the directory
-identity each rank all-gathers at start (:mod:`checkfreq.dist.sharing`), and what each rank all-gathers
+identity each rank all-gathers at start (:mod:`checkfreq.ranks.sharing`), and what each rank all-gathers
 at restore. Two states:
 
 * ``ddp``: 18 linear layers of 32x32 and AdamW (36 parameters, 108 optimizer state tensors, all
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist import replicas
-from checkfreq.dist.group_cluster import SharePlan
-from checkfreq.dist.shares import PRIVATE, REPLICATED, SHARDED, private_name
-from checkfreq.dist.sharing import directory_identity
 from checkfreq.pipeline.commit import CommitReport, agreement_digest, merge
+from checkfreq.ranks import replicas
+from checkfreq.ranks.group_cluster import SharePlan
+from checkfreq.ranks.shares import PRIVATE, REPLICATED, SHARDED, private_name
+from checkfreq.ranks.sharing import directory_identity
 from checkfreq.storage.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
 
 LAYERS = 18

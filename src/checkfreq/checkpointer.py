@@ -19,9 +19,6 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.cluster import attach
-from checkfreq.dist.ddp_order import warn_if_buckets_reorder
-from checkfreq.dist.shares import local_view, note_world_size_change
 from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
@@ -46,6 +43,9 @@ from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
+from checkfreq.ranks.cluster import attach
+from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
+from checkfreq.ranks.shares import local_view, note_world_size_change
 from checkfreq.run.busy import MEMORY, PERSIST, BusyStorage
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration

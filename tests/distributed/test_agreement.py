@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from checkfreq.dist.agreement import MAX_VOTE_STEPS, VOTE_SECONDS, AgreedPolicy, vote_steps
-from checkfreq.dist.collectives import TREE_ARITY, GroupPeers, tree_max
 from checkfreq.errors import CheckfreqError
 from checkfreq.policies import DecisionContext
+from checkfreq.ranks.agreement import MAX_VOTE_STEPS, VOTE_SECONDS, AgreedPolicy, vote_steps
+from checkfreq.ranks.collectives import TREE_ARITY, GroupPeers, tree_max
 from helpers import spawn_ranks
 
 STEPS = 120

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq import Checkpointer
-from checkfreq.dist.ddp_order import ddp_wrappers, warn_if_buckets_reorder
+from checkfreq.ranks.ddp_order import ddp_wrappers, warn_if_buckets_reorder
 from helpers import make_model, spawn_ranks
 
 WARNING = "rebuilds its gradient buckets"

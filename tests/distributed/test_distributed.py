@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
-from checkfreq.dist.replicas import disagreement, fingerprint, report
-from checkfreq.dist.shares import Chunk, Source, materialize, partition, stream_range
+from checkfreq.ranks.replicas import disagreement, fingerprint, report
+from checkfreq.ranks.shares import Chunk, Source, materialize, partition, stream_range
 from checkfreq.tools.report import load_run, summary_text
 from helpers import (
     SCRIPTS,

@@ -14,15 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkfreq.dist.compat
-import checkfreq.dist.group_cluster
+import checkfreq.ranks.compat
+import checkfreq.ranks.group_cluster
 import checkfreq.storage.format
 from checkfreq import Checkpointer, Every
-from checkfreq.dist import replicas, sharing
-from checkfreq.dist.collectives import GroupPeers
-from checkfreq.dist.shares import chunk_holders, complete
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistError
 from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.ranks import replicas, sharing
+from checkfreq.ranks.collectives import GroupPeers
+from checkfreq.ranks.shares import chunk_holders, complete
 from checkfreq.storage import LocalStore
 from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from checkfreq.tools.diff import diff
@@ -184,7 +184,7 @@ class _CountingPeers(CountingPeers):
 
 
 def _counted_rank(rank: int, world: int, store_path: str, directories: list[str], out: str) -> None:
-    checkfreq.dist.group_cluster.GroupPeers = _CountingPeers  # type: ignore[misc] - counts, the messages still go over gloo
+    checkfreq.ranks.group_cluster.GroupPeers = _CountingPeers  # type: ignore[misc] - counts, the messages still go over gloo
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ def _count_restore_io(network_fs: bool) -> dict[str, Any]:
     LocalStore.read_data, LocalStore.map_data = counted_read, counted_map  # type: ignore[method-assign]
     GroupPeers.receive, GroupPeers.all_gather_rows = counted_receive, counted_all_gather  # type: ignore[method-assign]
     if network_fs:
-        checkfreq.dist.group_cluster.on_machine_local_file_system = lambda path: False
+        checkfreq.ranks.group_cluster.on_machine_local_file_system = lambda path: False
     return counts
 
 
@@ -481,7 +481,7 @@ def _established_connections() -> int:
 
 def _connections_rank(rank: int, world: int, store_path: str, directory: str, out: str, lazy: bool) -> None:
     if not lazy:  # as with torch 2.6 and 2.7, which cannot connect gloo pairs on demand
-        checkfreq.dist.compat.lazy_gloo_backend = lambda: None
+        checkfreq.ranks.compat.lazy_gloo_backend = lambda: None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     model = make_model()

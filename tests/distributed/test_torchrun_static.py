@@ -1,7 +1,7 @@
 """Restarts in torchrun's static launch form (``--master-port``), whose store outlives the workers.
 
 The static form's store keeps every key a dead worker wrote, so a restarted rank can read its
-predecessor's rendezvous address. checkfreq's own groups (:mod:`checkfreq.dist.groups`) never read one;
+predecessor's rendezvous address. checkfreq's own groups (:mod:`checkfreq.ranks.groups`) never read one;
 the job's default group gets keys of its own per attempt as docs/distributed.md shows
 (``ddp_train.py --attempt-store``). Real torchrun, gloo, CPU, real SIGKILLs.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from checkfreq.dist.groups import agree_on_token
 from checkfreq.errors import CheckfreqError
+from checkfreq.ranks.groups import agree_on_token
 from helpers import (
     SCRIPTS,
     assert_each_sample_once_per_epoch,

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkfreq.dist.shares import local_view
 from checkfreq.errors import UsageError
 from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.ranks.shares import local_view
 from checkfreq.run.state import unflatten
 from helpers import assert_state_equal, hf_fit, sample_reads
 

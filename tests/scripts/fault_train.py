@@ -54,10 +54,10 @@ from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
-from checkfreq.dist.collectives import GroupPeers
 from checkfreq.pipeline.snapshot import Snapshotter
 from checkfreq.pipeline.upload import Uploader
 from checkfreq.policies import DecisionContext, Policy
+from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.storage.format import checkpoint_name
 
 step_now = 0  # the optimizer step the training loop is at (read by the writer and vote threads)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from worker_exit import exit_without_teardown  # beside this script
 
 import checkfreq as cf
-from checkfreq.dist.compat import default_store
+from checkfreq.ranks.compat import default_store
 
 DONE_KEY = "rank0_only/done"
 

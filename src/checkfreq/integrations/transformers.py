@@ -36,11 +36,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableSampler
-from checkfreq.dist.shares import local_view
 from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.policies import Policy
+from checkfreq.ranks.shares import local_view
 from checkfreq.run.options import check_names
 from checkfreq.run.state import unflatten
 from checkfreq.storage.local import LocalStore

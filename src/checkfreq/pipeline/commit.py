@@ -1,7 +1,7 @@
 """Phase 2's commit protocol: the same code for one process and for N ranks.
 
 A checkpoint is committed in three rounds of small messages between the ranks (a world of one
-passes them to itself, :class:`~checkfreq.dist.collectives.Solo`):
+passes them to itself, :class:`~checkfreq.ranks.collectives.Solo`):
 
 1. *prepare*: the leader of each local directory (the lowest rank that sees it; every rank when
    directories are node-local) creates the checkpoint's staging location in its store;
@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from checkfreq.dist import replicas
-from checkfreq.dist.collectives import Peers, collect_errors, during, receive_json, send_json
-from checkfreq.dist.shares import REPLICATED, SHARDED, Share
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.ranks import replicas
+from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, send_json
+from checkfreq.ranks.shares import REPLICATED, SHARDED, Share
 from checkfreq.storage.base import Store, write_data, write_manifest
 from checkfreq.storage.format import FileEntry, Manifest, data_file_name, encode_header, tensor_entries
 

@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from checkfreq.dist.collectives import Peers
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
+from checkfreq.ranks.collectives import Peers
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.storage.host_pinning import HostRegistry, host_registry
 from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature, remove_regions_beyond

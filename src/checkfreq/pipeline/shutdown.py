@@ -4,7 +4,7 @@ its ``with`` block ends on an error.
 Under torch.distributed, a process that leaves on an error (its training thread raised, a peer was
 lost) must end promptly, so that torchrun restarts the job: it waits for its writer and uploader at
 most the failure timeout in all, then tells the other ranks that it leaves (their waits on it end at
-once, :meth:`~checkfreq.dist.cluster.Cluster.leave`), naming the rank lost if its error was a lost
+once, :meth:`~checkfreq.ranks.cluster.Cluster.leave`), naming the rank lost if its error was a lost
 peer's. A checkpoint still being committed then stays uncommitted, as after a kill: the
 next start clears it, and every committed checkpoint is whole. A process that leaves without an
 error waits for the checkpoint in flight as :meth:`~checkfreq.Checkpointer.close` does.
@@ -16,10 +16,10 @@ import logging
 import sys
 import time
 
-from checkfreq.dist.cluster import Cluster
 from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline.upload import Uploader
 from checkfreq.pipeline.writer import Writer
+from checkfreq.ranks.cluster import Cluster
 from checkfreq.run.signals import SignalTrap
 from checkfreq.storage.base import Store
 
@@ -34,7 +34,7 @@ def shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | Non
     ``timeout`` bounds the waits for storage (``persist_timeout``). Where other ranks are, a process
     leaving on an error (``leaving``, else :func:`leaving_on_error`) or in a job that failed waits
     at most ``failure_timeout`` in all, then tells the other ranks it leaves
-    (:meth:`~checkfreq.dist.cluster.Cluster.leave`) and leaves the groups to the process's exit (a
+    (:meth:`~checkfreq.ranks.cluster.Cluster.leave`) and leaves the groups to the process's exit (a
     thread may still be blocked in one).
     """
     error = leaving[0] if leaving else leaving_on_error()

@@ -22,10 +22,10 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from checkfreq.dist.collectives import Peers, collect_errors, during
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.policies.retention import Retention
+from checkfreq.ranks.collectives import Peers, collect_errors, during
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
 from checkfreq.storage.local import LocalStore

@@ -229,7 +229,7 @@ class Manifest:
     file's size and checksum, and the replicated and sharded tensors' global dtype, shape and (for
     replicated ones) pieces; ``tensors`` is empty and ``state`` is None. Each rank's skeleton and
     its own tensors (private ones, its shards) are in its data file's header (:func:`rank_record`),
-    and :func:`checkfreq.dist.shares.complete` adds them once the files are read. A version 1
+    and :func:`checkfreq.ranks.shares.complete` adds them once the files are read. A version 1
     manifest holds them itself (``distributed["ranks"]``).
     """
 
@@ -245,7 +245,7 @@ class Manifest:
     versions: dict[str, str]
     created: float
     distributed: dict[str, Any] | None = None
-    """Written by several ranks: per-rank skeletons and how each tensor is split (see :mod:`checkfreq.dist.shares`)."""
+    """Written by several ranks: per-rank skeletons and how each tensor is split (see :mod:`checkfreq.ranks.shares`)."""
 
     @property
     def complete(self) -> bool:

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkfreq.dist.shares import check_assembles, local_view
 from checkfreq.errors import (
     CheckfreqError,
     CheckpointNotFoundError,
@@ -29,6 +28,7 @@ from checkfreq.errors import (
     UnknownObjectError,
 )
 from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.ranks.shares import check_assembles, local_view
 from checkfreq.run.state import unflatten
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.format import (

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.shares import PRIVATE, local_view, private_name
 from checkfreq.errors import (
     CorruptCheckpointError,
 )
+from checkfreq.ranks.shares import PRIVATE, local_view, private_name
 from checkfreq.storage.format import (
     Manifest,
 )

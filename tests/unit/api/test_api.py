@@ -15,7 +15,7 @@ import torch
 from packaging.requirements import Requirement
 
 import checkfreq as cf
-from checkfreq.dist.compat import dtensor_class
+from checkfreq.ranks.compat import dtensor_class
 from helpers import SCRIPTS, make_model, train_step
 
 

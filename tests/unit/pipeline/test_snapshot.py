@@ -113,11 +113,11 @@ def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
     """The writer joins the deferred copies before round 1 of the commit (creating the staging
     location; a collective under torch.distributed), so the fence never copies alone while the
     writer waits on the other ranks or the store. The checkpoint is still committed whole."""
-    from checkfreq.dist.collectives import Solo
     from checkfreq.pipeline.commit import CommitJob, Committer
     from checkfreq.pipeline.retainer import Retainer
     from checkfreq.pipeline.snapshot import Snapshotter
     from checkfreq.policies.retention import Retention
+    from checkfreq.ranks.collectives import Solo
     from checkfreq.storage.local import LocalStore
 
     tensors = {"a": torch.randn(PIECE_BYTES // 4 * 3 + 5), "b": torch.arange(1000)}

@@ -1,6 +1,6 @@
 """Restore: the newest checkpoint every rank can read, found in any tier, read and verified.
 
-The same code for one process and for N ranks (:mod:`checkfreq.dist.collectives`), in rounds that rank
+The same code for one process and for N ranks (:mod:`checkfreq.ranks.collectives`), in rounds that rank
 0 leads, so that a rank other than 0 sends and receives a few small messages at any number of ranks:
 
 1. Rank 0 gathers the steps each rank lists (in its local directory or the remote tier) and the

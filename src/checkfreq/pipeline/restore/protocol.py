@@ -13,8 +13,6 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.dist.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
-from checkfreq.dist.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.memory_tier import AnyMemoryTier, NoMemoryTier
 from checkfreq.pipeline.restore.messages import (
@@ -30,6 +28,8 @@ from checkfreq.pipeline.restore.messages import (
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
+from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
+from checkfreq.ranks.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
@@ -319,7 +319,7 @@ class Restorer:
     def _outcome(self, problem: str | None, short: str | None) -> tuple[list[str], list[Any] | None]:
         """Every rank's error, and the first rank whose files fall short of its blocks with the
         tensor (``short``: this rank's first such, or None), the same on every rank: one gather and
-        its broadcast, as :func:`~checkfreq.dist.collectives.collect_errors`."""
+        its broadcast, as :func:`~checkfreq.ranks.collectives.collect_errors`."""
         gathered = self.peers.gather([problem, short])
         if gathered is None:
             return self.peers.broadcast(None)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.shares import complete
 from checkfreq.errors import CorruptCheckpointError
+from checkfreq.ranks.shares import complete
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import Manifest, entry_view
 from checkfreq.storage.local import LocalStore

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from checkfreq.dist.shares import REPLICATED, cuts, stream_range
 from checkfreq.errors import CorruptCheckpointError
+from checkfreq.ranks.shares import REPLICATED, cuts, stream_range
 from checkfreq.storage.format import DTYPES_BY_CODE, Manifest, data_file_rank, header_entries
 
 

@@ -2,7 +2,7 @@
 
 Under data parallelism the parameters and the optimizer state are replicated by construction
 (DDP broadcasts rank 0's parameters when it wraps the model and averages the gradients, so every
-rank's optimizer takes the same step), and :mod:`checkfreq.dist.group_cluster` stores them once, split
+rank's optimizer takes the same step), and :mod:`checkfreq.ranks.group_cluster` stores them once, split
 over the ranks. If they ever differed, storing them once would silently hand every rank a splice of
 several ranks' values on restore. So with each checkpoint every rank reports, in the commit report
 it sends anyway:
@@ -14,9 +14,9 @@ it sends anyway:
   at a bounded cost per checkpoint.
 
 Each rank reports a digest of its claim; rank 0 commits only if every rank reported the same
-digest (when they differ, the ranks exchange their claims in full and :func:`disagreement` says what differs); otherwise every rank
-raises :class:`~checkfreq.errors.ReplicaMismatchError` naming the entries and the ranks that
-disagree, and the last committed checkpoint stays the newest.
+digest (when they differ, the ranks exchange their claims in full and :func:`disagreement` says
+what differs); otherwise every rank raises :class:`~checkfreq.errors.ReplicaMismatchError`
+naming the entries and the ranks that disagree, and the last committed checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def sharded_disagreement(per_rank: Sequence[Mapping[str, Mapping[str, Any]]]) ->
     if not problems:
         return None
     return (
-        f"ranks disagree on the global dtype, shape or layout of sharded tensors (DTensors): {_shown(problems)}. Every rank must "
-        "register the same sharded model and optimizer. No checkpoint is committed while they differ."
+        f"ranks disagree on the global dtype, shape or layout of sharded tensors (DTensors): {_shown(problems)}. "
+        "Every rank must register the same sharded model and optimizer. No checkpoint is committed while they differ."
     )
 
 

@@ -22,8 +22,8 @@ import re
 import socket
 from pathlib import Path
 
-from checkfreq.dist.collectives import Peers, collect_errors, scatter_json
 from checkfreq.errors import CheckfreqError
+from checkfreq.ranks.collectives import Peers, collect_errors, scatter_json
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 

@@ -12,9 +12,10 @@ restarted rank can therefore read the address its dead predecessor published and
 and hands every rank through the store, in a way no key left by an earlier process can fool:
 each rank asks with a fresh random nonce and waits for the answer under a key named after its
 nonce; rank 0 answers every nonce it sees until every rank has confirmed under a key named
-after the token, in a constant number of store operations per rank (rank 0: per poll). Neither the restart count (local to each torchrun agent) nor any other value
-the ranks would have to agree on beforehand is needed. Where two ranks connect only when they
-first exchange a message (:func:`checkfreq.dist.compat.gloo_group_on_store`), each looks the other's
+after the token, in a constant number of store operations per rank (rank 0: per poll). Neither the
+restart count (local to each torchrun agent) nor any other value the ranks would have to agree on
+beforehand is needed. Where two ranks connect only when they
+first exchange a message (:func:`checkfreq.ranks.compat.gloo_group_on_store`), each looks the other's
 address up then, under the same keys. See docs/distributed.md.
 """
 
@@ -23,13 +24,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
 from datetime import timedelta
+from typing import Any, cast
 
 import torch.distributed as dist
 
-from checkfreq.dist.compat import default_store, gloo_group_on_store
 from checkfreq.errors import CheckfreqError
+from checkfreq.ranks.compat import default_store, gloo_group_on_store
 
 _KEYS = "checkfreq/groups"
 _POLL_S = 0.005

@@ -4,7 +4,7 @@ A policy that measures time can answer differently on different ranks, yet every
 checkpoint at the same step. :class:`AgreedPolicy` asks the policy at every step, remembers a
 "yes", and exchanges the answers only every so many steps — about every :data:`VOTE_SECONDS` of
 training, and at least twice per interval the policy plans — in a vote that a background thread
-carries up and down a tree of the ranks (:func:`checkfreq.dist.collectives.tree_max`), collected at the
+carries up and down a tree of the ranks (:func:`checkfreq.ranks.collectives.tree_max`), collected at the
 next step. The exchange is not free on busy CPUs (docs/distributed.md, "When."): voting at every
 step of a 14 ms iteration cost about 6 % on two shared cores; voting every quarter second is within
 the noise of a run that exchanges nothing.
@@ -21,9 +21,9 @@ from concurrent.futures import Future
 
 import torch
 
-from checkfreq.dist.collectives import Peers, tree_max
 from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Every, Policy
+from checkfreq.ranks.collectives import Peers, tree_max
 
 VOTE_SECONDS = 0.25
 """Training time between two exchanges of the ranks' answers: how late a checkpoint may come."""
@@ -60,7 +60,7 @@ class AgreedPolicy:
 
     Each rank asks its policy at every step and remembers whether it said yes since the last
     exchange. At an exchange step it hands ``(wanted, −proposed steps to the next exchange)`` to
-    its vote thread, which takes the maximum over the ranks with :func:`~checkfreq.dist.collectives.tree_max`
+    its vote thread, which takes the maximum over the ranks with :func:`~checkfreq.ranks.collectives.tree_max`
     on ``peers`` (used by nothing else); the next step collects it, checkpoints if any rank wanted
     to, and schedules the next exchange by the smallest proposal, so every rank exchanges at the
     same steps and none waits longer than it proposed. The policy is not asked at the step that

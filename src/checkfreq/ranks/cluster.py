@@ -2,9 +2,9 @@
 
 The Checkpointer holds one :class:`Cluster` and never asks whether it runs under
 torch.distributed. When a default process group is initialised it is a
-:class:`~checkfreq.dist.group_cluster.GroupCluster` (checkfreq's gloo groups, each rank's share of the
+:class:`~checkfreq.ranks.group_cluster.GroupCluster` (checkfreq's gloo groups, each rank's share of the
 state, decisions agreed by the ranks); in a single process it is a :class:`SoloCluster`, a world
-of one whose peers are :class:`~checkfreq.dist.collectives.Solo` (every collective returns at once):
+of one whose peers are :class:`~checkfreq.ranks.collectives.Solo` (every collective returns at once):
 no process group, no store, and a checkpoint holding the whole state in one file.
 """
 
@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from checkfreq.dist.collectives import Peers, Solo
-from checkfreq.dist.group_cluster import GroupCluster, open_directories
-from checkfreq.dist.shares import Box, Share, local_view, sharded_blocks
 from checkfreq.errors import PeerLostError
-from checkfreq.storage.format import Manifest
 from checkfreq.policies import DecisionContext, Policy
+from checkfreq.ranks.collectives import Peers, Solo
+from checkfreq.ranks.group_cluster import GroupCluster, open_directories
+from checkfreq.ranks.shares import Box, Share, local_view, sharded_blocks
 from checkfreq.storage.base import Store
+from checkfreq.storage.format import Manifest
 
 
 class Cluster(Protocol):
@@ -122,7 +122,9 @@ class Cluster(Protocol):
         ...
 
 
-def attach(local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0) -> Cluster:
+def attach(
+    local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0
+) -> Cluster:
     """The cluster this process checkpoints in, its directories opened: the ranks of the default
     process group if one is initialised (collective), else a world of one. ``timeout``: how long
     storage may take; ``failure_timeout``: how long a rank waits for a silent peer."""

@@ -64,7 +64,7 @@ def gloo_group_on_store(store: dist.Store, timeout: timedelta, description: str)
     """A gloo group of every rank that meets its peers through ``store``, lazily connected where torch can.
 
     ``dist.new_group`` always rendezvouses in the default group's store, under a name of its own
-    choosing; this is the same creation with the store given (see :mod:`checkfreq.dist.groups`). Each
+    choosing; this is the same creation with the store given (see :mod:`checkfreq.ranks.groups`). Each
     rank publishes its address under ``store`` at once; with torch >= 2.8 two ranks connect only
     when they first exchange a message, and look each other's address up under ``store`` then
     (:func:`lazy_gloo_backend`); with an older torch every pair connects now.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from checkfreq.errors import PeerLostError
 
 if TYPE_CHECKING:
-    from checkfreq.dist.liveness import Liveness
+    from checkfreq.ranks.liveness import Liveness
 
 
 class Peers(Protocol):
@@ -89,7 +89,7 @@ class Solo:
 class GroupPeers:
     """The ranks of a gloo process group (the group's rank 0 is the sender of broadcasts).
 
-    With a :class:`~checkfreq.dist.liveness.Liveness`, every call is bounded by the failure timeout:
+    With a :class:`~checkfreq.ranks.liveness.Liveness`, every call is bounded by the failure timeout:
     the messages move on a thread of the group's own while the calling thread watches the ranks it
     waits for, and raises :class:`~checkfreq.errors.PeerLostError` (naming the rank, and
     :attr:`activity`) when one is lost or closed its connection; the group is then broken, and every
@@ -97,7 +97,9 @@ class GroupPeers:
     wait as long as gloo's timeout.
     """
 
-    def __init__(self, group: Any, liveness: Liveness | None = None, activity: str = "an exchange between the ranks") -> None:
+    def __init__(
+        self, group: Any, liveness: Liveness | None = None, activity: str = "an exchange between the ranks"
+    ) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.activity = activity
@@ -184,15 +186,15 @@ def _serve(calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None
 @contextlib.contextmanager
 def during(peers: Peers, activity: str) -> Iterator[None]:
     """Name what the ranks do on ``peers`` while in the block (errors say it), where ``peers`` names its activity."""
-    before = getattr(peers, "activity", None)
-    if before is None:
+    if not isinstance(peers, GroupPeers):
         yield
         return
-    setattr(peers, "activity", activity)
+    before = peers.activity
+    peers.activity = activity
     try:
         yield
     finally:
-        setattr(peers, "activity", before)
+        peers.activity = before
 
 
 class PeerFailure(RuntimeError):
@@ -331,7 +333,7 @@ def all_gather_json(value: Any, group: Any) -> list[Any]:
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(gathered, padded, group=group)
-    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths)]
+    return [_decode(g[: int(n.item())]) for g, n in zip(gathered, lengths, strict=True)]
 
 
 def _encode(value: Any) -> torch.Tensor:

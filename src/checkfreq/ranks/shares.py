@@ -5,7 +5,7 @@ Pure functions of names, dtypes, shapes and placements; no communication and no 
 Three kinds of tensors, by where they come from:
 
 * **replicated** (data parallel: every rank holds the same values, and checkfreq verifies it, see
-  :mod:`checkfreq.dist.replicas`): the parameters of registered modules and optimizers and the
+  :mod:`checkfreq.ranks.replicas`): the parameters of registered modules and optimizers and the
   optimizer state. The tensors are laid end to end, in name order, as one byte stream, and the
   stream is cut into ``world_size`` ranges of nearly equal size. A tensor that straddles a cut is
   split into ranges of its flattened elements (unless it is small, then the cut moves to its
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ from typing import Any, TypedDict, cast
 
 import torch
 
-from checkfreq.run.tensors import is_dtensor, storage_ptr
-from checkfreq.dist.compat import dtensor_class, dtensor_local_box
 from checkfreq.errors import CorruptCheckpointError
+from checkfreq.ranks.compat import dtensor_class, dtensor_local_box
+from checkfreq.run.tensors import is_dtensor
 from checkfreq.storage.format import (
     DTYPE_CODES,
     DTYPES_BY_CODE,
@@ -117,7 +118,7 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
     empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]
     starts, _ = _starts(items)
     bounds = cuts(sizes, world_size)
-    plans = [_pieces_between(items, starts, lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    plans = [_pieces_between(items, starts, lo, hi) for lo, hi in itertools.pairwise(bounds)]
     plans[0][:0] = empty  # nothing to balance; rank 0 records them
     return plans
 
@@ -446,7 +447,7 @@ def _overlap(offset: tuple[int, ...], shape: tuple[int, ...], box_offset: tuple[
     """Where the block ``offset``/``shape`` meets the box ``box_offset``/``box_shape``: the slices
     of each that hold the common elements, and their number."""
     src, dst, n = [], [], 1
-    for o, s, bo, bs in zip(offset, shape, box_offset, box_shape):
+    for o, s, bo, bs in zip(offset, shape, box_offset, box_shape, strict=True):
         lo, hi = max(o, bo), min(o + s, bo + bs)
         n *= max(hi - lo, 0)
         src.append(slice(lo - o, hi - o))

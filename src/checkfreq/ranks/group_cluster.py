@@ -1,21 +1,21 @@
 """Checkpointing under ``torch.distributed``: what each rank writes, and the groups it talks on.
 
-A :class:`GroupCluster` is the Checkpointer's :class:`~checkfreq.dist.cluster.Cluster` when a default
+A :class:`GroupCluster` is the Checkpointer's :class:`~checkfreq.ranks.cluster.Cluster` when a default
 process group is initialised (``torchrun``); users write no extra code. It creates dedicated gloo
 groups and never uses the training process group after that:
 
 * the **control** group, used only from the training thread: agreeing on *which* checkpoint to
   restore, and the start-up exchanges;
 * the **vote** group, for a policy whose answer may differ between ranks, used only from each
-  rank's vote thread: agreeing on *when* to checkpoint (:mod:`checkfreq.dist.agreement`);
+  rank's vote thread: agreeing on *when* to checkpoint (:mod:`checkfreq.ranks.agreement`);
 * the **commit** group, used only from each rank's background writer (:mod:`checkfreq.pipeline.commit`);
 * the **upload** group, with a remote tier, used only from each rank's uploader (:mod:`checkfreq.pipeline.upload`).
 
 Each group connects a pair of ranks only when the pair first exchanges a message (with torch >= 2.8,
-:func:`checkfreq.dist.compat.gloo_group_on_store`), so a rank holds connections to the few ranks it talks to.
+:func:`checkfreq.ranks.compat.gloo_group_on_store`), so a rank holds connections to the few ranks it talks to.
 
 Parameters and optimizer state, the same on every rank, are split over the ranks and verified
-at each commit (:mod:`checkfreq.dist.replicas`); everything else each rank writes for itself. See
+at each commit (:mod:`checkfreq.ranks.replicas`); everything else each rank writes for itself. See
 docs/distributed.md.
 """
 
@@ -37,17 +37,21 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from checkfreq.dist import replicas
-from checkfreq.dist.agreement import AgreedPolicy, needs_agreement
-from checkfreq.dist.collectives import GroupPeers, Peers, collect_errors
-from checkfreq.dist.compat import default_store
-from checkfreq.dist.shares import (
+from checkfreq.errors import CheckfreqError, PeerLostError
+from checkfreq.policies import DecisionContext, Policy
+from checkfreq.ranks import replicas
+from checkfreq.ranks.agreement import AgreedPolicy, needs_agreement
+from checkfreq.ranks.collectives import GroupPeers, Peers, collect_errors
+from checkfreq.ranks.compat import default_store
+from checkfreq.ranks.groups import new_gloo_groups
+from checkfreq.ranks.liveness import Liveness
+from checkfreq.ranks.shares import (
     PRIVATE,
     REPLICATED,
     SHARDED,
-    Share,
     Box,
     Piece,
+    Share,
     chunked_dim,
     dtype_entry,
     kind_of,
@@ -60,15 +64,12 @@ from checkfreq.dist.shares import (
     sharded_blocks,
     stream_range,
 )
-from checkfreq.dist.liveness import Liveness
-from checkfreq.errors import CheckfreqError, PeerLostError
-from checkfreq.storage.format import Manifest
-from checkfreq.dist.groups import new_gloo_groups
-from checkfreq.policies import DecisionContext, Policy
-from checkfreq.dist.sharing import directory_leader, on_machine_local_file_system
-from checkfreq.run.state import flatten, replicated as replicated_names
+from checkfreq.ranks.sharing import directory_leader, on_machine_local_file_system
+from checkfreq.run.state import flatten
+from checkfreq.run.state import replicated as replicated_names
 from checkfreq.run.tensors import local_part
 from checkfreq.storage.base import Store
+from checkfreq.storage.format import Manifest
 from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.distributed")
@@ -82,7 +83,8 @@ ACTIVITIES = {
     "vote": "the vote on when to checkpoint",
     "upload": "an upload to the remote tier",
 }
-"""What the ranks do on each of checkfreq's groups, as a lost rank's error says (a commit and an upload name their step)."""
+"""What the ranks do on each of checkfreq's groups, as a lost rank's error says (a commit and an upload
+name their step)."""
 _joins = itertools.count()
 
 
@@ -130,7 +132,7 @@ def _incarnation() -> str:
 
 class GroupCluster:
     """This rank's part in checkpointing under torch.distributed: its share of the state, its
-    directory, its groups (a :class:`~checkfreq.dist.cluster.Cluster`).
+    directory, its groups (a :class:`~checkfreq.ranks.cluster.Cluster`).
 
     Created collectively (every rank must construct its Checkpointer at the same point). The
     ranks agree on a token naming this job's staging locations and find out which of them share
@@ -154,7 +156,7 @@ class GroupCluster:
                                  self.world_size, failure_timeout)
         """The ranks' heartbeats: every wait on another rank is bounded by ``failure_timeout`` (docs/reliability.md)."""
         groups = {purpose: GroupPeers(group, self.liveness, ACTIVITIES[purpose])
-                  for purpose, group in zip(purposes, made)}
+                  for purpose, group in zip(purposes, made, strict=True)}
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: SharePlan | None = None
@@ -180,7 +182,7 @@ class GroupCluster:
 
         The tensors that are the same on every rank (the parameters and optimizer state of
         ``objects``) are split over the ranks, and fingerprinted for rank 0 to verify at the commit
-        (:mod:`checkfreq.dist.replicas`); every other tensor is written by each rank for itself.
+        (:mod:`checkfreq.ranks.replicas`); every other tensor is written by each rank for itself.
         """
         replicated = replicated_names(tensors, objects)
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
@@ -316,7 +318,7 @@ class SharePlan:
         return [Piece(name, 0, numel, True) for name, numel, _ in self.sizes]
 
     def verify_next(self) -> list[Piece]:
-        """The next window of at most :data:`~checkfreq.dist.replicas.VERIFY_BYTES` of the bytes, in turn."""
+        """The next window of at most :data:`~checkfreq.ranks.replicas.VERIFY_BYTES` of the bytes, in turn."""
         self.checks += 1
         total = sum(numel * itemsize for _, numel, itemsize in self.sizes)
         windows = max(1, -(-total // replicas.VERIFY_BYTES))
