@@ -338,6 +338,7 @@ def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
     directly, so no persist at close writes 12 GB to disk for nothing."""
     from checkfreq.pipeline.memory_tier import MemoryTier
     from checkfreq.pipeline.snapshot import Snapshotter, layout_of
+    from checkfreq.pipeline.tier import SnapshotRequest
     from checkfreq.policies.memory_cadence import MemoryCadence
 
     tensors = {f"model/{k}": v for k, v in trainer.model.state_dict().items()}
@@ -353,7 +354,7 @@ def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             layout = layout_of(tensors)
-            target = tier.target(layout, {}, step, None, {}, 0.0, device_copies=cuda)
+            target = tier.target(SnapshotRequest(layout, {}, step, None, {}, 0.0, device_copies=cuda, sharded=False))
             assert target is not None, "no room in /dev/shm for the memory tier"
             tier.commit(target, snapshotter.take(tensors, set(tensors), layout=layout, buffer=target.buffer))
             seconds.append(time.perf_counter() - start)

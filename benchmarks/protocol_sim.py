@@ -80,6 +80,8 @@ from checkfreq.pipeline.restore.protocol import Readable  # noqa: E402
 from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
 from checkfreq.pipeline.retainer import Retainer  # noqa: E402
 from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
+from checkfreq.pipeline.tier import TierName  # noqa: E402
+from checkfreq.pipeline.tiers import LocalTier, Tiers  # noqa: E402
 from checkfreq.policies.retention import Retention  # noqa: E402
 from checkfreq.ranks import replicas  # noqa: E402
 from checkfreq.ranks.collectives import Peers, Solo, tree_max  # noqa: E402
@@ -695,7 +697,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     with ledger.phase("startup"):
         wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
         agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
-        token, directory = meet(local, None, peers)
+        token, directory = meet(local, [], peers)
     leader = directory == rank
     with ledger.phase("commit"):
         committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,
@@ -708,7 +710,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         with ledger.phase("restore"):
             blocks = (lambda manifest: checkpoint.blocks(rank)) if checkpoint.sharded else None
             # no page cache shared: a network file system
-            found = Restorer(local, None, peers, directory_leader=directory).find(blocks=blocks)
+            found = Restorer(Tiers([LocalTier(local)]), peers, directory_leader=directory).find(blocks=blocks)
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
@@ -822,8 +824,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
 def _readable(store: LocalStore, step: int) -> Readable:
     """What a rank of a shared directory has of checkpoint ``step`` at restore, by the restorer's own
     code (on one shared directory every rank's is rank 0's)."""
-    restorer = Restorer(store, None, Solo())
-    restorer._locations = {"local": dict(store.checkpoints())}
+    restorer = Restorer(Tiers([LocalTier(store)]), Solo())
+    restorer._locations = {TierName.LOCAL: dict(store.checkpoints())}
     readable = restorer._readable(step)
     assert not isinstance(readable, str), readable
     return readable

@@ -63,6 +63,14 @@ def assert_state_equal(a: dict, b: dict) -> None:
             assert x == y, key
 
 
+def memory_tier(ckpt: Any) -> Any:
+    """The memory tier of a Checkpointer made with ``memory=``."""
+    from checkfreq.pipeline.memory_tier import MemoryTier
+
+    (tier,) = (t for t in ckpt._tiers.all if isinstance(t, MemoryTier))
+    return tier
+
+
 def docs_example(page: Path, heading: str) -> str:
     """The first Python block under ``heading`` of a docs page."""
     section = page.read_text().split(f"## {heading}", 1)[1]

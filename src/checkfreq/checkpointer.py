@@ -7,13 +7,12 @@ own (the cluster, the policy, the snapshot, the writer, the commit, the memory t
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -23,22 +22,17 @@ from checkfreq.errors import (
     CheckfreqError,
     ExistingCheckpointsError,
     InvalidArgumentError,
-    PeerLostError,
-    PersistError,
-    ReplicaMismatchError,
     UnknownObjectError,
     UsageError,
 )
-from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
-from checkfreq.pipeline.fence import Fence
-from checkfreq.pipeline.memory_tier import MemoryTier, open_memory_tier
+from checkfreq.pipeline.commit import Committer
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.saver import Saver
 from checkfreq.pipeline.shutdown import shutdown
-from checkfreq.pipeline.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.staging import check_gpu_staging
-from checkfreq.pipeline.upload import Uploader
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.tier import TierName
+from checkfreq.pipeline.tiers import choose_tiers
 from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
@@ -46,7 +40,6 @@ from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
 from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
 from checkfreq.ranks.shares import local_view, note_world_size_change
-from checkfreq.run.busy import MEMORY, PERSIST, BusyStorage
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
@@ -62,11 +55,9 @@ from checkfreq.run.state import (
     unflatten,
 )
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
-from checkfreq.run.tensors import any_cuda, is_dtensor, objects_on_cuda
+from checkfreq.run.tensors import objects_on_cuda
 from checkfreq.run.timeline import Timeline
-from checkfreq.storage import Store, open_tiers
-from checkfreq.storage.local import LocalStore
-from checkfreq.version import versions
+from checkfreq.storage import Store, open_stores
 
 log = logging.getLogger("checkfreq")
 
@@ -173,42 +164,27 @@ class Checkpointer:
         if rng:
             self._objects["rng"] = RNGState()
 
-        self._local, self._remote = open_tiers(directory, remote)
+        local, far = open_stores(directory, remote)
         # a cluster at every world size (a world of one alone)
-        cluster = self._cluster = attach(self._local, self._remote, persist_timeout, self._policy, failure_timeout)
+        cluster = self._cluster = attach(local, far, persist_timeout, self._policy, failure_timeout)
         control = self._control = cluster.control
-        self.directory = self._local.root
-        self._memory = open_memory_tier(self._local.root, memory_cadence, control)
-        self._restorer = Restorer(self._local, self._remote, control, self._memory, page_cache=cluster.page_cache,
-                                  directory_leader=cluster.directory_leader)
+        self.directory = local.root
         retention = Retention.of(keep)
-        retainer = Retainer(self._local, retention, leader=cluster.leader)
-        self._uploader: Uploader | None = None
-        if self._remote is not None:
-            assert isinstance(self._local, LocalStore)  # open_tiers puts a local directory in front of a remote tier
-            self._uploader = Uploader(
-                self._local,
-                self._remote,
-                cluster.commit if cluster.upload is None else cluster.upload,
-                token=cluster.token,
-                retention=retention if remote_keep is None else Retention.of(remote_keep),
-                local_retainer=retainer,
-            )
-        self._committer = Committer(
-            self._local,
-            cluster.commit,
-            leader=retainer.leader,
-            token=cluster.token,
-            retainer=retainer,
-            uploader=self._uploader,
-            directory_leader=cluster.directory_leader,
+        retainer = Retainer(local, retention, leader=cluster.leader)
+        tiers = self._tiers = choose_tiers(
+            local, far, cluster, memory=memory_cadence, retainer=retainer,
+            far_retention=retention if remote_keep is None else Retention.of(remote_keep),
         )
-        newest = [s for s in [*self._restorer.listed()[:1], self._memory.newest_step()] if s is not None]
+        self._restorer = Restorer(tiers, control, page_cache=cluster.page_cache,
+                                  directory_leader=cluster.directory_leader)
+        committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,
+                              followers=tiers.followers, directory_leader=cluster.directory_leader)
+        newest = [s for s in [*self._restorer.listed()[:1], tiers.newest_step()] if s is not None]
         steps = control.gather(max(newest, default=None))  # until restore() adopts them; every rank sees them
         self._foreign_step: int | None = control.broadcast(
             None if steps is None else max((s for s in steps if s is not None), default=None))
         self._closed = False
-        self._events = EventLog(self._local.events_directory, rank=control.rank)
+        self._events = EventLog(local.events_directory, rank=control.rank)
         self._events.write(
             "start",
             pid=os.getpid(),
@@ -216,14 +192,12 @@ class Checkpointer:
             keep=retention.keep,
             keep_every=retention.every,
         )
-        self._busy = BusyStorage(self._events)
-        self._profiler = Profiler()
-        self._snapshotter = Snapshotter(gpu_staging)
-        self._writer = Writer()
+        self._saver = Saver(tiers, cluster, committer, self._events, self._objects, gpu_staging=gpu_staging,
+                            timeout=persist_timeout, on_error=on_error, policy_name=type(self._policy).__name__)
         self._leaving: list[BaseException] = []  # the error a ``with`` block ends on
         self._finalizer = weakref.finalize(
-            self, shutdown, self._writer, self._uploader, [self._local, self._remote], timeout=persist_timeout,
-            failure_timeout=failure_timeout, trap=self._trap, cluster=self._cluster, leaving=self._leaving,
+            self, shutdown, self._saver.writer, tiers, timeout=persist_timeout, failure_timeout=failure_timeout,
+            trap=self._trap, cluster=self._cluster, leaving=self._leaving,
         )
         if self._trap is not None:
             self._trap.install()
@@ -237,11 +211,6 @@ class Checkpointer:
         self._step_order = StepOrder(
             [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
         )
-        self._fence = Fence()
-
-        self._timeline = Timeline()
-        self._durable_step = -1  # the newest step known committed (a result of the writer)
-        self._committed = -1  # the newest step this session committed
 
     # ------------------------------------------------------------------ user API
 
@@ -256,7 +225,11 @@ class Checkpointer:
 
     @property
     def profiler(self) -> Profiler:
-        return self._profiler
+        return self._saver.profiler
+
+    @property
+    def _timeline(self) -> Timeline:
+        return self._saver.timeline
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._values and name in self._unclaimed:
@@ -281,23 +254,25 @@ class Checkpointer:
         now = time.perf_counter()
         self._check_open("step()")
         self._step_order.check(self._timeline.step + 1)
-        self._collect_background()
-        self._record_gpu_waits()
+        saver = self._saver
+        saver.collect()
+        saver.record_gpu_waits()
         measured = self._timeline.advance(
-            now, writer_busy=self._writer.busy, writer_transitions=self._writer.transitions
+            now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
         )
         if measured is not None:
-            self._timeline.set_aside(self._profiler.record_iteration(measured[0], persisting=measured[1]))
+            self._timeline.set_aside(saver.profiler.record_iteration(measured[0], persisting=measured[1]))
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         ctx = self._timeline.context(
-            now, self._profiler, persist_in_flight=self._writer.busy, epoch=self._epoch(), loss=loss
+            now, saver.profiler, persist_in_flight=saver.writer.busy, epoch=self._epoch(), loss=loss
         )
         if self._cluster.decide(ctx):
             self._checkpoint(blocking=False, reason="policy")
             return True
-        if self._memory.due(ctx.step, ctx.iteration_time):
-            self._snapshot_to_memory()
+        for tier in self._tiers.due(ctx.step, ctx.iteration_time):  # a snapshot into that tier alone
+            self._check_not_foreign()
+            saver.snapshot_for(tier, self._capture, epoch=self._epoch())
         return False
 
     def save(self, blocking: bool = False) -> None:
@@ -306,7 +281,7 @@ class Checkpointer:
         With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
         self._check_open("save()")
-        self._collect_background()
+        self._saver.collect()
         if blocking:
             self._ensure_durable("save()")
         elif self._timeline.last_checkpoint != self._timeline.step or self._timeline.step == 0:
@@ -321,11 +296,9 @@ class Checkpointer:
         every rank must then call it at the same step.
         """
         timeout = self._timeout if timeout is None else timeout
-        self._writer.wait(timeout)
-        self._collect_background()
-        self._wait_memory()
-        if remote and self._uploader is not None:
-            self._uploader.flush(self._committed if self._committed >= 0 else None, timeout)
+        self._saver.wait(timeout)
+        if remote:
+            self._tiers.flush(self._newest_committed(), timeout)
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
@@ -343,14 +316,14 @@ class Checkpointer:
             self._foreign_step = None
             return 0
         manifest = found.manifest
-        from_memory = found.tier == "memory"
+        from_memory = found.tier == TierName.MEMORY
         if from_memory:  # this rank's whole state, taken by this very job
             skeleton, tensors = local_view(manifest, found.tensors)
         else:
             note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
             skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
         state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
-        where = "" if found.tier == "local" else f", read from the {found.tier} tier"
+        where = "" if found.tier == TierName.LOCAL else f", read from the {found.tier} tier"
         source = f"checkpoint {found.name} of {self.directory}{where}"
         apply_state(self._objects, self._values, state, source, os.path.join(self.directory, found.name))
         self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
@@ -359,13 +332,13 @@ class Checkpointer:
         warn_if_buckets_reorder(
             (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
         )
-        self._timeline = Timeline.restored(manifest.step)
+        self._saver.timeline = Timeline.restored(manifest.step)
         self._step_order.begin_session()
-        self._durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
+        self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
-        self._memory.forget_newer_than(manifest.step)
-        self._memory.taken(manifest.step)
-        self._profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
+        self._tiers.forget_newer_than(manifest.step)
+        self._tiers.taken(manifest.step)
+        self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         seconds = time.perf_counter() - start
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
                            world_size=self._cluster.world_size, saved_world_size=manifest.world_size,
@@ -385,9 +358,9 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(f"start_at() takes a step >= 0, got {step!r}")
         self._check_not_foreign()
-        self._timeline = Timeline.restored(step)
+        self._saver.timeline = Timeline.restored(step)
         self._step_order.begin_session()
-        self._memory.taken(step)
+        self._tiers.taken(step)
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
@@ -404,9 +377,7 @@ class Checkpointer:
         self._cluster.close()
         try:
             self.wait()
-            self._close_memory_tier()
-            if self._uploader is not None:  # the newest checkpoint of this session reaches the remote tier
-                self._uploader.flush(self._committed if self._committed >= 0 else None, self._timeout)
+            self._close_tiers()
         finally:
             self._finalizer()
 
@@ -432,7 +403,7 @@ class Checkpointer:
             handle.remove()
         self._hook_handles = []
         self._step_order.close()
-        self._fence.clear()
+        self._saver.fence.clear()
 
     def _epoch(self) -> int | None:
         """The epoch of the first registered object that has one (the loader), found once."""
@@ -445,43 +416,8 @@ class Checkpointer:
         if self._closed:
             raise UsageError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
 
-    def _collect_background(self) -> None:
-        """Apply what the writer committed; raise (or log) what failed in the background."""
-        error = self._apply_commits(
-            self._writer.take_results(), self._writer.take_error(), self._timeline.last_checkpoint
-        )
-        if error is not None:
-            if isinstance(error, (ReplicaMismatchError, PeerLostError)):  # not the storage's fault: always raised
-                raise error
-            self._report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
-        upload_error = None if self._uploader is None else self._uploader.take_error()
-        if isinstance(upload_error, PeerLostError):
-            raise upload_error
-        if upload_error is not None:
-            self._events.write("error", step=self._committed, message=str(upload_error))
-            remote = "the remote tier" if self._remote is None else self._remote.root
-            self._report_failure(PersistError(f"copying a checkpoint to {remote} failed: {upload_error}"), upload_error)
-
-    def _report_failure(self, error: PersistError, cause: BaseException) -> None:
-        if self._on_error == "warn":
-            log.warning("%s; training goes on", error)
-            return
-        raise PersistError(f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
-                           "and trains on, and a restart resumes from the newest committed checkpoint") from cause
-
-    def _apply_commits(
-        self, results: list[CommitResult], error: BaseException | None, step: int
-    ) -> BaseException | None:
-        """What the writer drained: each committed checkpoint is durable and the profiler learns what it
-        cost; an error (of the checkpoint at ``step``) goes in the events and is returned."""
-        for result in results:
-            self._durable_step = self._committed = result.step
-            self._profiler.record_persist(result.seconds, result.bytes)
-            self._events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
-                               bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
-        if error is not None:
-            self._events.write("error", step=step, message=str(error))
-        return error
+    def _newest_committed(self) -> int | None:
+        return self._saver.committed if self._saver.committed >= 0 else None
 
     def _check_not_foreign(self) -> None:
         """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
@@ -495,171 +431,47 @@ class Checkpointer:
 
     def _checkpoint(self, *, blocking: bool, reason: str) -> None:
         self._check_not_foreign()
-        start = time.perf_counter()
-        step, epoch, busy = self._timeline.step, self._epoch(), self._busy
-        # the host buffer is reused: one checkpoint in flight
-        busy.wait(PERSIST, step, self._writer.busy, lambda: self._writer.wait(self._timeout), self._profiler,
-                  step - self._timeline.last_checkpoint if reason == "policy" else None)
-        self._collect_background()
-        busy.wait(MEMORY, step, self._memory.busy, self._wait_memory, self._profiler)
-        self._finish_fence()
-        skeleton, tensors, owned = self._capture(step)
-        tensors, owned, share = self._cluster.select(tensors, owned, self._objects)
-        self._profiler.begin_checkpoint()
-        layout = layout_of(tensors)
-        target = None
-        if self._cluster.writes_whole_state:  # else the share has a buffer of its own
-            target = self._memory.target(layout, skeleton, step, epoch, versions(), time.time(),
-                                         device_copies=any_cuda(tensors.values()))
-        pending = self._snapshotter.take(
-            tensors, owned, layout=layout, buffer=None if target is None else target.buffer, step=step
-        )
-        job: Callable[[], CommitResult] = functools.partial(
-            self._committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
-        )
-        if target is not None:
-            assert isinstance(self._memory, MemoryTier)  # only a tier gives a target
-            job = self._memory.around_persist(target, pending, job)
-            self._memory.taken(step)
-        self._writer.submit(job)
-        window = self._timeline.checkpointed(start)
-        stall = time.perf_counter() - start
-        self._events.write(
-            "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=type(self._policy).__name__, epoch=epoch, **window, iteration_s=self._profiler.iteration.value,
-            iteration_persisting_s=self._profiler.iteration_while_persisting.value,
-        )
-        if pending.has_deferred:
-            self._fence.arm(pending, self._writer, stall, memory=False)
-        else:
-            self._profiler.record_stall(stall)
-        if blocking:
-            self._writer.wait(self._timeout)
-            self._finish_fence()
-            error = self._apply_commits(*self._writer.drain(), step)
-            if isinstance(error, ReplicaMismatchError):
-                raise error
-            if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
-                raise PersistError(f"checkpoint at step {step} failed: {error}") from error
+        self._saver.checkpoint(self._capture, epoch=self._epoch(), reason=reason, blocking=blocking)
 
     def _capture(self, step: int) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
         """The registered state as (skeleton, tensors, names of the optimizer-owned tensors)."""
         state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
         state.update(self._values)
-        state["checkfreq"] = run_state(step, self._optimizers, self._profiler, self._policy)
+        state["checkfreq"] = run_state(step, self._optimizers, self._saver.profiler, self._policy)
         skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
         return skeleton, tensors, optimizer_owned(tensors, self._optimizers)
 
-    # ------------------------------------------------------------------ memory tier
-
-    def _snapshot_to_memory(self) -> None:
-        """Snapshot into the memory tier only (the disk policy did not ask for a persist)."""
-        memory = self._memory
-        assert isinstance(memory, MemoryTier)  # a memory snapshot is due only in a tier
-        self._check_not_foreign()
-        start = time.perf_counter()
-        step, epoch = self._timeline.step, self._epoch()
-        self._busy.wait(MEMORY, step, memory.busy, self._wait_memory, self._profiler)
-        self._finish_fence()
-        skeleton, tensors, owned = self._capture(step)
-        if any(is_dtensor(t) for t in tensors.values()):
-            log.warning(
-                "memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet"
-            )
-            memory.enabled = False
-            self._profiler.record_memory_stall(time.perf_counter() - start)
-            return
-        layout = layout_of(tensors)
-        target = memory.target(layout, skeleton, step, epoch, versions(), time.time(),
-                               device_copies=any_cuda(tensors.values()))
-        if target is None:  # no room in /dev/shm: the tier turned itself off
-            self._profiler.record_memory_stall(time.perf_counter() - start)
-            return
-        pending = self._snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
-        memory.submit(target, pending, skeleton, epoch)
-        memory.taken(step)
-        stall = time.perf_counter() - start
-        self._events.write("memory", step=step, stall_s=stall, bytes=layout.nbytes)
-        self._profiler.record_memory_stall(stall)  # creating the region included: none of it is training
-        cost = stall - target.setup_s  # creating the region is a one-time cost
-        if pending.has_deferred:
-            self._fence.arm(pending, memory.writer, cost, memory=True)
-        else:
-            memory.record_cost(cost)
-
-    def _wait_memory(self) -> None:
-        """Wait for the memory snapshot being committed; a failed commit is reported like a persist error."""
-        error = self._memory.wait(self._timeout)
-        if error is not None:
-            self._report_failure(PersistError(f"memory snapshot failed: {error}"), error)
+    # ------------------------------------------------------------------ tiers
 
     def _persist_newest_state(self) -> None:
-        """Where a rank writes a share of its state (not a memory snapshot as it stands), before a clean
-        close removes the regions: a collective blocking checkpoint if the ranks' newest memory
+        """Where a rank writes a share of its state (not a tier's snapshot as it stands), before a clean
+        close removes the tiers' snapshots: a collective blocking checkpoint if the ranks' newest tier
         snapshot (the same step on every rank) is at the current step and newer than disk."""
-        self._wait_memory()
-        newest = self._memory.newest
-        if newest is not None and newest.step == self._timeline.step and self._durable_step < self._timeline.step:
+        self._saver.wait_tiers()
+        held = self._tiers.unpersisted(self._saver.durable_step)
+        if held is not None and held.step == self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
 
-    def _close_memory_tier(self) -> None:
-        """Persist the newest memory snapshot as it stands if disk is behind it and it is the whole
-        checkpoint, then remove the region (a clean close)."""
-        memory = self._memory
-        self._wait_memory()
-        newest = memory.newest
-        if newest is not None and newest.step > self._durable_step and self._cluster.writes_whole_state:
-            start = time.perf_counter()
-            self._events.write(
-                "snapshot",
-                step=newest.step,
-                stall_s=0.0,
-                bytes=newest.pending.layout.nbytes,
-                reason="close",
-                policy=type(self._policy).__name__,
-                epoch=newest.epoch,
-            )
-            self._writer.submit(
-                functools.partial(
-                    self._committer.run,
-                    CommitJob(newest.step, newest.epoch, newest.pending, newest.skeleton, None, versions(), start),
-                )
-            )
-            error = self._apply_commits(*self._writer.drain(self._timeout), newest.step)
-            if error is not None:
-                memory.close(remove=False, timeout=self._timeout)  # the region keeps the newest state
-                raise PersistError(
-                    f"persisting the newest memory snapshot (step {newest.step}) at close failed: {error}"
-                ) from error
-        memory.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
-
-    def _record_gpu_waits(self) -> None:
-        """Add the training streams' waits on snapshot copies, timed on the GPU, to their costs."""
-        for wait in self._snapshotter.gpu_waits.collect():
-            self._events.write("gpu_wait", step=wait.step, wait_s=wait.seconds, at=wait.at, memory=wait.memory)
-            if not wait.memory:
-                self._profiler.record_device_wait(wait.seconds)
-            elif isinstance(self._memory, MemoryTier):
-                self._memory.cadence.record_device_wait(wait.seconds)
-
-    def _finish_fence(self) -> None:
-        """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
-        done = self._fence.finish(self._timeout)
-        if done is None:
-            return
-        if done.memory:
-            self._profiler.record_memory_stall(done.wait_s)
-            if isinstance(self._memory, MemoryTier):
-                self._memory.record_cost(done.stall_s)
-            return
-        self._profiler.record_stall(done.stall_s)
-        self._events.write("fence", step=self._timeline.last_checkpoint, wait_s=done.wait_s, stall_s=done.stall_s)
+    def _close_tiers(self) -> None:
+        """Persist the newest snapshot a tier holds as it stands if disk is behind it and it is the whole
+        checkpoint, bring the newest checkpoint to the tiers that copy them, then close the tiers (a
+        clean close: the memory tier's region is removed)."""
+        self._saver.wait_tiers()
+        held = self._tiers.unpersisted(self._saver.durable_step)
+        if held is not None and self._cluster.writes_whole_state:
+            try:
+                self._saver.persist_held(held)
+            except CheckfreqError:
+                self._tiers.close(remove=False, timeout=self._timeout)  # the tier keeps the newest state
+                raise
+        self._tiers.flush(self._newest_committed(), self._timeout)
+        self._tiers.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
     def _ensure_durable(self, reason: str) -> None:
         """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
         if self._timeline.last_checkpoint == self._timeline.step and self._timeline.step != 0:
             self.wait()
-            if self._durable_step == self._timeline.step:
+            if self._saver.durable_step == self._timeline.step:
                 return
         self._checkpoint(blocking=True, reason=reason)
 
@@ -687,7 +499,7 @@ def _has_int_epoch(obj: object) -> bool:
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
     checkpointer = ref()
     if checkpointer is not None:
-        checkpointer._finish_fence()
+        checkpointer._saver.finish_fence()
 
 
 CHECKPOINTER_OPTIONS = tuple(

@@ -55,7 +55,7 @@ from worker_exit import exit_without_teardown  # beside this script
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
 from checkfreq.pipeline.snapshot import Snapshotter
-from checkfreq.pipeline.upload import Uploader
+from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.storage.format import checkpoint_name
@@ -121,7 +121,7 @@ def inject(faults: Faults) -> None:
     """Wrap checkfreq's functions so that each phase calls ``faults.hit`` (on whichever thread runs it)."""
     take, gather, broadcast, send, receive = (Snapshotter.take, GroupPeers.gather, GroupPeers.broadcast,
                                               GroupPeers.send, GroupPeers.receive)
-    rows, copy = GroupPeers.all_gather_rows, Uploader._copy
+    rows, copy = GroupPeers.all_gather_rows, RemoteTier._copy
     rounds: dict[tuple[str, str], int] = {}
 
     def counted(peers: GroupPeers, kind: str) -> int:
@@ -167,7 +167,7 @@ def inject(faults: Faults) -> None:
         exchange(self)
         return rows(self, row)
 
-    def copy_hooked(self: Uploader, path: Path, *args: Any) -> None:
+    def copy_hooked(self: RemoteTier, path: Path, *args: Any) -> None:
         step = re.search(r"step_(\d+)", str(path))
         if step is not None and checkpoint_name(int(step[1])) in str(path):
             faults.hit("upload", int(step[1]))
@@ -177,7 +177,7 @@ def inject(faults: Faults) -> None:
     GroupPeers.gather, GroupPeers.broadcast = gather_hooked, broadcast_hooked  # type: ignore[method-assign]
     GroupPeers.send, GroupPeers.receive = send_hooked, receive_hooked  # type: ignore[method-assign]
     GroupPeers.all_gather_rows = rows_hooked  # type: ignore[method-assign]
-    Uploader._copy = copy_hooked  # type: ignore[method-assign]
+    RemoteTier._copy = copy_hooked  # type: ignore[method-assign]
 
 
 def parse() -> argparse.Namespace:

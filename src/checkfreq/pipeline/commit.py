@@ -29,22 +29,21 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import xxhash
 
 from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.pipeline.tier import Tier
 from checkfreq.ranks import replicas
 from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, send_json
 from checkfreq.ranks.shares import REPLICATED, SHARDED, Share
 from checkfreq.storage.base import Store, write_data, write_manifest
 from checkfreq.storage.format import FileEntry, Manifest, data_file_name, encode_header, tensor_entries
-
-if TYPE_CHECKING:
-    from checkfreq.pipeline.upload import Uploader
 
 log = logging.getLogger("checkfreq.commit")
 
@@ -74,7 +73,7 @@ class CommitResult:
     bytes: int
     seconds: float
     upload: bool
-    """The checkpoint was handed to the uploader (every rank decided the same)."""
+    """The checkpoint was handed to the tiers that follow commits (every rank decided the same)."""
 
 
 @dataclass
@@ -156,8 +155,8 @@ class Committer:
         directory_leader: the lowest rank whose local directory is this rank's (recorded in the manifest, so
             that a node-local directory's checkpoints can be checked from that directory alone).
         retainer: retention of ``store``, run after each commit.
-        uploader: with a remote tier, this rank's uploader: a committed checkpoint is handed to it
-            if every rank's uploader was idle when the ranks reported.
+        followers: the tiers that copy committed checkpoints (the remote tier): a committed checkpoint
+            is handed to them if every rank's were ready when the ranks reported.
     """
 
     def __init__(
@@ -168,13 +167,13 @@ class Committer:
         leader: bool,
         token: str,
         retainer: Retainer,
-        uploader: Uploader | None = None,
+        followers: Sequence[Tier] = (),
         directory_leader: int = 0,
     ) -> None:
         self.store, self.peers, self.leader, self.token = store, peers, leader, token
         self.directory_leader = directory_leader
         self.retainer = retainer
-        self._uploader = uploader
+        self._followers = list(followers)
 
     def run(self, job: CommitJob) -> CommitResult:
         try:
@@ -202,7 +201,7 @@ class Committer:
             header = encode_header(job.pending.layout, record)
             size, digest = write_data(self.store, staging, name, header, job.pending.buffer)
             report.ok, report.file, report.size, report.xxh3_64 = True, name, size, digest
-            report.upload_idle = self._uploader is not None and self._uploader.idle
+            report.upload_idle = bool(self._followers) and all(tier.ready for tier in self._followers)
             if job.share is None:  # one process: the manifest indexes the one file
                 report.index, report.state = tensor_entries(job.pending.layout, name), job.skeleton
             else:
@@ -239,9 +238,10 @@ class Committer:
         if failed:
             raise PersistError(f"checkpoint {step} not committed: {'; '.join(failed)}") from failure
         seconds = time.perf_counter() - job.started
-        upload = self._uploader is not None and verdict.upload
-        if self._uploader is not None and upload:
-            self._uploader.start(step)
+        upload = bool(self._followers) and verdict.upload
+        if upload:
+            for tier in self._followers:
+                tier.follow(step)
         self.retainer.run(protect=step)
         return CommitResult(step, size, seconds, upload)
 

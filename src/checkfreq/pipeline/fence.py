@@ -4,6 +4,7 @@ the newest snapshot, so that every tensor of a snapshot comes from one point bet
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from checkfreq.errors import PersistTimeoutError
@@ -19,8 +20,10 @@ class FenceWait:
     """Seconds waited at the fence itself."""
     stall_s: float
     """The snapshot's whole stall: taking it, and the wait at its fence."""
-    memory: bool
-    """The snapshot was a memory-only one."""
+
+
+Account = Callable[[FenceWait], None]
+"""Who learns what a fence cost: the persist's profile, or the tier a snapshot was taken for alone."""
 
 
 class Fence:
@@ -30,24 +33,24 @@ class Fence:
         self._pending: PendingSnapshot | None = None
         self._writer: Writer | None = None
         self._stall = 0.0
-        self._memory = False
+        self._account: Account | None = None
 
-    def arm(self, pending: PendingSnapshot, writer: Writer, stall: float, *, memory: bool) -> None:
+    def arm(self, pending: PendingSnapshot, writer: Writer, stall: float, account: Account) -> None:
         """The next optimizer step waits for ``pending``'s deferred copies, which ``writer``'s job finishes
-        (``stall``: what taking the snapshot already cost)."""
-        self._pending, self._writer, self._stall, self._memory = pending, writer, stall, memory
+        (``stall``: what taking the snapshot already cost; ``account`` is told what the fence cost)."""
+        self._pending, self._writer, self._stall, self._account = pending, writer, stall, account
 
     def clear(self) -> None:
-        self._pending = self._writer = None
+        self._pending = self._writer = self._account = None
 
-    def finish(self, timeout: float) -> FenceWait | None:
+    def finish(self, timeout: float) -> None:
         """Wait until the deferred copies are done (the training thread copies the pieces the writer
-        has not reached); None if no snapshot was waiting. On CUDA the current stream only waits
-        on the copies' events (no CPU block)."""
-        pending, writer = self._pending, self._writer
+        has not reached), then tell the snapshot's account what it cost; nothing if no snapshot was
+        waiting. On CUDA the current stream only waits on the copies' events (no CPU block)."""
+        pending, writer, account = self._pending, self._writer, self._account
         self.clear()
-        if pending is None or writer is None:
-            return None
+        if pending is None or writer is None or account is None:
+            return
         start = time.perf_counter()
         pending.order_after_copy()
         if pending.cpu_fence:
@@ -58,4 +61,4 @@ class Fence:
                 if time.perf_counter() > deadline:
                     raise PersistTimeoutError(f"snapshot copy still running after {timeout} s")
         wait = time.perf_counter() - start
-        return FenceWait(wait, self._stall + wait, self._memory)
+        account(FenceWait(wait, self._stall + wait))

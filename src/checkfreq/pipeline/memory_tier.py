@@ -38,6 +38,7 @@ import torch
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
 from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import Peers
@@ -75,33 +76,8 @@ class MemoryTarget:
         return self.slot.data[: self.layout.nbytes]
 
 
-@dataclass(frozen=True)
-class MemorySnapshot:
-    """The newest memory-only snapshot this process took (persisted at ``close()`` if newer than disk)."""
-
-    pending: PendingSnapshot
-    skeleton: Any
-    step: int
-    epoch: int | None
-
-
-@dataclass(frozen=True)
-class MemoryState:
-    """A verified snapshot read back from the memory tier."""
-
-    manifest: Manifest
-    tensors: dict[str, torch.Tensor]
-    slot: int
-
-    tier = "memory"
-
-    @property
-    def name(self) -> str:
-        return f"memory slot {self.slot}"
-
-
-class MemoryTier:
-    """One rank's memory tier for a Checkpointer (:class:`NoMemoryTier` where it has none).
+class MemoryTier(Tier):
+    """One rank's memory tier for a Checkpointer with ``memory=``.
 
     Args:
         directory: the checkpoint directory (path or URL) the region is named after.
@@ -118,15 +94,16 @@ class MemoryTier:
         """Pins slots for device copies; created at the first CUDA snapshot or restore."""
         self.cadence = cadence
         self._data_file = data_file
-        self.writer = Writer()
-        self._finalizer = weakref.finalize(self, self.writer.close, None)
+        self._writer = Writer()
+        self._finalizer = weakref.finalize(self, self._writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
         self.enabled = True
         """False once /dev/shm had no room, or the state is sharded: snapshots go to disk only."""
-        self.newest: MemorySnapshot | None = None
+        self.newest: HeldSnapshot | None = None
+        """The newest snapshot taken into memory alone (none since a persist)."""
 
-    present = True
-    """A memory tier was asked for (``memory=``): restore looks in it, and close persists from it."""
+    name = TierName.MEMORY
+    holds_states = True
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:
@@ -142,7 +119,12 @@ class MemoryTier:
     @property
     def busy(self) -> bool:
         """The previous memory snapshot is still being copied or committed."""
-        return self.writer.busy
+        return self._writer.busy
+
+    @property
+    def writer(self) -> Writer:
+        """The thread committing memory snapshots."""
+        return self._writer
 
     def newest_step(self) -> int | None:
         """The step of the newest snapshot with a valid header (not verified), if any."""
@@ -163,18 +145,27 @@ class MemoryTier:
         """What a memory snapshot cost the training thread, for the cadence."""
         self.cadence.record(seconds)
 
-    def target(
-        self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str], created: float,
-        *, device_copies: bool = False,
-    ) -> MemoryTarget | None:
-        """Open a slot for a snapshot of ``layout``; None once the tier is off (no room in /dev/shm).
-        With ``device_copies`` (CUDA tensors will be copied in) the slot is pinned first."""
+    def record_device_wait(self, seconds: float) -> None:
+        self.cadence.record_device_wait(seconds)
+
+    def target(self, request: SnapshotRequest) -> MemoryTarget | None:
+        """Open a slot for a snapshot of ``request.layout``; None once the tier is off (no room in
+        /dev/shm, or sharded state). With ``request.device_copies`` (CUDA tensors will be copied in)
+        the slot is pinned first."""
         if not self.enabled:
             return None
+        if request.sharded:
+            log.warning(
+                "memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet"
+            )
+            self.enabled = False
+            return None
+        layout = request.layout
         manifest = Manifest(
-            step=step, epoch=epoch, world_size=1,
+            step=request.step, epoch=request.epoch, world_size=1,
             files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
-            tensors=tensor_entries(layout, self._data_file), state=skeleton, versions=versions, created=created,
+            tensors=tensor_entries(layout, self._data_file), state=request.skeleton, versions=request.versions,
+            created=request.created,
         )
         meta = manifest.to_json()
         start = time.perf_counter()
@@ -185,10 +176,10 @@ class MemoryTier:
             self.enabled = False
             return None
         slot = self.region.begin(keep=self._persisting)
-        if device_copies:
+        if request.device_copies:
             self._pin(slot.slot)
-        return MemoryTarget(slot, step, layout, meta, time.perf_counter() - start,
-                            seal_later(device_copies, layout.nbytes))
+        return MemoryTarget(slot, request.step, layout, meta, time.perf_counter() - start,
+                            seal_later(request.device_copies, layout.nbytes))
 
     def _pin(self, slot: int) -> None:
         if self.registry is None:
@@ -212,30 +203,39 @@ class MemoryTier:
 
     def wait(self, timeout: float) -> BaseException | None:
         """Wait for the memory snapshot being committed; return its error if it failed."""
-        self.writer.wait(timeout)
-        error = self.writer.take_error()
+        self._writer.wait(timeout)
+        error = self._writer.take_error()
         if error is not None:
             self.newest = None  # never committed: nothing to persist from it
         return error
 
-    def submit(self, target: MemoryTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
+    def submit(self, target: SnapshotTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
         """Commit a memory-only snapshot in the background (the previous one must be committed)."""
-        self.newest = MemorySnapshot(pending, skeleton, target.step, epoch)
+        assert isinstance(target, MemoryTarget)  # this tier's own target
+        self.newest = HeldSnapshot(pending, skeleton, target.step, epoch)
 
         def job() -> None:
             start = time.perf_counter()
             self.commit(target, pending)
             self.cadence.record_background(time.perf_counter() - start)
 
-        self.writer.submit(job)
+        self._writer.submit(job)
+        self.taken(target.step)
+
+    def unpersisted(self, durable_step: int) -> HeldSnapshot | None:
+        newest = self.newest
+        return newest if newest is not None and newest.step > durable_step else None
 
     def around_persist(
-        self, target: MemoryTarget, pending: PendingSnapshot, persist: Callable[[], T]
+        self, target: SnapshotTarget | None, pending: PendingSnapshot, persist: Callable[[], T]
     ) -> Callable[[], T]:
-        """The writer job of a persist: commit the slot, then write it to disk; the slot stays
-        untouched by memory snapshots until the write is done."""
+        """The writer job of a persist whose snapshot landed in a slot (``target``): commit the slot,
+        then write it to disk; the slot stays untouched by memory snapshots until the write is done."""
+        if not isinstance(target, MemoryTarget):  # the snapshot is elsewhere: nothing to commit here
+            return persist
         self._persisting = target.slot.slot
         self.newest = None  # the persist supersedes any memory-only snapshot
+        self.taken(target.step)
 
         def job() -> T:
             try:
@@ -248,12 +248,12 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ restore
 
-    def read_all(
+    def snapshots(
         self, step: int | None = None, *, device_copies: bool = False
-    ) -> tuple[list[MemoryState], list[tuple[str, str]]]:
+    ) -> tuple[list[HeldState], list[tuple[str, str]]]:
         """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those
         skipped; with ``device_copies`` (restored onto a GPU) each slot is pinned before it is read."""
-        states: list[MemoryState] = []
+        states: list[HeldState] = []
         skipped: list[tuple[str, str]] = []
         for info in self.region.snapshots():
             if step is not None and info.step != step:
@@ -268,7 +268,7 @@ class MemoryTier:
                 log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
                 skipped.append((f"memory slot {info.slot}", str(e)))
                 continue
-            states.append(MemoryState(manifest, tensors, info.slot))
+            states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self.name))
         return states, skipped
 
     def forget_newer_than(self, step: int) -> None:
@@ -280,55 +280,9 @@ class MemoryTier:
 
     def close(self, *, remove: bool, timeout: float | None = None) -> None:
         """Stop the commit thread; with ``remove`` (a clean close) delete the region too."""
-        self.writer.close(timeout)
+        self._writer.close(timeout)
         self._finalizer.detach()
         self.newest = None
         if self._sealer is not None:  # a checksum being computed reads the region: it goes first
             self._sealer.shutdown(wait=True, cancel_futures=remove)
         self.region.release(remove=remove)
-
-
-class NoMemoryTier:
-    """The memory tier of a Checkpointer without ``memory=``: nothing is due, nothing to wait for,
-    restore and close find nothing (a null object, as ``SoloCluster`` is for one process), so the
-    Checkpointer never asks whether it has a memory tier."""
-
-    present = False
-    enabled = False
-    busy = False
-    newest: MemorySnapshot | None = None
-
-    def newest_step(self) -> int | None:
-        return None
-
-    def due(self, step: int, iteration_time: float) -> bool:
-        return False
-
-    def taken(self, step: int) -> None:
-        pass
-
-    def target(self, layout: Layout, skeleton: Any, step: int, epoch: int | None, versions: dict[str, str],
-               created: float, *, device_copies: bool = False) -> MemoryTarget | None:
-        return None
-
-    def wait(self, timeout: float) -> BaseException | None:
-        return None
-
-    def read_all(
-        self, step: int | None = None, *, device_copies: bool = False
-    ) -> tuple[list[MemoryState], list[tuple[str, str]]]:
-        return [], []
-
-    def forget_newer_than(self, step: int) -> None:
-        pass
-
-    def close(self, *, remove: bool, timeout: float | None = None) -> None:
-        pass
-
-
-AnyMemoryTier = MemoryTier | NoMemoryTier
-
-
-def open_memory_tier(directory: str | os.PathLike[str], cadence: MemoryCadence | None, peers: Peers) -> AnyMemoryTier:
-    """This rank's memory tier (:meth:`MemoryTier.open`), or :class:`NoMemoryTier` without a cadence."""
-    return NoMemoryTier() if cadence is None else MemoryTier.open(directory, cadence, peers)

@@ -2,7 +2,7 @@
 its ``with`` block ends on an error.
 
 Under torch.distributed, a process that leaves on an error (its training thread raised, a peer was
-lost) must end promptly, so that torchrun restarts the job: it waits for its writer and uploader at
+lost) must end promptly, so that torchrun restarts the job: it waits for its writer and the remote tier's upload at
 most the failure timeout in all, then tells the other ranks that it leaves (their waits on it end at
 once, :meth:`~checkfreq.ranks.cluster.Cluster.leave`), naming the rank lost if its error was a lost
 peer's. A checkpoint still being committed then stays uncommitted, as after a kill: the
@@ -17,19 +17,17 @@ import sys
 import time
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline.upload import Uploader
+from checkfreq.pipeline.tiers import Tiers
 from checkfreq.pipeline.writer import Writer
 from checkfreq.ranks.cluster import Cluster
 from checkfreq.run.signals import SignalTrap
-from checkfreq.storage.base import Store
 
 log = logging.getLogger("checkfreq.persist")
 
 
-def shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | None], *, timeout: float,
-             failure_timeout: float, trap: SignalTrap | None, cluster: Cluster,
-             leaving: list[BaseException] | None = None) -> None:
-    """Stop the writer and the uploader, give the groups back and unlock the directories.
+def shutdown(writer: Writer, tiers: Tiers, *, timeout: float, failure_timeout: float, trap: SignalTrap | None,
+             cluster: Cluster, leaving: list[BaseException] | None = None) -> None:
+    """Stop the writer and the tiers' copies in flight, give the groups back and unlock the tiers.
 
     ``timeout`` bounds the waits for storage (``persist_timeout``). Where other ranks are, a process
     leaving on an error (``leaving``, else :func:`leaving_on_error`) or in a job that failed waits
@@ -45,8 +43,7 @@ def shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | Non
             trap.uninstall()
         try:
             writer.close(failure_timeout if failing else timeout)
-            if uploader is not None:
-                uploader.wait(max(0.0, deadline - time.monotonic()) if failing else timeout)
+            tiers.stop(max(0.0, deadline - time.monotonic()) if failing else timeout)
         except CheckfreqError as e:
             if not failing:
                 raise
@@ -56,9 +53,7 @@ def shutdown(writer: Writer, uploader: Uploader | None, stores: list[Store | Non
         elif error is not None:
             cluster.leave(error, max(0.0, deadline - time.monotonic()))
     finally:
-        for store in stores:
-            if store is not None:
-                store.unlock()
+        tiers.release()
 
 
 def leaving_on_error() -> BaseException | None:

@@ -7,7 +7,7 @@ listed there. Uploads run in a thread of their own, one at a time, on a gloo gro
 
 Every rank uploads the same checkpoints: the commit protocol hands a checkpoint over only if every
 rank's uploader was idle when it reported (:class:`~checkfreq.pipeline.commit.CommitResult`), so a slow
-remote skips checkpoints rather than queueing them; :meth:`Uploader.flush` uploads the newest
+remote skips checkpoints rather than queueing them; :meth:`RemoteTier.flush` uploads the newest
 committed one if it was skipped.
 """
 
@@ -24,6 +24,7 @@ import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import Peers, collect_errors, during
 from checkfreq.storage.base import Store
@@ -33,8 +34,9 @@ from checkfreq.storage.local import LocalStore
 log = logging.getLogger("checkfreq.upload")
 
 
-class Uploader:
-    """This rank's part in copying checkpoints from its local directory to the remote store.
+class RemoteTier(Tier):
+    """This rank's part in copying checkpoints from its local directory to the remote store, and
+    the remote store as the restore reads it.
 
     Args:
         local: the local tier, where checkpoints are committed first.
@@ -56,6 +58,7 @@ class Uploader:
         local_retainer: Retainer,
     ) -> None:
         self.local, self.remote, self.peers, self.token = local, remote, peers, token
+        self.store: Store = remote
         self._retention = retention
         self._local_retainer = local_retainer
         self._thread: threading.Thread | None = None
@@ -63,19 +66,23 @@ class Uploader:
         self.uploaded: int | None = None
         """The newest step this job copied (the same on every rank)."""
 
+    name = TierName.REMOTE
+    follows_commits = True
+
     @property
-    def idle(self) -> bool:
+    def ready(self) -> bool:
+        """No upload in flight."""
         return self._thread is None or not self._thread.is_alive()
 
-    def start(self, step: int) -> None:
-        """Copy checkpoint ``step`` in the background (every rank starts the same steps)."""
-        if not self.idle:
+    def follow(self, step: int) -> None:
+        """Copy checkpoint ``step`` in the background (every rank follows the same steps)."""
+        if not self.ready:
             raise RuntimeError("an upload is already running")
         self._local_retainer.uploading = step
         self._thread = threading.Thread(target=self._run, args=(step,), name="checkfreq-uploader", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Block until the upload in flight is done (its error stays for :meth:`take_error`)."""
         if self._thread is not None:
             self._thread.join(timeout)
@@ -85,7 +92,7 @@ class Uploader:
     def flush(self, newest: int | None, timeout: float | None = None) -> None:
         """Wait for the upload in flight, then copy ``newest`` (the newest committed step) if it was
         skipped; raise a failed upload's error. Collective: every rank calls it with the same step."""
-        self.wait(timeout)
+        self.stop(timeout)
         self._raise()
         if newest is not None and (self.uploaded is None or newest > self.uploaded):
             self._local_retainer.uploading = newest
@@ -95,6 +102,12 @@ class Uploader:
     def take_error(self) -> BaseException | None:
         error, self._error = self._error, None
         return error
+
+    def describe_error(self, error: BaseException) -> str:
+        return f"copying a checkpoint to {self.remote.root} failed: {error}"
+
+    def release(self) -> None:
+        self.remote.unlock()
 
     def _raise(self) -> None:
         error = self.take_error()

@@ -11,7 +11,7 @@ no process group, no store, and a checkpoint holding the whole state in one file
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -123,14 +123,15 @@ class Cluster(Protocol):
 
 
 def attach(
-    local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0
+    local: Store, far: Sequence[Store], timeout: float, policy: Policy, failure_timeout: float = 30.0
 ) -> Cluster:
-    """The cluster this process checkpoints in, its directories opened: the ranks of the default
-    process group if one is initialised (collective), else a world of one. ``timeout``: how long
-    storage may take; ``failure_timeout``: how long a rank waits for a silent peer."""
+    """The cluster this process checkpoints in, its directories opened (``local``, and the ``far``
+    stores behind it: the remote tier): the ranks of the default process group if one is initialised
+    (collective), else a world of one. ``timeout``: how long storage may take; ``failure_timeout``:
+    how long a rank waits for a silent peer."""
     if dist.is_available() and dist.is_initialized():
-        return GroupCluster(local, remote, timeout, policy, failure_timeout)
-    return SoloCluster(local, remote, policy)
+        return GroupCluster(local, far, timeout, policy, failure_timeout)
+    return SoloCluster(local, far, policy)
 
 
 class SoloCluster:
@@ -146,11 +147,11 @@ class SoloCluster:
     writes_whole_state = True
     failure = None
 
-    def __init__(self, local: Store, remote: Store | None, policy: Policy) -> None:
+    def __init__(self, local: Store, far: Sequence[Store], policy: Policy) -> None:
         self.control = self.commit = Solo()
         self.token = uuid.uuid4().hex[:12]
         self.decide = policy.should_save
-        open_directories(local, remote, self.control, leader=True)
+        open_directories(local, far, self.control, leader=True)
 
     def select(
         self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -142,12 +142,12 @@ class GroupCluster:
     """
 
     def __init__(
-        self, local: Store, remote: Store | None, timeout: float, policy: Policy, failure_timeout: float = 30.0
+        self, local: Store, far: Sequence[Store], timeout: float, policy: Policy, failure_timeout: float = 30.0
     ) -> None:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         wait_for_every_rank(self.world_size, min(timeout, JOIN_TIMEOUT))
         vote = needs_agreement(policy)
-        purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if remote is not None else [])]
+        purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if far else [])]
         # every rank is here: agreeing on the token takes milliseconds unless a rank died. gloo's own
         # timeout is only a backstop: a rank may wait for a peer writing for up to persist_timeout
         prefix, made = new_gloo_groups(purposes, timedelta(seconds=min(timeout, failure_timeout)),
@@ -160,7 +160,7 @@ class GroupCluster:
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: SharePlan | None = None
-        self.token, self.directory_leader = meet(local, remote, self.control)
+        self.token, self.directory_leader = meet(local, far, self.control)
         """The job's token, and the lowest rank that sees this rank's local directory: it holds the lock and commits."""
         self.leader = self.directory_leader == self.rank
         self.page_cache = page_cache(local, self.directory_leader)
@@ -344,12 +344,12 @@ def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
-def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
+def meet(local: Store, far: Sequence[Store], peers: Peers) -> tuple[str, int]:
     """The token naming this job's staging locations (rank 0's) and this rank's directory leader,
     each directory opened once (:func:`open_directories`). Collective, over ``peers``."""
     token = peers.broadcast(uuid.uuid4().hex[:12] if peers.rank == 0 else None)
     directory = directory_leader(local, token, peers)
-    open_directories(local, remote, peers, leader=directory == peers.rank)
+    open_directories(local, far, peers, leader=directory == peers.rank)
     return token, directory
 
 
@@ -360,17 +360,17 @@ def page_cache(local: Store, leader: int) -> int | None:
     return leader if isinstance(local, LocalStore) and on_machine_local_file_system(local.root) else None
 
 
-def open_directories(local: Store, remote: Store | None, peers: Peers, *, leader: bool) -> None:
+def open_directories(local: Store, far: Sequence[Store], peers: Peers, *, leader: bool) -> None:
     """Lock each directory once and clear its uncommitted leftovers: ``local`` on its leader,
-    ``remote`` on rank 0. Every rank hears of a failure. Collective."""
+    each of ``far`` (the remote tier) on rank 0. Every rank hears of a failure. Collective."""
     own: BaseException | None = None
     try:
         if leader:
             local.lock()
             local.remove_staging()
-        if remote is not None and peers.rank == 0:
-            remote.lock()
-            remote.remove_staging()
+        for store in far if peers.rank == 0 else ():
+            store.lock()
+            store.remove_staging()
     except (OSError, CheckfreqError) as e:
         own = e
     failed = collect_errors(peers, None if own is None else f"rank {peers.rank}: {own}")

@@ -26,7 +26,7 @@ __all__ = [
     "Location",
     "Store",
     "open_store",
-    "open_tiers",
+    "open_stores",
     "write_data",
     "write_manifest",
 ]
@@ -49,16 +49,15 @@ def open_store(target: str | os.PathLike[str] | Store, *, create: bool = True) -
     return FsspecStore(text, create=create)
 
 
-def open_tiers(
+def open_stores(
     directory: str | os.PathLike[str] | Store, remote: str | os.PathLike[str] | Store | None
-) -> tuple[Store, Store | None]:
-    """The stores of a Checkpointer: its directory and, if given, the remote tier behind it
-    (which needs a local directory in front); both checked writable now."""
+) -> tuple[Store, list[Store]]:
+    """The stores of a Checkpointer: its directory, and the stores behind it (the remote tier, if
+    given, which needs a local directory in front); each checked writable now."""
     local = open_store(directory)
-    far = None if remote is None else open_store(remote)
-    if far is not None and not isinstance(local, LocalStore):
+    far = [] if remote is None else [open_store(remote)]
+    if far and not isinstance(local, LocalStore):
         raise InvalidArgumentError(f"with remote=..., the first tier must be a local directory, not {directory!r}")
-    for store in (local, far):
-        if store is not None:
-            store.check_writable()
+    for store in (local, *far):
+        store.check_writable()
     return local, far

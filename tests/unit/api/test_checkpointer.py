@@ -476,7 +476,7 @@ def test_cuda_snapshot_is_consistent_and_pinned(tmp_path: Path) -> None:
             model(x).sum().backward()
             opt.step()
         ckpt.wait()
-        assert ckpt._snapshotter._buffer.is_pinned()
+        assert ckpt._saver.snapshotter._buffer.is_pinned()
     _, tensors = cf.read_checkpoint(tmp_path / "step_000000000")
     for key, value in at_k.items():
         assert torch.equal(tensors[f"model/{key}"], value), key

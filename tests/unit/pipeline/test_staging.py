@@ -12,7 +12,7 @@ import torch
 import checkfreq as cf
 from checkfreq.pipeline.staging import ALIGN, StagingBuffer, choose_staging, staging_offsets
 from checkfreq.run.events import read_events
-from helpers import make_model
+from helpers import make_model, memory_tier
 
 GB = 10**9
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -87,7 +87,7 @@ def test_a_cuda_snapshot_is_consistent_with_and_without_staging(
         ckpt.wait()
         torch.cuda.synchronize()
         _train(model, opt, 1, ckpt)  # this step() finds every timed wait passed by the GPU
-        assert (ckpt._snapshotter._staging[torch.device("cuda", 0)] is not None) == staging
+        assert (ckpt._saver.snapshotter._staging[torch.device("cuda", 0)] is not None) == staging
     _, tensors = cf.read_checkpoint(tmp_path / "step_000000003")
     for key, value in at_k.items():
         assert torch.equal(tensors[f"model/{key}"], value), key
@@ -106,12 +106,12 @@ def test_the_memory_tier_pins_its_slots_for_cuda_and_restores_onto_the_device(
     ckpt = cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model, optimizer=opt)
     _train(model, opt, 4, ckpt, device)
     ckpt.wait()
-    region = ckpt._memory.region
+    region = memory_tier(ckpt).region
     assert region.pinned_slots == ({0, 1} if device == "cuda" else set())  # CPU state: no device copies
     if device == "cuda":
         assert all(region._bytes[region._data_at(s)].is_pinned() for s in (0, 1))
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
-    ckpt._memory.close(remove=False)  # as if killed: the region stays, nothing reaches disk
+    memory_tier(ckpt).close(remove=False)  # as if killed: the region stays, nothing reaches disk
     ckpt._finalizer()
 
     model2 = make_model(seed=1, width=1024).to(device)
@@ -119,7 +119,7 @@ def test_the_memory_tier_pins_its_slots_for_cuda_and_restores_onto_the_device(
     with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model2, optimizer=opt2) as again:
         assert again.restore() == 4
         if device == "cuda":
-            assert again._memory.region.pinned_slots  # the slot read for the GPU was pinned first
+            assert memory_tier(again).region.pinned_slots  # the slot read for the GPU was pinned first
     assert all(v.device.type == device for v in model2.state_dict().values())
     assert all(torch.equal(v.cpu(), expected[k]) for k, v in model2.state_dict().items())
     restore = [e for e in read_events(tmp_path) if e["event"] == "restore"][-1]

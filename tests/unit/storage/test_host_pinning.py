@@ -127,6 +127,7 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
 ) -> None:
     import checkfreq as cf
     from checkfreq.pipeline import memory_tier
+    import helpers
     from helpers import make_model, train_step
 
     assert not memory_tier.seal_later(False, 100 << 30) and memory_tier.seal_later(True, 256 << 20)
@@ -139,9 +140,9 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
             train_step(model, opt)
             ckpt.step()
         ckpt.wait()
-        tier = ckpt._memory
+        tier = helpers.memory_tier(ckpt)
         tier.wait_sealed()
         infos = tier.region.snapshots()
         assert [i.step for i in infos] == [3, 2] and all(i.checksum != PENDING for i in infos)
-        states, skipped = tier.read_all()
+        states, skipped = tier.snapshots()
         assert [s.manifest.step for s in states] == [3, 2] and not skipped

@@ -17,6 +17,7 @@ from checkfreq.pipeline.restore.messages import (
     Refusal,
     Summary,
 )
+from checkfreq.pipeline.tier import TierName
 from checkfreq.storage.format import Manifest, data_file_name
 
 
@@ -94,7 +95,7 @@ class ReadPlan:
         self.names = sorted(manifest.files)
         self.holders, checked = assign_readers(self.names, views)
         self.reader = {name: next(iter(ranks)) for name, ranks in checked.items()}
-        self.tier = dict.fromkeys(self.reader, "local")
+        self.tier = dict.fromkeys(self.reader, TierName.LOCAL)
         self.tried = {name: {views[r].directory_leader for r in ranks} for name, ranks in checked.items()}
         self.remote_ranks = [r for r, view in enumerate(views) if view.remote]
         self.load = Counter(self.reader.values())
@@ -133,7 +134,7 @@ class ReadPlan:
         ranks = sorted(self.remote_ranks, key=lambda r: (self.load[r], r))
         for i, name in enumerate(names):
             reader = ranks[i % len(ranks)]
-            self.reader[name], self.tier[name] = reader, "remote"
+            self.reader[name], self.tier[name] = reader, TierName.REMOTE
             self.load[reader] += 1
 
     def orders(self) -> list[Order]:
@@ -150,7 +151,7 @@ class ReadPlan:
         for rank, damaged in enumerate(reports):
             for name, why in damaged.items():
                 no_copy_left: list[Order] = [Refusal(f"rank {rank}: {why}" if len(reports) > 1 else why)] * len(reports)
-                if self.tier[name] == "remote":
+                if self.tier[name] == TierName.REMOTE:
                     return no_copy_left
                 if not self._next_holder(name):  # no other directory holds it: the remote tier, if listed
                     if not self.remote_ranks:
@@ -185,7 +186,7 @@ class ReadPlan:
                 holds = view.held == ALL_FILES or name in held
                 if (
                     holds
-                    and self.tier[name] == "local"
+                    and self.tier[name] == TierName.LOCAL
                     and view.cache is not None
                     and view.cache == self.views[reader].cache
                 ):

@@ -14,7 +14,6 @@ import torch
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.pipeline.memory_tier import AnyMemoryTier, NoMemoryTier
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
@@ -28,9 +27,10 @@ from checkfreq.pipeline.restore.messages import (
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
+from checkfreq.pipeline.tier import Tier, TierName
+from checkfreq.pipeline.tiers import Tiers
 from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
 from checkfreq.ranks.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
-from checkfreq.storage.base import Store
 from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
 
@@ -40,6 +40,8 @@ Skipped = list[tuple[str, str]]
 """(checkpoint or memory slot, why it was not restored)."""
 Blocks = Callable[[Manifest], dict[str, Box]]
 """The block of each sharded tensor of a checkpoint (its manifest) that this rank restores."""
+FROM_PEERS = "peer"
+"""Where data came from when other ranks sent it (not a tier)."""
 
 
 @dataclass
@@ -50,21 +52,22 @@ class Found:
     tensors: dict[str, torch.Tensor]
     name: str
     tier: str
-    """Where this rank's data came from: ``"local"``, ``"peer"`` (other ranks), ``"remote"``, joined
-    with ``+`` (``"local+peer"``), or ``"memory"``."""
+    """Where this rank's data came from: tier names (:class:`~checkfreq.pipeline.tier.TierName`) and
+    :data:`FROM_PEERS` (other ranks sent it), joined with ``+`` (``"local+peer"``), or ``"memory"``."""
     skipped: Skipped = field(default_factory=list)
 
 
 @dataclass
 class Readable:
     """What this rank has of one checkpoint: its manifest, the data files in its local directory
-    (intact or not: reading them says), and whether the remote tier lists it."""
+    (intact or not: reading them says), and the first far tier that lists it."""
 
     step: int
     manifest: Manifest
     held: set[str] | None
     """None on a rank that is not its directory's leader: the leader says what the directory holds."""
-    remote: bool
+    far: str | None
+    """The name of the first far tier (the remote tier) that lists it, if any."""
 
     @functools.cached_property
     def sharded(self) -> bool:
@@ -85,7 +88,7 @@ class Readable:
         else:
             held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
-        return Summary(held, self.remote, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs)
+        return Summary(held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs)
 
     def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
         """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
@@ -114,10 +117,9 @@ class Restorer:
     """Finds and reads the checkpoint to restore, agreed by every rank.
 
     Args:
-        local: this rank's directory (the only tier without ``remote``).
-        remote: the durable tier, if any.
+        tiers: this rank's tiers: those holding whole states (the memory tier) are asked first, then
+            the directory checkpoints are committed to, then the far tiers (the remote tier).
         peers: the ranks restoring together.
-        memory: this rank's memory tier (:class:`NoMemoryTier` for none).
         page_cache: ranks passing the same value read their directory through one page cache (a
             directory on a machine-local file system that they share: the lowest rank sharing it);
             None where each rank's reads go to storage (a network file system, an object store).
@@ -125,10 +127,11 @@ class Restorer:
             default: this rank's own).
     """
 
-    def __init__(self, local: Store, remote: Store | None, peers: Peers, memory: AnyMemoryTier | None = None,
-                 page_cache: int | None = None, directory_leader: int | None = None) -> None:
-        self.local, self.remote, self.peers = local, remote, peers
-        self.memory = NoMemoryTier() if memory is None else memory
+    def __init__(self, tiers: Tiers, peers: Peers, page_cache: int | None = None,
+                 directory_leader: int | None = None) -> None:
+        self.tiers, self.peers = tiers, peers
+        self.local = tiers.store
+        self._stored: dict[str, Tier] = {tier.name: tier for tier in [tiers.committed_to, *tiers.far]}
         self.page_cache = page_cache
         self.directory_leader = peers.rank if directory_leader is None else directory_leader
         self._locations: dict[str, dict[int, Any]] = {}
@@ -136,9 +139,7 @@ class Restorer:
 
     def listed(self) -> list[int]:
         """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
-        steps = {s for s, _ in self.local.checkpoints()}
-        if self.remote is not None:
-            steps |= {s for s, _ in self.remote.checkpoints()}
+        steps = {s for tier in self._stored.values() for s, _ in tier.checkpoints()}
         return sorted(steps, reverse=True)
 
     def find(self, step: int | None = None, blocks: Blocks | None = None, *,
@@ -158,14 +159,14 @@ class Restorer:
     def _find(self, step: int | None, blocks: Blocks | None, device_copies: bool) -> Found | None:
         self._blocks = blocks
         listed = [s for s in self.listed() if step is None or s == step]
-        if self.memory.present:
+        if self.tiers.holds_states:
             found = self._from_memory(step, listed, device_copies)
             if found is not None:
                 return found
         try:
             return self._from_disk(step, listed)
         except NoValidCheckpointError:
-            if not self.memory.present:
+            if not self.tiers.holds_states:
                 raise
             log.warning("no valid checkpoint on disk; trying older memory snapshots")
             found = self._from_memory(step, [], device_copies)
@@ -177,7 +178,7 @@ class Restorer:
 
     def _from_memory(self, step: int | None, listed: list[int], device_copies: bool = False) -> Found | None:
         """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
-        states, skipped = self.memory.read_all(step, device_copies=device_copies)
+        states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
         by_step = {state.manifest.step: state for state in states}
         reports = self.peers.gather(MemoryReport(sorted(by_step), listed[0] if listed else None).to_wire())
         choice = None if reports is None else memory_choice([MemoryReport.from_wire(r) for r in reports])
@@ -187,14 +188,12 @@ class Restorer:
                 log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
             return None
         state = by_step[best]
-        return Found(state.manifest, state.tensors, state.name, "memory", skipped)
+        return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
 
     # ------------------------------------------------------------------ disk
 
     def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
-        self._locations = {"local": dict(self.local.checkpoints())}
-        if self.remote is not None:
-            self._locations["remote"] = dict(self.remote.checkpoints())
+        self._locations = {name: dict(tier.checkpoints()) for name, tier in self._stored.items()}
         lists = self.peers.gather(listed)
         plan = Agenda.from_wire(self.peers.broadcast(None if lists is None else agenda(lists).to_wire()))
         problems = dict(plan.passed)
@@ -225,14 +224,15 @@ class Restorer:
 
     def _readable(self, step: int) -> Readable | str:
         """How this rank can read checkpoint ``step``, or why it cannot."""
-        local = self._locations["local"].get(step)
-        remote = self._locations.get("remote", {}).get(step)
+        local = self._locations[self.tiers.committed_to.name].get(step)
+        far = next((tier.name for tier in self.tiers.far if step in self._locations[tier.name]), None)
         manifest, problem = None, "no manifest"
-        for store, location in ((self.local, local), (self.remote, remote)):
-            if store is None or location is None or manifest is not None:
+        for name, tier in self._stored.items():
+            location = self._locations[name].get(step)
+            if location is None or manifest is not None:
                 continue
             try:
-                manifest = store.read_manifest(location)
+                manifest = tier.read_manifest(location)
             except CorruptCheckpointError as e:
                 problem = str(e)
         if manifest is None:
@@ -245,7 +245,7 @@ class Restorer:
                 if local is None
                 else {name for name in manifest.files if self.local.file_size(local, name) is not None}
             )
-        return Readable(step, manifest, held, remote is not None)
+        return Readable(step, manifest, held, far)
 
     def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
         """Checkpoint ``step`` read, verified and shared as rank 0 plans it, or why it cannot be.
@@ -333,18 +333,17 @@ class Restorer:
         stream = readable.stream if order.pack else None
         damaged = {}
         for name, tier in order.read:
+            source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
             try:
-                files[name] = self._read_file(
-                    tier, self._locations[tier].get(readable.step), name, readable.manifest.files[name]
-                )
+                files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
                 if stream is not None:
                     packs[name] = stream.row(name, *files[name])
-                tiers.add(tier)
+                tiers.add(str(source))
             except CorruptCheckpointError as e:
                 files.pop(name, None)
                 damaged[name] = str(e)
                 log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
-                            "the remote" if tier == "remote" else "this rank's", name, e)
+                            "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
         return damaged
 
     def _exchange(self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor],
@@ -366,7 +365,7 @@ class Restorer:
             else:
                 sent = receive_json(self.peers, sender)
                 files[name] = (self.peers.receive(sent["size"], sender), sent["header"])
-                tiers.add("peer")
+                tiers.add(FROM_PEERS)
         replicated: dict[str, torch.Tensor] = {}
         if order.stream:
             stream = readable.stream
@@ -377,13 +376,15 @@ class Restorer:
             replicated = stream.tensors_of(rows)
             manifest = stream.whole(manifest)
             if len(packs) < len(manifest.files):
-                tiers.add("peer")
+                tiers.add(FROM_PEERS)
         for name in order.map:
-            files[name] = self._map_file(self._locations["local"].get(step), name, manifest.files[name])
-            tiers.add("local")
+            files[name] = self._map_file(self._locations[self.tiers.committed_to.name].get(step), name,
+                                         manifest.files[name])
+            tiers.add(self.tiers.committed_to.name)
         manifest, stored = stored_views(manifest, files, partial=order.partial)
         stored.update(replicated)
-        used = "+".join(t for t in ("local", "peer", "remote") if t in tiers) or "local"
+        order_of_sources = [self.tiers.committed_to.name, FROM_PEERS, *(tier.name for tier in self.tiers.far)]
+        used = "+".join(t for t in order_of_sources if t in tiers) or self.tiers.committed_to.name
         return Found(manifest, stored, checkpoint_name(step), used)
 
     def _map_file(self, location: Any, name: str, entry: FileEntry) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -392,16 +393,16 @@ class Restorer:
         return self.local.map_data(location, name, entry["size"], entry["xxh3_64"])
 
     def _read_file(
-        self, tier: str, location: Any, name: str, entry: FileEntry
+        self, source: str | None, step: int, name: str, entry: FileEntry
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        if location is None:
-            raise CorruptCheckpointError(f"the {tier} tier no longer lists this checkpoint")
-        store = self.local if tier == "local" else self.remote
-        assert store is not None  # rank 0 gives the remote tier only to ranks that list it there
-        return store.read_data(location, name, entry["size"], entry["xxh3_64"])
+        """Data file ``name`` of checkpoint ``step`` from the tier named ``source`` (None: no far tier lists it)."""
+        location = None if source is None else self._locations[source].get(step)
+        if source is None or location is None:
+            raise CorruptCheckpointError(f"the {source or 'remote'} tier no longer lists this checkpoint")
+        return self._stored[source].read_data(location, name, entry["size"], entry["xxh3_64"])
 
     def _where(self) -> str:
-        return str(self.local.root) if self.remote is None else f"{self.local.root} or {self.remote.root}"
+        return " or ".join(str(tier.store.root) for tier in self._stored.values() if tier.store is not None)
 
 
 def _reasons(skipped: Skipped) -> str:

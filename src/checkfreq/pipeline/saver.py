@@ -1,0 +1,238 @@
+"""The training thread's side of every checkpoint: the snapshot (into a tier's target or a buffer of
+its own), the persist handed to the writer wrapped by the tiers, a snapshot taken for a tier alone,
+the fence before the next optimizer step, and what the background returns.
+
+The Checkpointer decides *when* and *what* (its registered state, captured by a callable it passes);
+a :class:`Saver` does the rest the same way at every world size and with any tiers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from checkfreq.errors import PeerLostError, PersistError, ReplicaMismatchError
+from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
+from checkfreq.pipeline.fence import Fence, FenceWait
+from checkfreq.pipeline.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.tier import HeldSnapshot, SnapshotRequest, Tier
+from checkfreq.pipeline.tiers import Tiers
+from checkfreq.pipeline.writer import Writer
+from checkfreq.policies.profiler import Profiler
+from checkfreq.ranks.cluster import Cluster
+from checkfreq.run.busy import MEMORY, PERSIST, BusyStorage
+from checkfreq.run.events import EventLog
+from checkfreq.run.tensors import any_cuda, is_dtensor
+from checkfreq.run.timeline import Timeline
+from checkfreq.version import versions
+
+log = logging.getLogger("checkfreq")
+
+Capture = Callable[[int], tuple[Any, dict[str, torch.Tensor], set[str]]]
+"""The registered state at a step: (skeleton, tensors, names of the optimizer-owned tensors)."""
+
+
+class Saver:
+    """Takes checkpoints and tier snapshots for one Checkpointer (see the module docstring).
+
+    Args:
+        tiers: the Checkpointer's tiers.
+        cluster: the ranks it checkpoints with.
+        committer: runs the commit protocol on the writer thread.
+        events: the run's event log.
+        objects: the registered objects (what the cluster selects a rank's share from).
+        gpu_staging: the Checkpointer's ``gpu_staging`` option.
+        timeout: ``persist_timeout``.
+        on_error: ``"raise"`` or ``"warn"`` (the Checkpointer's option).
+        policy_name: what the events call the policy.
+    """
+
+    def __init__(self, tiers: Tiers, cluster: Cluster, committer: Committer, events: EventLog,
+                 objects: Mapping[str, Any], *, gpu_staging: bool | None, timeout: float, on_error: str,
+                 policy_name: str) -> None:
+        self.tiers, self.cluster, self.committer, self.events = tiers, cluster, committer, events
+        self.objects = objects
+        self.timeout, self.on_error, self.policy_name = timeout, on_error, policy_name
+        self.writer = Writer()
+        self.snapshotter = Snapshotter(gpu_staging)
+        self.fence = Fence()
+        self.busy = BusyStorage(events)
+        self.profiler = Profiler()
+        """What checkpoints cost here (replaced by the restored session's, seeded)."""
+        self.timeline = Timeline()
+        """The session's steps and checkpoints (replaced at a restore)."""
+        self.durable_step = -1
+        """The newest step known committed to disk (a result of the writer, or restored)."""
+        self.committed = -1
+        """The newest step this session committed."""
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self, capture: Capture, *, epoch: int | None, reason: str, blocking: bool) -> None:
+        """Snapshot the state at the current step and persist it in the background (or, ``blocking``,
+        before returning, raising if it failed)."""
+        start = time.perf_counter()
+        timeline, busy, profiler = self.timeline, self.busy, self.profiler
+        step = timeline.step
+        # the host buffer is reused: one checkpoint in flight
+        busy.wait(PERSIST, step, self.writer.busy, lambda: self.writer.wait(self.timeout), profiler,
+                  step - timeline.last_checkpoint if reason == "policy" else None)
+        self.collect()
+        busy.wait(MEMORY, step, self.tiers.busy, self.wait_tiers, profiler)
+        self.finish_fence()
+        skeleton, tensors, owned = capture(step)
+        tensors, owned, share = self.cluster.select(tensors, owned, self.objects)
+        profiler.begin_checkpoint()
+        layout = layout_of(tensors)
+        placement = None
+        if self.cluster.writes_whole_state:  # else the share has a buffer of its own
+            placement = self.tiers.place(self._request(layout, skeleton, step, epoch, tensors))
+        pending = self.snapshotter.take(
+            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step
+        )
+        job: Callable[[], CommitResult] = functools.partial(
+            self.committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
+        )
+        self.writer.submit(self.tiers.around_persist(placement, pending, job))
+        window = timeline.checkpointed(start)
+        stall = time.perf_counter() - start
+        self.events.write(
+            "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
+            policy=self.policy_name, epoch=epoch, **window, iteration_s=profiler.iteration.value,
+            iteration_persisting_s=profiler.iteration_while_persisting.value,
+        )
+        if pending.has_deferred:
+            self.fence.arm(pending, self.writer, stall, functools.partial(self._account_persist_fence, step))
+        else:
+            profiler.record_stall(stall)
+        if blocking:
+            self.writer.wait(self.timeout)
+            self.finish_fence()
+            error = self.apply_commits(*self.writer.drain(), step)
+            if isinstance(error, ReplicaMismatchError):
+                raise error
+            if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
+                raise PersistError(f"checkpoint at step {step} failed: {error}") from error
+
+    def snapshot_for(self, tier: Tier, capture: Capture, *, epoch: int | None) -> None:
+        """Snapshot the state at the current step into ``tier`` alone (its own cadence said so; no persist)."""
+        start = time.perf_counter()
+        step = self.timeline.step
+        self.busy.wait(MEMORY, step, tier.busy, self.wait_tiers, self.profiler)
+        self.finish_fence()
+        skeleton, tensors, owned = capture(step)
+        layout = layout_of(tensors)
+        target = tier.target(self._request(layout, skeleton, step, epoch, tensors))
+        if target is None:  # the tier turned itself off (no room, state it does not take)
+            self.profiler.record_memory_stall(time.perf_counter() - start)
+            return
+        pending = self.snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
+        tier.submit(target, pending, skeleton, epoch)
+        stall = time.perf_counter() - start
+        self.events.write(str(tier.name), step=step, stall_s=stall, bytes=layout.nbytes)
+        self.profiler.record_memory_stall(stall)  # creating the target included: none of it is training
+        cost = stall - target.setup_s  # creating the target is a one-time cost
+        writer = tier.writer
+        if pending.has_deferred and writer is not None:
+            self.fence.arm(pending, writer, cost, functools.partial(self._account_tier_fence, tier))
+        else:
+            tier.record_cost(cost)
+
+    def persist_held(self, held: HeldSnapshot) -> None:
+        """Persist, and wait for, a snapshot a tier holds as it stands (at a clean close)."""
+        start = time.perf_counter()
+        self.events.write("snapshot", step=held.step, stall_s=0.0, bytes=held.pending.layout.nbytes, reason="close",
+                          policy=self.policy_name, epoch=held.epoch)
+        self.writer.submit(functools.partial(
+            self.committer.run, CommitJob(held.step, held.epoch, held.pending, held.skeleton, None, versions(), start)
+        ))
+        error = self.apply_commits(*self.writer.drain(self.timeout), held.step)
+        if error is not None:
+            raise PersistError(
+                f"persisting the newest memory snapshot (step {held.step}) at close failed: {error}"
+            ) from error
+
+    @staticmethod
+    def _request(layout: Any, skeleton: Any, step: int, epoch: int | None,
+                 tensors: dict[str, torch.Tensor]) -> SnapshotRequest:
+        return SnapshotRequest(layout, skeleton, step, epoch, versions(), time.time(),
+                               device_copies=any_cuda(tensors.values()),
+                               sharded=any(is_dtensor(t) for t in tensors.values()))
+
+    # ------------------------------------------------------------------ the fence and the waits
+
+    def finish_fence(self) -> None:
+        """Wait until the deferred copies of the last snapshot are done (called before the state changes)."""
+        self.fence.finish(self.timeout)
+
+    def _account_persist_fence(self, step: int, done: FenceWait) -> None:
+        self.profiler.record_stall(done.stall_s)
+        self.events.write("fence", step=step, wait_s=done.wait_s, stall_s=done.stall_s)
+
+    def _account_tier_fence(self, tier: Tier, done: FenceWait) -> None:
+        self.profiler.record_memory_stall(done.wait_s)
+        tier.record_cost(done.stall_s)
+
+    def record_gpu_waits(self) -> None:
+        """Add the training streams' waits on snapshot copies, timed on the GPU, to their costs."""
+        for wait in self.snapshotter.gpu_waits.collect():
+            self.events.write("gpu_wait", step=wait.step, wait_s=wait.seconds, at=wait.at, memory=wait.memory)
+            if wait.memory:
+                self.tiers.record_device_wait(wait.seconds)
+            else:
+                self.profiler.record_device_wait(wait.seconds)
+
+    def wait_tiers(self) -> None:
+        """Wait for the tiers' own snapshots in flight; a failed one is reported like a persist error."""
+        error = self.tiers.wait(self.timeout)
+        if error is not None:
+            self.report_failure(PersistError(f"memory snapshot failed: {error}"), error)
+
+    def wait(self, timeout: float) -> None:
+        """Block until the checkpoint in flight is durable and the tiers' snapshots committed."""
+        self.writer.wait(timeout)
+        self.collect()
+        self.wait_tiers()
+
+    # ------------------------------------------------------------------ what the background returns
+
+    def collect(self) -> None:
+        """Apply what the writer committed; raise (or log) what failed in the background."""
+        error = self.apply_commits(self.writer.take_results(), self.writer.take_error(), self.timeline.last_checkpoint)
+        if error is not None:
+            if isinstance(error, (ReplicaMismatchError, PeerLostError)):  # not the storage's fault: always raised
+                raise error
+            self.report_failure(PersistError(f"checkpoint persist failed: {error}"), error)
+        for tier, tier_error in self.tiers.take_errors():
+            if isinstance(tier_error, PeerLostError):
+                raise tier_error
+            self.events.write("error", step=self.committed, message=str(tier_error))
+            self.report_failure(PersistError(tier.describe_error(tier_error)), tier_error)
+
+    def report_failure(self, error: PersistError, cause: BaseException) -> None:
+        if self.on_error == "warn":
+            log.warning("%s; training goes on", error)
+            return
+        raise PersistError(f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
+                           "and trains on, and a restart resumes from the newest committed checkpoint") from cause
+
+    def apply_commits(self, results: list[CommitResult], error: BaseException | None,
+                      step: int) -> BaseException | None:
+        """What the writer drained: each committed checkpoint is durable and the profiler learns what it
+        cost; an error (of the checkpoint at ``step``) goes in the events and is returned."""
+        for result in results:
+            self.durable_step = self.committed = result.step
+            self.profiler.record_persist(result.seconds, result.bytes)
+            self.events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
+                              bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
+        if error is not None:
+            self.events.write("error", step=step, message=str(error))
+        return error
+
+
+__all__ = ["Capture", "Saver"]

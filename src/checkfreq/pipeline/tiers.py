@@ -1,0 +1,174 @@
+"""The tiers a Checkpointer holds, in order, fastest first: which ones it has (:func:`choose_tiers`,
+the one place they are chosen), and each save-side or restore-side question put to all of them.
+
+The first tier with a store (the local directory) is where checkpoints are committed; the tiers with
+a store after it (the remote tier) are the *far* tiers the restore reads what no directory holds from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
+from checkfreq.pipeline.upload import RemoteTier
+from checkfreq.policies.memory_cadence import MemoryCadence
+from checkfreq.policies.retention import Retention
+from checkfreq.ranks.cluster import Cluster
+from checkfreq.storage.base import Store
+from checkfreq.storage.local import LocalStore
+
+T = TypeVar("T")
+
+
+class LocalTier(Tier):
+    """The Checkpointer's directory: what every persist commits to (the commit protocol writes it),
+    and the first place the restore looks for files."""
+
+    name = TierName.LOCAL
+
+    def __init__(self, store: Store) -> None:
+        self.store: Store = store
+
+    def release(self) -> None:
+        self.store.unlock()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a snapshot lands: a tier's target."""
+
+    tier: Tier
+    target: SnapshotTarget
+
+
+class Tiers:
+    """An ordered list of tiers, fastest first, with at least one store (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        self.all = list(tiers)
+        stored = [tier for tier in self.all if tier.store is not None]
+        if not stored:
+            raise ValueError("a Checkpointer's tiers need one with a store, where checkpoints are committed")
+        self.committed_to = stored[0]
+        """Where the commit protocol writes every checkpoint."""
+        self.far = stored[1:]
+        """The tiers with a store behind it."""
+        self.followers = [tier for tier in self.all if tier.follows_commits]
+        """The tiers that copy each committed checkpoint."""
+
+    @property
+    def store(self) -> Store:
+        """The store checkpoints are committed to."""
+        assert self.committed_to.store is not None  # chosen for having one
+        return self.committed_to.store
+
+    @property
+    def busy(self) -> bool:
+        """A snapshot taken for a tier alone is still being committed."""
+        return any(tier.busy for tier in self.all)
+
+    @property
+    def holds_states(self) -> bool:
+        return any(tier.holds_states for tier in self.all)
+
+    def due(self, step: int, iteration_time: float) -> list[Tier]:
+        """The tiers a snapshot of their own is due in at ``step``."""
+        return [tier for tier in self.all if tier.due(step, iteration_time)]
+
+    def place(self, request: SnapshotRequest) -> Placement | None:
+        """The first tier that gives the snapshot a target; None: the snapshotter's own buffer."""
+        for tier in self.all:
+            target = tier.target(request)
+            if target is not None:
+                return Placement(tier, target)
+        return None
+
+    def around_persist(self, placement: Placement | None, pending: PendingSnapshot,
+                       persist: Callable[[], T]) -> Callable[[], T]:
+        """The persist job wrapped by every tier, the fastest outermost (each told the target if it is its own)."""
+        for tier in reversed(self.all):
+            own = placement.target if placement is not None and placement.tier is tier else None
+            persist = tier.around_persist(own, pending, persist)
+        return persist
+
+    def taken(self, step: int) -> None:
+        for tier in self.all:
+            tier.taken(step)
+
+    def record_device_wait(self, seconds: float) -> None:
+        for tier in self.all:
+            tier.record_device_wait(seconds)
+
+    def wait(self, timeout: float) -> BaseException | None:
+        """Wait for every tier's own snapshot in flight; the first error, if one failed."""
+        errors = [tier.wait(timeout) for tier in self.all]
+        return next((e for e in errors if e is not None), None)
+
+    def take_errors(self) -> list[tuple[Tier, BaseException]]:
+        """Each tier's background copy that failed since the last call."""
+        failed = [(tier, tier.take_error()) for tier in self.all]
+        return [(tier, error) for tier, error in failed if error is not None]
+
+    def flush(self, newest: int | None, timeout: float) -> None:
+        for tier in self.followers:
+            tier.flush(newest, timeout)
+
+    def stop(self, timeout: float | None) -> None:
+        for tier in self.followers:
+            tier.stop(timeout)
+
+    def unpersisted(self, durable_step: int) -> HeldSnapshot | None:
+        """The newest state a tier holds that disk does not (newer than ``durable_step``)."""
+        held = [s for s in (tier.unpersisted(durable_step) for tier in self.all) if s is not None]
+        return max(held, key=lambda s: s.step, default=None)
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        for tier in self.all:
+            tier.close(remove=remove, timeout=timeout)
+
+    def release(self) -> None:
+        for tier in self.all:
+            tier.release()
+
+    def snapshots(self, step: int | None, *, device_copies: bool
+                  ) -> tuple[list[HeldState], list[tuple[str, str]]]:
+        """Every tier's verified whole states (or those at ``step``), newest first, and those skipped."""
+        states: list[HeldState] = []
+        skipped: list[tuple[str, str]] = []
+        for tier in self.all:
+            found, passed = tier.snapshots(step, device_copies=device_copies)
+            states += found
+            skipped += passed
+        return sorted(states, key=lambda s: -s.manifest.step), skipped
+
+    def newest_step(self) -> int | None:
+        """The newest whole state any tier holds (not verified)."""
+        return max((s for s in (tier.newest_step() for tier in self.all) if s is not None), default=None)
+
+    def forget_newer_than(self, step: int) -> None:
+        for tier in self.all:
+            tier.forget_newer_than(step)
+
+
+def choose_tiers(
+    local: Store, far: Sequence[Store], cluster: Cluster, *, memory: MemoryCadence | None, retainer: Retainer,
+    far_retention: Retention,
+) -> Tiers:
+    """A Checkpointer's tiers: the memory tier (with ``memory``), its directory, the remote tier (``far``).
+
+    The one place tiers are chosen: a new tier is a module of its own and a line here.
+    """
+    chosen: list[Tier] = []
+    if memory is not None:
+        chosen.append(MemoryTier.open(local.root, memory, cluster.control))
+    chosen.append(LocalTier(local))
+    for store in far:
+        assert isinstance(local, LocalStore)  # open_stores puts a local directory in front of a remote tier
+        chosen.append(RemoteTier(local, store, cluster.commit if cluster.upload is None else cluster.upload,
+                                 token=cluster.token, retention=far_retention, local_retainer=retainer))
+    return Tiers(chosen)
