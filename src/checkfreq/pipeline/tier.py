@@ -193,7 +193,7 @@ class Tier:
     # ------------------------------------------------------------------ restore side
 
     def checkpoints(self) -> Sequence[tuple[int, Location]]:
-        """The committed checkpoints it offers, oldest first (not verified)."""
+        """The committed checkpoints it offers, as (step, location) (not verified)."""
         return [] if self.store is None else self.store.checkpoints()
 
     def read_manifest(self, location: Any) -> Manifest:

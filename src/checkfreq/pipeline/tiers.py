@@ -61,11 +61,17 @@ class Tiers:
         self.followers = [tier for tier in self.all if tier.follows_commits]
         """The tiers that copy each committed checkpoint."""
 
+        self.stores = [tier.store for tier in stored if tier.store is not None]
+        """The stores of the tiers with one: where checkpoints are committed first, then the far ones."""
+
     @property
     def store(self) -> Store:
         """The store checkpoints are committed to."""
-        assert self.committed_to.store is not None  # chosen for having one
-        return self.committed_to.store
+        return self.stores[0]
+
+    def where(self) -> str:
+        """The stores' roots, as an error names where it looked."""
+        return " or ".join(str(store.root) for store in self.stores)
 
     @property
     def busy(self) -> bool:

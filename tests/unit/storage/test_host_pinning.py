@@ -126,8 +126,8 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
     shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import checkfreq as cf
-    from checkfreq.pipeline import memory_tier
     import helpers
+    from checkfreq.pipeline import memory_tier
     from helpers import make_model, train_step
 
     assert not memory_tier.seal_later(False, 100 << 30) and memory_tier.seal_later(True, 256 << 20)

@@ -207,9 +207,9 @@ class Restorer:
             problems[s] = found
         skipped += self._skip_newer_than(-1, problems)
         if step is not None:
-            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self._where()}" + _reasons(skipped))
+            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self.tiers.where()}" + _reasons(skipped))
         if plan.listed:
-            raise NoValidCheckpointError(f"no valid checkpoint in {self._where()}" + _reasons(skipped))
+            raise NoValidCheckpointError(f"no valid checkpoint in {self.tiers.where()}" + _reasons(skipped))
         return None
 
     @staticmethod
@@ -400,9 +400,6 @@ class Restorer:
         if source is None or location is None:
             raise CorruptCheckpointError(f"the {source or 'remote'} tier no longer lists this checkpoint")
         return self._stored[source].read_data(location, name, entry["size"], entry["xxh3_64"])
-
-    def _where(self) -> str:
-        return " or ".join(str(tier.store.root) for tier in self._stored.values() if tier.store is not None)
 
 
 def _reasons(skipped: Skipped) -> str:
