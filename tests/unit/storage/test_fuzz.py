@@ -152,8 +152,9 @@ def test_data_file_with_a_hostile_header(tmp_path: Path, header: bytes, declared
 
 @pytest.mark.parametrize("recursion_limit", [None, 2000, 1_000_000])
 def test_deep_nesting_is_refused(tmp_path: Path, recursion_limit: int | None) -> None:
-    """Refused by depth, whatever the recursion limit: torch.compile (inductor) raises it to 2000 for
-    the rest of the process, and a refusal that waited for RecursionError then parsed 900 levels."""
+    """Refused by depth, whatever the recursion limit: code in the process may raise it (torch's
+    inductor raises it to 2000 when it compiles, hypothesis raises it during a @given test), and a
+    refusal that waited for RecursionError then rebuilt a 900-level skeleton."""
     before = sys.getrecursionlimit()
     if recursion_limit is not None:
         sys.setrecursionlimit(recursion_limit)
