@@ -112,7 +112,8 @@ def partition(sizes: Sequence[tuple[str, int, int]], world_size: int) -> list[li
 
     Returns each rank's pieces. Deterministic: every rank computes the same plan from the same
     (sorted) input. Each rank's share differs from ``total / world_size`` by less than
-    ``total / world_size / SMALL_FRACTION`` bytes plus one element.
+    ``total / world_size / SMALL_FRACTION`` bytes plus one element and one byte (the ideal cuts
+    are rounded down to a byte, then to the nearer element boundary).
     """
     items = sorted(s for s in sizes if s[1] > 0)
     empty = [Piece(name, 0, 0, True) for name, numel, _ in sorted(sizes) if numel == 0]

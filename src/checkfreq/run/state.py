@@ -20,8 +20,15 @@ import torch
 
 from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError, UsageError
 from checkfreq.run.tensors import storage_ptr
+from checkfreq.storage.format import MAX_JSON_DEPTH
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__", "__pickle__")
+MAX_STATE_DEPTH = MAX_JSON_DEPTH // 2
+"""How many containers a value of a skeleton may lie in: written and read with the same bound, in
+levels of the skeleton (a tuple takes two, a dict with other than string keys three), well under the JSON depth a
+reader parses (the manifest and the rank records wrap the skeleton in a few levels of their own).
+Checked by depth, not left to :class:`RecursionError`, which depends on the interpreter's
+recursion limit and on the stack already in use."""
 
 
 @runtime_checkable
@@ -44,7 +51,11 @@ class _Flattener:
             name, n = f"{path}#{n}", n + 1
         return name
 
-    def encode(self, value: Any, path: str) -> Any:
+    def encode(self, value: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_STATE_DEPTH:
+            raise UnserializableStateError(
+                f"{path!r} nests containers more than {MAX_STATE_DEPTH} levels deep, deeper than checkfreq stores"
+            )
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if isinstance(value, torch.Tensor):
@@ -58,14 +69,14 @@ class _Flattener:
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return {"__tuple__": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+            return {"__tuple__": [self.encode(v, f"{path}/{i}", depth + 2) for i, v in enumerate(value)]}
         if isinstance(value, list):
-            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+            return [self.encode(v, f"{path}/{i}", depth + 1) for i, v in enumerate(value)]
         if isinstance(value, dict):
             if all(isinstance(k, str) and k not in _MARKERS for k in value):
-                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+                return {k: self.encode(v, f"{path}/{k}", depth + 1) for k, v in value.items()}
             if all(k is None or isinstance(k, (bool, int, float, str)) for k in value):
-                return {"__items__": [[k, self.encode(v, f"{path}/{k}")] for k, v in value.items()]}
+                return {"__items__": [[k, self.encode(v, f"{path}/{k}", depth + 3)] for k, v in value.items()]}
         if self.allow_pickle:
             return {"__pickle__": base64.b64encode(pickle.dumps(value)).decode()}
         raise UnserializableStateError(
@@ -82,16 +93,18 @@ def with_article(noun: str) -> str:
 def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Split ``{registered_name: state}`` into a JSON skeleton and named tensors."""
     flattener = _Flattener(allow_pickle)
-    skeleton = {name: flattener.encode(value, name) for name, value in state.items()}
+    skeleton = {name: flattener.encode(value, name, 1) for name, value in state.items()}
     return skeleton, flattener.tensors
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False) -> Any:
     """Rebuild the state from a skeleton and the tensors it references."""
 
-    def decode(node: Any) -> Any:
+    def decode(node: Any, depth: int) -> Any:
+        if depth > MAX_STATE_DEPTH:
+            raise ValueError(f"containers nest more than {MAX_STATE_DEPTH} levels deep")
         if isinstance(node, list):
-            return [decode(v) for v in node]
+            return [decode(v, depth + 1) for v in node]
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
@@ -101,9 +114,9 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
             if marker == "__ndarray__":
                 return _lookup(tensors, payload).numpy()
             if marker == "__tuple__":
-                return tuple(decode(v) for v in payload)
+                return tuple(decode(v, depth + 2) for v in payload)
             if marker == "__items__":
-                return {_key(k): decode(v) for k, v in payload}
+                return {_key(k): decode(v, depth + 3) for k, v in payload}
             if marker == "__pickle__":
                 if not allow_pickle:
                     raise UnserializableStateError(
@@ -111,10 +124,10 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
                         "restore with allow_pickle=True only if you trust its source"
                     )
                 return pickle.loads(base64.b64decode(payload))  # opt-in: README "On disk" and docs/reliability.md
-        return {k: decode(v) for k, v in node.items()}
+        return {k: decode(v, depth + 1) for k, v in node.items()}
 
     try:
-        return decode(skeleton)
+        return decode(skeleton, 0)
     except (TypeError, ValueError, RecursionError) as e:  # a hand-edited or hostile skeleton
         raise CorruptCheckpointError(f"checkpoint skeleton is malformed: {type(e).__name__}: {e}") from None
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, cast
 
+import numpy as np
 import torch
 
 from checkfreq.errors import CorruptCheckpointError, PersistError, UnsupportedDtypeError
@@ -33,7 +34,38 @@ BLOCK_BYTES = 4096
 """Alignment of data sections, in files and in snapshot buffers, for direct I/O."""
 MAX_HEADER_BYTES = 100 << 20
 MAX_MANIFEST_BYTES = 256 << 20
+MAX_JSON_DEPTH = 200
+"""The deepest nesting of arrays and objects a reader parses (a manifest, a header, a rank's record).
+Deeper JSON is refused before it is parsed, so the refusal does not depend on the interpreter's
+recursion limit, on how deep the caller's stack already is, or on the thread it runs on."""
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEPS = np.zeros(256, dtype=np.int32)
+_BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
+
+
+
+def json_depth(raw: bytes) -> int:
+    """How deeply the arrays and objects of the JSON text ``raw`` nest (0: a scalar), without
+    parsing it and without recursion; for a text that is not JSON, at least the depth a parser
+    reaches before it finds out. Brackets inside strings do not count."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return max(int(_BRACKET_STEPS[np.frombuffer(brackets, dtype=np.uint8)].cumsum().max()), 0)
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """``json.loads(raw)``, refusing with :class:`ValueError` a text nested deeper than
+    :data:`MAX_JSON_DEPTH` before parsing it (the parser's own guard, :class:`RecursionError`,
+    depends on the recursion limit and the stack already in use)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if (depth := json_depth(data)) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested {depth} levels deep, over the {MAX_JSON_DEPTH} a reader accepts")
+    return json.loads(data)
 
 
 _CHECKPOINT_NAME = re.compile(r"^step_(\d{9,})$")
@@ -213,7 +245,7 @@ def decode_header_length(prefix: bytes, size: int, name: str) -> int:
 def decode_header(raw: bytes, name: str) -> dict[str, Any]:
     """Parse a data file's JSON header (``name`` is the file's name for error messages)."""
     try:
-        header = json.loads(raw)
+        header = parse_json(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"data file {name} has an unreadable header: {e}") from None
     if not isinstance(header, dict):
@@ -268,7 +300,7 @@ class Manifest:
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError("manifest is implausibly large")
         try:
-            doc = json.loads(raw)
+            doc = parse_json(raw)
         except (ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"manifest is not valid JSON: {e}") from None
         if not isinstance(doc, dict) or doc.get("format") != "checkfreq":
@@ -369,7 +401,7 @@ def rank_record(header: Mapping[str, Any], file_name: str) -> dict[str, Any]:
     if not isinstance(raw, str):
         raise CorruptCheckpointError(f"data file {file_name} lacks its rank's record (__metadata__.{RANK_RECORD_KEY})")
     try:
-        record = json.loads(raw)
+        record = parse_json(raw)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"data file {file_name} has an unreadable rank record: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("tensors"), dict):

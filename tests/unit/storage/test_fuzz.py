@@ -14,6 +14,7 @@ import os
 import pathlib
 import pickle
 import struct
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from hypothesis import strategies as st
 
 import checkfreq as cf
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.run.state import unflatten
-from checkfreq.storage.format import MANIFEST_NAME, Manifest
+from checkfreq.run.state import MAX_STATE_DEPTH, unflatten
+from checkfreq.storage.format import MANIFEST_NAME, MAX_JSON_DEPTH, Manifest, json_depth
 from checkfreq.storage.posix import read_data_file, read_manifest
 from helpers import make_model, train_step
 
@@ -149,16 +150,34 @@ def test_data_file_with_a_hostile_header(tmp_path: Path, header: bytes, declared
         _only_checkfreq_errors(read_data_file, path, len(raw), xxhash.xxh3_64(raw).hexdigest())
 
 
-def test_deep_nesting_is_refused(tmp_path: Path) -> None:
-    deep = b"[" * 200_000 + b"]" * 200_000
-    with pytest.raises(cf.CorruptCheckpointError):
-        Manifest.from_json(deep)
-    raw = struct.pack("<Q", len(deep)) + deep
-    (tmp_path / "d").write_bytes(raw)
-    with pytest.raises(cf.CorruptCheckpointError, match="unreadable header"):
-        read_data_file(tmp_path / "d", len(raw), xxhash.xxh3_64(raw).hexdigest())
-    with pytest.raises(cf.CorruptCheckpointError, match="malformed"):
-        unflatten(json.loads(b"[" * 900 + b"]" * 900), {})
+@pytest.mark.parametrize("recursion_limit", [None, 2000, 1_000_000])
+def test_deep_nesting_is_refused(tmp_path: Path, recursion_limit: int | None) -> None:
+    """Refused by depth, whatever the recursion limit: code in the process may raise it (torch's
+    inductor raises it to 2000 when it compiles, hypothesis raises it during a @given test), and a
+    refusal that waited for RecursionError then rebuilt a 900-level skeleton."""
+    before = sys.getrecursionlimit()
+    if recursion_limit is not None:
+        sys.setrecursionlimit(recursion_limit)
+    try:
+        deep = b"[" * 200_000 + b"]" * 200_000
+        with pytest.raises(cf.CorruptCheckpointError, match="not valid JSON.*nested 200000 levels"):
+            Manifest.from_json(deep)
+        raw = struct.pack("<Q", len(deep)) + deep
+        (tmp_path / "d").write_bytes(raw)
+        with pytest.raises(cf.CorruptCheckpointError, match="unreadable header"):
+            read_data_file(tmp_path / "d", len(raw), xxhash.xxh3_64(raw).hexdigest())
+        for levels in (MAX_STATE_DEPTH + 2, 900):  # a value under MAX_STATE_DEPTH + 1 lists
+            with pytest.raises(cf.CorruptCheckpointError, match="malformed"):
+                unflatten(json.loads(b"[" * levels + b"]" * levels), {})
+        assert unflatten(json.loads(b"[" * (MAX_STATE_DEPTH + 1) + b"]" * (MAX_STATE_DEPTH + 1)), {})
+    finally:
+        sys.setrecursionlimit(before)
+
+
+def test_json_depth_skips_strings() -> None:
+    assert json_depth(rb'{"a": ["[[{", "\\", "\"[["], "b": {}}') == 2
+    assert json_depth(b"3") == 0 and json_depth(b"[]") == 1
+    assert json_depth(b"[" * (MAX_JSON_DEPTH + 1)) == MAX_JSON_DEPTH + 1
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
