@@ -185,13 +185,8 @@ class Checkpointer:
             None if steps is None else max((s for s in steps if s is not None), default=None))
         self._closed = False
         self._events = EventLog(local.events_directory, rank=control.rank)
-        self._events.write(
-            "start",
-            pid=os.getpid(),
-            policy=type(self._policy).__name__,
-            keep=retention.keep,
-            keep_every=retention.every,
-        )
+        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep,
+                           keep_every=retention.every)
         self._saver = Saver(tiers, cluster, committer, self._events, self._objects, gpu_staging=gpu_staging,
                             timeout=persist_timeout, on_error=on_error, policy_name=type(self._policy).__name__)
         self._leaving: list[BaseException] = []  # the error a ``with`` block ends on
@@ -298,7 +293,7 @@ class Checkpointer:
         timeout = self._timeout if timeout is None else timeout
         self._saver.wait(timeout)
         if remote:
-            self._tiers.flush(self._newest_committed(), timeout)
+            self._tiers.flush(self._saver.newest_committed, timeout)
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
@@ -377,7 +372,7 @@ class Checkpointer:
         self._cluster.close()
         try:
             self.wait()
-            self._close_tiers()
+            self._saver.close_tiers(remove=self._foreign_step is None)  # never another run's snapshots
         finally:
             self._finalizer()
 
@@ -387,7 +382,7 @@ class Checkpointer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc is not None and self._cluster.world_size > 1:  # leave within failure_timeout: no rank waits for it
+        if exc is not None and self._cluster.others_wait:  # leave within failure_timeout: no rank waits for it
             self._closed = True
             self._detach()
             self._leaving.append(exc)
@@ -415,9 +410,6 @@ class Checkpointer:
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise UsageError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
-
-    def _newest_committed(self) -> int | None:
-        return self._saver.committed if self._saver.committed >= 0 else None
 
     def _check_not_foreign(self) -> None:
         """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
@@ -451,21 +443,6 @@ class Checkpointer:
         held = self._tiers.unpersisted(self._saver.durable_step)
         if held is not None and held.step == self._timeline.step:
             self._checkpoint(blocking=True, reason="close")
-
-    def _close_tiers(self) -> None:
-        """Persist the newest snapshot a tier holds as it stands if disk is behind it and it is the whole
-        checkpoint, bring the newest checkpoint to the tiers that copy them, then close the tiers (a
-        clean close: the memory tier's region is removed)."""
-        self._saver.wait_tiers()
-        held = self._tiers.unpersisted(self._saver.durable_step)
-        if held is not None and self._cluster.writes_whole_state:
-            try:
-                self._saver.persist_held(held)
-            except CheckfreqError:
-                self._tiers.close(remove=False, timeout=self._timeout)  # the tier keeps the newest state
-                raise
-        self._tiers.flush(self._newest_committed(), self._timeout)
-        self._tiers.close(remove=self._foreign_step is None, timeout=self._timeout)  # never another run's snapshots
 
     def _ensure_durable(self, reason: str) -> None:
         """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""

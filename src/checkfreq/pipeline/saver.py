@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from checkfreq.errors import PeerLostError, PersistError, ReplicaMismatchError
+from checkfreq.errors import CheckfreqError, PeerLostError, PersistError, ReplicaMismatchError
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
 from checkfreq.pipeline.fence import Fence, FenceWait
 from checkfreq.pipeline.snapshot import Snapshotter, layout_of
@@ -143,8 +143,28 @@ class Saver:
         else:
             tier.record_cost(cost)
 
-    def persist_held(self, held: HeldSnapshot) -> None:
-        """Persist, and wait for, a snapshot a tier holds as it stands (at a clean close)."""
+    @property
+    def newest_committed(self) -> int | None:
+        """The newest step this session committed, if any."""
+        return self.committed if self.committed >= 0 else None
+
+    def close_tiers(self, *, remove: bool) -> None:
+        """At a clean close: persist the newest snapshot a tier holds as it stands if disk is behind it
+        and it is the whole checkpoint, bring the newest checkpoint to the tiers that copy them, then
+        close the tiers (with ``remove``, the memory tier's region is removed)."""
+        self.wait_tiers()
+        held = self.tiers.unpersisted(self.durable_step)
+        if held is not None and self.cluster.writes_whole_state:
+            try:
+                self._persist_held(held)
+            except CheckfreqError:
+                self.tiers.close(remove=False, timeout=self.timeout)  # the tier keeps the newest state
+                raise
+        self.tiers.flush(self.newest_committed, self.timeout)
+        self.tiers.close(remove=remove, timeout=self.timeout)
+
+    def _persist_held(self, held: HeldSnapshot) -> None:
+        """Persist, and wait for, a snapshot a tier holds as it stands."""
         start = time.perf_counter()
         self.events.write("snapshot", step=held.step, stall_s=0.0, bytes=held.pending.layout.nbytes, reason="close",
                           policy=self.policy_name, epoch=held.epoch)

@@ -36,7 +36,7 @@ def shutdown(writer: Writer, tiers: Tiers, *, timeout: float, failure_timeout: f
     thread may still be blocked in one).
     """
     error = leaving[0] if leaving else leaving_on_error()
-    failing = cluster.world_size > 1 and (error is not None or cluster.failure is not None)
+    failing = cluster.others_wait and (error is not None or cluster.failure is not None)
     deadline = time.monotonic() + failure_timeout
     try:
         if trap is not None:

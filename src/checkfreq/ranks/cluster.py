@@ -72,6 +72,12 @@ class Cluster(Protocol):
         ...
 
     @property
+    def others_wait(self) -> bool:
+        """Other ranks wait on this one: a rank leaving on an error must leave within the failure
+        timeout and tell them (:meth:`leave`), rather than finish what it was writing."""
+        ...
+
+    @property
     def writes_whole_state(self) -> bool:
         """:meth:`select` keeps every tensor as it is: a snapshot of this rank's whole state is the
         checkpoint's data file, so a memory-tier slot can be persisted as it stands."""
@@ -144,6 +150,7 @@ class SoloCluster:
     directory_leader = 0
     leader = True
     page_cache = None
+    others_wait = False
     writes_whole_state = True
     failure = None
 

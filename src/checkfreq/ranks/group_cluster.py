@@ -166,6 +166,8 @@ class GroupCluster:
         self.page_cache = page_cache(local, self.directory_leader)
         self.writes_whole_state = False
         """Every rank writes a share (even alone): its data file holds per-rank names and an index."""
+        self.others_wait = self.world_size > 1
+        """Other ranks wait on this one (a 1-rank job has none to tell when it leaves)."""
         self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
         self.decide: Callable[[DecisionContext], bool] = (
             policy.should_save if self._decider is None else self._decider.should_save

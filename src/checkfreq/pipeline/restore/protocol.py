@@ -206,10 +206,11 @@ class Restorer:
                 return found
             problems[s] = found
         skipped += self._skip_newer_than(-1, problems)
+        where = self.tiers.where()
         if step is not None:
-            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {self.tiers.where()}" + _reasons(skipped))
+            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {where}" + _reasons(skipped))
         if plan.listed:
-            raise NoValidCheckpointError(f"no valid checkpoint in {self.tiers.where()}" + _reasons(skipped))
+            raise NoValidCheckpointError(f"no valid checkpoint in {where}" + _reasons(skipped))
         return None
 
     @staticmethod
