@@ -1,8 +1,8 @@
 """The object users hold: registers the training state, counts steps, and wires the pieces together.
 
-Longer than the other modules because it is the one place where the layers below meet: each public
-method reads as the sequence of calls it makes, and every concern it calls lives in a module of its
-own (the cluster, the policy, the snapshot, the writer, the commit, the memory tier, the restore).
+The one place where the layers below meet: each public method reads as the sequence of calls it
+makes, and every concern it calls lives in a module of its own (the cluster, the policy, the tiers,
+the saver with its snapshot, writer and commit, the restore).
 """
 
 from __future__ import annotations
