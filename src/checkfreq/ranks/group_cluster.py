@@ -41,10 +41,11 @@ from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks import replicas
 from checkfreq.ranks.agreement import AgreedPolicy, needs_agreement
-from checkfreq.ranks.collectives import GroupPeers, Peers, collect_errors
+from checkfreq.ranks.collectives import GroupPeers, Peers, broadcast_message, collect_errors
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.liveness import Liveness
+from checkfreq.ranks.messages import Token
 from checkfreq.ranks.shares import (
     PRIVATE,
     REPLICATED,
@@ -347,7 +348,8 @@ def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
 def meet(local: Store, remote: Store | None, peers: Peers) -> tuple[str, int]:
     """The token naming this job's staging locations (rank 0's) and this rank's directory leader,
     each directory opened once (:func:`open_directories`). Collective, over ``peers``."""
-    token = peers.broadcast(uuid.uuid4().hex[:12] if peers.rank == 0 else None)
+    mine = Token(uuid.uuid4().hex[:12]) if peers.rank == 0 else None
+    token = broadcast_message(peers, mine, Token.from_wire).token
     directory = directory_leader(local, token, peers)
     open_directories(local, remote, peers, leader=directory == peers.rank)
     return token, directory
