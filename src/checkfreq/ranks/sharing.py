@@ -72,14 +72,14 @@ def _leaders(keys: list[str]) -> list[int]:
 def _check_probes(root: Path, token: str, rank: int, leader: int) -> str | None:
     """Why this rank's view of the probes contradicts the directory keys, or None."""
     if not (root / _PROBE.format(token=token, rank=leader)).exists():
-        return f"rank {rank} does not see the directory of rank {leader}, which has the same key"
+        return f"rank {rank} does not see the directory of rank {leader}, which has the same identity"
     if leader == rank:
         probes = re.compile(re.escape(_PROBE.format(token=token, rank=0)[:-5]) + r"(\d+)$")
         others = sorted(
             int(m.group(1)) for p in root.iterdir() if (m := probes.match(p.name)) and int(m.group(1)) != rank
         )
         if others:
-            return f"rank {rank} sees the directory of ranks {others}, whose key differs"
+            return f"rank {rank} sees the directory of ranks {others}, whose identity differs"
     return None
 
 
