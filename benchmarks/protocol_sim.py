@@ -794,7 +794,7 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 manifest = reader.read_manifest(location)
                 parse.append(time.thread_time() - began)
             readable = _readable(reader, STEP)
-            views = [readable.summary(None, 0, [rank]) for rank in range(world)]
+            views = [readable.holdings(None, 0, [rank]) for rank in range(world)]
             began = time.thread_time()
             stream = readable.stream
             assert stream is not None

@@ -6,7 +6,7 @@ Computed with checkfreq's own code on synthetic inputs, in one process (no ranks
 each world size N, the plan every rank computes (:class:`checkfreq.ranks.group_cluster.SharePlan`), one rank's
 commit report as :class:`checkfreq.pipeline.commit.Committer` builds it, the manifest rank 0 writes
 (:func:`checkfreq.pipeline.commit.merge`), each rank's record in its data file's header, the directory
-identity each rank all-gathers at start (:mod:`checkfreq.ranks.sharing`), and what each rank all-gathers
+directory key each rank all-gathers at start (:mod:`checkfreq.ranks.sharing`), and what each rank all-gathers
 at restore. Two states:
 
 * ``ddp``: 18 linear layers of 32x32 and AdamW (36 parameters, 108 optimizer state tensors, all
@@ -30,7 +30,7 @@ from checkfreq.pipeline.commit import CommitReport, agreement_digest, merge
 from checkfreq.ranks import replicas
 from checkfreq.ranks.group_cluster import SharePlan
 from checkfreq.ranks.shares import PRIVATE, REPLICATED, SHARDED, private_name
-from checkfreq.ranks.sharing import directory_identity
+from checkfreq.ranks.sharing import directory_key
 from checkfreq.storage.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
 
 LAYERS = 18
@@ -93,7 +93,7 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
     report = reports[-1].to_wire()
     manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
     header = encode_header(plan_layout(arrays), {"state": skeleton(tensors), "tensors": own})
-    identity = directory_identity(Path("."))
+    identity = directory_key(Path("."))
     restore_note = {"steps": {str(10**8): {"held": [data_file_name(world - 1)], "remote": True}}, "listed": 3}
     return {
         "state": state, "world": world,

@@ -124,7 +124,7 @@ def _leaders(rank: int, root: str, directories: list[str], forged: bool, out: st
     dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", len(directories)), rank=rank,
                             world_size=len(directories))
     if forged and rank == 1:
-        sharing.directory_identity = lambda path: "nfs4:forged"  # type: ignore[assignment]
+        sharing.directory_key = lambda path: "nfs4:forged"  # type: ignore[assignment]
     try:
         answer: object = sharing.directory_leader(LocalStore(directories[rank]), "t0k3n", GroupPeers(dist.group.WORLD))
     except CheckfreqError as e:

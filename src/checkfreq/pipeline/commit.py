@@ -40,8 +40,19 @@ from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import Tier
 from checkfreq.ranks import replicas
-from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, send_json
-from checkfreq.ranks.shares import REPLICATED, SHARDED, Share
+from checkfreq.ranks.collectives import (
+    JSON,
+    Peers,
+    all_gather_messages,
+    broadcast_message,
+    collect_errors,
+    during,
+    gather_messages,
+    receive_message,
+    send_message,
+)
+from checkfreq.ranks.replicas import ReplicaClaim
+from checkfreq.ranks.shares import REPLICATED, SHARDED, Share, TensorRecord
 from checkfreq.storage.base import Store, write_data, write_manifest
 from checkfreq.storage.format import FileEntry, Manifest, data_file_name, encode_header, tensor_entries
 
@@ -144,6 +155,37 @@ class Verdict:
         return cls(list(wire.get("errors", [])), bool(wire.get("mismatch")), bool(wire.get("upload")))
 
 
+@dataclass
+class CommitReports:
+    """0 → the leader of another local directory, round 2: every rank's report, in rank order, to
+    write the same manifest."""
+
+    reports: list[CommitReport]
+
+    def to_wire(self) -> JSON:
+        return [r.to_wire() for r in self.reports]
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> CommitReports:
+        return cls([CommitReport.from_wire(r) for r in wire])
+
+
+@dataclass
+class Claims:
+    """Rank → every rank, round 2, only when the ranks' agreement digests differ: what this rank
+    claims in full, to name what differs: its replicated state and its sharded tensors' entries."""
+
+    replicas: ReplicaClaim
+    sharded: dict[str, TensorRecord]
+
+    def to_wire(self) -> JSON:
+        return {"replicas": self.replicas, "sharded": self.sharded}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> Claims:
+        return cls(wire["replicas"], wire["sharded"])
+
+
 class Committer:
     """Runs the commit protocol for one store (see the module docstring).
 
@@ -211,11 +253,9 @@ class Committer:
             report.ok, report.error = False, f"rank {rank}: {type(e).__name__}: {e}"
         if job.share is not None:
             report.leader = self.leader
-        gathered = self.peers.gather(report.to_wire())
-        reports = None if gathered is None else [CommitReport.from_wire(r) for r in gathered]
-        verdict = Verdict.from_wire(
-            self.peers.broadcast(None if reports is None else judge(reports, job.share).to_wire())
-        )
+        reports = gather_messages(self.peers, report, CommitReport.from_wire)
+        verdict = broadcast_message(self.peers, None if reports is None else judge(reports, job.share),
+                                    Verdict.from_wire)
         problem = _problem(verdict, self.peers, job.share)
         if problem is not None:
             if self.leader:
@@ -249,12 +289,10 @@ class Committer:
         """Rank 0 sends the reports to every other directory leader (node-local directories), which
         write the same manifest; the other ranks receive nothing."""
         if reports is not None:
-            wire = None
             for other in (r.rank for r in reports if r.leader and r.rank != 0):
-                wire = wire or [r.to_wire() for r in reports]
-                send_json(self.peers, wire, other)
+                send_message(self.peers, CommitReports(reports), other)
             return reports
-        return [CommitReport.from_wire(r) for r in receive_json(self.peers, 0)] if leader else None
+        return receive_message(self.peers, 0, CommitReports.from_wire).reports if leader else None
 
     def _prepare(self, step: int) -> Any:
         """Round 1: each directory's leader creates the staging location; every rank learns it is ready."""
@@ -305,9 +343,9 @@ def _problem(verdict: Verdict, peers: Peers, share: Share | None) -> Exception |
         return None
     assert share is not None  # a world of one has nothing to disagree with
     sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
-    claims = peers.all_gather({"replicas": share["replicas"], "sharded": sharded})
-    problem = replicas.disagreement([c["replicas"] for c in claims]) or replicas.sharded_disagreement(
-        [c["sharded"] for c in claims])
+    claims = all_gather_messages(peers, Claims(share["replicas"], sharded), Claims.from_wire)
+    problem = replicas.disagreement([c.replicas for c in claims]) or replicas.sharded_disagreement(
+        [c.sharded for c in claims])
     return ReplicaMismatchError(problem or "ranks disagree on how the state stored once is split over them")
 
 

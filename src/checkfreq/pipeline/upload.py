@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,12 +27,36 @@ from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeou
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.policies.retention import Retention
-from checkfreq.ranks.collectives import Peers, collect_errors, during
+from checkfreq.ranks.collectives import (
+    JSON,
+    Peers,
+    RankError,
+    broadcast_message,
+    collect_errors,
+    during,
+    gather_messages,
+)
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
 from checkfreq.storage.local import LocalStore
 
 log = logging.getLogger("checkfreq.upload")
+
+
+@dataclass(frozen=True)
+class UploadOutcome:
+    """0 → every rank, once every rank's copy is verified: whether rank 0 committed the remote
+    checkpoint, or why not."""
+
+    ok: bool = True
+    error: str | None = None
+
+    def to_wire(self) -> JSON:
+        return {"ok": True} if self.ok else {"ok": False, "error": self.error}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> UploadOutcome:
+        return cls(True) if wire["ok"] else cls(False, wire["error"])
 
 
 class RemoteTier(Tier):
@@ -146,11 +171,12 @@ class RemoteTier(Tier):
             self._copy(source / name, staging, name, manifest.files[name]["xxh3_64"])
         except Exception as e:  # noqa: BLE001 - every rank hears it
             error = f"rank {rank}: {type(e).__name__}: {e}"
-        errors = self.peers.gather(error)  # on rank 0 only
-        outcome: dict[str, Any] = {"ok": True}
+        errors = gather_messages(self.peers, RankError(error), RankError.from_wire)  # on rank 0 only
+        outcome: UploadOutcome | None = None
         if errors is not None:
+            outcome = UploadOutcome()
             try:
-                _raise_failures([e for e in errors if e], step)
+                _raise_failures([e.error for e in errors if e.error], step)
                 self.remote.write_file(staging, MANIFEST_NAME, [(source / MANIFEST_NAME).read_bytes()])
                 self.remote.commit(staging, step)
                 listed = dict(self.remote.checkpoints())
@@ -158,10 +184,10 @@ class RemoteTier(Tier):
                     self.remote.delete(listed[doomed])
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 self.remote.discard(staging)
-                outcome = {"ok": False, "error": str(e)}
-        outcome = self.peers.broadcast(outcome)
-        if not outcome["ok"]:
-            raise PersistError(outcome["error"])
+                outcome = UploadOutcome(False, str(e))
+        outcome = broadcast_message(self.peers, outcome, UploadOutcome.from_wire)
+        if not outcome.ok:
+            raise PersistError(outcome.error)
 
     def _copy(self, path: Path, staging: Any, name: str, checksum: str) -> None:
         """Stream one local file to ``staging``, verifying it against the manifest as it goes."""

@@ -18,6 +18,7 @@ import queue
 import threading
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +54,25 @@ def _planned_interval(policy: Policy) -> int:
     """The interval an adaptive policy plans now (its documented ``interval``), else 0."""
     interval = getattr(policy, "interval", 0)
     return interval if isinstance(interval, int) and not isinstance(interval, bool) else 0
+
+
+@dataclass(frozen=True)
+class Vote:
+    """A rank's answer in the vote, and the vote's result (on the wire: two int64s, whose elementwise
+    maximum over the ranks, :func:`~checkfreq.ranks.collectives.tree_max`, is the result)."""
+
+    wanted: bool
+    """This rank's policy asked for a checkpoint since the last vote (the result: some rank's did)."""
+    steps: int
+    """The steps to the next vote this rank proposes (the result: the fewest any rank proposes)."""
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([int(self.wanted), -self.steps], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> Vote:
+        wanted, negated_steps = tensor.tolist()
+        return cls(bool(wanted), -int(negated_steps))
 
 
 class AgreedPolicy:
@@ -93,7 +113,7 @@ class AgreedPolicy:
         if self._calls == self._next_vote:
             proposal = vote_steps(ctx.iteration_time, _planned_interval(self.policy))
             self._pending = Future()
-            self._votes.put((torch.tensor([int(self._wanted), -proposal], dtype=torch.int64), self._pending))
+            self._votes.put((Vote(self._wanted, proposal).to_tensor(), self._pending))
             self._wanted = False
         return agreed
 
@@ -105,7 +125,7 @@ class AgreedPolicy:
             return False
         pending, self._pending = self._pending, None
         try:
-            wanted, negated_period = pending.result(timeout=self._timeout).tolist()
+            agreed = Vote.from_tensor(pending.result(timeout=self._timeout))
         except concurrent.futures.TimeoutError:
             self._failure = CheckfreqError(
                 f"rank {self._peers.rank}: the ranks' vote on when to checkpoint brought no answer within "
@@ -121,8 +141,8 @@ class AgreedPolicy:
                 "another rank may have died"
             )
             raise self._failure from e
-        self._next_vote = self._calls - 1 - negated_period
-        return bool(wanted)
+        self._next_vote = self._calls - 1 + agreed.steps
+        return agreed.wanted
 
     def close(self) -> None:
         """Finish the vote in flight (every rank has started the same ones) and stop the vote thread."""

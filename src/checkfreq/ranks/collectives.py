@@ -5,6 +5,11 @@ The commit, upload and restore protocols are written once against :class:`Peers`
 ``torch.distributed`` a :class:`GroupPeers` carries the messages over a dedicated gloo group; a
 single process is a :class:`Solo` world, where every collective returns at once. Messages are
 JSON, never pickles.
+
+Every message is a typed value (:class:`Message`: it encodes itself with ``to_wire`` and decodes
+with its class's ``from_wire``); protocols exchange them with the typed helpers
+(:func:`gather_messages`, :func:`broadcast_message`, :func:`all_gather_messages`,
+:func:`send_message`, :func:`receive_message`, :func:`scatter_messages`), never raw JSON.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ import json
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,35 @@ import torch.distributed as dist
 from checkfreq.errors import PeerLostError
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from checkfreq.ranks.liveness import Liveness
+
+JSON = Any
+"""A JSON value as :func:`json.dumps` writes it and :func:`json.loads` reads it back (dicts with string
+keys, lists, strings, numbers, booleans, None): what a message is on the wire."""
+
+
+class Message(Protocol):
+    """A message between ranks: a typed value with its own encoder and decoder.
+
+    ``type(m).from_wire(json.loads(json.dumps(m.to_wire()))) == m`` for every message ``m``.
+    """
+
+    def to_wire(self) -> JSON:
+        """The message as sent: plain JSON."""
+        ...
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> Self:
+        """The message a rank sent, from what :meth:`to_wire` made of it."""
+        ...
+
+
+M = TypeVar("M")
+Decoder = Callable[[JSON], M]
+"""What reads a message back from the wire: a message class's ``from_wire`` (or, where one of several
+kinds may come, a function that tells them apart)."""
 
 
 class Peers(Protocol):
@@ -261,8 +295,9 @@ def collect_errors(peers: Peers, error: str | None) -> list[str]:
     Gathered on rank 0 and broadcast back: a rank other than 0 sends and receives a few bytes when
     no rank failed, whatever the number of ranks.
     """
-    gathered = peers.gather(error)
-    return peers.broadcast(None if gathered is None else [e for e in gathered if e])
+    gathered = gather_messages(peers, RankError(error), RankError.from_wire)
+    answer = None if gathered is None else RankErrors([g.error for g in gathered if g.error])
+    return broadcast_message(peers, answer, RankErrors.from_wire).errors
 
 
 TREE_ARITY = 8
@@ -316,6 +351,65 @@ def receive_json(peers: Peers, sender: int) -> Any:
     """The value rank ``sender`` sends with :func:`send_json`."""
     length = int(peers.receive(8, sender).view(torch.int64).item())
     return _decode(peers.receive(length, sender))
+
+
+def gather_messages(peers: Peers, message: Message, decode: Decoder[M]) -> list[M] | None:
+    """On rank 0, every rank's ``message`` in rank order; None on the other ranks."""
+    gathered = peers.gather(message.to_wire())
+    return None if gathered is None else [decode(wire) for wire in gathered]
+
+
+def broadcast_message(peers: Peers, message: Message | None, decode: Decoder[M]) -> M:
+    """Rank 0's ``message`` on every rank (the other ranks pass None)."""
+    return decode(peers.broadcast(None if message is None else message.to_wire()))
+
+
+def all_gather_messages(peers: Peers, message: Message, decode: Decoder[M]) -> list[M]:
+    """Every rank's ``message``, in rank order, on every rank."""
+    return [decode(wire) for wire in peers.all_gather(message.to_wire())]
+
+
+def send_message(peers: Peers, message: Message, to: int) -> None:
+    """Send ``message`` to rank ``to``, which takes it with :func:`receive_message`."""
+    send_json(peers, message.to_wire(), to)
+
+
+def receive_message(peers: Peers, sender: int, decode: Decoder[M]) -> M:
+    """The message rank ``sender`` sends with :func:`send_message`."""
+    return decode(receive_json(peers, sender))
+
+
+def scatter_messages(peers: Peers, messages: Sequence[Message] | None, decode: Decoder[M]) -> M:
+    """Rank 0's ``messages[r]`` on each rank ``r`` (other ranks pass None), as :func:`scatter_json` sends them."""
+    return decode(scatter_json(peers, None if messages is None else [m.to_wire() for m in messages]))
+
+
+@dataclass(frozen=True)
+class RankError:
+    """Rank → 0: this rank's error, or None: it has none. On the wire: the text, or null."""
+
+    error: str | None
+
+    def to_wire(self) -> JSON:
+        return self.error
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> RankError:
+        return cls(None if wire is None else str(wire))
+
+
+@dataclass(frozen=True)
+class RankErrors:
+    """0 → every rank: every rank's error, in rank order (none: no rank failed). On the wire: a list."""
+
+    errors: list[str]
+
+    def to_wire(self) -> JSON:
+        return self.errors
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> RankErrors:
+        return cls([str(e) for e in wire])
 
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -41,10 +41,11 @@ from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks import replicas
 from checkfreq.ranks.agreement import AgreedPolicy, needs_agreement
-from checkfreq.ranks.collectives import GroupPeers, Peers, collect_errors
+from checkfreq.ranks.collectives import GroupPeers, Peers, broadcast_message, collect_errors
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.liveness import Liveness
+from checkfreq.ranks.messages import Token
 from checkfreq.ranks.shares import (
     PRIVATE,
     REPLICATED,
@@ -52,6 +53,7 @@ from checkfreq.ranks.shares import (
     Box,
     Piece,
     Share,
+    TensorRecord,
     chunked_dim,
     dtype_entry,
     kind_of,
@@ -199,7 +201,7 @@ class GroupCluster:
             layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked}
         )
         arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
-        own: dict[str, Any] = {}  # this rank's tensors but its replicated pieces: in its file's header
+        own: dict[str, TensorRecord] = {}  # this rank's tensors but its replicated pieces: in its file's header
         shared = dict(plan.shared)  # what every rank records the same: in the manifest
         meshes: dict[int, bool] = {}
         for name, tensor in tensors.items():
@@ -296,7 +298,7 @@ class SharePlan:
     """(name, numel, itemsize) of every replicated tensor."""
     pieces: list[Piece]
     """This rank's share of the replicated bytes."""
-    shared: dict[str, Any]
+    shared: dict[str, TensorRecord]
     """The manifest's entry of every replicated tensor: its pieces on every rank, in rank order."""
     digest: str
     """xxh3-64 of ``shared`` (O(T + N) bytes of JSON), computed once: what each commit's agreement
@@ -307,7 +309,7 @@ class SharePlan:
     def of(cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], cluster: GroupCluster) -> SharePlan:
         sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
         plans = partition(sizes, cluster.world_size)
-        shared: dict[str, Any] = {}
+        shared: dict[str, TensorRecord] = {}
         for pieces in plans:
             for piece in pieces:
                 entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
@@ -342,14 +344,15 @@ def _label(piece: Piece) -> str:
     return piece.name if piece.whole else f"{piece.name}[{piece.begin}:{piece.end}]"
 
 
-def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> dict[str, Any]:
+def _entry(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
 def meet(local: Store, far: Sequence[Store], peers: Peers) -> tuple[str, int]:
     """The token naming this job's staging locations (rank 0's) and this rank's directory leader,
     each directory opened once (:func:`open_directories`). Collective, over ``peers``."""
-    token = peers.broadcast(uuid.uuid4().hex[:12] if peers.rank == 0 else None)
+    mine = Token(uuid.uuid4().hex[:12]) if peers.rank == 0 else None
+    token = broadcast_message(peers, mine, Token.from_wire).token
     directory = directory_leader(local, token, peers)
     open_directories(local, far, peers, leader=directory == peers.rank)
     return token, directory

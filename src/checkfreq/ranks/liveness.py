@@ -35,6 +35,8 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -47,6 +49,21 @@ MAX_INTERVAL_S = 5.0
 EXIT_GRACE = 1.0
 """A process that knows the job failed ends itself this many failure timeouts later if still running."""
 _FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Whoami:
+    """Rank → the job's key-value store, at start-up: where this rank runs (errors name a lost rank by it)."""
+
+    host: str
+    pid: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": self.pid}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> Whoami:
+        return cls(str(wire["host"]), int(wire["pid"]))
 
 
 class Liveness:
@@ -68,7 +85,7 @@ class Liveness:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exit_timer: threading.Timer | None = None
-        store.set(f"who/{rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        store.set(f"who/{rank}", json.dumps(Whoami(socket.gethostname(), os.getpid()).to_wire()))
         store.add(f"alive/{rank}", 1)
         self._thread = threading.Thread(target=self._beat, name="checkfreq-heartbeat", daemon=True)
         self._thread.start()
@@ -129,10 +146,11 @@ class Liveness:
     def describe(self, rank: int) -> str:
         """``rank 3 (host, pid 1234)``, as the rank published it at start-up."""
         try:
-            who = json.loads(self.store.get(f"who/{rank}")) if self.store.check([f"who/{rank}"]) else None
-        except (RuntimeError, ValueError):
+            wire = json.loads(self.store.get(f"who/{rank}")) if self.store.check([f"who/{rank}"]) else None
+            who = None if wire is None else Whoami.from_wire(wire)
+        except (RuntimeError, ValueError, KeyError, TypeError):
             who = None
-        return f"rank {rank}" if who is None else f"rank {rank} ({who['host']}, pid {who['pid']})"
+        return f"rank {rank}" if who is None else f"rank {rank} ({who.host}, pid {who.pid})"
 
     def stop(self) -> None:
         """Stop the heartbeat (the Checkpointer is closed)."""

@@ -22,7 +22,7 @@ naming the entries and the ranks that disagree, and the last committed checkpoin
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import xxhash
@@ -44,7 +44,16 @@ def fingerprint(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(flat.contiguous().view(torch.uint8).numpy().data)
 
 
-def report(layout: Signature, fingerprints: Mapping[str, str]) -> dict[str, Any]:
+class ReplicaClaim(TypedDict):
+    """What a rank claims of its replicated state (:func:`report`), as JSON."""
+
+    layout: list[list[Any]]
+    """``[name, dtype, shape]`` of every replicated tensor, in name order."""
+    fingerprints: dict[str, str]
+    """xxh3-64 (hex) of the tensors, or pieces of them, this checkpoint verifies, by their label."""
+
+
+def report(layout: Signature, fingerprints: Mapping[str, str]) -> ReplicaClaim:
     """What a rank tells the others about its replicated state (JSON-able)."""
     return {"layout": [[n, d, list(s)] for n, d, s in layout], "fingerprints": dict(fingerprints)}
 

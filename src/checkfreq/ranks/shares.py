@@ -32,6 +32,7 @@ import torch
 
 from checkfreq.errors import CorruptCheckpointError
 from checkfreq.ranks.compat import dtensor_class, dtensor_local_box
+from checkfreq.ranks.replicas import ReplicaClaim
 from checkfreq.run.tensors import is_dtensor
 from checkfreq.storage.format import (
     DTYPE_CODES,
@@ -46,17 +47,39 @@ from checkfreq.storage.format import (
 log = logging.getLogger("checkfreq")
 
 
+class _TensorRecord(TypedDict):
+    dtype: str
+    """The safetensors dtype code."""
+    shape: list[int]
+    """The global shape."""
+    kind: str
+    """:data:`REPLICATED`, :data:`PRIVATE` or :data:`SHARDED`."""
+    parts: list[Any]
+    """Where its values are stored: a replicated tensor's ``[stored name, begin, end]`` pieces, in rank
+    order; a private tensor's stored name per rank (None: that rank holds none); a sharded tensor's
+    ``[stored name, offset]`` shards (in a rank's record: its own)."""
+
+
+class TensorRecord(_TensorRecord, total=False):
+    """How one tensor is split over the ranks: an entry of the manifest's ``distributed["tensors"]``
+    and of a rank's record in its data file's header (the JSON as stored; see the module docstring)."""
+
+    chunked: int
+    """A sharded tensor cut along this dimension as ``torch.chunk`` cuts it, block ``k`` on rank ``k``."""
+
+
 class Share(TypedDict):
     """What a rank writes of a snapshot under torch.distributed, for the commit: ``GroupCluster.select``."""
 
-    rank: dict[str, Any]
+    rank: dict[str, TensorRecord]
     """This rank's own tensors' entries (private tensors, local shards): in its data file's header."""
-    shared: dict[str, Any]
+    shared: dict[str, TensorRecord]
     """The entries every rank records the same (replicated and sharded tensors): in the manifest."""
-    replicas: dict[str, Any]
+    replicas: ReplicaClaim
     """This rank's claim of the replicated state (``replicas.report``)."""
     plan: str | None
     """The digest of the plan that split the replicated state (None: no replicated state)."""
+
 
 REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"
 SMALL_FRACTION = 16

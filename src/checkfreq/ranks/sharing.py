@@ -1,14 +1,14 @@
 """Which ranks share a local checkpoint directory, learned at start in O(N) messages in all.
 
-Each rank names its directory by a short identity: on a file system known to be local to a machine,
+Each rank names its directory by a short key (:func:`directory_key`): on a file system known to be local to a machine,
 the machine's boot id and the directory's device and inode (two containers on one machine see one
 directory as one); on any other (NFS, Lustre, a FUSE mount: possibly the same directory on several
 machines), the file-system type, the directory's resolved path and inode. Rank 0 gathers the
-identities, takes as each directory's leader the lowest rank with its identity, in one pass over
+keys, takes as each directory's leader the lowest rank with its key, in one pass over
 the list, and sends each rank its leader: a rank other than 0 sends and receives a few messages of
 a few dozen bytes whatever the number of ranks.
 
-An identity can be wrong only on a file system that is not known to be local, so it is checked at
+A key can be wrong only on a file system that is not known to be local, so it is checked at
 the cost of one file per directory: each leader drops a probe into its directory; each rank checks
 that it sees its leader's probe (else it would wait for a staging directory no one creates), and
 each leader that it sees no other leader's (else two ranks would commit into one directory). A
@@ -23,7 +23,8 @@ import socket
 from pathlib import Path
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.ranks.collectives import Peers, collect_errors, scatter_json
+from checkfreq.ranks.collectives import Peers, collect_errors, gather_messages, scatter_messages
+from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
@@ -43,9 +44,9 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
     """
     if not isinstance(local, LocalStore):
         return 0
-    identities = peers.gather(directory_identity(local.root))
-    leaders = None if identities is None else _leaders(identities)
-    leader = scatter_json(peers, leaders)
+    keys = gather_messages(peers, DirectoryKey(directory_key(local.root)), DirectoryKey.from_wire)
+    leaders = None if keys is None else [DirectoryLeader(r) for r in _leaders([k.key for k in keys])]
+    leader = scatter_messages(peers, leaders, DirectoryLeader.from_wire).rank
     probe = local.root / _PROBE.format(token=token, rank=peers.rank)
     if leader == peers.rank:
         probe.write_bytes(b"")
@@ -62,14 +63,14 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
     return leader
 
 
-def _leaders(identities: list[str]) -> list[int]:
-    """Each rank's directory leader: the lowest rank with its identity (one pass)."""
+def _leaders(keys: list[str]) -> list[int]:
+    """Each rank's directory leader: the lowest rank with its directory's key (one pass)."""
     first: dict[str, int] = {}
-    return [first.setdefault(identity, rank) for rank, identity in enumerate(identities)]
+    return [first.setdefault(key, rank) for rank, key in enumerate(keys)]
 
 
 def _check_probes(root: Path, token: str, rank: int, leader: int) -> str | None:
-    """Why this rank's view of the probes contradicts the identities, or None."""
+    """Why this rank's view of the probes contradicts the directory keys, or None."""
     if not (root / _PROBE.format(token=token, rank=leader)).exists():
         return f"rank {rank} does not see the directory of rank {leader}, which has the same identity"
     if leader == rank:
@@ -88,8 +89,8 @@ def on_machine_local_file_system(path: Path) -> bool:
     return file_system_type(path.resolve()) in LOCAL_FILE_SYSTEMS
 
 
-def directory_identity(path: Path) -> str:
-    """A short name for the directory ``path``, the same on every rank that sees it (module docstring)."""
+def directory_key(path: Path) -> str:
+    """A short key for the directory ``path``, the same on every rank that sees it (module docstring)."""
     resolved = path.resolve()
     stat = os.stat(resolved)
     kind = file_system_type(resolved)

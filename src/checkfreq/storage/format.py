@@ -30,6 +30,8 @@ RANK_RECORD_KEY = "checkfreq"
 """The key of a data file's safetensors ``__metadata__`` that holds its rank's record (JSON)."""
 MANIFEST_NAME = "manifest.json"
 CHUNK_BYTES = 64 << 20
+"""Bytes of a data file read, written or hashed at a time; fixed, as the stored checksums depend on it
+(:func:`checkfreq.storage.parallel_hash.chunked_xxh3` hashes each chunk on its own)."""
 BLOCK_BYTES = 4096
 """Alignment of data sections, in files and in snapshot buffers, for direct I/O."""
 MAX_HEADER_BYTES = 100 << 20

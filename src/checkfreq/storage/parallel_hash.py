@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-CHUNK_BYTES = 64 << 20
-"""Each chunk's digest is computed by one thread; fixed, as the stored checksums depend on it."""
+from checkfreq.storage.format import CHUNK_BYTES  # each chunk's digest is computed by one thread
 
 _pool: ThreadPoolExecutor | None = None
 

@@ -113,7 +113,7 @@ def region_path(directory: str | os.PathLike[str], rank: int) -> Path:
     return shm_directory() / f"checkfreq-{xxhash.xxh3_64(key.encode()).hexdigest()}-rank{rank:05d}"
 
 
-def directory_identity(directory: str | os.PathLike[str]) -> tuple[int, int]:
+def device_and_inode(directory: str | os.PathLike[str]) -> tuple[int, int]:
     """(st_dev, st_ino) of a local directory, (0, 0) for a URL: a region written for a directory
     that was since deleted and re-created belongs to another run and is never restored."""
     if "://" in str(directory):
@@ -158,7 +158,7 @@ class MemoryRegion:
 
     @classmethod
     def for_directory(cls, directory: str | os.PathLike[str], rank: int = 0) -> MemoryRegion:
-        return cls(region_path(directory, rank), directory_identity(directory))
+        return cls(region_path(directory, rank), device_and_inode(directory))
 
     @property
     def mapped(self) -> bool:
@@ -463,5 +463,5 @@ def listed_regions(directory: str | os.PathLike[str]) -> list[tuple[int, MemoryR
             rank = int(path.name[len(prefix) :])
         except ValueError:
             continue
-        found.append((rank, MemoryRegion(path, directory_identity(directory), tidy=False)))
+        found.append((rank, MemoryRegion(path, device_and_inode(directory), tidy=False)))
     return found

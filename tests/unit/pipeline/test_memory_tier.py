@@ -19,7 +19,7 @@ import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, directory_identity, region_path
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, region_path
 from helpers import SCRIPTS, make_model, train_step
 
 SCRIPT = SCRIPTS / "chaos_train.py"
@@ -118,7 +118,7 @@ def test_a_region_read_while_a_snapshot_is_being_committed_shows_only_complete_o
     seen: dict[str, list] = {}  # type: ignore[type-arg]
 
     def look() -> None:
-        region = MemoryRegion(region_path(run, 0), directory_identity(run), tidy=False)
+        region = MemoryRegion(region_path(run, 0), device_and_inode(run), tidy=False)
         newest = region.newest()
         seen["steps"] = [info.step for info in region.snapshots()]
         seen["newest"] = [] if newest is None else [newest[0].step]

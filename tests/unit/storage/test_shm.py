@@ -17,7 +17,7 @@ import pytest
 from checkfreq.storage.shm import (
     MemoryRegion,
     ShmSnapshotError,
-    directory_identity,
+    device_and_inode,
     layout_signature,
     region_path,
     remove_regions_beyond,
@@ -79,7 +79,7 @@ def test_a_reader_of_a_region_being_written_sees_committed_snapshots_only(shm_di
     writer = MemoryRegion.for_directory(tmp_path)
     writer.reserve(8192, 100)
     put(writer, 1, 8192)
-    reader = MemoryRegion(region_path(tmp_path, 0), directory_identity(tmp_path), tidy=False)  # as `checkfreq ls` looks
+    reader = MemoryRegion(region_path(tmp_path, 0), device_and_inode(tmp_path), tidy=False)  # as `checkfreq ls` looks
     target = writer.begin()  # a snapshot half copied into the other slot, its header not yet written
     target.data[:4096].fill_(2)
     assert [i.step for i in reader.snapshots()] == [1]

@@ -1,16 +1,22 @@
 """The restore's messages between the ranks, each a typed value with one encoder and one decoder.
 
 On the wire every message is plain JSON (lists, not tuples), whatever the transport: a world of one
-passes the encoded value to itself, so both paths decode the same thing.
+passes the encoded value to itself, so both paths decode the same thing. Each class is a
+:class:`~checkfreq.ranks.collectives.Message`: ``to_wire`` encodes it, its ``from_wire`` decodes it.
+The three orders rank 0 scatters (:data:`Order`) are told apart by their tag, the one key only
+that kind has (:func:`decode_order`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from checkfreq.pipeline.tier import TierName
+from checkfreq.ranks.collectives import JSON
 
 ALL_FILES = "all"
-"""``Summary.held`` for a directory that holds every data file of the checkpoint."""
+"""``Holdings.held`` for a directory that holds every data file of the checkpoint."""
 
 
 @dataclass
@@ -20,12 +26,43 @@ class MemoryReport:
     steps: list[int]
     disk: int | None
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"steps": self.steps, "disk": self.disk}
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> MemoryReport:
-        return cls(list(wire["steps"]), wire["disk"])
+    def from_wire(cls, wire: JSON) -> MemoryReport:
+        return cls([int(s) for s in wire["steps"]], None if wire["disk"] is None else int(wire["disk"]))
+
+
+@dataclass
+class MemoryChoice:
+    """0 → every rank: the memory snapshot to restore (None: none, restore from disk), and whether
+    every rank holds some snapshot."""
+
+    best: int | None
+    common: bool
+
+    def to_wire(self) -> JSON:
+        return [self.best, self.common]
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> MemoryChoice:
+        best, common = wire
+        return cls(None if best is None else int(best), bool(common))
+
+
+@dataclass
+class ListedSteps:
+    """Rank → 0: the steps of the committed checkpoints this rank's tiers list, newest first."""
+
+    steps: list[int]
+
+    def to_wire(self) -> JSON:
+        return self.steps
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> ListedSteps:
+        return cls([int(s) for s in wire])
 
 
 @dataclass
@@ -37,23 +74,23 @@ class Agenda:
     passed: dict[int, str]
     listed: bool
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"steps": self.steps, "passed": [[s, why] for s, why in self.passed.items()], "listed": self.listed}
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> Agenda:
-        return cls(list(wire["steps"]), {int(s): why for s, why in wire["passed"]}, bool(wire["listed"]))
+    def from_wire(cls, wire: JSON) -> Agenda:
+        return cls([int(s) for s in wire["steps"]], {int(s): why for s, why in wire["passed"]}, bool(wire["listed"]))
 
 
 @dataclass
-class Summary:
-    """Rank → 0: what this rank has of one checkpoint."""
+class Holdings:
+    """What a rank has of one checkpoint, as rank 0 plans the restore with it."""
 
     held: str | list[str] | None
     """The data files its directory holds (:data:`ALL_FILES` for every one); None on a rank that is not
     its directory's leader (rank 0 takes the leader's answer)."""
     remote: bool
-    """The remote tier lists the checkpoint."""
+    """A far tier (the remote tier) lists the checkpoint."""
     cache: int | None
     """Ranks with the same value read their directory through one page cache; None: no sharing."""
     directory_leader: int
@@ -66,34 +103,55 @@ class Summary:
     def holds(self, name: str) -> bool:
         return self.held == ALL_FILES or (self.held is not None and name in self.held)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"held": self.held, "remote": self.remote, "cache": self.cache, "dir": self.directory_leader,
                 "files": self.files, "needs": self.needs}
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any] | str) -> Summary | str:
-        """The summary, or a rank's reason it cannot read the checkpoint's manifest."""
-        if isinstance(wire, str):
-            return wire
+    def from_wire(cls, wire: JSON) -> Holdings:
         return cls(wire["held"], wire["remote"], wire["cache"], wire["dir"], wire["files"], wire["needs"])
+
+
+@dataclass
+class CheckpointView:
+    """Rank → 0: what this rank has of one checkpoint, or why it cannot read the checkpoint's manifest.
+    On the wire: the holdings, or the reason (a string)."""
+
+    view: Holdings | str
+
+    def to_wire(self) -> JSON:
+        return self.view if isinstance(self.view, str) else self.view.to_wire()
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> CheckpointView:
+        return cls(wire if isinstance(wire, str) else Holdings.from_wire(wire))
 
 
 @dataclass
 class ReadOrder:
     """0 → a rank: read and verify these files, each from its tier; pack their replicated pieces."""
 
-    read: list[tuple[str, str]]
-    """(data file, ``"local"`` or ``"remote"``)."""
+    TAG: ClassVar[str] = "read"
+
+    read: list[tuple[str, TierName]]
+    """(data file, where to read it: ``TierName.LOCAL``, the rank's directory, or ``TierName.REMOTE``,
+    the first far tier that lists the checkpoint)."""
     pack: bool
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"read": [[name, tier] for name, tier in self.read], "pack": self.pack}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> ReadOrder:
+        return cls([(str(name), TierName(tier)) for name, tier in wire["read"]], bool(wire["pack"]))
 
 
 @dataclass
 class ExchangeOrder:
     """0 → a rank, once every file is verified: what it maps, receives and sends, in how many rounds
     it all-gathers the replicated pieces, and whether it gets only some files."""
+
+    TAG: ClassVar[str] = "map"
 
     map: list[str]
     receive: list[tuple[str, int]]
@@ -103,29 +161,104 @@ class ExchangeOrder:
     stream: int
     partial: bool
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"map": self.map, "receive": [list(r) for r in self.receive], "send": [list(s) for s in self.send],
                 "stream": self.stream, "partial": self.partial}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> ExchangeOrder:
+        return cls([str(name) for name in wire["map"]], [(str(name), int(r)) for name, r in wire["receive"]],
+                   [(str(name), int(r)) for name, r in wire["send"]], int(wire["stream"]), bool(wire["partial"]))
 
 
 @dataclass
 class Refusal:
     """0 → every rank: the ranks cannot restore this checkpoint, and why."""
 
+    TAG: ClassVar[str] = "problem"
+
     problem: str
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> JSON:
         return {"problem": self.problem}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> Refusal:
+        return cls(str(wire["problem"]))
 
 
 Order = ReadOrder | ExchangeOrder | Refusal
+ORDERS: tuple[type[ReadOrder], type[ExchangeOrder], type[Refusal]] = (ReadOrder, ExchangeOrder, Refusal)
+"""Every kind of order, each with its tag: the key of its wire form that no other kind has."""
 
 
-def decode_order(wire: dict[str, Any]) -> Order:
-    """The order a rank received from rank 0."""
-    if "problem" in wire:
-        return Refusal(wire["problem"])
-    if "read" in wire:
-        return ReadOrder([(name, tier) for name, tier in wire["read"]], bool(wire["pack"]))
-    return ExchangeOrder(list(wire["map"]), [(name, int(r)) for name, r in wire["receive"]],
-                         [(name, int(r)) for name, r in wire["send"]], int(wire["stream"]), bool(wire["partial"]))
+def decode_order(wire: JSON) -> Order:
+    """The order a rank received from rank 0: the one kind whose tag its wire form holds."""
+    kinds = [kind for kind in ORDERS if isinstance(wire, dict) and kind.TAG in wire]
+    if len(kinds) != 1:
+        raise ValueError(f"not an order of rank 0's: {wire!r:.200}")
+    return kinds[0].from_wire(wire)
+
+
+@dataclass
+class DamageReport:
+    """Rank → 0, after reading its files: why each damaged one is (none: every file verified)."""
+
+    damaged: dict[str, str]
+
+    def to_wire(self) -> JSON:
+        return self.damaged
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> DamageReport:
+        return cls({str(name): str(why) for name, why in wire.items()})
+
+
+@dataclass
+class FileTransfer:
+    """Rank → rank, before the bytes of a data file it sends whole: the file's parsed header and its
+    data section's size."""
+
+    header: dict[str, Any]
+    size: int
+
+    def to_wire(self) -> JSON:
+        return {"header": self.header, "size": self.size}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> FileTransfer:
+        return cls(wire["header"], int(wire["size"]))
+
+
+@dataclass
+class ExchangeOutcome:
+    """Rank → 0, after the exchange of a checkpoint read in part: this rank's error, and the first
+    sharded tensor whose block its files fall short of (each None if none)."""
+
+    problem: str | None
+    short: str | None
+
+    def to_wire(self) -> JSON:
+        return [self.problem, self.short]
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> ExchangeOutcome:
+        problem, short = wire
+        return cls(problem, short)
+
+
+@dataclass
+class ExchangeVerdict:
+    """0 → every rank, after :class:`ExchangeOutcome`: every rank's error, and the first rank whose
+    files fall short of its blocks, with the tensor (None: none does)."""
+
+    errors: list[str]
+    short_of: tuple[int, str] | None
+
+    def to_wire(self) -> JSON:
+        return [self.errors, None if self.short_of is None else list(self.short_of)]
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> ExchangeVerdict:
+        errors, short_of = wire
+        return cls([str(e) for e in errors], None if short_of is None else (int(short_of[0]), str(short_of[1])))

@@ -11,17 +11,18 @@ from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
     ExchangeOrder,
+    Holdings,
+    MemoryChoice,
     MemoryReport,
     Order,
     ReadOrder,
     Refusal,
-    Summary,
 )
 from checkfreq.pipeline.tier import TierName
 from checkfreq.storage.format import Manifest, data_file_name
 
 
-def memory_choice(reports: list[MemoryReport]) -> tuple[int | None, bool]:
+def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
     """The memory snapshot to restore: the newest step every rank holds unless disk lists a newer one
     (or None), and whether every rank holds some step."""
     common = set.intersection(*(set(r.steps) for r in reports))
@@ -29,7 +30,7 @@ def memory_choice(reports: list[MemoryReport]) -> tuple[int | None, bool]:
     best = max(common, default=None)
     if best is not None and disk is not None and best < disk:
         best = None
-    return best, bool(common)
+    return MemoryChoice(best, bool(common))
 
 
 def agenda(lists: list[list[int]]) -> Agenda:
@@ -45,9 +46,9 @@ def agenda(lists: list[list[int]]) -> Agenda:
     return Agenda(every, passed, bool(count))
 
 
-def assign_readers(names: list[str], views: list[Summary]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
+def assign_readers(names: list[str], views: list[Holdings]) -> tuple[dict[str, list[int]], dict[str, set[int]]]:
     """For each data file in ``names``: the ranks whose directory holds it (``views``: every rank's
-    summary), and the one of them that reads it from storage (the holders take turns over the
+    holdings), and the one of them that reads it from storage (the holders take turns over the
     files). A file no directory holds has no holder and no reader.
 
     O(N + the files the views list): the ranks that hold every file (a shared directory) are one
@@ -63,8 +64,8 @@ def assign_readers(names: list[str], views: list[Summary]) -> tuple[dict[str, li
     return holders, {name: {held[i % len(held)]} for i, (name, held) in enumerate(holders.items()) if held}
 
 
-def unreachable(manifest: Manifest, views: list[Summary]) -> str | None:
-    """Why no rank can get some data file (``views``: every rank's summary), or None."""
+def unreachable(manifest: Manifest, views: list[Holdings]) -> str | None:
+    """Why no rank can get some data file (``views``: every rank's holdings), or None."""
     if any(view.held == ALL_FILES for view in views) or any(view.remote for view in views):
         return None  # a directory holds every file, or some rank reads what no directory holds from the remote tier
     held_by = {name for view in views for name in view.held or ()}
@@ -85,12 +86,12 @@ class ReadPlan:
 
     Args:
         manifest: the checkpoint's manifest (rank 0's copy; every rank read the same files' list).
-        views: every rank's summary, each with what its directory holds.
+        views: every rank's holdings, each with what its directory holds.
         streamable: the checkpoint's replicated tensors can be all-gathered as one stream.
         replicated: it holds replicated tensors at all.
     """
 
-    def __init__(self, manifest: Manifest, views: list[Summary], *, streamable: bool, replicated: bool) -> None:
+    def __init__(self, manifest: Manifest, views: list[Holdings], *, streamable: bool, replicated: bool) -> None:
         self.manifest, self.views = manifest, views
         self.names = sorted(manifest.files)
         self.holders, checked = assign_readers(self.names, views)
@@ -110,23 +111,23 @@ class ReadPlan:
         """The files whose reader has not read them yet."""
 
     @classmethod
-    def of(cls, manifest: Manifest | None, views: list[Summary | str], *, streamable: bool,
+    def of(cls, manifest: Manifest | None, views: list[Holdings | str], *, streamable: bool,
            replicated: bool) -> ReadPlan | str:
         """The plan, or why the ranks cannot restore this checkpoint (``manifest``: None where rank 0
         itself cannot read it)."""
         for rank, view in enumerate(views):
             if isinstance(view, str):
                 return f"rank {rank} cannot read its manifest: {view}" if len(views) > 1 else view
-        summaries = [view for view in views if isinstance(view, Summary)]
-        assert manifest is not None  # rank 0's own view is a summary
-        differs = next((r for r, view in enumerate(summaries) if view.files != summaries[0].files), None)
+        holdings = [view for view in views if isinstance(view, Holdings)]
+        assert manifest is not None  # rank 0's own view is its holdings
+        differs = next((r for r, view in enumerate(holdings) if view.files != holdings[0].files), None)
         if differs is not None:
             return f"rank {differs}'s manifest lists other data files than rank 0's"
-        for view in summaries:
+        for view in holdings:
             if view.held is None:  # what its directory's leader found there
-                view.held = summaries[view.directory_leader].held
-        return unreachable(manifest, summaries) or cls(
-            manifest, summaries, streamable=streamable, replicated=replicated
+                view.held = holdings[view.directory_leader].held
+        return unreachable(manifest, holdings) or cls(
+            manifest, holdings, streamable=streamable, replicated=replicated
         )
 
     def _to_remote(self, names: list[str]) -> None:
@@ -139,7 +140,7 @@ class ReadPlan:
 
     def orders(self) -> list[Order]:
         """Every rank's next orders, in rank order."""
-        reads: list[list[tuple[str, str]]] = [[] for _ in self.views]
+        reads: list[list[tuple[str, TierName]]] = [[] for _ in self.views]
         for name in sorted(self.fresh):
             reads[self.reader[name]].append((name, self.tier[name]))
         self.fresh = set()

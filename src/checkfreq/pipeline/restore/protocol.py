@@ -17,11 +17,19 @@ from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
+    CheckpointView,
+    DamageReport,
     ExchangeOrder,
+    ExchangeOutcome,
+    ExchangeVerdict,
+    FileTransfer,
+    Holdings,
+    ListedSteps,
+    MemoryChoice,
     MemoryReport,
+    Order,
     ReadOrder,
     Refusal,
-    Summary,
     decode_order,
 )
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
@@ -29,7 +37,16 @@ from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.pipeline.tiers import Tiers
-from checkfreq.ranks.collectives import Peers, collect_errors, during, receive_json, scatter_json, send_json
+from checkfreq.ranks.collectives import (
+    Peers,
+    broadcast_message,
+    collect_errors,
+    during,
+    gather_messages,
+    receive_message,
+    scatter_messages,
+    send_message,
+)
 from checkfreq.ranks.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
 from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
@@ -80,7 +97,7 @@ class Readable:
         """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
         return ReplicatedStream.of(self.manifest)
 
-    def summary(self, page_cache: int | None, directory_leader: int, needs: list[int] | None) -> Summary:
+    def holdings(self, page_cache: int | None, directory_leader: int, needs: list[int] | None) -> Holdings:
         """What rank 0 learns of it (``needs``: the saved ranks whose files this rank needs whole,
         None for every file)."""
         if self.held is None:
@@ -88,7 +105,8 @@ class Readable:
         else:
             held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
-        return Summary(held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs)
+        return Holdings(held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files),
+                        needs)
 
     def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
         """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
@@ -180,9 +198,11 @@ class Restorer:
         """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
         by_step = {state.manifest.step: state for state in states}
-        reports = self.peers.gather(MemoryReport(sorted(by_step), listed[0] if listed else None).to_wire())
-        choice = None if reports is None else memory_choice([MemoryReport.from_wire(r) for r in reports])
-        best, common = self.peers.broadcast(choice)
+        reports = gather_messages(self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None),
+                                  MemoryReport.from_wire)
+        choice = None if reports is None else memory_choice(reports)
+        chosen = broadcast_message(self.peers, choice, MemoryChoice.from_wire)
+        best, common = chosen.best, chosen.common
         if best is None:
             if by_step and not common:
                 log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
@@ -194,8 +214,9 @@ class Restorer:
 
     def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
         self._locations = {name: dict(tier.checkpoints()) for name, tier in self._stored.items()}
-        lists = self.peers.gather(listed)
-        plan = Agenda.from_wire(self.peers.broadcast(None if lists is None else agenda(lists).to_wire()))
+        lists = gather_messages(self.peers, ListedSteps(listed), ListedSteps.from_wire)
+        plan = broadcast_message(self.peers, None if lists is None else agenda([s.steps for s in lists]),
+                                 Agenda.from_wire)
         problems = dict(plan.passed)
         skipped: Skipped = []
         for s in plan.steps:  # the same steps on every rank, in the same order
@@ -251,7 +272,7 @@ class Restorer:
     def _restore_step(self, step: int, own_shards: bool = True) -> Found | str:
         """Checkpoint ``step`` read, verified and shared as rank 0 plans it, or why it cannot be.
 
-        Collective: every rank sends rank 0 its summary, then takes rank 0's orders (read these
+        Collective: every rank sends rank 0 its view of the checkpoint, then takes rank 0's orders (read these
         files; again after a damaged copy; then what to map, receive and send) until rank 0 says
         the step fails or the files are all verified. With ``own_shards``, a rank may get only the
         files of a checkpoint with sharded tensors that hold its blocks (:meth:`Readable.needs`); if
@@ -260,31 +281,31 @@ class Restorer:
         """
         readable = self._readable(step)
         if isinstance(readable, str):
-            summary: str | dict[str, Any] = readable
+            view = CheckpointView(readable)
         else:
             needs = readable.needs(self.peers.rank, self.peers.size, self._blocks if own_shards else None)
-            summary = readable.summary(self.page_cache, self.directory_leader, needs).to_wire()
-        views = self.peers.gather(summary)
+            view = CheckpointView(readable.holdings(self.page_cache, self.directory_leader, needs))
+        views = gather_messages(self.peers, view, CheckpointView.from_wire)
         plan: ReadPlan | str | None = None
         if views is not None:
-            plan = _plan_of(readable, [Summary.from_wire(v) for v in views])
+            plan = _plan_of(readable, [v.view for v in views])
         if isinstance(plan, str):
-            plan_orders: list[Any] | None = [Refusal(plan).to_wire()] * self.peers.size
+            plan_orders: list[Order] | None = [Refusal(plan)] * self.peers.size
         else:
-            plan_orders = None if plan is None else [o.to_wire() for o in plan.orders()]
-        order = decode_order(scatter_json(self.peers, plan_orders))
+            plan_orders = None if plan is None else plan.orders()
+        order = scatter_messages(self.peers, plan_orders, decode_order)
         files: Files = {}
         packs: dict[str, torch.Tensor] = {}
         tiers: set[str] = set()
         while isinstance(order, ReadOrder):
             assert isinstance(readable, Readable)
             damaged = self._read_assigned(readable, order, files, packs, tiers)
-            reports = self.peers.gather(damaged)
+            reports = gather_messages(self.peers, DamageReport(damaged), DamageReport.from_wire)
             next_orders = None
             if reports is not None:
                 assert isinstance(plan, ReadPlan)  # rank 0 planned, since it gave orders to read
-                next_orders = [o.to_wire() for o in plan.after(reports)]
-            order = decode_order(scatter_json(self.peers, next_orders))
+                next_orders = plan.after([r.damaged for r in reports])
+            order = scatter_messages(self.peers, next_orders, decode_order)
         if isinstance(order, Refusal):
             return order.problem
         assert isinstance(readable, Readable)
@@ -317,15 +338,17 @@ class Restorer:
         assert found is not None  # no rank failed, this one included
         return found
 
-    def _outcome(self, problem: str | None, short: str | None) -> tuple[list[str], list[Any] | None]:
+    def _outcome(self, problem: str | None, short: str | None) -> tuple[list[str], tuple[int, str] | None]:
         """Every rank's error, and the first rank whose files fall short of its blocks with the
         tensor (``short``: this rank's first such, or None), the same on every rank: one gather and
         its broadcast, as :func:`~checkfreq.ranks.collectives.collect_errors`."""
-        gathered = self.peers.gather([problem, short])
-        if gathered is None:
-            return self.peers.broadcast(None)
-        first = next(([rank, name] for rank, (_, name) in enumerate(gathered) if name is not None), None)
-        return self.peers.broadcast([[e for e, _ in gathered if e], first])
+        gathered = gather_messages(self.peers, ExchangeOutcome(problem, short), ExchangeOutcome.from_wire)
+        verdict = None
+        if gathered is not None:
+            first = next(((rank, o.short) for rank, o in enumerate(gathered) if o.short is not None), None)
+            verdict = ExchangeVerdict([o.problem for o in gathered if o.problem], first)
+        answer = broadcast_message(self.peers, verdict, ExchangeVerdict.from_wire)
+        return answer.errors, answer.short_of
 
     def _read_assigned(self, readable: Readable, order: ReadOrder, files: Files, packs: dict[str, torch.Tensor],
                        tiers: set[str]) -> dict[str, str]:
@@ -361,11 +384,11 @@ class Restorer:
         for _, to, name, sender in operations:  # one order on every rank: each pair meets in turn
             if sender is None:
                 data, header = files[name]
-                send_json(self.peers, {"header": header, "size": data.numel()}, to)
+                send_message(self.peers, FileTransfer(header, data.numel()), to)
                 self.peers.send(data, to)
             else:
-                sent = receive_json(self.peers, sender)
-                files[name] = (self.peers.receive(sent["size"], sender), sent["header"])
+                sent = receive_message(self.peers, sender, FileTransfer.from_wire)
+                files[name] = (self.peers.receive(sent.size, sender), sent.header)
                 tiers.add(FROM_PEERS)
         replicated: dict[str, torch.Tensor] = {}
         if order.stream:
@@ -407,7 +430,7 @@ def _reasons(skipped: Skipped) -> str:
     return f" ({'; '.join(f'{name}: {why}' for name, why in skipped)})" if skipped else ""
 
 
-def _plan_of(readable: Readable | str, views: list[Summary | str]) -> ReadPlan | str:
+def _plan_of(readable: Readable | str, views: list[Holdings | str]) -> ReadPlan | str:
     """Rank 0's plan for a checkpoint, or why the ranks cannot restore it."""
     if isinstance(readable, str):
         return ReadPlan.of(None, views, streamable=False, replicated=False)

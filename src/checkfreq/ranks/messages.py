@@ -1,0 +1,55 @@
+"""The messages of the ranks' start-up, each a typed value with one encoder and one decoder
+(:class:`~checkfreq.ranks.collectives.Message`).
+
+On the wire each is the plain JSON value it always was (a string, a number, a small object), so a
+typed message costs no byte more than the raw value did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from checkfreq.ranks.collectives import JSON
+
+
+@dataclass(frozen=True)
+class Token:
+    """0 → every rank, at start-up: the token naming this job's staging locations."""
+
+    token: str
+
+    def to_wire(self) -> JSON:
+        return self.token
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> Token:
+        return cls(str(wire))
+
+
+@dataclass(frozen=True)
+class DirectoryKey:
+    """Rank → 0, at start-up: the key of this rank's local checkpoint directory, the same on every
+    rank that sees that directory (:func:`checkfreq.ranks.sharing.directory_key`)."""
+
+    key: str
+
+    def to_wire(self) -> JSON:
+        return self.key
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> DirectoryKey:
+        return cls(str(wire))
+
+
+@dataclass(frozen=True)
+class DirectoryLeader:
+    """0 → a rank, at start-up: the lowest rank whose local directory is this rank's."""
+
+    rank: int
+
+    def to_wire(self) -> JSON:
+        return self.rank
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> DirectoryLeader:
+        return cls(int(wire))
