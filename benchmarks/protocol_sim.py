@@ -87,7 +87,8 @@ from checkfreq.ranks import replicas  # noqa: E402
 from checkfreq.ranks.collectives import Peers, Solo, tree_max  # noqa: E402
 from checkfreq.ranks.group_cluster import SharePlan, meet, wait_for_every_rank  # noqa: E402
 from checkfreq.ranks.groups import agree_on_token  # noqa: E402
-from checkfreq.ranks.shares import PRIVATE, SHARDED, Box, partition, private_name  # noqa: E402
+from checkfreq.ranks.rebuild import Box  # noqa: E402
+from checkfreq.ranks.shares import PRIVATE, SHARDED, partition, private_name  # noqa: E402
 from checkfreq.storage.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
 
@@ -593,7 +594,7 @@ class Job:
     tensors: dict[str, torch.Tensor]
     plan: SharePlan
     pieces: list[list[Any]]
-    """Each rank's pieces of the replicated tensors (``dist.shares.partition``)."""
+    """Each rank's pieces of the replicated tensors (``ranks.shares.partition``)."""
     claim: dict[str, Any]
     skeleton: dict[str, Any]
     """The state's skeleton, one object for every rank (the protocol only reads it)."""

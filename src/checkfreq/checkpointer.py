@@ -39,7 +39,7 @@ from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
 from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
-from checkfreq.ranks.shares import local_view, note_world_size_change
+from checkfreq.ranks.rebuild import local_view, note_world_size_change
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState

@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
+from checkfreq.ranks.rebuild import Chunk, Source, materialize
 from checkfreq.ranks.replicas import disagreement, fingerprint, report
-from checkfreq.ranks.shares import Chunk, Source, materialize, partition, stream_range
+from checkfreq.ranks.shares import partition, stream_range
 from checkfreq.tools.report import load_run, summary_text
 from helpers import (
     SCRIPTS,

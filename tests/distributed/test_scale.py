@@ -22,7 +22,7 @@ from checkfreq.errors import CheckfreqError, CorruptCheckpointError, PersistErro
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.ranks import replicas, sharing
 from checkfreq.ranks.collectives import GroupPeers
-from checkfreq.ranks.shares import chunk_holders, complete
+from checkfreq.ranks.rebuild import chunk_holders, complete
 from checkfreq.storage import LocalStore
 from checkfreq.storage.format import DTYPES_BY_CODE, MANIFEST_NAME, RANK_RECORD_KEY, Manifest
 from checkfreq.tools.diff import diff

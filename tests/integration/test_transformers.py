@@ -21,7 +21,7 @@ import torch
 
 from checkfreq.errors import UsageError
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.ranks.shares import local_view
+from checkfreq.ranks.rebuild import local_view
 from checkfreq.run.state import unflatten
 from helpers import assert_state_equal, hf_fit, sample_reads
 

@@ -40,7 +40,7 @@ from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoVal
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.policies import Policy
-from checkfreq.ranks.shares import local_view
+from checkfreq.ranks.rebuild import local_view
 from checkfreq.run.options import check_names
 from checkfreq.run.state import unflatten
 from checkfreq.storage.local import LocalStore

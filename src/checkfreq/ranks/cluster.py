@@ -21,7 +21,8 @@ from checkfreq.errors import PeerLostError
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks.collectives import Peers, Solo
 from checkfreq.ranks.group_cluster import GroupCluster, open_directories
-from checkfreq.ranks.shares import Box, Share, local_view, sharded_blocks
+from checkfreq.ranks.rebuild import Box, local_view, sharded_blocks
+from checkfreq.ranks.shares import Share
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import Manifest
 

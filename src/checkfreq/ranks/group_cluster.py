@@ -46,24 +46,20 @@ from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.liveness import Liveness
 from checkfreq.ranks.messages import Token
+from checkfreq.ranks.rebuild import Box, local_box, local_view, restore_targets, sharded_blocks
 from checkfreq.ranks.shares import (
     PRIVATE,
     REPLICATED,
     SHARDED,
-    Box,
     Piece,
     Share,
     TensorRecord,
     chunked_dim,
     dtype_entry,
     kind_of,
-    local_box,
-    local_view,
     partition,
     piece_view,
     private_name,
-    restore_targets,
-    sharded_blocks,
     stream_range,
 )
 from checkfreq.ranks.sharing import directory_leader, on_machine_local_file_system

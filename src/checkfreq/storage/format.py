@@ -263,7 +263,7 @@ class Manifest:
     file's size and checksum, and the replicated and sharded tensors' global dtype, shape and (for
     replicated ones) pieces; ``tensors`` is empty and ``state`` is None. Each rank's skeleton and
     its own tensors (private ones, its shards) are in its data file's header (:func:`rank_record`),
-    and :func:`checkfreq.ranks.shares.complete` adds them once the files are read. A version 1
+    and :func:`checkfreq.ranks.rebuild.complete` adds them once the files are read. A version 1
     manifest holds them itself (``distributed["ranks"]``).
     """
 

@@ -28,7 +28,7 @@ from checkfreq.errors import (
     UnknownObjectError,
 )
 from checkfreq.pipeline.restore import read_checkpoint
-from checkfreq.ranks.shares import check_assembles, local_view
+from checkfreq.ranks.rebuild import check_assembles, local_view
 from checkfreq.run.state import unflatten
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.format import (

@@ -14,7 +14,8 @@ import torch
 from checkfreq.errors import (
     CorruptCheckpointError,
 )
-from checkfreq.ranks.shares import PRIVATE, local_view, private_name
+from checkfreq.ranks.rebuild import local_view
+from checkfreq.ranks.shares import PRIVATE, private_name
 from checkfreq.storage.format import (
     Manifest,
 )

@@ -95,7 +95,7 @@ def test_ranks_sharing_a_directory_follow_its_lowest_rank(tmp_path: Path) -> Non
 
 def test_an_identity_that_lies_is_caught_on_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two directories with one identity (a network file system seen differently): every rank refuses."""
-    monkeypatch.setattr(sharing, "directory_identity", lambda path: "nfs:1:/same")
+    monkeypatch.setattr(sharing, "directory_key", lambda path: "nfs:1:/same")
     dirs = [tmp_path / "x", tmp_path / "y", tmp_path / "x"]
 
     def leader(peers: FakePeers) -> str:

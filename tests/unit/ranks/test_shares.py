@@ -11,17 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkfreq.ranks.shares import (
-    SHARDED,
-    SMALL_FRACTION,
-    Piece,
-    chunk_holders,
-    cuts,
-    partition,
-    source_rank,
-    stream_range,
-    uncovered,
-)
+from checkfreq.ranks.rebuild import chunk_holders, source_rank, uncovered
+from checkfreq.ranks.shares import SHARDED, SMALL_FRACTION, Piece, cuts, partition, stream_range
 from checkfreq.storage.format import Manifest
 
 Sizes = list[tuple[str, int, int]]

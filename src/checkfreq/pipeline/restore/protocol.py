@@ -47,7 +47,8 @@ from checkfreq.ranks.collectives import (
     scatter_messages,
     send_message,
 )
-from checkfreq.ranks.shares import SHARDED, Box, chunk_holders, source_rank, uncovered
+from checkfreq.ranks.rebuild import Box, chunk_holders, source_rank, uncovered
+from checkfreq.ranks.shares import SHARDED
 from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from checkfreq.errors import CorruptCheckpointError
-from checkfreq.ranks.shares import complete
+from checkfreq.ranks.rebuild import complete
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import Manifest, entry_view
 from checkfreq.storage.local import LocalStore
