@@ -179,10 +179,7 @@ class Checkpointer:
                                   directory_leader=cluster.directory_leader)
         committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,
                               followers=tiers.followers, directory_leader=cluster.directory_leader)
-        newest = [s for s in [*self._restorer.listed()[:1], tiers.newest_step()] if s is not None]
-        steps = control.gather(max(newest, default=None))  # until restore() adopts them; every rank sees them
-        self._foreign_step: int | None = control.broadcast(
-            None if steps is None else max((s for s in steps if s is not None), default=None))
+        self._foreign_step = self._restorer.newest_on_any_rank()  # until restore() adopts them
         self._closed = False
         self._events = EventLog(local.events_directory, rank=control.rank)
         self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep,

@@ -32,6 +32,7 @@ from checkfreq.pipeline.restore.messages import (
     ListedSteps,
     MemoryChoice,
     MemoryReport,
+    NewestStep,
     ReadOrder,
     Refusal,
     decode_order,
@@ -137,6 +138,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     # restore
     MemoryReport: st.builds(MemoryReport, st.lists(counts, max_size=4), st.none() | counts),
     MemoryChoice: st.builds(MemoryChoice, st.none() | counts, st.booleans()),
+    NewestStep: st.builds(NewestStep, st.none() | counts),
     ListedSteps: st.builds(ListedSteps, st.lists(counts, max_size=4)),
     Agenda: st.builds(Agenda, st.lists(counts, max_size=4), st.dictionaries(counts, texts, max_size=4), st.booleans()),
     Holdings: holdings,

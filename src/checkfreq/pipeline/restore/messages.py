@@ -35,6 +35,21 @@ class MemoryReport:
 
 
 @dataclass
+class NewestStep:
+    """Rank → 0, then 0 → every rank, at start-up: the newest step a rank's tiers list or hold, then
+    the newest of every rank's (None: none)."""
+
+    step: int | None
+
+    def to_wire(self) -> JSON:
+        return self.step
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> NewestStep:
+        return cls(None if wire is None else int(wire))
+
+
+@dataclass
 class MemoryChoice:
     """0 → every rank: the memory snapshot to restore (None: none, restore from disk), and whether
     every rank holds some snapshot."""

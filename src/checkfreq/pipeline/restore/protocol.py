@@ -27,6 +27,7 @@ from checkfreq.pipeline.restore.messages import (
     ListedSteps,
     MemoryChoice,
     MemoryReport,
+    NewestStep,
     Order,
     ReadOrder,
     Refusal,
@@ -160,6 +161,13 @@ class Restorer:
         """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
         steps = {s for tier in self._stored.values() for s, _ in tier.checkpoints()}
         return sorted(steps, reverse=True)
+
+    def newest_on_any_rank(self) -> int | None:
+        """The newest step any rank's tiers list or hold (not verified), the same on every rank. Collective."""
+        mine = [s for s in [*self.listed()[:1], self.tiers.newest_step()] if s is not None]
+        steps = gather_messages(self.peers, NewestStep(max(mine, default=None)), NewestStep.from_wire)
+        newest = None if steps is None else NewestStep(max((s.step for s in steps if s.step is not None), default=None))
+        return broadcast_message(self.peers, newest, NewestStep.from_wire).step
 
     def find(self, step: int | None = None, blocks: Blocks | None = None, *,
              device_copies: bool = False) -> Found | None:
