@@ -121,11 +121,6 @@ class MemoryTier(Tier):
         """The previous memory snapshot is still being copied or committed."""
         return self._writer.busy
 
-    @property
-    def writer(self) -> Writer:
-        """The thread committing memory snapshots."""
-        return self._writer
-
     def newest_step(self) -> int | None:
         """The step of the newest snapshot with a valid header (not verified), if any."""
         found = self.region.snapshots()
@@ -209,7 +204,7 @@ class MemoryTier(Tier):
             self.newest = None  # never committed: nothing to persist from it
         return error
 
-    def submit(self, target: SnapshotTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
+    def submit(self, target: SnapshotTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> Writer:
         """Commit a memory-only snapshot in the background (the previous one must be committed)."""
         assert isinstance(target, MemoryTarget)  # this tier's own target
         self.newest = HeldSnapshot(pending, skeleton, target.step, epoch)
@@ -221,6 +216,7 @@ class MemoryTier(Tier):
 
         self._writer.submit(job)
         self.taken(target.step)
+        return self._writer
 
     def unpersisted(self, durable_step: int) -> HeldSnapshot | None:
         newest = self.newest

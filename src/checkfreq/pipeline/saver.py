@@ -132,13 +132,12 @@ class Saver:
             self.profiler.record_memory_stall(time.perf_counter() - start)
             return
         pending = self.snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
-        tier.submit(target, pending, skeleton, epoch)
+        writer = tier.submit(target, pending, skeleton, epoch)
         stall = time.perf_counter() - start
         self.events.write(str(tier.name), step=step, stall_s=stall, bytes=layout.nbytes)
         self.profiler.record_memory_stall(stall)  # creating the target included: none of it is training
         cost = stall - target.setup_s  # creating the target is a one-time cost
-        writer = tier.writer
-        if pending.has_deferred and writer is not None:
+        if pending.has_deferred:
             self.fence.arm(pending, writer, cost, functools.partial(self._account_tier_fence, tier))
         else:
             tier.record_cost(cost)

@@ -15,7 +15,7 @@ restore side
     :meth:`~Tier.read_data` (one rank's data file of one of them), :meth:`~Tier.snapshots` (whole
     states it holds in memory).
 
-:class:`Tiers` is the ordered list a Checkpointer holds (fastest first), built by
+:class:`~checkfreq.pipeline.tiers.Tiers` is the ordered list a Checkpointer holds (fastest first), built by
 :func:`checkfreq.pipeline.tiers.choose_tiers`; docs/architecture.md shows a tier of 30 lines.
 """
 
@@ -122,11 +122,6 @@ class Tier:
         """A snapshot of its own is still being committed."""
         return False
 
-    @property
-    def writer(self) -> Writer | None:
-        """The thread committing its own snapshots (a fence waits on it), if any."""
-        return None
-
     def due(self, step: int, iteration_time: float) -> bool:
         """Whether a snapshot into this tier alone is due at ``step``."""
         return False
@@ -135,8 +130,9 @@ class Tier:
         """Where the snapshot of ``request`` lands; None: not in this tier."""
         return None
 
-    def submit(self, target: SnapshotTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> None:
-        """Commit, in the background, a snapshot taken into ``target`` for this tier alone."""
+    def submit(self, target: SnapshotTarget, pending: PendingSnapshot, skeleton: Any, epoch: int | None) -> Writer:
+        """Commit, in the background, a snapshot taken into ``target`` for this tier alone; return the
+        thread that does it (the fence watches it while waiting for the snapshot's deferred copies)."""
         raise NotImplementedError(f"the {self.name} tier takes no snapshots of its own")
 
     def around_persist(self, target: SnapshotTarget | None, pending: PendingSnapshot,

@@ -55,7 +55,7 @@ def test_the_tiers_wrap_a_persist_fastest_outermost_and_each_sees_only_its_own_t
 
 def test_a_bare_tier_is_a_complete_null_object(tmp_path: Path) -> None:
     tier = Tier()
-    assert not tier.busy and tier.writer is None and not tier.due(5, 0.1) and tier.ready
+    assert not tier.busy and not tier.due(5, 0.1) and tier.ready
     assert tier.target(None) is None  # type: ignore[arg-type]
     assert tier.wait(1.0) is None and tier.take_error() is None and tier.unpersisted(-1) is None
     assert tier.checkpoints() == [] and tier.snapshots() == ([], []) and tier.newest_step() is None
