@@ -200,9 +200,10 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_survived(job: Job, failure_timeout: float, count: int = 1) -> None:
     """Every fault made, no worker outlived it by more than the failure timeout plus the margin, and
-    a survivor named a lost rank, with its host and pid. A rank killed between checkpoints under a
-    living agent may be named by that agent alone: no wait of checkfreq's is on it, and the agent
-    stops the survivors (DDP's all-reduce failed) before a heartbeat could fall silent."""
+    a survivor named a lost rank, with its host and pid. A rank killed under a living agent may be
+    named by that agent alone: when the survivors' DDP all-reduce fails before any wait of
+    checkfreq's on it (always between checkpoints; in a commit's phase when training runs ahead of
+    the writer), their agents stop them within a second, before a heartbeat could fall silent."""
     assert len(job.faults) == count, job.text[-6000:]
     for fault in job.faults:
         record = fault.record
@@ -210,7 +211,7 @@ def assert_survived(job: Job, failure_timeout: float, count: int = 1) -> None:
         assert fault.restarted_s is not None, (record, job.text[-6000:])
         host = socket.gethostname()
         named = [f"rank {rank} ({host}, pid " for rank in record["ranks"]]
-        if record["phase"] == "between" and record["what"] == "rank":
+        if record["what"] == "rank":
             named += [f"failed (exitcode: -9) local_rank: {rank % 2} (pid: {pid})"
                       for rank, pid in zip(record["ranks"], record["pids"], strict=True)]
         assert any(name in job.text for name in named), (record, job.text[-8000:])
