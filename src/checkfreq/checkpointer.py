@@ -245,18 +245,18 @@ class Checkpointer:
         """
         now = time.perf_counter()
         self._check_open("step()")
-        self._step_order.check(self._timeline.step + 1)
         saver = self._saver
+        self._step_order.check(saver.timeline.step + 1)
         saver.collect()
         saver.record_gpu_waits()
-        measured = self._timeline.advance(
+        measured = saver.timeline.advance(
             now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
         )
         if measured is not None:
-            self._timeline.set_aside(saver.profiler.record_iteration(measured[0], persisting=measured[1]))
+            saver.timeline.set_aside(saver.profiler.record_iteration(measured[0], persisting=measured[1]))
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
-        ctx = self._timeline.context(
+        ctx = saver.timeline.context(
             now, saver.profiler, persist_in_flight=saver.writer.busy, epoch=self._epoch(), loss=loss
         )
         if self._cluster.decide(ctx):

@@ -104,6 +104,7 @@ class MemoryTier(Tier):
 
     name = TierName.MEMORY
     holds_states = True
+    takes_snapshots = True
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:

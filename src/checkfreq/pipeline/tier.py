@@ -115,6 +115,9 @@ class Tier:
     holds_states = False
     """The restore asks it for whole states (:meth:`snapshots`) before files."""
 
+    takes_snapshots = False
+    """It takes snapshots of its own between persists (:meth:`due`, :meth:`target`, :meth:`submit`)."""
+
     # ------------------------------------------------------------------ save side
 
     @property
@@ -169,7 +172,8 @@ class Tier:
         return None
 
     def take_error(self) -> BaseException | None:
-        """The error of a background copy (:meth:`follow`) since the last call, if any."""
+        """The error of a background copy (:meth:`follow`, for a tier that :attr:`follows_commits`)
+        since the last call, if any."""
         return None
 
     def describe_error(self, error: BaseException) -> str:

@@ -60,6 +60,7 @@ class Tiers:
         """The tiers with a store behind it."""
         self.followers = [tier for tier in self.all if tier.follows_commits]
         """The tiers that copy each committed checkpoint."""
+        self._snapshotting = [tier for tier in self.all if tier.takes_snapshots]
 
         self.stores = [tier.store for tier in stored if tier.store is not None]
         """The stores of the tiers with one: where checkpoints are committed first, then the far ones."""
@@ -83,8 +84,8 @@ class Tiers:
         return any(tier.holds_states for tier in self.all)
 
     def due(self, step: int, iteration_time: float) -> list[Tier]:
-        """The tiers a snapshot of their own is due in at ``step``."""
-        return [tier for tier in self.all if tier.due(step, iteration_time)]
+        """The tiers a snapshot of their own is due in at ``step`` (asked at every step: only those that take any)."""
+        return [tier for tier in self._snapshotting if tier.due(step, iteration_time)]
 
     def place(self, request: SnapshotRequest) -> Placement | None:
         """The first tier that gives the snapshot a target; None: the snapshotter's own buffer."""
@@ -116,9 +117,8 @@ class Tiers:
         return next((e for e in errors if e is not None), None)
 
     def take_errors(self) -> list[tuple[Tier, BaseException]]:
-        """Each tier's background copy that failed since the last call."""
-        failed = [(tier, tier.take_error()) for tier in self.all]
-        return [(tier, error) for tier, error in failed if error is not None]
+        """Each follower's background copy that failed since the last call (asked at every step)."""
+        return [(tier, error) for tier in self.followers if (error := tier.take_error()) is not None]
 
     def flush(self, newest: int | None, timeout: float) -> None:
         for tier in self.followers:
