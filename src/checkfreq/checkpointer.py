@@ -7,6 +7,7 @@ the saver with its snapshot, writer and commit, the restore).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -26,12 +27,15 @@ from checkfreq.errors import (
     UsageError,
 )
 from checkfreq.pipeline.commit import Committer
+from checkfreq.pipeline.epoch_boundary import BoundaryListener, EpochBoundary
+from checkfreq.pipeline.registered import Captured, Registered
 from checkfreq.pipeline.restore import Restorer
+from checkfreq.pipeline.restore.apply import restored_state, source_of
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.saver import Saver
 from checkfreq.pipeline.shutdown import shutdown
 from checkfreq.pipeline.staging import check_gpu_staging
-from checkfreq.pipeline.tier import TierName
+from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.pipeline.tiers import choose_tiers
 from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
@@ -39,7 +43,6 @@ from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
 from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
-from checkfreq.ranks.rebuild import local_view, note_world_size_change
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
@@ -49,10 +52,8 @@ from checkfreq.run.state import (
     Stateful,
     apply_state,
     flatten,
-    optimizer_owned,
     unclaimed,
     unclaimed_message,
-    unflatten,
 )
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
 from checkfreq.run.tensors import objects_on_cuda
@@ -160,9 +161,9 @@ class Checkpointer:
         self._values: dict[str, Any] = values
         self._unclaimed: list[str] = []  # what the restored checkpoint held that nothing registered took
         flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
-        self._epoch_source = next((o for o in self._objects.values() if _has_int_epoch(o)), None)
         if rng:
             self._objects["rng"] = RNGState()
+        self._registered = Registered(self._objects, self._values, allow_pickle=allow_pickle)
 
         local, far = open_stores(directory, remote)
         # a cluster at every world size (a world of one alone)
@@ -194,7 +195,7 @@ class Checkpointer:
         if self._trap is not None:
             self._trap.install()
 
-        self._optimizers = {n: o for n, o in self._objects.items() if isinstance(o, torch.optim.Optimizer)}
+        self._optimizers = self._registered.optimizers
         self_ref = weakref.ref(self)
         self._hook_handles = [
             stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
@@ -203,6 +204,7 @@ class Checkpointer:
         self._step_order = StepOrder(
             [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
         )
+        self._boundary = EpochBoundary(self._objects.values(), BoundaryListener(self))
 
     # ------------------------------------------------------------------ user API
 
@@ -238,7 +240,8 @@ class Checkpointer:
         self._values[name] = value
 
     def step(self, loss: float | None = None) -> bool:
-        """Call once after each optimizer step; returns True if a checkpoint was started.
+        """Call once after each optimizer step; returns True if a checkpoint was started (or, at an
+        epoch's last batch, is taken at the epoch boundary: docs/exactness.md, "Epochs").
 
         ``loss`` (optional) feeds convergence-aware policies. Re-raises a background persist
         failure (unless ``on_error="warn"``).
@@ -249,34 +252,36 @@ class Checkpointer:
         self._step_order.check(saver.timeline.step + 1)
         saver.collect()
         saver.record_gpu_waits()
+        overdue = self._boundary.take()  # deferred to an epoch boundary that never came: taken at this step
         measured = saver.timeline.advance(
             now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
         )
         if measured is not None:
             saver.timeline.set_aside(saver.profiler.record_iteration(measured[0], persisting=measured[1]))
-        if self._trap is not None and self._trap.received is not None:
-            self._save_for_signal()
         ctx = saver.timeline.context(
-            now, saver.profiler, persist_in_flight=saver.writer.busy, epoch=self._epoch(), loss=loss
+            now, saver.profiler, persist_in_flight=saver.writer.busy, epoch=self._registered.epoch(), loss=loss
         )
-        if self._cluster.decide(ctx):
-            self._checkpoint(blocking=False, reason="policy")
-            return True
-        for tier in self._tiers.due(ctx.step, ctx.iteration_time):  # a snapshot into that tier alone
-            self._check_not_foreign()
-            saver.snapshot_for(tier, self._capture, epoch=self._epoch())
-        return False
+        checkpoint = self._cluster.decide(ctx) or (overdue is not None and overdue.checkpoint)
+        due = [] if checkpoint else self._tiers.due(ctx.step, ctx.iteration_time)
+        if self._boundary.at_last_batch:  # the epoch's own work comes before it
+            self._boundary.defer(ctx.step, checkpoint, due)
+            return checkpoint
+        self._act(checkpoint, due)
+        return checkpoint
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current state now, whatever the policy says.
 
-        With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
+        A checkpoint already taken at this step is taken again when anything registered changed
+        since (an epoch-level scheduler, an evaluation, a value): the newer one replaces it, under
+        the same step. With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
         self._check_open("save()")
         self._saver.collect()
+        self._at_boundary()
         if blocking:
             self._ensure_durable("save()")
-        elif self._timeline.last_checkpoint != self._timeline.step or self._timeline.step == 0:
+        elif not self._holds_current_state():
             self._checkpoint(blocking=False, reason="save()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
@@ -288,6 +293,7 @@ class Checkpointer:
         every rank must then call it at the same step.
         """
         timeout = self._timeout if timeout is None else timeout
+        self._at_boundary()
         self._saver.wait(timeout)
         if remote:
             self._tiers.flush(self._saver.newest_committed, timeout)
@@ -300,7 +306,8 @@ class Checkpointer:
         is valid, raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
         self._check_open("restore()")
-        self.wait()
+        self._boundary.take()  # what this run decided is not for the state restored
+        self._saver.wait(self._timeout)
         start = time.perf_counter()
         found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects),
                                     device_copies=objects_on_cuda(self._objects.values()))
@@ -308,15 +315,8 @@ class Checkpointer:
             self._foreign_step = None
             return 0
         manifest = found.manifest
-        from_memory = found.tier == TierName.MEMORY
-        if from_memory:  # this rank's whole state, taken by this very job
-            skeleton, tensors = local_view(manifest, found.tensors)
-        else:
-            note_world_size_change(manifest, self._control.rank, self._cluster.world_size)
-            skeleton, tensors = self._cluster.view(manifest, found.tensors, self._objects)
-        state = unflatten(skeleton, tensors, allow_pickle=self._allow_pickle)
-        where = "" if found.tier == TierName.LOCAL else f", read from the {found.tier} tier"
-        source = f"checkpoint {found.name} of {self.directory}{where}"
+        state = restored_state(found, self._cluster, self._objects, allow_pickle=self._allow_pickle)
+        source = source_of(found, self.directory)
         apply_state(self._objects, self._values, state, source, os.path.join(self.directory, found.name))
         self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
         if self._unclaimed:
@@ -324,12 +324,11 @@ class Checkpointer:
         warn_if_buckets_reorder(
             (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
         )
-        self._saver.timeline = Timeline.restored(manifest.step)
-        self._step_order.begin_session()
+        self._begin_session(manifest.step)
+        from_memory = found.tier == TierName.MEMORY
         self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
         self._foreign_step = None  # this run continues them
         self._tiers.forget_newer_than(manifest.step)
-        self._tiers.taken(manifest.step)
         self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         seconds = time.perf_counter() - start
         self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
@@ -350,13 +349,13 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(f"start_at() takes a step >= 0, got {step!r}")
         self._check_not_foreign()
-        self._saver.timeline = Timeline.restored(step)
-        self._step_order.begin_session()
-        self._tiers.taken(step)
+        self._begin_session(step)
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
-        """Wait for the checkpoint in flight, stop the writer and release the directory (idempotent)."""
+        """Take the checkpoint an epoch boundary waits for, wait for the checkpoint in flight, stop the
+        writer and release the directory (idempotent)."""
+        self._at_boundary()
         self._closed = True
         if self._trap is not None and self._trap.received is not None:
             try:
@@ -389,20 +388,22 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
+    def _begin_session(self, step: int) -> None:
+        """The registered state is now that of ``step`` (restored, or loaded from elsewhere)."""
+        self._boundary.take()  # what this run decided is not for that state
+        self._saver.timeline = Timeline.restored(step)
+        self._step_order.begin_session()
+        self._registered.forget()
+        self._tiers.taken(step)
+
     def _detach(self) -> None:
         """Take the hooks off the optimizers and forget the fence: nothing waits for this Checkpointer."""
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
         self._step_order.close()
+        self._boundary.close()
         self._saver.fence.clear()
-
-    def _epoch(self) -> int | None:
-        """The epoch of the first registered object that has one (the loader), found once."""
-        if self._epoch_source is None:
-            return None
-        epoch = getattr(self._epoch_source, "epoch", None)
-        return epoch if isinstance(epoch, int) else None
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -420,15 +421,41 @@ class Checkpointer:
 
     def _checkpoint(self, *, blocking: bool, reason: str) -> None:
         self._check_not_foreign()
-        self._saver.checkpoint(self._capture, epoch=self._epoch(), reason=reason, blocking=blocking)
+        self._saver.checkpoint(self._capture, epoch=self._registered.epoch, reason=reason, blocking=blocking)
 
-    def _capture(self, step: int) -> tuple[Any, dict[str, torch.Tensor], set[str]]:
-        """The registered state as (skeleton, tensors, names of the optimizer-owned tensors)."""
-        state: dict[str, Any] = {name: obj.state_dict() for name, obj in self._objects.items()}
-        state.update(self._values)
-        state["checkfreq"] = run_state(step, self._optimizers, self._saver.profiler, self._policy)
-        skeleton, tensors = flatten(state, allow_pickle=self._allow_pickle)
-        return skeleton, tensors, optimizer_owned(tensors, self._optimizers)
+    def _act(self, checkpoint: bool, tiers: Iterable[Tier]) -> None:
+        """Do what ``step()`` decided: the signal's checkpoint, the policy's, or the tiers' own snapshots."""
+        if self._trap is not None and self._trap.received is not None:
+            self._save_for_signal()
+        if checkpoint:
+            self._checkpoint(blocking=False, reason="policy")
+            return
+        capture = functools.partial(self._capture, persisted=False)
+        for tier in tiers:  # a snapshot into that tier alone
+            self._check_not_foreign()
+            self._saver.snapshot_for(tier, capture, epoch=self._registered.epoch)
+
+    def _at_boundary(self) -> None:
+        """An epoch boundary (a registered loader's new pass, or save/wait/close): take what ``step()``
+        deferred to it."""
+        deferred = None if self._closed else self._boundary.take()
+        if deferred is not None:
+            self._act(deferred.checkpoint, deferred.tiers)
+
+    def _before_batch(self) -> None:
+        """A registered loader hands out its next batch: the newest snapshot must still hold its step."""
+        if not self._closed:
+            self._registered.check_before_batch(self._timeline.step)
+
+    def _capture(self, step: int, *, persisted: bool = True) -> Captured:
+        """The registered state at ``step``, sealed (``persisted``: for a checkpoint, not a tier's own snapshot)."""
+        run = functools.partial(run_state, step, self._optimizers, self._saver.profiler, self._policy)
+        return self._registered.capture(step, run, persisted=persisted)
+
+    def _holds_current_state(self) -> bool:
+        """Whether the checkpoint of the current step (taken, maybe in flight) still holds the live state."""
+        step = self._timeline.step
+        return step != 0 and self._timeline.last_checkpoint == step and self._registered.holds(step)
 
     # ------------------------------------------------------------------ tiers
 
@@ -442,32 +469,18 @@ class Checkpointer:
             self._checkpoint(blocking=True, reason="close")
 
     def _ensure_durable(self, reason: str) -> None:
-        """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed."""
-        if self._timeline.last_checkpoint == self._timeline.step and self._timeline.step != 0:
-            self.wait()
+        """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed
+        and still holds the live state."""
+        if self._holds_current_state():
+            self._saver.wait(self._timeout)
             if self._saver.durable_step == self._timeline.step:
                 return
         self._checkpoint(blocking=True, reason=reason)
 
     def _save_for_signal(self) -> None:
         """Preempted: make the current state durable, then let the signal act as it would have."""
-        trap = self._trap
-        assert trap is not None  # called once a trapped signal was received
-        signum = trap.received
-        self._events.write("signal", step=self._timeline.step, signal=signum)
-        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, self._timeline.step)
-        try:
-            self._ensure_durable("signal")
-        except BaseException:
-            log.error("the checkpoint taken for signal %s failed", signum, exc_info=True)
-            raise
-        finally:
-            trap.honour()
-
-
-def _has_int_epoch(obj: object) -> bool:
-    epoch = getattr(obj, "epoch", None)
-    return isinstance(epoch, int) and not isinstance(epoch, bool)
+        assert self._trap is not None  # called once a trapped signal was received
+        self._trap.checkpoint_then_honour(self._timeline.step, self._events, lambda: self._ensure_durable("signal"))
 
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:

@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,6 +37,17 @@ def _seed_generators(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
     torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would also reseed CUDA
+
+
+class LoaderListener(Protocol):
+    """Told of the training loop's moves on a :class:`ResumableLoader` (the Checkpointer listens)."""
+
+    def before_new_pass(self) -> None:
+        """The loop asks for a new iterator (the next epoch, a peek) or moves to an epoch: what it did
+        after the previous pass's batches (an epoch's own work) is done."""
+
+    def before_batch(self) -> None:
+        """The loop asks for the next batch: what it did since the previous one is done."""
 
 
 class _SeededFetch:
@@ -163,6 +174,12 @@ class ResumableLoader:
         """Samples of the batch last handed out: consumed once the next batch or a state_dict() is asked for."""
         self._step = _StepProgress()
         self._last_of_epoch = False
+        self._listeners: list[LoaderListener] = []
+
+    def add_listener(self, listener: LoaderListener) -> Callable[[], None]:
+        """Tell ``listener`` of each new pass and each batch asked for; returns what removes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     @property
     def epoch(self) -> int:
@@ -214,6 +231,8 @@ class ResumableLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch`` (the current epoch keeps its position)."""
+        for listener in list(self._listeners):
+            listener.before_new_pass()
         self._reset_pass()
         self.sampler.set_epoch(epoch)
 
@@ -237,6 +256,8 @@ class ResumableLoader:
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def __iter__(self) -> Iterator[Any]:
+        for listener in list(self._listeners):
+            listener.before_new_pass()
         self._reset_pass()  # a batch the previous iterator handed out but nobody used: yielded again
         return self._iterate(self._generation)
 
@@ -253,6 +274,8 @@ class ResumableLoader:
         batches = iter(self._loader)
         for number in range(len(self._plan)):
             self._check_current(generation)  # before taking a batch that a newer pass may own
+            for listener in list(self._listeners):
+                listener.before_batch()
             batch = next(batches)
             self._consume_handed_out()  # asking for this batch means the previous one was used
             self._handed_out = self._plan.size_of(number)

@@ -36,6 +36,10 @@ log = logging.getLogger("checkfreq")
 Capture = Callable[[int], tuple[Any, dict[str, torch.Tensor], set[str]]]
 """The registered state at a step: (skeleton, tensors, names of the optimizer-owned tensors)."""
 
+Epoch = Callable[[], int | None]
+"""The epoch a checkpoint is labelled with, read right after its capture (which may move a loader
+on to the next epoch: its state then says "next epoch, nothing taken", and so does the label)."""
+
 
 class Saver:
     """Takes checkpoints and tier snapshots for one Checkpointer (see the module docstring).
@@ -73,7 +77,7 @@ class Saver:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint(self, capture: Capture, *, epoch: int | None, reason: str, blocking: bool) -> None:
+    def checkpoint(self, capture: Capture, *, epoch: Epoch, reason: str, blocking: bool) -> None:
         """Snapshot the state at the current step and persist it in the background (or, ``blocking``,
         before returning, raising if it failed)."""
         start = time.perf_counter()
@@ -86,24 +90,25 @@ class Saver:
         busy.wait(MEMORY, step, self.tiers.busy, self.wait_tiers, profiler)
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
+        epoch_label = epoch()
         tensors, owned, share = self.cluster.select(tensors, owned, self.objects)
         profiler.begin_checkpoint()
         layout = layout_of(tensors)
         placement = None
         if self.cluster.writes_whole_state:  # else the share has a buffer of its own
-            placement = self.tiers.place(self._request(layout, skeleton, step, epoch, tensors))
+            placement = self.tiers.place(self._request(layout, skeleton, step, epoch_label, tensors))
         pending = self.snapshotter.take(
             tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step
         )
         job: Callable[[], CommitResult] = functools.partial(
-            self.committer.run, CommitJob(step, epoch, pending, skeleton, share, versions(), start)
+            self.committer.run, CommitJob(step, epoch_label, pending, skeleton, share, versions(), start)
         )
         self.writer.submit(self.tiers.around_persist(placement, pending, job))
         window = timeline.checkpointed(start)
         stall = time.perf_counter() - start
         self.events.write(
             "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=self.policy_name, epoch=epoch, **window, iteration_s=profiler.iteration.value,
+            policy=self.policy_name, epoch=epoch_label, **window, iteration_s=profiler.iteration.value,
             iteration_persisting_s=profiler.iteration_while_persisting.value,
         )
         if pending.has_deferred:
@@ -119,20 +124,21 @@ class Saver:
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
 
-    def snapshot_for(self, tier: Tier, capture: Capture, *, epoch: int | None) -> None:
+    def snapshot_for(self, tier: Tier, capture: Capture, *, epoch: Epoch) -> None:
         """Snapshot the state at the current step into ``tier`` alone (its own cadence said so; no persist)."""
         start = time.perf_counter()
         step = self.timeline.step
         self.busy.wait(MEMORY, step, tier.busy, self.wait_tiers, self.profiler)
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
+        epoch_label = epoch()
         layout = layout_of(tensors)
-        target = tier.target(self._request(layout, skeleton, step, epoch, tensors))
+        target = tier.target(self._request(layout, skeleton, step, epoch_label, tensors))
         if target is None:  # the tier turned itself off (no room, state it does not take)
             self.profiler.record_memory_stall(time.perf_counter() - start)
             return
         pending = self.snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
-        writer = tier.submit(target, pending, skeleton, epoch)
+        writer = tier.submit(target, pending, skeleton, epoch_label)
         stall = time.perf_counter() - start
         self.events.write(str(tier.name), step=step, stall_s=stall, bytes=layout.nbytes)
         self.profiler.record_memory_stall(stall)  # creating the target included: none of it is training

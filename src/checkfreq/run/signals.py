@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
 from checkfreq.errors import InvalidArgumentError
+from checkfreq.run.events import EventLog
 
 log = logging.getLogger("checkfreq.signals")
 
@@ -59,6 +60,19 @@ class SignalTrap:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
+
+    def checkpoint_then_honour(self, step: int, events: EventLog, make_durable: Callable[[], None]) -> None:
+        """Preempted: make the state at ``step`` durable, then let the signal act as it would have."""
+        signum = self.received
+        events.write("signal", step=step, signal=signum)
+        log.warning("signal %s received: taking a blocking checkpoint at step %d", signum, step)
+        try:
+            make_durable()
+        except BaseException:
+            log.error("the checkpoint taken for signal %s failed", signum, exc_info=True)
+            raise
+        finally:
+            self.honour()
 
     def honour(self) -> None:
         """Let the received signal take the effect it would have had without checkfreq.

@@ -1,0 +1,149 @@
+"""The registered state: what a checkpoint captures, and whether the newest one still holds it.
+
+Every capture seals a :mod:`~checkfreq.run.fingerprint` of what it took. Two later moments compare
+it with the live state:
+
+* before the loop's next batch (a :class:`~checkfreq.data.ResumableLoader` says when): the small
+  state (every registered object but models and optimizers, the values, the generators) must be
+  as the checkpoint took it. Work the loop did after ``ckpt.step()`` that changed it (a scheduler
+  stepped after it, random numbers drawn, a value set) is in no checkpoint, and a run resumed from
+  that one would not be exact: one warning names what changed and what to do.
+* at ``save()``: the whole state, the tensors' version counters included, tells whether the
+  checkpoint of the current step still is the state to keep, or ``save()`` must take it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from checkfreq.run.fingerprint import Fingerprint, changed, fingerprint
+from checkfreq.run.state import Stateful, flatten, optimizer_owned
+
+log = logging.getLogger("checkfreq")
+
+RUN_STATE = "checkfreq"
+"""The entry of a checkpoint that holds checkfreq's own state (the step, the profile)."""
+
+Captured = tuple[Any, dict[str, torch.Tensor], set[str]]
+"""(skeleton, tensors, names of the optimizer-owned tensors)."""
+
+
+@dataclass
+class Seal:
+    """What a snapshot took, as fingerprints."""
+
+    step: int
+    persisted: bool
+    """A checkpoint (not a tier's snapshot of its own)."""
+    small: Fingerprint
+    versions: str
+    checked: bool = False
+
+
+class Registered:
+    """The objects (by name) and plain values a Checkpointer checkpoints, and the seal of the newest snapshot.
+
+    Args:
+        objects: the registered objects (``state_dict()``/``load_state_dict()``), the generators included.
+        values: the plain values, by name (the dict ``ckpt[name] = value`` fills).
+        allow_pickle: the Checkpointer's option.
+    """
+
+    def __init__(self, objects: dict[str, Stateful], values: dict[str, Any], *, allow_pickle: bool) -> None:
+        self.objects, self.values, self.allow_pickle = objects, values, allow_pickle
+        self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+        self._epoch_source = next((o for o in objects.values() if _has_int_epoch(o)), None)
+        self.seal: Seal | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.objects, *self.values]
+
+    @property
+    def small(self) -> list[str]:
+        """Every name but models' and optimizers' (whose state changes by optimizer steps)."""
+        return [n for n in self.names if not isinstance(self.objects.get(n), (torch.nn.Module, torch.optim.Optimizer))]
+
+    def epoch(self) -> int | None:
+        """The epoch of the first registered object that has one (the loader)."""
+        epoch = getattr(self._epoch_source, "epoch", None)
+        return epoch if _is_int(epoch) else None
+
+    def state_of(self, names: list[str]) -> dict[str, Any]:
+        """The live state of ``names`` (objects' ``state_dict()``, values as they are)."""
+        return {n: (self.objects[n].state_dict() if n in self.objects else self.values[n]) for n in names}
+
+    def capture(self, step: int, run_state: Callable[[], Any], *, persisted: bool) -> Captured:
+        """The state at ``step`` with ``run_state()`` as its ``checkfreq`` entry, sealed."""
+        state = self.state_of(self.names)
+        small = fingerprint({n: state[n] for n in self.small}, allow_pickle=self.allow_pickle)
+        state[RUN_STATE] = run_state()
+        skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
+        self.seal = Seal(step, persisted, small, _versions(tensors))
+        return skeleton, tensors, optimizer_owned(tensors, self.optimizers)
+
+    def forget(self) -> None:
+        """A restore or ``start_at``: the state is another run's."""
+        self.seal = None
+
+    def check_before_batch(self, step: int) -> None:
+        """Once per snapshot, before the next batch: warn if the small state changed since it was sealed."""
+        seal = self.seal
+        if seal is None or seal.checked or seal.step != step:
+            return
+        seal.checked = True
+        now = fingerprint(self.state_of(self.small), allow_pickle=self.allow_pickle)
+        names = [n for n in changed(seal.small, now) if n not in self._warned]
+        if not names:
+            return
+        self._warned.update(names)
+        log.warning(
+            "%s changed after the checkpoint at step %d was taken and before the next batch: that checkpoint does "
+            "not hold the change, so a run resumed from it would not be exact. Change registered state before "
+            "ckpt.step() (call it after scheduler.step() and after setting values), and draw random numbers for "
+            "other work only after the next batch is taken (docs/exactness.md, \"The step boundary\").",
+            _describe(names), seal.step,
+        )
+
+    def holds(self, step: int) -> bool:
+        """Whether the newest checkpoint is of ``step`` and the live state is what it took."""
+        seal = self.seal
+        if seal is None or not seal.persisted or seal.step != step:
+            return False
+        state = self.state_of(self.names)
+        small = fingerprint({n: state[n] for n in self.small}, allow_pickle=self.allow_pickle)
+        tensors = flatten(state, allow_pickle=self.allow_pickle)[1]
+        return not changed(seal.small, small) and _versions(tensors) == seal.versions
+
+
+def _versions(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One digest of every registered tensor's name and version counter (moved by each in-place change)."""
+    h = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        if name == RUN_STATE or name.startswith(f"{RUN_STATE}/"):
+            continue
+        h.update(f"{name}:{getattr(tensors[name], '_version', 0)};".encode())
+    return h.hexdigest()
+
+
+def _describe(names: list[str]) -> str:
+    described = [("the random generators (rng)" if n == "rng" else repr(n)) for n in names]
+    return described[0] if len(described) == 1 else ", ".join(described[:-1]) + " and " + described[-1]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _has_int_epoch(obj: object) -> bool:
+    return _is_int(getattr(obj, "epoch", None))
+
+
+__all__ = ["RUN_STATE", "Captured", "Registered", "Seal"]
