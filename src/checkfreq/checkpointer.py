@@ -290,10 +290,10 @@ class Checkpointer:
 
         With ``remote=True`` (and a remote tier), also until the newest checkpoint committed is
         in the remote tier, copying it now if a busy uploader skipped it. Under torch.distributed
-        every rank must then call it at the same step.
+        every rank must then call it at the same step. A checkpoint due at an epoch's last batch is
+        not in flight before the epoch boundary (docs/exactness.md, "Epochs"); ``save()`` takes it.
         """
         timeout = self._timeout if timeout is None else timeout
-        self._at_boundary()
         self._saver.wait(timeout)
         if remote:
             self._tiers.flush(self._saver.newest_committed, timeout)
@@ -436,7 +436,7 @@ class Checkpointer:
             self._saver.snapshot_for(tier, capture, epoch=self._registered.epoch)
 
     def _at_boundary(self) -> None:
-        """An epoch boundary (a registered loader's new pass, or save/wait/close): take what ``step()``
+        """An epoch boundary (a registered loader's new pass, or save/close): take what ``step()``
         deferred to it."""
         deferred = None if self._closed else self._boundary.take()
         if deferred is not None:

@@ -5,7 +5,7 @@ after the inner loop (an epoch-level scheduler, an evaluation, a best score), wh
 state already says "next epoch, nothing taken": a checkpoint taken then would resume past that work
 without holding it. So what ``step()`` decided there (the policy's checkpoint, the tiers' own
 snapshots) waits for the boundary: the loop asking the loader for its next pass (the next epoch,
-a peek) or moving it to an epoch, or ``save()``/``wait()``/``close()``. No optimizer step happens in
+a peek) or moving it to an epoch, or ``save()``/``close()``. No optimizer step happens in
 between, so the step label is the same; a kill before the boundary falls back to the previous
 checkpoint, as any kill between checkpoints does. A ``step()`` that comes first (a loop that never
 iterates the loader again) takes it at its own step instead.

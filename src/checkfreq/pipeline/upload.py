@@ -89,6 +89,8 @@ class RemoteTier(Tier):
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.uploaded: int | None = None
+        self._uploaded_manifest = ""
+        """The digest of the manifest copied last (a checkpoint taken again at a step has another)."""
         """The newest step this job copied (the same on every rank)."""
 
     name = TierName.REMOTE
@@ -119,10 +121,17 @@ class RemoteTier(Tier):
         skipped; raise a failed upload's error. Collective: every rank calls it with the same step."""
         self.stop(timeout)
         self._raise()
-        if newest is not None and (self.uploaded is None or newest > self.uploaded):
+        if newest is not None and (self.uploaded is None or newest > self.uploaded or self._replaced(newest)):
             self._local_retainer.uploading = newest
             self._run(newest)
             self._raise()
+
+    def _replaced(self, step: int) -> bool:
+        """Whether local checkpoint ``step`` was taken again (``save()`` at the same step) since it was copied."""
+        try:
+            return _digest((self.local.location(step) / MANIFEST_NAME).read_bytes()) != self._uploaded_manifest
+        except OSError:
+            return False
 
     def take_error(self) -> BaseException | None:
         error, self._error = self._error, None
@@ -166,7 +175,8 @@ class RemoteTier(Tier):
         source = self.local.location(step)
         error = None
         try:
-            manifest = Manifest.from_json((source / MANIFEST_NAME).read_bytes())
+            manifest_bytes = (source / MANIFEST_NAME).read_bytes()
+            manifest = Manifest.from_json(manifest_bytes)
             name = data_file_name(rank)
             self._copy(source / name, staging, name, manifest.files[name]["xxh3_64"])
         except Exception as e:  # noqa: BLE001 - every rank hears it
@@ -177,7 +187,7 @@ class RemoteTier(Tier):
             outcome = UploadOutcome()
             try:
                 _raise_failures([e.error for e in errors if e.error], step)
-                self.remote.write_file(staging, MANIFEST_NAME, [(source / MANIFEST_NAME).read_bytes()])
+                self.remote.write_file(staging, MANIFEST_NAME, [manifest_bytes])
                 self.remote.commit(staging, step)
                 listed = dict(self.remote.checkpoints())
                 for doomed in self._retention.doomed(listed, {step}):
@@ -188,6 +198,7 @@ class RemoteTier(Tier):
         outcome = broadcast_message(self.peers, outcome, UploadOutcome.from_wire)
         if not outcome.ok:
             raise PersistError(outcome.error)
+        self._uploaded_manifest = _digest(manifest_bytes)
 
     def _copy(self, path: Path, staging: Any, name: str, checksum: str) -> None:
         """Stream one local file to ``staging``, verifying it against the manifest as it goes."""
@@ -196,6 +207,10 @@ class RemoteTier(Tier):
             self.remote.write_file(staging, name, _hashed_chunks(f, hasher))
         if hasher.hexdigest() != checksum:
             raise CorruptCheckpointError(f"{path} changed or is damaged; not uploaded")
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def _raise_failures(failed: list[str], step: int) -> None:

@@ -86,7 +86,8 @@ def damage(run: Path) -> tuple[Path, Path]:
 def test_ls_lists_every_checkpoint_with_step_epoch_and_validity(run: Path) -> None:
     listing = as_json("ls", run)
     assert [c["step"] for c in listing] == [20, 15, 10, 5]
-    assert [c["epoch"] for c in listing] == [(s - 1) // STEPS_PER_EPOCH for s in (20, 15, 10, 5)]
+    # the loader's epoch as the checkpoint holds it: after an epoch's last step (20), the next epoch
+    assert [c["epoch"] for c in listing] == [s // STEPS_PER_EPOCH for s in (20, 15, 10, 5)]
     assert all(c["valid"] and c["reason"] is None and c["bytes"] > 1000 for c in listing)
     code, out = invoke("ls", run)
     assert code == 0 and "step_000000020" in out and "4 valid, 0 invalid" in out
