@@ -105,7 +105,10 @@ class ResumableLoader:
     after it), :attr:`epoch` moves on by one: the position is then the start of the next epoch,
     and so is that of a loader restored from a checkpoint taken right after an epoch's last batch.
     So ``for epoch in range(loader.epoch, n): for batch in loader:`` continues correctly after any
-    restore, and a peek at the next batch (below) always finds one.
+    restore, and a peek at the next batch (below) always finds one. A ``Checkpointer`` it is
+    registered with listens to it (:meth:`add_listener`): a checkpoint due at an epoch's last batch
+    is taken when the loop next iterates the loader or moves it to an epoch, after the epoch's own
+    work, and the newest checkpoint is compared with the state before each next batch.
 
     **State.** :meth:`state_dict` holds the epoch, the samples consumed *by the training loop*
     (batches handed out, not those prefetched by workers) and a fingerprint (dataset length, seed,
@@ -190,11 +193,9 @@ class ResumableLoader:
     def last_of_epoch(self) -> bool:
         """Whether the batch the current iterator handed out last is the last of its epoch.
 
-        Work a loop does after an epoch's batches (an epoch-level LR scheduler, an evaluation) runs
-        after a checkpoint taken at that last batch, and a run resumed from that checkpoint starts
-        at the next epoch without it. Counting the epoch's last optimizer step after that work keeps
-        it in the checkpoint: ``if not loader.last_of_epoch: ckpt.step()`` in the loop, and
-        ``ckpt.step()`` after the work (docs/exactness.md, "Epochs").
+        A ``Checkpointer`` this loader is registered with reads it: a checkpoint due at that batch
+        is taken at the epoch boundary, after the work the loop does after the epoch's batches
+        (docs/exactness.md, "Epochs"). Loops need it for nothing else.
         """
         return self._last_of_epoch
 
