@@ -8,6 +8,10 @@ loop helps checkfreq. A kill point is ``step:N`` (SIGKILL right after ``ckpt.ste
 N), ``work:E`` (in epoch E's own work, after the evaluation, before the scheduler) or ``none``;
 the final state is saved to ``out`` with ``torch.save``.
 
+Under torchrun (``python -m torch.distributed.run ... epoch_loops.py SHAPE DIR POLICY KILL OUT``) the
+model is wrapped in DDP over gloo, the loader splits each epoch over the ranks, only rank 1 kills
+itself (in the job's first incarnation; torchrun restarts the job) and each rank saves ``OUT.<rank>``.
+
 Shapes:
     ``classic``: ``for epoch in range(loader.epoch, EPOCHS): for x, y in loader: ...``, then
         ``ckpt.save(blocking=True)``.
@@ -24,9 +28,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,20 +60,23 @@ class Run:
     def __init__(self, directory: str, policy: int, kill: str, shape: str) -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 3))
+        self.net = nn.parallel.DistributedDataParallel(self.model) if dist.is_initialized() else self.model
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.7)
         micro = 2 if shape == "accumulate" else 1
         self.micro = micro
-        self.loader = ResumableLoader(Points(BATCHES * BATCH * micro), batch_size=BATCH, shuffle=True, seed=3)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.loader = ResumableLoader(Points(BATCHES * BATCH * micro * world), batch_size=BATCH, shuffle=True, seed=3)
         self.eval_loader = torch.utils.data.DataLoader(Points(12), batch_size=4, shuffle=True)
-        self.kill = kill
+        killer = not dist.is_initialized() or (dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0")
+        self.kill = kill if killer else "none"
         self.ckpt = cf.Checkpointer(directory, policy=policy, model=self.model, optimizer=self.opt,
                                     scheduler=self.sched, loader=self.loader, values={"best": 0.0})
         self.ckpt.restore()
         self.evaluations: list[int] = []
 
     def train_on(self, x: torch.Tensor, y: torch.Tensor, *, step: bool = True) -> None:
-        loss = F.cross_entropy(self.model(x), y) / self.micro
+        loss = F.cross_entropy(self.net(x), y) / self.micro
         loss.backward()
         if step:
             self.opt.step()
@@ -138,5 +145,11 @@ def train(shape: str, directory: str, policy: int, kill: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    train(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
-    Path(sys.argv[5] + ".done").touch()
+    if "LOCAL_RANK" in os.environ:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        out = f"{sys.argv[5]}.{dist.get_rank()}"
+        train(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], out)
+        dist.destroy_process_group()
+    else:
+        train(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6])
