@@ -96,7 +96,8 @@ def test_ranks_restore_from_each_others_directories_without_the_remote_tier(node
             # Unrestorable as a whole: each node's leader set aside its directory's copy, after the ranks agreed.
             store = LocalStore(swapped[rank])
             assert [s for s, _ in store.checkpoints()] == [EVERY]
-            assert [(a.step, "fails its checksum" in a.reason) for a in store.set_aside_checkpoints()] == [(STEPS, True)]
+            aside = store.set_aside_checkpoints()
+            assert [(a.step, "fails its checksum" in a.reason) for a in aside] == [(STEPS, True)]
 
 
 def test_a_damaged_copy_is_replaced_by_another_directorys_intact_one(nodes: Path, tmp_path: Path) -> None:

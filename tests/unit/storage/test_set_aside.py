@@ -236,7 +236,8 @@ def test_verify_of_a_single_checkpoint_sets_it_aside(tmp_path: Path) -> None:
 @contextmanager
 def _tmpfs(path: Path) -> Iterator[Path]:
     path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True, text=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
