@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
+from checkfreq.storage.local import LocalStore
 from checkfreq.tools.catalog import list_checkpoints
 from checkfreq.tools.report import load_run
 from helpers import make_model, spawn_ranks, train_step
@@ -92,6 +93,11 @@ def test_ranks_restore_from_each_others_directories_without_the_remote_tier(node
         assert [(e["rank"], e["step"], e["tier"]) for e in restores] == [(rank, step, "local+peer")]
         if damaged:
             assert "fails its checksum" in restores[0]["skipped"][0][1]
+            # Unrestorable as a whole: each node's leader set aside its directory's copy, after the ranks agreed.
+            store = LocalStore(swapped[rank])
+            assert [s for s, _ in store.checkpoints()] == [EVERY]
+            aside = store.set_aside_checkpoints()
+            assert [(a.step, "fails its checksum" in a.reason) for a in aside] == [(STEPS, True)]
 
 
 def test_a_damaged_copy_is_replaced_by_another_directorys_intact_one(nodes: Path, tmp_path: Path) -> None:

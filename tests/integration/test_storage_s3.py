@@ -180,3 +180,26 @@ def test_failed_upload_is_reported_not_silent(s3_endpoint: str, bucket_url: str,
     with pytest.raises(cf.PersistError, match="copying a checkpoint to s3://"):
         ckpt.close()
     assert (tmp_path / "step_000000001" / "manifest.json").exists()  # the local tier still committed it
+
+
+def test_a_damaged_checkpoint_is_marked_and_holds_no_retention_slot(s3_endpoint: str, bucket_url: str) -> None:
+    """The newest checkpoint's data file truncated on the server: the restore skips it and marks it
+    (``damaged.json``, every byte kept), and ``keep=2`` then keeps two valid checkpoints."""
+    model, optimizer = _script().build()
+    store = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
+    with cf.Checkpointer(store, policy=2, keep=2, model=model, optimizer=optimizer) as ckpt:
+        for step in range(1, 5):
+            _script().train_step(model, optimizer, step)
+            ckpt.step()
+    data = f"{bucket_url}/step_{4:09d}/rank00000.safetensors"
+    store.fs.pipe_file(data, store.fs.cat_file(data)[:-100])
+    model, optimizer = _script().build()
+    with cf.Checkpointer(store, policy=3, keep=2, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.restore() == 2
+        assert [(a.step, "bytes" in a.reason) for a in store.set_aside_checkpoints()] == [(4, True)]
+        for step in range(3, 6):
+            _script().train_step(model, optimizer, step)
+            ckpt.step()  # a checkpoint at 5
+        ckpt.wait()
+        assert [step for step, _ in store.checkpoints()] == [5, 2]
+        assert store.fs.exists(f"{bucket_url}/step_{4:09d}/damaged.json")

@@ -20,6 +20,7 @@ from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fi
 from checkfreq.tools.report import human_bytes
 
 if TYPE_CHECKING:
+    from checkfreq.tools.catalog import CheckpointStatus
     from checkfreq.tools.diff import CheckpointDiff
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
@@ -46,13 +47,16 @@ def ls_command(
 ) -> None:
     """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason.
 
-    Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too.
+    Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too, and
+    so are the checkpoints set aside as damaged (never restored, not counted by keep=), with why.
     """
+    from checkfreq.tools.aside import set_aside_statuses
     from checkfreq.tools.catalog import is_url, list_checkpoints, memory_snapshots
 
     disk = list_checkpoints(directory, checksums=not quick, remote=remote)
     statuses = sorted(
-        memory_snapshots(directory, checksums=not quick) + disk, key=lambda s: (-s.step, s.tier != "memory")
+        memory_snapshots(directory, checksums=not quick) + disk + set_aside_statuses(directory),
+        key=lambda s: (-s.step, s.tier != "memory", s.set_aside is not None),
     )
     if as_json:
         emit_json([s.to_dict() for s in statuses])
@@ -61,12 +65,18 @@ def ls_command(
     for column in ("checkpoint", "tier", "step", "epoch", "size", "age", "status"):
         table.add_column(column, no_wrap=column != "status", justify="right" if column in ("step", "size") else "left")
     for s in statuses:
-        status = f"[green]valid[/green]{_elsewhere(s.elsewhere)}" if s.valid else f"[red]INVALID[/red]: {s.reason}"
+        if s.set_aside is not None:
+            status = f"[yellow]set aside[/yellow]{_aside_name(s)}: {s.reason}"
+        else:
+            status = f"[green]valid[/green]{_elsewhere(s.elsewhere)}" if s.valid else f"[red]INVALID[/red]: {s.reason}"
         epoch = "-" if s.epoch is None else str(s.epoch)
         table.add_row(s.name, s.tier, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
     out = console()
     out.print(table)
-    out.print(f"{sum(s.valid for s in statuses)} valid, {sum(not s.valid for s in statuses)} invalid")
+    aside = sum(s.set_aside is not None for s in statuses)
+    invalid = sum(not s.valid for s in statuses) - aside
+    out.print(f"{sum(s.valid for s in statuses)} valid, {invalid} invalid"
+              + (f", {aside} set aside as damaged (never restored, not counted by keep=)" if aside else ""))
     counted = (
         "its data files, as its manifest lists them"
         if is_url(directory)
@@ -129,25 +139,37 @@ def inspect_command(
 def verify_command(
     target: Annotated[str, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
     remote: RemoteOption = None,
+    set_aside: Annotated[bool, typer.Option(
+        "--set-aside/--no-set-aside",
+        help="Set aside each checkpoint that fails (renamed step_N.damaged-<id>; in an object store, marked): "
+             "never restored again, not counted by keep=. Left in place where a job holds the directory "
+             "or it cannot be changed.")] = True,
     as_json: JsonFlag = False,
 ) -> None:
     """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists).
 
-    In a node-local directory, the files of other nodes' ranks are checked in --remote, or named as not checked.
+    Each checkpoint that fails is set aside (--no-set-aside: left in place). In a node-local directory,
+    the files of other nodes' ranks are checked in --remote, or named as not checked.
     """
     from checkfreq.storage import open_store
+    from checkfreq.tools.aside import set_aside_damaged, set_aside_statuses
     from checkfreq.tools.catalog import check_checkpoint, list_checkpoints, names_checkpoint, resolve_checkpoint
 
     single = names_checkpoint(target)
     tier = None if remote is None else open_store(remote, create=False)
-    statuses = (
-        [check_checkpoint(resolve_checkpoint(target), remote=tier)]
-        if single
-        else list_checkpoints(target, remote=remote)
-    )
+    if single:
+        ref = resolve_checkpoint(target)
+        store, statuses, earlier = ref.store, [check_checkpoint(ref, remote=tier)], []
+    else:
+        store = open_store(target, create=False)
+        statuses, earlier = list_checkpoints(store, remote=remote), set_aside_statuses(store)
+    note = None
+    if set_aside:
+        statuses, note = set_aside_damaged(store, statuses)
     failed = [s for s in statuses if not s.valid]
     if as_json:
-        emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses]})
+        emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses],
+                   "set_aside_before": [s.to_dict() for s in earlier], "left_in_place": note})
     else:
         out = console()
         for s in statuses:
@@ -157,13 +179,23 @@ def verify_command(
                     soft_wrap=True,
                 )
             else:
-                out.print(f"[red]FAILED[/red] {s.name}: {s.reason}", soft_wrap=True)
+                done = f"; set aside{_aside_name(s)}" if s.set_aside else "; left in place" if set_aside else ""
+                out.print(f"[red]FAILED[/red] {s.name}: {s.reason}{done}", soft_wrap=True)
+        if note:
+            out.print(note, soft_wrap=True)
+        for s in earlier:
+            out.print(f"[yellow]set aside earlier[/yellow] {s.name}{_aside_name(s)}: {s.reason}", soft_wrap=True)
         if not statuses:
             out.print(f"[red]no checkpoint in {target}[/red]", soft_wrap=True)
         else:
             out.print(f"{len(statuses) - len(failed)} of {len(statuses)} checkpoints verified")
     if failed or not statuses:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _aside_name(status: CheckpointStatus) -> str:
+    """`` as NAME`` for a checkpoint set aside under another name (a local directory's), else ``""``."""
+    return "" if status.set_aside in (None, status.name) else f" as {status.set_aside}"
 
 
 def _elsewhere(ranks: list[int]) -> str:

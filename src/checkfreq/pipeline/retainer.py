@@ -1,15 +1,38 @@
-"""Retention applied: the leader of a directory deletes the checkpoints its rule dooms."""
+"""Retention applied: the leader of a directory deletes the checkpoints its rule dooms, and the
+damaged checkpoints set aside there once they have expired."""
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Collection
 
 from checkfreq.policies.retention import Retention
 from checkfreq.storage.base import Store
 
+log = logging.getLogger("checkfreq.retention")
+
+
+def retain(store: Store, retention: Retention, protect: Collection[int] = ()) -> None:
+    """Delete the checkpoints of ``store`` that ``retention`` dooms (never one in ``protect``), then
+    the set-aside damaged ones it says have expired. Only the checkpoints ``store`` lists count: a
+    damaged checkpoint set aside never holds a slot of ``keep``."""
+    listed = dict(store.checkpoints())
+    doomed = retention.doomed(listed, protect)
+    for step in doomed:
+        store.delete(listed[step])
+    aside = store.set_aside_checkpoints()
+    if aside:
+        expired = set(retention.expired((s for s in listed if s not in doomed), (a.step for a in aside)))
+        for checkpoint in aside:
+            if checkpoint.step in expired:
+                log.info("deleting %s of %s, set aside as damaged (%s): %d newer checkpoints are valid",
+                         checkpoint.name, store.root, checkpoint.reason, retention.keep)
+                store.delete(checkpoint.location)
+
 
 class Retainer:
-    """Deletes a directory's checkpoints that its :class:`Retention` dooms, on the directory's leader only.
+    """Applies a directory's :class:`Retention` (:func:`retain`), on the directory's leader only.
 
     Called by the writer after a commit and by the uploader after an upload; never deletes the
     checkpoint an upload is reading.
@@ -24,7 +47,4 @@ class Retainer:
         if not self.leader:
             return
         with self._lock:
-            listed = dict(self.store.checkpoints())
-            keep = {s for s in (protect, self.uploading) if s is not None}
-            for step in self.retention.doomed(listed, keep):
-                self.store.delete(listed[step])
+            retain(self.store, self.retention, {s for s in (protect, self.uploading) if s is not None})

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
-from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.retainer import Retainer, retain
 from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
@@ -189,9 +189,7 @@ class RemoteTier(Tier):
                 _raise_failures([e.error for e in errors if e.error], step)
                 self.remote.write_file(staging, MANIFEST_NAME, [manifest_bytes])
                 self.remote.commit(staging, step)
-                listed = dict(self.remote.checkpoints())
-                for doomed in self._retention.doomed(listed, {step}):
-                    self.remote.delete(listed[doomed])
+                retain(self.remote, self._retention, {step})
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 self.remote.discard(staging)
                 outcome = UploadOutcome(False, str(e))

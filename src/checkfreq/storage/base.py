@@ -6,11 +6,24 @@ lists committed checkpoints, reads them back and deletes them (:mod:`checkfreq.p
 says which). How a commit is made atomic is the store's business: a local directory renames a
 fully fsynced staging directory; an object store has no atomic rename, so the manifest, written
 last, is the commit marker and a checkpoint without one is never listed.
+
+A checkpoint found damaged (a restore skipped it, ``checkfreq verify`` failed it) is *set aside*
+(:meth:`Store.set_aside`): taken out of :meth:`Store.checkpoints`, so that it is never restored and
+never holds a retention slot, but not deleted, so that it stays for inspection and a damage that was
+not real (a read that failed for a passing reason) can be undone by hand. A local directory renames
+it to ``step_N.damaged-<id>/``; an object store, which cannot rename, writes a marker file
+(:data:`DAMAGED_NAME`) into it. Either way the marker records why; retention deletes a set-aside
+checkpoint once ``keep`` newer valid ones exist (:meth:`checkfreq.policies.retention.Retention.expired`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +31,10 @@ import torch
 import xxhash
 
 from checkfreq.storage.format import MANIFEST_NAME, Manifest, data_chunks
+
+DAMAGED_NAME = "damaged.json"
+"""The marker of a checkpoint set aside as damaged: why, when, by which process."""
+MAX_MARKER_BYTES = 64 << 10
 
 
 class Location(Protocol):
@@ -27,6 +44,49 @@ class Location(Protocol):
     def name(self) -> str:
         """The checkpoint's directory name, ``step_NNNNNNNNN``."""
         ...
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A checkpoint set aside as damaged: never listed, restored or counted by retention."""
+
+    step: int
+    location: Any
+    """Where it is now (a location of the store that set it aside)."""
+    reason: str
+    """Why it was found damaged (as its marker records it)."""
+    when: float | None
+    """When it was set aside (seconds since the epoch); None if its marker is unreadable."""
+
+    @property
+    def name(self) -> str:
+        """Its name now: ``step_N.damaged-<id>`` in a local directory, ``step_N`` in an object store."""
+        return str(self.location.name)
+
+
+def damaged_marker(reason: str, manifest_digest: str | None = None) -> bytes:
+    """The contents of :data:`DAMAGED_NAME`: why, when and by whom a checkpoint was set aside, and
+    the xxh3-64 of the manifest it was found with (an object store hides the checkpoint only while
+    that manifest is there, so a checkpoint written again at the same step is not hidden)."""
+    record = {"reason": reason, "set_aside": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+              "manifest_xxh3": manifest_digest}
+    return json.dumps(record, indent=1).encode()
+
+
+def read_marker(raw: bytes | None) -> dict[str, Any]:
+    """A marker's record; an unreadable or malformed one reads as ``{}`` (the reason unknown)."""
+    try:
+        record = json.loads(raw or b"") if raw is not None and len(raw) <= MAX_MARKER_BYTES else {}
+    except ValueError:
+        record = {}
+    return record if isinstance(record, dict) else {}
+
+
+def set_aside_of(step: int, location: Any, record: dict[str, Any]) -> SetAside:
+    """A :class:`SetAside` from its marker's record (:func:`read_marker`)."""
+    reason, when = record.get("reason"), record.get("set_aside")
+    return SetAside(step, location, reason if isinstance(reason, str) else "reason not recorded",
+                    float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None)
 
 
 class Store(Protocol):
@@ -90,7 +150,17 @@ class Store(Protocol):
         ...
 
     def delete(self, location: Any) -> None:
-        """Remove a committed checkpoint so that a kill never leaves half of it listed."""
+        """Remove a committed (or set-aside) checkpoint so that a kill never leaves half of it listed."""
+
+    def set_aside(self, location: Any, reason: str) -> Any | None:
+        """Take the damaged checkpoint at ``location`` (one :meth:`checkpoints` listed) out of the
+        listing, keeping its files, with a marker saying ``reason``; log it once. Return where it is
+        now, or None where it is left in place (gone already, or the store is read-only). Never
+        raises for a store it cannot change."""
+
+    def set_aside_checkpoints(self) -> Sequence[SetAside]:
+        """The checkpoints set aside as damaged, newest first."""
+        ...
 
 
 def write_data(store: Store, staging: Any, name: str, header: bytes, data: torch.Tensor) -> tuple[int, str]:

@@ -8,6 +8,12 @@ directory without a manifest, which readers never list and the next writer remov
 Deleting works the other way round: the manifest goes first, so a checkpoint half-deleted is
 already invisible.
 
+Objects cannot be renamed (a copy of every byte), so a checkpoint found damaged is set aside in
+place: a marker, ``damaged.json``, written into it (one atomic put) takes it out of the listing.
+The marker records the xxh3-64 of the manifest the checkpoint had, and hides it only while that
+manifest is there: a checkpoint written again at the same step (which first deletes the old one,
+marker included) is never hidden by a marker left over from a race. Deleting the marker undoes it.
+
 Object stores offer no lock that a dead process releases: give each run its own prefix.
 """
 
@@ -21,8 +27,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+import xxhash
 
 from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
+from checkfreq.storage.base import DAMAGED_NAME, MAX_MARKER_BYTES, SetAside, damaged_marker, read_marker, set_aside_of
 from checkfreq.storage.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, checkpoint_name, checkpoint_step
 from checkfreq.storage.posix import read_data_stream
 
@@ -78,7 +86,7 @@ class FsspecStore:
         """Nothing to release (see :meth:`lock`)."""
 
     def remove_staging(self) -> None:
-        committed = {location for _, location in self.checkpoints()}
+        committed = set(self._scan()[0].values())  # those set aside too: they are committed
         for location in self._step_dirs().values():
             if location not in committed:
                 log.info("removing uncommitted checkpoint %s/%s", self.root, location.name)
@@ -124,16 +132,79 @@ class FsspecStore:
         self._remove(staging)
 
     def checkpoints(self) -> list[tuple[int, PurePosixPath]]:
-        """Checkpoints whose manifest exists, as (step, location), newest first."""
-        self.fs.invalidate_cache()  # another process may have written since we last looked
-        manifests = self.fs.glob(str(self._base / "step_*" / MANIFEST_NAME))
+        """Checkpoints whose manifest exists and that are not set aside, as (step, location), newest first."""
+        committed, marked = self._scan()
+        hidden = {step for step in marked if step in committed and self._marker(committed[step]) is not None}
+        return sorted(((step, location) for step, location in committed.items() if step not in hidden), reverse=True)
+
+    def set_aside(self, location: PurePosixPath, reason: str) -> PurePosixPath | None:
+        """Write ``damaged.json`` into the damaged checkpoint ``location``, which hides it while its
+        manifest is the one there now; None where it is left in place (no manifest any more, or the
+        store refuses the write)."""
+        manifest = str(location / MANIFEST_NAME)
+        try:
+            raw = self.fs.cat_file(manifest) if self.fs.size(manifest) <= MAX_MANIFEST_BYTES else None
+        except FileNotFoundError:
+            return None  # no longer committed: nothing lists it
+        except OSError:
+            raw = None  # unreadable: the marker hides whatever manifest is there
+        digest = None if raw is None else xxhash.xxh3_64_hexdigest(raw)
+        try:
+            self.fs.pipe_file(str(location / DAMAGED_NAME), damaged_marker(reason, digest))
+        except OSError as e:
+            log.warning("checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
+                        location.name, self.root, reason, e)
+            return None
+        finally:
+            self.fs.invalidate_cache()
+        log.warning("checkpoint %s of %s is damaged (%s): set aside (%s written into it); it is no longer "
+                    "listed, restored or counted by keep=", location.name, self.root, reason, DAMAGED_NAME)
+        return location
+
+    def set_aside_checkpoints(self) -> list[SetAside]:
+        """The committed checkpoints whose marker hides them, newest first."""
+        committed, marked = self._scan()
         found = []
-        for manifest in manifests:
-            location = PurePosixPath(manifest).parent
+        for step in sorted(marked, reverse=True):
+            record = self._marker(committed[step]) if step in committed else None
+            if record is not None:
+                found.append(set_aside_of(step, committed[step], record))
+        return found
+
+    def _scan(self) -> tuple[dict[int, PurePosixPath], dict[int, PurePosixPath]]:
+        """The ``step_*`` locations holding a manifest, and those holding a ``damaged.json``."""
+        self.fs.invalidate_cache()  # another process may have written since we last looked
+        committed: dict[int, PurePosixPath] = {}
+        marked: dict[int, PurePosixPath] = {}
+        for path in self.fs.glob(str(self._base / "step_*" / "*.json")):
+            location = PurePosixPath(path).parent
             step = checkpoint_step(location.name)
-            if step is not None and location.parent == self._base:
-                found.append((step, self._base / location.name))
-        return sorted(found, reverse=True)
+            if step is None or location.parent != self._base:
+                continue
+            if PurePosixPath(path).name == MANIFEST_NAME:
+                committed[step] = self._base / location.name
+            elif PurePosixPath(path).name == DAMAGED_NAME:
+                marked[step] = self._base / location.name
+        return committed, marked
+
+    def _marker(self, location: PurePosixPath) -> dict[str, Any] | None:
+        """The record of ``location``'s marker if it hides the checkpoint (it names the manifest there
+        now, or none), else None."""
+        try:
+            raw = self.fs.cat_file(str(location / DAMAGED_NAME), start=0, end=MAX_MARKER_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raw = None
+        record = read_marker(raw)
+        digest = record.get("manifest_xxh3")
+        if not isinstance(digest, str):
+            return record
+        try:
+            manifest = self.fs.cat_file(str(location / MANIFEST_NAME), start=0, end=MAX_MANIFEST_BYTES + 1)
+        except OSError:
+            return record  # FileNotFoundError included: no manifest, nothing to list anyway
+        return record if xxhash.xxh3_64_hexdigest(manifest) == digest else None
 
     def read_manifest(self, location: PurePosixPath) -> Manifest:
         path = str(location / MANIFEST_NAME)

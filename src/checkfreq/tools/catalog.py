@@ -95,9 +95,16 @@ class CheckpointStatus:
     elsewhere: list[int] = field(default_factory=list)
     """Ranks whose data files are not in this directory (a node-local directory holds its node's
     ranks' files only) and were not checked: no remote tier was given to check them in."""
+    set_aside: str | None = None
+    """Its name now if it is set aside as damaged (by a restore that skipped it, or by ``checkfreq
+    verify``; :func:`checkfreq.tools.aside.set_aside_statuses` lists them); None while it is listed."""
+    damaged_here: bool = field(default=False, repr=False)
+    """Invalid for damage in its own store (not for what the remote tier lacks): what may be set aside."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        del record["damaged_here"]
+        return record
 
 
 def is_url(target: str | os.PathLike[str]) -> bool:
@@ -145,9 +152,10 @@ def _named_checkpoint(target: str | os.PathLike[str]) -> CheckpointRef:
 
 
 def list_checkpoints(
-    root: str | os.PathLike[str], *, checksums: bool = True, remote: str | os.PathLike[str] | None = None
+    root: str | os.PathLike[str] | Store, *, checksums: bool = True, remote: str | os.PathLike[str] | None = None
 ) -> list[CheckpointStatus]:
-    """Every committed checkpoint of the run at ``root`` (a path or a URL), newest first, with its validity.
+    """Every checkpoint the run at ``root`` (a path, a URL or a store) lists, newest first, with its validity
+    (those set aside as damaged are not listed: :func:`checkfreq.tools.aside.set_aside_statuses`).
 
     With ``checksums=False`` only the manifest and (for a local directory) the file sizes are
     checked; no data is read. A checkpoint written by several ranks into node-local directories
@@ -212,16 +220,20 @@ def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Stor
                 _check_sizes(ref.location, manifest)
         else:
             elsewhere = _check_node_files(ref, manifest, absent, checksums, remote)
-        valid, reason = True, None
+        valid, reason, here = True, None, False
     except CorruptCheckpointError as e:
-        valid, reason = False, str(e)
+        valid, reason, here = False, str(e), not isinstance(e, _RemoteProblem)
     except OSError as e:
-        valid, reason = False, f"unreadable: {e}"
+        valid, reason, here = False, f"unreadable: {e}", False
     return CheckpointStatus(
         name=ref.name, path=ref.address, step=step, epoch=manifest.epoch if manifest else None,
-        bytes=_bytes(ref, manifest), created=manifest.created if manifest else None,
-        valid=valid, reason=reason, checksummed=checksums, elsewhere=elsewhere,
+        bytes=checkpoint_bytes(ref, manifest), created=manifest.created if manifest else None,
+        valid=valid, reason=reason, checksummed=checksums, elsewhere=elsewhere, damaged_here=here,
     )
+
+
+class _RemoteProblem(CorruptCheckpointError):
+    """What a node-local directory's checkpoint lacks in the remote tier: no damage of its own."""
 
 
 def _absent_files(ref: CheckpointRef, manifest: Manifest) -> list[str]:
@@ -252,7 +264,7 @@ def _check_node_files(
     if remote is not None:
         remote_location = dict(remote.checkpoints()).get(manifest.step)
         if remote_location is None:
-            raise CorruptCheckpointError(
+            raise _RemoteProblem(
                 f"data files {', '.join(absent)} are not in this directory, "
                 f"and {remote.root} does not list the checkpoint"
             )
@@ -260,12 +272,15 @@ def _check_node_files(
         store, location = (ref.store, ref.location) if name not in absent else (remote, remote_location)
         if store is None:
             continue
-        if checksums:
-            store.read_data(location, name, entry["size"], entry["xxh3_64"])
-        elif (size := store.file_size(location, name)) != entry["size"]:
-            where = "in this directory" if store is ref.store else f"in {store.root}"
-            has = "is missing" if size is None else f"has {size} bytes, manifest says {entry['size']}"
-            raise CorruptCheckpointError(f"data file {name} {where} {has}")
+        try:
+            if checksums:
+                store.read_data(location, name, entry["size"], entry["xxh3_64"])
+            elif (size := store.file_size(location, name)) != entry["size"]:
+                where = "in this directory" if store is ref.store else f"in {store.root}"
+                has = "is missing" if size is None else f"has {size} bytes, manifest says {entry['size']}"
+                raise CorruptCheckpointError(f"data file {name} {where} {has}")
+        except CorruptCheckpointError as e:
+            raise (e if store is ref.store else _RemoteProblem(str(e))) from None
     if remote is not None:
         return []
     return sorted(rank for rank in range(manifest.world_size) if data_file_name(rank) in absent)
@@ -281,7 +296,8 @@ def _check_sizes(path: Path, manifest: Manifest) -> None:
             raise CorruptCheckpointError(f"data file {name} has {actual} bytes, manifest says {entry['size']}")
 
 
-def _bytes(ref: CheckpointRef, manifest: Manifest | None) -> int:
+def checkpoint_bytes(ref: CheckpointRef, manifest: Manifest | None) -> int:
+    """Bytes of a checkpoint: its files on disk (a local directory), else its data files as ``manifest`` lists them."""
     if not isinstance(ref.store, LocalStore):
         return sum(entry["size"] for entry in manifest.files.values()) if manifest else 0
     try:

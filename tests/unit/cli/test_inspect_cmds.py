@@ -113,17 +113,22 @@ def test_ls_marks_invalid_checkpoints_and_says_why(run: Path) -> None:
 def test_verify_exits_nonzero_naming_each_bad_checkpoint(run: Path) -> None:
     assert invoke("verify", run)[0] == 0
     flipped, truncated = damage(run)
-    code, out = invoke("verify", run)
+    code, out = invoke("verify", run, "--no-set-aside")
     assert code == 1
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 2 and flipped.name in failed[1] and truncated.name in failed[0]
     assert "checksum" in out and "2 of 4 checkpoints verified" in out
-    report = as_json_allow_failure("verify", run)
+    report = as_json_allow_failure("verify", run, "--no-set-aside")
     assert report["ok"] is False and sorted(c["name"] for c in report["checkpoints"] if not c["valid"]) == [
         flipped.name, truncated.name,
     ]
     assert invoke("verify", run / "step_000000020")[0] == 0
-    assert invoke("verify", run / "step_10")[0] == 1  # unpadded step names resolve too
+    assert invoke("verify", run / "step_10", "--no-set-aside")[0] == 1  # unpadded step names resolve too
+    # Without --no-set-aside, what fails is set aside: never restored again, not counted by keep=.
+    report = as_json_allow_failure("verify", run)
+    assert report["ok"] is False and sorted(c["set_aside"].split(".")[0] for c in report["checkpoints"]
+                                            if c["set_aside"]) == [flipped.name, truncated.name]
+    assert invoke("verify", run)[0] == 0 and "2 valid, 0 invalid, 2 set aside" in invoke("ls", run, columns=300)[1]
 
 
 def as_json_allow_failure(*args: str) -> dict:

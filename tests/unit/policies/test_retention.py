@@ -36,6 +36,34 @@ def test_never_dooms_a_protected_step_nor_the_newest() -> None:
             assert set(doomed) <= set(steps)
 
 
+def test_damaged_checkpoints_expire_once_keep_valid_ones_are_newer() -> None:
+    assert Retention(keep=3).expired([4, 2], [6]) == []  # fewer than keep valid: it may be all there is
+    assert Retention(keep=3).expired([10, 7, 4], [6]) == []  # 2 valid ones newer
+    assert Retention(keep=3).expired([13, 10, 7], [6, 1, 13]) == [1, 6]
+    assert Retention(keep=1, every=2).expired([8, 6, 4], [5, 6]) == [5, 6]  # a damaged milestone is none
+
+
+def test_retention_counts_only_the_listed_valid_checkpoints(tmp_path: Path) -> None:
+    """A damaged checkpoint set aside holds no slot: ``keep=3`` keeps three valid ones, and never deletes
+    a valid one in its favour; it goes once three valid ones are newer."""
+    store = LocalStore(tmp_path)
+    retainer = Retainer(store, Retention(keep=3), leader=True)
+    for step in (2, 4, 6):
+        store.commit(store.staging_dir(step, "job"), step)
+    store.set_aside(store.location(6), "data file rank00000.safetensors is truncated")
+    for step in (7, 10):
+        store.commit(store.staging_dir(step, "job"), step)
+        retainer.run(protect=step)
+    assert [s for s, _ in store.checkpoints()] == [10, 7, 4]
+    assert [(a.step, a.reason) for a in store.set_aside_checkpoints()] == [
+        (6, "data file rank00000.safetensors is truncated")]
+    Retainer(store, Retention(keep=3), leader=False).run()  # only the leader deletes
+    store.commit(store.staging_dir(13, "job"), 13)
+    retainer.run(protect=13)
+    assert [s for s, _ in store.checkpoints()] == [13, 10, 7] and store.set_aside_checkpoints() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000007", "step_000000010", "step_000000013"]
+
+
 @pytest.mark.parametrize("bad", [{"keep": 0}, {"keep": 1.5}, {"keep": True}, {"keep": 2, "every": 0}])
 def test_refuses_meaningless_counts(bad: dict) -> None:
     with pytest.raises(cf.InvalidArgumentError):

@@ -228,20 +228,47 @@ class Restorer:
                                  Agenda.from_wire)
         problems = dict(plan.passed)
         skipped: Skipped = []
+        damaged: dict[int, str] = {}
         for s in plan.steps:  # the same steps on every rank, in the same order
             skipped += self._skip_newer_than(s, problems)
             found = self._restore_step(s)
             if isinstance(found, Found):
                 found.skipped = skipped
+                self._set_aside(damaged)
                 return found
-            problems[s] = found
+            problems[s] = damaged[s] = found
         skipped += self._skip_newer_than(-1, problems)
         where = self.tiers.where()
         if step is not None:
             raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {where}" + _reasons(skipped))
         if plan.listed:
             raise NoValidCheckpointError(f"no valid checkpoint in {where}" + _reasons(skipped))
+        aside = self.local.set_aside_checkpoints() if self.directory_leader == self.peers.rank else []
+        if aside:
+            log.warning("%s lists no checkpoint to restore, but holds %d set aside as damaged (%s): the run "
+                        "starts afresh", self.local.root, len(aside), ", ".join(a.name for a in aside[:3]))
         return None
+
+    def _set_aside(self, damaged: dict[int, str]) -> None:
+        """Set aside, in this rank's directory if it leads it, the checkpoints every rank agreed are
+        damaged (``damaged``: step → why), now that an older one restored.
+
+        Each directory's leader moves only what its own directory lists, and only after the ranks
+        agreed (the steps and reasons are the same on every rank), so no two ranks race and no rank
+        acts on what only it saw. Nothing is set aside when no checkpoint restores: a directory whose
+        every checkpoint fails to read (a storage outage) keeps them listed, and the next restore
+        says so rather than starting afresh. Setting aside keeps the files, so a checkpoint that
+        failed for a passing reason can be put back by hand; a failure to set aside is logged, never
+        raised."""
+        if self.directory_leader != self.peers.rank:
+            return
+        listed = self._locations[self.tiers.committed_to.name]
+        for step, why in sorted(damaged.items(), reverse=True):
+            if step in listed:
+                try:
+                    self.local.set_aside(listed[step], why)
+                except Exception as e:  # noqa: BLE001 - the restore itself succeeded
+                    log.warning("could not set aside damaged checkpoint %s: %s", checkpoint_name(step), e)
 
     @staticmethod
     def _skip_newer_than(step: int, problems: dict[int, str]) -> Skipped:
