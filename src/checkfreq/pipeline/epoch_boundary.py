@@ -24,7 +24,7 @@ from checkfreq.pipeline.tier import Tier
 
 @dataclass(frozen=True)
 class Deferred:
-    """What ``step()`` decided at an epoch's last batch."""
+    """What ``step()`` decided at an epoch's last batch (the boundary also acts on a trapped signal)."""
 
     step: int
     checkpoint: bool
@@ -69,9 +69,8 @@ class EpochBoundary:
         return any(loader.last_of_epoch for loader in self._loaders)
 
     def defer(self, step: int, checkpoint: bool, tiers: Iterable[Tier]) -> None:
-        """Keep what ``step()`` decided for the boundary (nothing when it decided nothing)."""
-        tiers = tuple(tiers)
-        self.deferred = Deferred(step, checkpoint, tiers) if checkpoint or tiers else None
+        """Keep what ``step()`` decided for the boundary (also nothing: a trapped signal is acted on there)."""
+        self.deferred = Deferred(step, checkpoint, tuple(tiers))
 
     def take(self) -> Deferred | None:
         """What waits for the boundary, once."""

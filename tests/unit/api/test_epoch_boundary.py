@@ -178,3 +178,29 @@ def test_the_loop_with_its_work_before_ckpt_step_and_after_the_epoch_warns_nothi
         ckpt.save(blocking=True)
     assert _snapshots(tmp_path) == [3, 6, 9, 12]  # mid-epoch, and at the last epoch's end (12) at save()
     assert "changed after the checkpoint" not in caplog.text
+
+
+def test_a_signal_at_an_epochs_last_batch_is_acted_on_at_the_boundary(tmp_path: Path) -> None:
+    import signal
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        model, opt, sched, loader = _objects()
+        with cf.Checkpointer(tmp_path, policy=100, model=model, optimizer=opt, scheduler=sched, loader=loader,
+                             save_on_signal=(signal.SIGUSR1,)) as ckpt:
+            for x, y in loader:
+                _train(model, opt, x, y)
+                if loader.last_of_epoch:
+                    signal.raise_signal(signal.SIGUSR1)  # recorded by checkfreq's handler only
+                ckpt.step()
+            assert seen == [] and _snapshots(tmp_path) == []
+            sched.step()
+            iter(loader)  # the boundary: the checkpoint with the epoch's work, then the signal
+            assert seen == [signal.SIGUSR1] and _snapshots(tmp_path) == [BATCHES]
+        model2, opt2, sched2, loader2 = _objects(seed=1)
+        with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2) as again:
+            assert again.restore() == BATCHES
+        assert sched2.get_last_lr() == [0.05]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
