@@ -256,3 +256,15 @@ def test_verify_on_a_read_only_directory_reports_and_moves_nothing(tmp_path: Pat
         assert code == 1 and "FAILED step_000000006" in out and "left in place" in out
         assert [s for s, _ in open_store(root / "run", create=False).checkpoints()] == [6, 4, 2]
         assert _cli("ls", root / "run")[0] == 0
+
+
+def test_a_directory_holding_only_checkpoints_set_aside_refuses_to_start_afresh(tmp_path: Path) -> None:
+    _first_run(tmp_path)
+    for step in (6, 4, 2):
+        _truncate(tmp_path / checkpoint_name(step))
+    assert _cli("verify", tmp_path)[0] == 1  # sets all three aside
+    assert _valid_steps(tmp_path) == []
+    model, opt = _stack()
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt, \
+            pytest.raises(cf.errors.NoValidCheckpointError, match="set aside as damaged.*new directory"):
+        ckpt.restore()

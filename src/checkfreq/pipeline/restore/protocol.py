@@ -243,10 +243,14 @@ class Restorer:
             raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {where}" + _reasons(skipped))
         if plan.listed:
             raise NoValidCheckpointError(f"no valid checkpoint in {where}" + _reasons(skipped))
-        aside = self.local.set_aside_checkpoints() if self.directory_leader == self.peers.rank else []
+        aside = self.local.set_aside_checkpoints()  # every rank looks: each raises, or none does
         if aside:
-            log.warning("%s lists no checkpoint to restore, but holds %d set aside as damaged (%s): the run "
-                        "starts afresh", self.local.root, len(aside), ", ".join(a.name for a in aside[:3]))
+            raise NoValidCheckpointError(
+                f"{self.local.root} lists no checkpoint to restore, but holds {len(aside)} set aside as damaged "
+                f"({', '.join(a.name for a in aside[:3])}): rather than start afresh over them, put one back by "
+                "hand if its damage has passed (docs/storage.md, \"Damaged checkpoints\"), restore from another "
+                "tier, or give the run a new directory"
+            )
         return None
 
     def _set_aside(self, damaged: dict[int, str]) -> None:
