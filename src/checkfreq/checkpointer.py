@@ -353,8 +353,7 @@ class Checkpointer:
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
-        """Take the checkpoint an epoch boundary waits for, wait for the checkpoint in flight, stop the
-        writer and release the directory (idempotent)."""
+        """Take a checkpoint waiting for its epoch boundary, wait for the one in flight, stop (idempotent)."""
         self._at_boundary()
         self._closed = True
         if self._trap is not None and self._trap.received is not None:
@@ -378,6 +377,8 @@ class Checkpointer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc is not None:
+            self._boundary.take()  # a checkpoint waiting for its boundary: the epoch's work may be half done
         if exc is not None and self._cluster.others_wait:  # leave within failure_timeout: no rank waits for it
             self._closed = True
             self._detach()

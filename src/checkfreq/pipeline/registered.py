@@ -1,6 +1,7 @@
 """The registered state: what a checkpoint captures, and whether the newest one still holds it.
 
-Every capture seals a :mod:`~checkfreq.run.fingerprint` of what it took. Two later moments compare
+Every checkpoint's capture seals a :mod:`~checkfreq.run.fingerprint` of what it took (a tier's
+own snapshot, as often as every step, is not sealed: its cost stays flat). Two later moments compare
 it with the live state:
 
 * before the loop's next batch (a :class:`~checkfreq.data.ResumableLoader` says when): the small
@@ -36,11 +37,9 @@ Captured = tuple[Any, dict[str, torch.Tensor], set[str]]
 
 @dataclass
 class Seal:
-    """What a snapshot took, as fingerprints."""
+    """What a checkpoint took, as fingerprints."""
 
     step: int
-    persisted: bool
-    """A checkpoint (not a tier's snapshot of its own)."""
     small: Fingerprint
     versions: str
     checked: bool = False
@@ -81,12 +80,14 @@ class Registered:
         return {n: (self.objects[n].state_dict() if n in self.objects else self.values[n]) for n in names}
 
     def capture(self, step: int, run_state: Callable[[], Any], *, persisted: bool) -> Captured:
-        """The state at ``step`` with ``run_state()`` as its ``checkfreq`` entry, sealed."""
+        """The state at ``step`` with ``run_state()`` as its ``checkfreq`` entry, sealed if ``persisted`` (a
+        checkpoint, not a tier's snapshot of its own)."""
         state = self.state_of(self.names)
-        small = fingerprint({n: state[n] for n in self.small}, allow_pickle=self.allow_pickle)
+        small = fingerprint({n: state[n] for n in self.small}) if persisted else {}
         state[RUN_STATE] = run_state()
         skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
-        self.seal = Seal(step, persisted, small, _versions(tensors))
+        if persisted:  # a tier's own snapshot (as often as every step) is not compared: its cost stays flat
+            self.seal = Seal(step, small, _versions(tensors))
         return skeleton, tensors, optimizer_owned(tensors, self.optimizers)
 
     def forget(self) -> None:
@@ -94,12 +95,12 @@ class Registered:
         self.seal = None
 
     def check_before_batch(self, step: int) -> None:
-        """Once per snapshot, before the next batch: warn if the small state changed since it was sealed."""
+        """Once per checkpoint, before the next batch: warn if the small state changed since it was sealed."""
         seal = self.seal
         if seal is None or seal.checked or seal.step != step:
             return
         seal.checked = True
-        now = fingerprint(self.state_of(self.small), allow_pickle=self.allow_pickle)
+        now = fingerprint(self.state_of(self.small))
         names = [n for n in changed(seal.small, now) if n not in self._warned]
         if not names:
             return
@@ -115,10 +116,10 @@ class Registered:
     def holds(self, step: int) -> bool:
         """Whether the newest checkpoint is of ``step`` and the live state is what it took."""
         seal = self.seal
-        if seal is None or not seal.persisted or seal.step != step:
+        if seal is None or seal.step != step:
             return False
         state = self.state_of(self.names)
-        small = fingerprint({n: state[n] for n in self.small}, allow_pickle=self.allow_pickle)
+        small = fingerprint({n: state[n] for n in self.small})
         tensors = flatten(state, allow_pickle=self.allow_pickle)[1]
         return not changed(seal.small, small) and _versions(tensors) == seal.versions
 

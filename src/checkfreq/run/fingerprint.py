@@ -10,25 +10,34 @@ under ``no_grad``) moves, so nothing large is read.
 
 from __future__ import annotations
 
-import json
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
-
-from checkfreq.run.state import flatten
 
 SMALL_TENSOR_BYTES = 64 * 1024
 """CPU tensors up to this size are hashed byte for byte; larger ones by their version counter."""
 
+MAX_DEPTH = 64
+"""Containers nested deeper are represented by their ``repr``."""
+
 Fingerprint = dict[str, str]
 """One digest per registered name."""
 
+_PLAIN = (int, float, str, bool, type(None))
 
-def fingerprint(state: Mapping[str, Any], *, allow_pickle: bool) -> Fingerprint:
+
+def fingerprint(state: Mapping[str, Any]) -> Fingerprint:
     """The digest of each entry of ``{name: state_dict or value}``."""
-    return {name: _digest(name, value, allow_pickle) for name, value in state.items()}
+    digests = {}
+    for name, value in state.items():
+        h = xxhash.xxh3_64()
+        _feed(h, value, 0)
+        digests[name] = h.hexdigest()
+    return digests
 
 
 def changed(before: Fingerprint, now: Fingerprint) -> list[str]:
@@ -36,17 +45,31 @@ def changed(before: Fingerprint, now: Fingerprint) -> list[str]:
     return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
 
 
-def _digest(name: str, value: Any, allow_pickle: bool) -> str:
-    skeleton, tensors = flatten({name: value}, allow_pickle=allow_pickle)
-    h = xxhash.xxh3_64(json.dumps(skeleton, sort_keys=True, default=repr).encode())
-    for key in sorted(tensors):
-        tensor = tensors[key]
-        h.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        if tensor.device.type == "cpu" and tensor.nbytes <= SMALL_TENSOR_BYTES and _plain(tensor):
-            h.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+def _feed(h: Any, value: Any, depth: int) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"T{tuple(value.shape)}{value.dtype}".encode())
+        if value.device.type == "cpu" and value.nbytes <= SMALL_TENSOR_BYTES and _plain(value):
+            h.update(value.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         else:
-            h.update(f"v{getattr(tensor, '_version', 0)}".encode())
-    return h.hexdigest()
+            h.update(f"v{getattr(value, '_version', 0)}".encode())
+    elif isinstance(value, np.ndarray):
+        h.update(f"N{value.shape}{value.dtype}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, dict) and depth < MAX_DEPTH:
+        h.update(b"{")
+        for key, item in value.items():
+            h.update(repr(key).encode())
+            _feed(h, item, depth + 1)
+        h.update(b"}")
+    elif isinstance(value, (list, tuple)) and depth < MAX_DEPTH and not all(isinstance(v, _PLAIN) for v in value):
+        h.update(b"[")
+        for item in value:
+            _feed(h, item, depth + 1)
+        h.update(b"]")
+    elif isinstance(value, (list, tuple)) and depth < MAX_DEPTH:  # plain values only: pickled at C speed
+        h.update(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    else:
+        h.update(repr(value).encode())
 
 
 def _plain(tensor: torch.Tensor) -> bool:

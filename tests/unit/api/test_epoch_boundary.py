@@ -204,3 +204,15 @@ def test_a_signal_at_an_epochs_last_batch_is_acted_on_at_the_boundary(tmp_path: 
         assert sched2.get_last_lr() == [0.05]
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_an_error_in_the_epochs_work_drops_the_checkpoint_waiting_for_the_boundary(tmp_path: Path) -> None:
+    model, opt, sched, loader = _objects()
+    with pytest.raises(RuntimeError, match="evaluation failed"), \
+            cf.Checkpointer(tmp_path, policy=BATCHES, model=model, optimizer=opt, scheduler=sched,
+                            loader=loader) as ckpt:
+        for x, y in loader:
+            _train(model, opt, x, y)
+            ckpt.step()
+        raise RuntimeError("evaluation failed")  # before the scheduler's step: no checkpoint holds half the work
+    assert _snapshots(tmp_path) == []
