@@ -3,7 +3,8 @@
 Restores from ``--dir`` if a checkpoint is there, trains to the end (shuffled resumable loader,
 random augmentation, dropout, gradient accumulation, AdamW and an LR schedule) and writes the
 final state to ``--out``. With ``--die-at K`` it SIGKILLs itself while loading the batch after
-optimizer step ``K`` (after the checkpoint in flight is durable unless ``--no-wait``).
+optimizer step ``K`` (after the checkpoint in flight is durable unless ``--no-wait``: one due at
+an epoch's last step is taken at the epoch boundary, as that batch's pass begins).
 
 ``--serve`` starts a zygote instead: it imports torch once (seconds) and runs each request read
 from stdin (a JSON line: ``argv`` and ``output``, a file for the run's stdout and stderr) in a
@@ -88,18 +89,16 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         scheduler.step()
         ckpt.step()
-        if ckpt.global_step != args.die_at:
-            return False
-        if not args.no_wait:
-            ckpt.wait()
-        return True
+        return ckpt.global_step == args.die_at
 
     dying = False
     with open(args.log, "a") as log:
         for epoch in range(loader.epoch, args.epochs):
             pending = 0  # a checkpoint is only ever taken at an optimizer-step boundary
             for x, y, index in loader:
-                if dying:
+                if dying:  # the batch after step K: a checkpoint due at an epoch's end was taken as it began
+                    if not args.no_wait:
+                        ckpt.wait()
                     os.kill(os.getpid(), signal.SIGKILL)
                 log.write(f"{epoch} {loader.state_dict()['consumed']} {' '.join(map(str, index.tolist()))}\n")
                 log.flush()

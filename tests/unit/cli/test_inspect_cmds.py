@@ -159,7 +159,8 @@ def test_inspect_shows_tensors_objects_and_versions(trained: tuple[Path, dict[st
         assert entry["bytes"] == value.numel() * value.element_size()
     assert tensors["model/0.weight"]["dtype"] == "F32" and tensors["model/1.num_batches_tracked"]["dtype"] == "I64"
     assert any(name.startswith("optimizer/state/") for name in tensors)
-    assert info["step"] == 20 and info["epoch"] == 4 and info["versions"]["torch"] == torch.__version__
+    # step 20 ends epoch 4: the loader it holds is at the start of epoch 5, and so is the label
+    assert info["step"] == 20 and info["epoch"] == 5 and info["versions"]["torch"] == torch.__version__
     assert info["objects"]["note"] == {"tensors": 0, "bytes": 0, "value": "cli"}
     assert info["objects"]["model"]["tensors"] == len(final)
     code, out = invoke("inspect", run)
