@@ -13,10 +13,13 @@ import socket
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -223,3 +226,17 @@ def _run_then_leave(rank: int, fn: Any, *args: Any) -> None:
 
     fn(rank, *args)
     exit_without_teardown()
+
+
+@contextmanager
+def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    """Mount a fresh tmpfs of ``size`` at ``path`` (skip the test if this machine does not allow it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

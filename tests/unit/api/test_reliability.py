@@ -19,8 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -32,21 +31,7 @@ import checkfreq as cf
 import checkfreq.storage.posix
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.storage.format import MANIFEST_NAME
-from helpers import make_model, train_step
-
-
-@contextmanager
-def tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
-    """Mount a fresh tmpfs of ``size`` at ``path`` (skip the test if this machine does not allow it)."""
-    path.mkdir(parents=True, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+from helpers import make_model, tmpfs, train_step
 
 
 def _fill(directory: Path) -> Path:

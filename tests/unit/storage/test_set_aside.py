@@ -10,8 +10,6 @@ import logging
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from checkfreq.storage.base import DAMAGED_NAME
 from checkfreq.storage.format import MANIFEST_NAME, checkpoint_name
 from checkfreq.tools.aside import set_aside_statuses
 from checkfreq.tools.catalog import list_checkpoints
-from helpers import make_model, train_step
+from helpers import make_model, tmpfs, train_step
 
 DATA = "rank00000.safetensors"
 
@@ -233,21 +231,8 @@ def test_verify_of_a_single_checkpoint_sets_it_aside(tmp_path: Path) -> None:
     assert [s for s, _ in LocalStore(tmp_path).checkpoints()] == [6, 2]
 
 
-@contextmanager
-def _tmpfs(path: Path) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_verify_on_a_read_only_directory_reports_and_moves_nothing(tmp_path: Path) -> None:
-    with _tmpfs(tmp_path / "ro") as root:
+    with tmpfs(tmp_path / "ro", "16m") as root:
         _first_run(root / "run")
         _truncate(root / "run" / checkpoint_name(6))
         if subprocess.run(["mount", "-o", "remount,ro", str(root)], capture_output=True).returncode:
