@@ -12,12 +12,13 @@ batch at every step), and a survivor's error must name a lost rank with its host
 
 By default (about a minute on the 2-core test machine, with the one-process run the jobs are
 compared with) two jobs run: a node of two ranks SIGKILLed for good in a commit, with the default
-options, and a frozen node (the heartbeats find it); and two spawned ranks test a ``with`` block
-left on an error. ``CHECKFREQ_FAULT_MATRIX=ci`` (a step of .ci/run, after the suite) runs each
-phase once, the kinds of fault and the launch forms taken in turn, and a node lost in a restore's
-exchange: 7 jobs, under 3 minutes. ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three
-kinds of fault and both launch forms, and a fault in a restore's exchange: 39 jobs, about 20
-minutes (docs/reliability.md has the table of measured times).
+options, and a frozen node (the heartbeats find it); two spawned ranks test a ``with`` block left on
+an error, and three a rank gone before a gather to it is posted. ``CHECKFREQ_FAULT_MATRIX=ci`` (a
+step of .ci/run, after the suite) runs each phase once, the kinds of fault and the launch forms
+taken in turn, and a node lost in a restore's exchange: 7 jobs, under 3 minutes.
+``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three kinds of fault and both launch forms,
+and a fault in a restore's exchange: 39 jobs, about 20 minutes (docs/reliability.md has the table of
+measured times).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -38,8 +40,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from elastic_train import read_steps, step_samples
+from worker_exit import exit_without_teardown
 
 import checkfreq as cf
+from checkfreq.ranks.collectives import GroupPeers
+from checkfreq.ranks.compat import default_store
+from checkfreq.ranks.groups import new_gloo_groups
+from checkfreq.ranks.liveness import Liveness
 from helpers import SCRIPTS, free_port, kill_tree, spawn_ranks
 
 SAMPLES, GLOBAL_BATCH, EPOCHS, EVERY = 96, 16, 2, 2
@@ -339,3 +346,38 @@ def test_a_rank_leaving_its_with_block_on_an_error_releases_the_other_ranks_at_o
     assert "rank 1 left on ValueError: boom on rank 1" in survivor["error"], survivor
     assert "rank 0 gives up" in survivor["error"] and survivor["lost"] - leaver["raised"] < FAILURE_TIMEOUT_S, survivor
 
+
+def _gather_after_a_peer_is_gone(rank: int, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+    _, (group,) = new_gloo_groups(["commit"], timedelta(seconds=60))
+    liveness = Liveness(dist.PrefixStore("liveness", default_store()), rank, 3, 5.0)
+    peers = GroupPeers(group, liveness, "the test's gather")
+    peers.gather(rank)  # rank 0 is connected to every rank
+    done = Path(out, "done")
+    if rank == 2:
+        Path(out, "pid2").write_text(str(os.getpid()))
+        exit_without_teardown()  # its connections close, as a killed process's do
+    if rank == 1:  # alive until rank 0 is done
+        while not done.exists():
+            time.sleep(0.05)
+    if rank == 0:
+        while not Path(out, "pid2").exists() or alive({int(Path(out, "pid2").read_text())}):
+            time.sleep(0.05)
+        time.sleep(1.0)  # gloo has seen the connection close: a message to rank 2 is refused as it is posted
+        try:
+            peers.gather(rank)
+        except cf.PeerLostError as e:
+            Path(out, "error").write_text(str(e))
+        done.touch()
+    liveness.stop()
+
+
+def test_a_rank_gone_before_a_gather_is_posted_is_named_at_once(tmp_path: Path) -> None:
+    """Rank 2 has left (its connections closed) before rank 0 posts a gather (a commit's reports, as a
+    loaded rank 0 does once its own file is written): gloo refuses the message to rank 2 as it is
+    posted, and rank 0's error names rank 2 as the rank that closed its connection, at once, rather
+    than a rank whose heartbeat stopped, a failure timeout later."""
+    spawn_ranks(_gather_after_a_peer_is_gone, (str(tmp_path / "store"), str(tmp_path)), nprocs=3)
+    pid = (tmp_path / "pid2").read_text()
+    error = (tmp_path / "error").read_text()
+    assert f"rank 2 ({socket.gethostname()}, pid {pid}) closed its connection during the test's gather" in error, error

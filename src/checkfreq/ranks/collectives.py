@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -232,7 +233,8 @@ def during(peers: Peers, activity: str) -> Iterator[None]:
 
 
 class PeerFailure(RuntimeError):
-    """A wait for one rank's message failed (gloo's error is the cause); ``rank`` names it."""
+    """A message to or from one rank failed, as it was posted or awaited (gloo's error is the cause);
+    ``rank`` names it."""
 
     def __init__(self, rank: int, error: BaseException) -> None:
         super().__init__(f"rank {rank}: {error}")
@@ -248,14 +250,14 @@ def broadcast_json(value: Any, group: Any) -> Any:
     size = dist.get_world_size(group)
     if dist.get_rank(group) != 0:
         length = torch.zeros(1, dtype=torch.int64)
-        _wait_all([(0, dist.irecv(length, group=group, group_src=0))])
+        _post_and_wait([(0, partial(dist.irecv, length, group=group, group_src=0))])
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        _wait_all([(0, dist.irecv(payload, group=group, group_src=0))])
+        _post_and_wait([(0, partial(dist.irecv, payload, group=group, group_src=0))])
         return _decode(payload)
     payload = _encode(value)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    _wait_all([(r, dist.isend(length, group=group, group_dst=r)) for r in range(1, size)])
-    _wait_all([(r, dist.isend(payload, group=group, group_dst=r)) for r in range(1, size)])
+    _post_and_wait([(r, partial(dist.isend, length, group=group, group_dst=r)) for r in range(1, size)])
+    _post_and_wait([(r, partial(dist.isend, payload, group=group, group_dst=r)) for r in range(1, size)])
     return _decode(payload)
 
 
@@ -269,19 +271,27 @@ def gather_json(value: Any, group: Any) -> list[Any] | None:
     length = torch.tensor([payload.numel()], dtype=torch.int64)
     size = dist.get_world_size(group)
     if dist.get_rank(group) != 0:
-        _wait_all([(0, dist.isend(length, group=group, group_dst=0))])
-        _wait_all([(0, dist.isend(payload, group=group, group_dst=0))])
+        _post_and_wait([(0, partial(dist.isend, length, group=group, group_dst=0))])
+        _post_and_wait([(0, partial(dist.isend, payload, group=group, group_dst=0))])
         return None
     lengths = [length] + [torch.zeros(1, dtype=torch.int64) for _ in range(1, size)]
-    _wait_all([(r, dist.irecv(lengths[r], group=group, group_src=r)) for r in range(1, size)])
+    _post_and_wait([(r, partial(dist.irecv, lengths[r], group=group, group_src=r)) for r in range(1, size)])
     payloads = [payload] + [torch.empty(int(lengths[r].item()), dtype=torch.uint8) for r in range(1, size)]
-    _wait_all([(r, dist.irecv(payloads[r], group=group, group_src=r)) for r in range(1, size)])
+    _post_and_wait([(r, partial(dist.irecv, payloads[r], group=group, group_src=r)) for r in range(1, size)])
     return [_decode(p) for p in payloads]
 
 
-def _wait_all(works: list[tuple[int, Any]]) -> None:
-    """Wait for point-to-point messages posted together (each ``(rank, Work)``); a failed wait
-    raises :class:`PeerFailure` naming its rank."""
+def _post_and_wait(posts: list[tuple[int, Callable[[], Any]]]) -> None:
+    """Post point-to-point messages together (each ``(rank, post)``: ``post()`` sends to or receives
+    from ``rank`` and returns its Work), then wait for each; a failure names its rank
+    (:class:`PeerFailure`), in the post as in the wait: gloo refuses a message at once, when it is
+    posted, to or from a rank whose connection had already closed."""
+    works = []
+    for rank, post in posts:
+        try:
+            works.append((rank, post()))
+        except RuntimeError as e:
+            raise PeerFailure(rank, e) from e
     for rank, work in works:
         try:
             work.wait()

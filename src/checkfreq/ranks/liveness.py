@@ -18,7 +18,9 @@ minutes is alive, a rank whose process is gone is not. The signs of life:
   Checkpointer open) writes why under one key; every rank's heartbeat thread reads that key at each
   beat, and each wait in progress raises :class:`~checkfreq.errors.PeerLostError` at once with the
   first rank's words. A rank that left therefore never keeps its peers waiting for the timeout.
-* **a closed connection**: gloo's "Connection closed by peer" on a wait for one rank names that rank.
+* **a closed connection**: gloo's "Connection closed by peer" on a message to or from one rank names
+  that rank, whether gloo refuses the message as it is posted (the connection had closed before)
+  or as it is awaited.
 
 Once this process learns that the job failed (a peer lost, or another rank's failure published), it
 ends itself (``os._exit(1)``) if it is still running :data:`EXIT_GRACE` times the failure timeout
