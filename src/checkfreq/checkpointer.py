@@ -456,7 +456,7 @@ class Checkpointer:
     def _holds_current_state(self) -> bool:
         """Whether the checkpoint of the current step (taken, maybe in flight) still holds the live state."""
         step = self._timeline.step
-        return step != 0 and self._timeline.last_checkpoint == step and self._registered.holds(step)
+        return step != 0 and self._timeline.last_checkpoint == step and self._registered.holds(step, self._control)
 
     # ------------------------------------------------------------------ tiers
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import xxhash
 
+from checkfreq.ranks.collectives import Peers, tree_max
 from checkfreq.run.fingerprint import Fingerprint, changed, fingerprint
 from checkfreq.run.state import Stateful, flatten, optimizer_owned
 
@@ -113,15 +114,17 @@ class Registered:
             _describe(names), seal.step,
         )
 
-    def holds(self, step: int) -> bool:
-        """Whether the newest checkpoint is of ``step`` and the live state is what it took."""
+    def holds(self, step: int, peers: Peers) -> bool:
+        """Whether the newest checkpoint is of ``step`` and the live state is what it took, on every rank
+        of ``peers`` (collective: a rank whose state changed makes every rank take the step again)."""
         seal = self.seal
-        if seal is None or seal.step != step:
-            return False
-        state = self.state_of(self.names)
-        small = fingerprint({n: state[n] for n in self.small})
-        tensors = flatten(state, allow_pickle=self.allow_pickle)[1]
-        return not changed(seal.small, small) and _versions(tensors) == seal.versions
+        held = seal is not None and seal.step == step
+        if seal is not None and held:
+            state = self.state_of(self.names)
+            tensors = flatten(state, allow_pickle=self.allow_pickle)[1]
+            held = not changed(seal.small, fingerprint({n: state[n] for n in self.small})) and (
+                _versions(tensors) == seal.versions)
+        return not int(tree_max(peers, torch.tensor([0 if held else 1]))[0])
 
 
 def _versions(tensors: Mapping[str, torch.Tensor]) -> str:
