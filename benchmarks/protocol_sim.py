@@ -3,10 +3,10 @@
 Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--restore-up-to 64] [--state fsdp2]``
 
 Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``agree_on_token`` over a
-key-value store, then ``dist.group_cluster.meet``: the job's token, who shares a directory, each directory
+key-value store, then ``ranks.group_cluster.meet``: the job's token, who shares a directory, each directory
 opened), one commit (``pipeline.commit.Committer.run``, which writes a real data file per rank and rank 0's
 ``manifest.json`` into one shared directory), three exchanges of the vote on when to checkpoint
-(``dist.collectives.tree_max``, what ``dist.agreement.AgreedPolicy``'s vote thread runs), and the restore
+(``ranks.collectives.tree_max``, what ``ranks.agreement.AgreedPolicy``'s vote thread runs), and the restore
 (``pipeline.restore.Restorer.find``: the choice of step, rank 0's plan, each file read and verified by one
 rank, and the replicated tensors all-gathered; the directory is taken for one on a network file
 system, where no two ranks share a page cache, as in a job of many nodes).
@@ -662,7 +662,7 @@ VOTES = 3
 
 def vote(peers: Peers) -> None:
     """:data:`VOTES` exchanges of the vote that agrees on *when* to checkpoint: the tree maximum
-    that ``dist.agreement.AgreedPolicy``'s vote thread runs (``dist.collectives.tree_max``), each rank
+    that ``ranks.agreement.AgreedPolicy``'s vote thread runs (``ranks.collectives.tree_max``), each rank
     proposing (its wish, minus the steps to the next exchange)."""
     for _ in range(VOTES):
         tree_max(peers, torch.tensor([peers.rank % 2, -(1 + peers.rank % 7)], dtype=torch.int64))
