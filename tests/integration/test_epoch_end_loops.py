@@ -64,7 +64,7 @@ def _reference(ctx, tmp_path: Path, shape: str, policy: int) -> dict:
 @pytest.mark.parametrize("policy", [8, 4])
 def test_the_classic_loop_killed_at_every_step_ends_bit_identical(context, tmp_path: Path, policy: int) -> None:
     reference = _reference(context, tmp_path, "classic", policy)
-    kills = [f"step:{n}" for n in range(1, STEPS)] + [f"work:{e}" for e in range(EPOCHS - 1)]
+    kills = [f"step:{n}" for n in range(1, STEPS + 1)] + [f"work:{e}" for e in range(EPOCHS)]
     for kill in kills:
         _assert_same(_kill_and_resume(context, tmp_path, "classic", policy, kill), reference, f"killed at {kill}")
 
