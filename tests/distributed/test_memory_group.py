@@ -73,3 +73,29 @@ def test_a_machine_keeps_one_copy_and_every_rank_resumes_from_it(
         assert not any(shm.iterdir())  # a clean close removes every rank's region
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_fsdp2_ranks_resume_from_their_shards_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharded state (FSDP2 on every layer and the model, AdamW): each rank's slot holds its own shards,
+    and every rank killed resumes from them, bit-identical, with nothing on disk."""
+    shm = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
+    shm.mkdir()
+    monkeypatch.setenv(SHM_DIR_ENV, str(shm))
+    try:
+        reference, killed = tmp_path / "reference", tmp_path / "killed"
+        for path in (reference, killed):
+            path.mkdir()
+        common = ("--ckpt-dir", "ckpt", "--final", "final")
+        procs = [launch_job(reference, "fsdp_memory.py", *common),
+                 launch_job(killed, "fsdp_memory.py", *common, "--memory", "1", "--die", "0:1:5")]
+        out = [finish_job(p) for p in procs][1]
+        found = re.findall(r"life=(\d+) rank=\d+ restored step=(\d+)", out)
+        assert {int(step) for life, step in found if life == "1"} in ({4}, {5}), out[-3000:]
+        tiers = {(e["rank"], e["tier"]) for e in read_events(killed / "ckpt") if e["event"] == "restore"}
+        assert tiers == {(0, "memory"), (1, "memory")}, (tiers, out[-3000:])
+        assert "memory tier off" not in out
+        for rank in (0, 1):
+            expected = torch.load(reference / f"final.rank{rank}.pt")
+            assert_state_equal(torch.load(killed / f"final.rank{rank}.pt"), expected)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

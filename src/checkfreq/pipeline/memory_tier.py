@@ -186,10 +186,8 @@ class MemoryTier(Tier):
         the slot is pinned first."""
         if not self.enabled:
             return None
-        if request.sharded:
-            log.warning(
-                "memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet"
-            )
+        if request.sharded and request.split is None:
+            log.warning("memory tier off: a job of one rank with sharded (DTensor) state is not taken into memory")
             self.enabled = False
             return None
         layout = request.layout
@@ -320,8 +318,9 @@ class MemoryTier(Tier):
         """``state`` (this rank's share) with the shares of the other ranks of its machine, each read
         from that rank's region and verified (copied first: their owners write again once training
         goes on). A :class:`CheckfreqError` naming the rank if one is missing or damaged."""
-        if self.group is None or state.manifest.distributed is None:
-            return state
+        split = state.manifest.distributed
+        if self.group is None or split is None or _stored_names(split) <= state.tensors.keys():
+            return state  # its whole state: nothing is kept by another rank (sharded state, a machine of one)
         step = state.manifest.step
         tensors = dict(state.tensors)
         for peer in self.group.peers:
@@ -354,6 +353,16 @@ class MemoryTier(Tier):
         if self._sealer is not None:  # a checksum being computed reads the region: it goes first
             self._sealer.shutdown(wait=True, cancel_futures=remove)
         self.region.release(remove=remove)
+
+
+def _stored_names(split: Mapping[str, Any]) -> set[str]:
+    """The names of the arrays the tensors of a group's index are stored under, on any of its ranks."""
+    names = set()
+    for record in split["tensors"].values():
+        for part in record["parts"]:
+            if part is not None:
+                names.add(part if isinstance(part, str) else part[0])
+    return names
 
 
 def _machine_key(directory: str | os.PathLike[str], rank: int) -> str:

@@ -132,9 +132,7 @@ class Saver:
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
-        split = None
-        if not any(is_dtensor(t) for t in tensors.values()):  # sharded state: the tier says it does not take it
-            tensors, owned, split = tier.share(tensors, owned, self.objects, skeleton)
+        tensors, owned, split = tier.share(tensors, owned, self.objects, skeleton)
         layout = layout_of(tensors)
         target = tier.target(self._request(layout, skeleton, step, epoch_label, tensors, split))
         if target is None:  # the tier turned itself off (no room, state it does not take)

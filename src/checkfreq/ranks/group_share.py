@@ -7,6 +7,11 @@ the bytes (cut as :func:`checkfreq.ranks.shares.partition` cuts the disk checkpo
 group instead of the world), plus its own private tensors whole. A rank that restores reads its
 own share and the other shares straight from the group's shared memory: no network.
 
+Sharded state (DTensors: FSDP2's parameters and optimizer state) is each rank's own already: a rank
+keeps its local shard, with its place in the global tensor, as a disk checkpoint records it. What
+is left replicated beside sharded state (an optimizer's step counters) is small, and each rank
+keeps it whole, so that a restore of sharded state reads no other rank's region.
+
 The index a rank stores beside its share (:class:`GroupIndex`) is the ``distributed`` record of a
 manifest that :func:`checkfreq.ranks.rebuild.local_view` rebuilds the rank's whole state from, given
 the arrays of every share of the group.
@@ -22,9 +27,11 @@ from typing import Any, TypedDict
 
 import torch
 
+from checkfreq.ranks.rebuild import local_box
 from checkfreq.ranks.shares import (
     PRIVATE,
     REPLICATED,
+    SHARDED,
     Piece,
     TensorRecord,
     dtype_entry,
@@ -32,6 +39,7 @@ from checkfreq.ranks.shares import (
     piece_view,
     private_name,
 )
+from checkfreq.run.tensors import is_dtensor, local_part
 
 
 class GroupIndex(TypedDict):
@@ -41,7 +49,7 @@ class GroupIndex(TypedDict):
     """This rank's skeleton, alone (its private tensors are recorded as saved rank 0's)."""
     tensors: dict[str, TensorRecord]
     """Every tensor's entry: a replicated one's pieces on every rank of the group, in group order;
-    a private one's stored name."""
+    a private one's stored name; a sharded one's local shard and its offset."""
     group: list[int]
     """The ranks whose shares make the state up, in group order."""
     world_size: int
@@ -78,6 +86,8 @@ class _Plan:
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
     pieces: list[Piece]
     shared: dict[str, TensorRecord]
+    beside_sharded: bool
+    """Planned for a state with sharded tensors: this rank keeps every replicated tensor whole."""
 
 
 class GroupSharer:
@@ -94,21 +104,27 @@ class GroupSharer:
         """(arrays this rank keeps, which of them are fenced, the index that rebuilds the state).
 
         ``replicated`` names the tensors that are the same on every rank; every other tensor is this
-        rank's own. Sharded tensors (DTensors) are not for a group's shares: the caller keeps them out."""
-        names = sorted(n for n in tensors if n in replicated)
+        rank's own (a DTensor's local shard, any other whole)."""
+        sharded = {n for n, t in tensors.items() if is_dtensor(t)}
+        names = sorted(n for n in tensors if n in replicated and n not in sharded)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         plan = self._plan
-        if plan is None or plan.layout != layout:
-            plan = self._plan = _plan_for(layout, {n: tensors[n] for n in names}, self.group)
+        if plan is None or plan.layout != layout or plan.beside_sharded != bool(sharded):
+            ranks = (self.group.rank,) if sharded else self.group.ranks
+            replicated_tensors = {n: tensors[n] for n in names}
+            plan = self._plan = _plan_for(layout, replicated_tensors, ranks, self.group.rank, bool(sharded))
         arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
         fenced = {piece.stored_name for piece in plan.pieces if piece.name in owned}
         records = dict(plan.shared)
         for name, tensor in tensors.items():
-            if name in replicated:
+            if name in replicated and name not in sharded:
                 continue
             stored = private_name(name, self.group.rank)
-            arrays[stored] = tensor
-            records[name] = _record(tensor, PRIVATE, [stored])
+            arrays[stored] = local_part(tensor)
+            if name in sharded:
+                records[name] = _record(tensor, SHARDED, [[stored, list(local_box(tensor)[0])]])
+            else:
+                records[name] = _record(tensor, PRIVATE, [stored])
             if name in owned:
                 fenced.add(stored)
         index = GroupIndex(ranks=[skeleton], tensors=records, group=list(self.group.ranks),
@@ -117,15 +133,16 @@ class GroupSharer:
 
 
 def _plan_for(layout: tuple[tuple[str, str, tuple[int, ...]], ...], tensors: Mapping[str, torch.Tensor],
-              group: Group) -> _Plan:
+              ranks: tuple[int, ...], rank: int, beside_sharded: bool) -> _Plan:
+    """The replicated ``tensors`` cut over ``ranks``: ``rank``'s pieces, and every tensor's record."""
     sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
-    plans = partition(sizes, len(group.ranks))
+    plans = partition(sizes, len(ranks))
     shared: dict[str, TensorRecord] = {}
     for pieces in plans:
         for piece in pieces:
             entry = shared.setdefault(piece.name, _record(tensors[piece.name], REPLICATED, []))
             entry["parts"].append([piece.stored_name, piece.begin, piece.end])
-    return _Plan(layout, plans[group.ranks.index(group.rank)], shared)
+    return _Plan(layout, plans[ranks.index(rank)], shared, beside_sharded)
 
 
 def _record(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
