@@ -49,7 +49,7 @@ from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, Sn
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import Peers
-from checkfreq.ranks.group_share import Group, GroupSharer
+from checkfreq.ranks.group_share import Group, GroupSharer, unusable_at
 from checkfreq.ranks.sharing import directory_key, memory_group
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
@@ -109,7 +109,7 @@ class MemoryTier(Tier):
         self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0,
         group: Group | None = None,
     ) -> None:
-        self.directory = directory
+        self.directory, self.rank = directory, rank
         self.region = MemoryRegion.for_directory(directory, rank)
         self.group = group
         self._sharer = None if group is None else GroupSharer(group)
@@ -191,8 +191,9 @@ class MemoryTier(Tier):
             self.enabled = False
             return None
         layout = request.layout
+        world_size = 1 if request.split is None else request.split["world_size"]  # the job's, for the events
         manifest = Manifest(
-            step=request.step, epoch=request.epoch, world_size=1,
+            step=request.step, epoch=request.epoch, world_size=world_size,
             files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
             tensors=tensor_entries(layout, self._data_file), state=request.skeleton, versions=request.versions,
             created=request.created, distributed=request.split,
@@ -306,24 +307,23 @@ class MemoryTier(Tier):
         return states, skipped
 
     def _foreign_split(self, manifest: Manifest) -> str | None:
-        """Why this machine's ranks cannot put the state of ``manifest`` together now, or None."""
+        """Why this job cannot restore the state of ``manifest`` (a share of its machine's), or None."""
         split = manifest.distributed
         if split is None:  # this rank's whole state
             return None
-        if self.group is None:
-            return f"taken by ranks {split.get('group')} of a job of {split.get('world_size')} ranks; this job has one"
-        return self.group.matches(split)
+        return unusable_at(split, 1 if self.group is None else self.group.world_size)
 
     def complete(self, state: HeldState) -> HeldState:
-        """``state`` (this rank's share) with the shares of the other ranks of its machine, each read
-        from that rank's region and verified (copied first: their owners write again once training
-        goes on). A :class:`CheckfreqError` naming the rank if one is missing or damaged."""
+        """``state`` (this rank's share) with the shares of the other ranks of its machine when it was
+        taken, each read from that rank's region and verified (copied first: their owners write
+        again once training goes on). A :class:`CheckfreqError` naming the rank if one is missing or
+        damaged (the rank now runs elsewhere, or not at all)."""
         split = state.manifest.distributed
-        if self.group is None or split is None or _stored_names(split) <= state.tensors.keys():
+        if split is None or _stored_names(split) <= state.tensors.keys():
             return state  # its whole state: nothing is kept by another rank (sharded state, a machine of one)
         step = state.manifest.step
         tensors = dict(state.tensors)
-        for peer in self.group.peers:
+        for peer in (r for r in split["group"] if r != self.rank):
             region = MemoryRegion(region_path(self.directory, peer), device_and_inode(self.directory), tidy=False)
             try:
                 found = region.newest(step)

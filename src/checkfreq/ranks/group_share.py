@@ -68,17 +68,6 @@ class Group:
         if self.rank not in self.ranks:
             raise ValueError(f"rank {self.rank} is not in its group {list(self.ranks)}")
 
-    @property
-    def peers(self) -> tuple[int, ...]:
-        """The group's other ranks."""
-        return tuple(r for r in self.ranks if r != self.rank)
-
-    def matches(self, index: Mapping[str, Any]) -> str | None:
-        """Why shares indexed by ``index`` cannot be put together by this group, or None."""
-        if index.get("world_size") != self.world_size or index.get("group") != list(self.ranks):
-            return (f"taken by ranks {index.get('group')} of a job of {index.get('world_size')} ranks; this machine "
-                    f"now runs ranks {list(self.ranks)} of {self.world_size}")
-        return None
 
 
 @dataclass(frozen=True)
@@ -147,6 +136,19 @@ def _plan_for(layout: tuple[tuple[str, str, tuple[int, ...]], ...], tensors: Map
 
 def _record(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
+
+
+def unusable_at(index: Mapping[str, Any], world_size: int) -> str | None:
+    """Why the state indexed by ``index`` (one rank's share) cannot be restored by a job of
+    ``world_size`` ranks from its group's regions, or None.
+
+    Replicated and private state restore at any world size (each rank takes the private state of
+    the saved rank of its number, as from disk); sharded state only at the world size it was taken
+    at, where each rank's shard is its block again (a disk checkpoint reshards)."""
+    saved = index.get("world_size")
+    if saved != world_size and any(r.get("kind") == SHARDED for r in index.get("tensors", {}).values()):
+        return f"sharded state taken by {saved} ranks does not restore from memory at {world_size}: disk reshards it"
+    return None
 
 
 def groups_of(keys: Sequence[str]) -> list[list[int]]:

@@ -83,15 +83,19 @@ def test_a_rank_puts_its_state_together_from_its_machines_regions(shm_dir: Path,
     tier.close(remove=False)
 
 
-def test_shares_taken_by_other_ranks_or_another_world_size_are_skipped(shm_dir: Path, tmp_path: Path) -> None:
+def test_shares_restore_at_another_world_size_from_the_machines_regions(shm_dir: Path, tmp_path: Path) -> None:
+    """Replicated and private state taken by ranks 0 and 1 of a job of 4 (a node lost since, or the job
+    shrunk to one process): each rank that runs here now puts its state together from both regions."""
     module = _Module()
-    for rank, tier in enumerate(_tiers(tmp_path, (0, 1), 2)):
+    for rank, tier in enumerate(_tiers(tmp_path, (0, 1), 4)):
         _snapshot(tier, rank, module, step=3)
         tier.close(remove=False)
-    for tier, why in [
-        (_tiers(tmp_path, (0, 1), 4)[0], "of a job of 2 ranks; this machine now runs ranks [0, 1] of 4"),
-        (MemoryTier(tmp_path, MemoryCadence(1), data_file=data_file_name(0)), "this job has one"),
-    ]:
-        states, skipped = tier.snapshots()
-        assert not states and why in skipped[0][1], skipped
+    for tier, rank in [(_tiers(tmp_path, (0, 1), 2)[1], 1),
+                       (MemoryTier(tmp_path, MemoryCadence(1), data_file=data_file_name(0)), 0)]:
+        (state,), skipped = tier.snapshots()
+        assert not skipped
+        whole = tier.complete(state)
+        skeleton, tensors = local_view(whole.manifest, whole.tensors)
+        expected = _state(rank, module)
+        assert skeleton == {"rank": rank} and all(torch.equal(tensors[n], expected[n]) for n in expected)
         tier.close(remove=False)

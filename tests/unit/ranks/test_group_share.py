@@ -9,7 +9,7 @@ import torch
 from fake_peers import FakePeers, run_ranks
 
 from checkfreq.ranks import sharing
-from checkfreq.ranks.group_share import Group, GroupSharer, groups_of
+from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, unusable_at
 from checkfreq.ranks.rebuild import local_view
 from checkfreq.storage.format import Manifest
 
@@ -56,12 +56,11 @@ def test_the_shares_of_a_group_give_every_rank_its_whole_state(size: int) -> Non
             assert torch.equal(rebuilt[name], tensor), name
 
 
-def test_a_group_refuses_shares_taken_by_other_ranks() -> None:
-    group = Group((0, 1), 1, 2)
-    assert group.peers == (0,)
-    assert group.matches({"group": [0, 1], "world_size": 2}) is None
-    assert "ranks [0, 1] of a job of 4 ranks" in (group.matches({"group": [0, 1], "world_size": 4}) or "")
-    assert "now runs ranks [0, 1] of 2" in (group.matches({"group": [0, 2], "world_size": 2}) or "")
+def test_sharded_shares_restore_at_their_world_size_only() -> None:
+    replicated = {"group": [0, 1], "world_size": 4, "tensors": {"w": {"kind": "replicated"}, "b": {"kind": "private"}}}
+    sharded = {"group": [0, 1], "world_size": 4, "tensors": {"w": {"kind": "sharded"}}}
+    assert unusable_at(replicated, 4) is None and unusable_at(replicated, 2) is None and unusable_at(sharded, 4) is None
+    assert "sharded state taken by 4 ranks does not restore from memory at 2" in (unusable_at(sharded, 2) or "")
     with pytest.raises(ValueError, match="not in its group"):
         Group((0, 1), 2, 4)
 
