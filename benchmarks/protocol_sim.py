@@ -4,7 +4,8 @@ Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--rest
 
 Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``agree_on_token`` over a
 key-value store, then ``ranks.group_cluster.meet``: the job's token, who shares a directory, each directory
-opened), one commit (``pipeline.commit.Committer.run``, which writes a real data file per rank and rank 0's
+opened), a memory tier's start-up (``ranks.sharing.memory_group``: which ranks share a machine, 8 to a
+machine), one commit (``pipeline.commit.Committer.run``, which writes a real data file per rank and rank 0's
 ``manifest.json`` into one shared directory), three exchanges of the vote on when to checkpoint
 (``ranks.collectives.tree_max``, what ``ranks.agreement.AgreedPolicy``'s vote thread runs), and the restore
 (``pipeline.restore.Restorer.find``: the choice of step, rank 0's plan, each file read and verified by one
@@ -89,17 +90,19 @@ from checkfreq.ranks.group_cluster import SharePlan, meet, wait_for_every_rank  
 from checkfreq.ranks.groups import agree_on_token  # noqa: E402
 from checkfreq.ranks.rebuild import Box  # noqa: E402
 from checkfreq.ranks.shares import PRIVATE, SHARDED, partition, private_name  # noqa: E402
+from checkfreq.ranks.sharing import memory_group  # noqa: E402
 from checkfreq.storage.format import DTYPE_CODES, plan_layout  # noqa: E402
 from checkfreq.storage.local import LocalStore  # noqa: E402
 
 WORLDS = "64,1024,4096,16384"
 LAYERS = 50
+RANKS_PER_MACHINE = 8
 """50 linear layers and AdamW: 400 replicated tensors."""
 STEP = 100
 TIMEOUT_S = 1800.0
 STACK_BYTES = 256 << 10
 """Each rank thread's stack: 16,384 threads reserve 4 GiB of address space, of which they touch little."""
-PHASES = ("startup", "commit", "vote", "restore")
+PHASES = ("startup", "memory group", "commit", "vote", "restore")
 
 
 def message_bytes(value: Any) -> int:
@@ -699,6 +702,8 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
         agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
         token, directory = meet(local, [], peers)
+    with ledger.phase("memory group"):  # a memory tier's start-up: which ranks share a machine
+        memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}")
     leader = directory == rank
     with ledger.phase("commit"):
         committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,

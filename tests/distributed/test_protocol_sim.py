@@ -105,3 +105,13 @@ def test_a_rank_wakes_the_ranks_it_delivered_to_when_it_passes_the_baton() -> No
     assert woken == ["message", "store key"]
     baton.wake(lambda: woken.append("unheld"))
     assert woken[-1] == "unheld"
+
+
+def test_the_memory_tiers_start_up_costs_a_rank_the_same_at_any_size(runs: dict[int, Run]) -> None:
+    """Which ranks share a machine (8 to a machine): a rank other than 0 sends its key to rank 0 and
+    receives its machine's ranks (a length, then the list), at any N; rank 0's count is linear."""
+    for world, run in runs.items():
+        counts = run.counts("memory group")
+        assert [(c.messages_out, c.messages_in) for c in counts[1:]] == [(1, 2)] * (world - 1), world
+        assert (counts[0].messages_in, counts[0].messages_out) == (world - 1, 2 * (world - 1)), world
+        assert max(c.bytes_in for c in counts[1:]) < 100  # eight rank numbers, whatever N

@@ -1,0 +1,107 @@
+"""The memory tier under DDP on one machine: shared memory used, the snapshot's cost, and the restore.
+
+For each number of ranks the script runs itself under ``torchrun`` (CPU, gloo): every rank holds
+the same data-parallel state (an MLP and its AdamW state, ``--mb`` MB in all), takes a memory
+snapshot at each of ``--steps`` steps (no persist), and leaves without closing, as a killed job
+does; then a second job restores from those snapshots. Printed per world size: the bytes of the
+job's regions in shared memory, each rank's snapshot size, the median stall of a memory snapshot
+(what the training thread waited) and of its background commit (copy and checksum), and the
+slowest rank's ``restore()``.
+
+    python -m benchmarks.memory_group --ranks 2,4 --mb 100
+
+Run it with ``PYTHONPATH`` pointing at another checkout's ``src`` to compare two versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import checkfreq as cf
+from checkfreq.run.events import read_events
+from checkfreq.storage.shm import SHM_DIR_ENV
+
+
+def _model(mb: float) -> nn.Module:
+    """An MLP whose parameters and AdamW state (three copies) take about ``mb`` MB."""
+    width = int((mb * 1e6 / 4 / 3 / 4) ** 0.5)
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(4)))
+
+
+def worker(directory: str, mb: float, steps: int, restore: bool) -> None:
+    dist.init_process_group("gloo")
+    model = _model(mb)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) * 1e-3
+    ckpt = cf.Checkpointer(directory, policy=cf.Every(n=10**9), memory=1, model=model, optimizer=optimizer)
+    if restore:
+        ckpt.restore()
+        os._exit(0)
+    for _ in range(steps):
+        optimizer.step()
+        ckpt.step()
+    ckpt.wait()
+    dist.barrier()
+    os._exit(0)  # as a killed job: the regions stay
+
+
+def _torchrun(ranks: int, *args: str, env: dict[str, str]) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "benchmarks.memory_group", "--worker", *args]
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def measure(ranks: int, mb: float, steps: int) -> dict[str, Any]:
+    """One job of ``ranks`` ranks taking ``steps`` memory snapshots, then one restoring from them."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as work:
+        env = {**os.environ, SHM_DIR_ENV: shm, "OMP_NUM_THREADS": "1"}
+        _torchrun(ranks, "--dir", work, "--mb", str(mb), "--steps", str(steps), env=env)
+        regions = sum(p.stat().st_size for p in Path(shm).iterdir())
+        _torchrun(ranks, "--dir", work, "--mb", str(mb), "--restore", env=env)
+        events = read_events(work)
+    taken = [e for e in events if e["event"] == "memory"]
+    return {
+        "ranks": ranks, "regions_bytes": regions,
+        "snapshot_bytes": sorted({e["rank"]: e["bytes"] for e in taken}.values()),
+        "stall_ms": 1e3 * statistics.median(e["stall_s"] for e in taken[ranks:]),  # the first creates the region
+        "restore_s": max(e["restore_s"] for e in events if e["event"] == "restore"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--mb", type=float, default=100)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--restore", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.dir, args.mb, args.steps, args.restore)
+        return
+    start = time.perf_counter()
+    for _ in range(args.rounds):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            print(json.dumps(measure(ranks, args.mb, args.steps)), flush=True)
+    print(f"# {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
