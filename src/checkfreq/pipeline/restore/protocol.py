@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
@@ -238,11 +239,8 @@ class Restorer:
                 return found
             problems[s] = damaged[s] = found
         skipped += self._skip_newer_than(-1, problems)
-        where = self.tiers.where()
-        if step is not None:
-            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {where}" + _reasons(skipped))
-        if plan.listed:
-            raise NoValidCheckpointError(f"no valid checkpoint in {where}" + _reasons(skipped))
+        if step is not None or plan.listed:
+            raise no_valid_checkpoint(self.tiers, step, skipped)
         aside = self.local.set_aside_checkpoints()  # every rank looks: each raises, or none does
         if aside:
             raise NoValidCheckpointError(
@@ -464,10 +462,6 @@ class Restorer:
         if source is None or location is None:
             raise CorruptCheckpointError(f"the {source or 'remote'} tier no longer lists this checkpoint")
         return self._stored[source].read_data(location, name, entry["size"], entry["xxh3_64"])
-
-
-def _reasons(skipped: Skipped) -> str:
-    return f" ({'; '.join(f'{name}: {why}' for name, why in skipped)})" if skipped else ""
 
 
 def _plan_of(readable: Readable | str, views: list[Holdings | str]) -> ReadPlan | str:
