@@ -5,10 +5,9 @@ the event log shows, and what to do (:mod:`checkfreq.tools.report_advice`)."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from checkfreq.tools.report import RunReport, SessionSummary
+from checkfreq.tools.report_model import RunReport, SessionSummary
 
 
 def _values(items: Any) -> list[Any]:
