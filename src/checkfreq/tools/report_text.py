@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from checkfreq.tools.report_advice import overhead_advice
 from checkfreq.tools.report_model import RunReport, SessionSummary
 
 
@@ -47,9 +48,10 @@ def summary_text(report: RunReport) -> str:
             for rank, stalls in report.rank_stalls.items()
         ))
     lines.append(
-        f"iteration: {human_seconds(s.clean_iteration_s)} clean; "
-        f"smoothed {human_seconds(s.iteration_s)} without a persist, "
-        f"{human_seconds(s.iteration_persisting_s)} while persisting"
+        f"step time: {human_seconds(s.clean_iteration_s)} on average over the clean steps (no persist running, "
+        f"no stall: what the overhead is measured against); the profiler's smoothed estimate at the end: "
+        f"{human_seconds(s.iteration_s)} per step, {human_seconds(s.iteration_persisting_s)} while a persist runs"
+        + _mean_far_from_smoothed(s.clean_iteration_s, s.iteration_s)
     )
     if report.memory_snapshots:
         stalls = _values(m["stall_s"] for m in report.memory_snapshots)
@@ -63,10 +65,23 @@ def summary_text(report: RunReport) -> str:
         if waits:
             lines.append(f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, "
                          f"max {human_seconds(max(waits))}")
-    lines.append(f"overhead: {overhead_text(s.overhead, ' of wall time')}")
+    meaning = "" if s.overhead is None or s.overhead < 0 else (
+        ": the share of the time between checkpoints (other work between steps left out) that clean steps "
+        "do not account for, that is, the stalls and the steps a persist slowed"
+    )
+    lines.append(f"overhead: {overhead_text(s.overhead, ' of wall time')}{meaning}")
+    lines.extend(overhead_advice(report))
     if len(report.sessions) > 1:
         lines.extend(session_line(session) for session in report.sessions)
     return "\n".join(lines)
+
+
+def _mean_far_from_smoothed(mean: float | None, smoothed: float | None) -> str:
+    """What a person should make of a clean mean far from the smoothed estimate, or ``""``."""
+    if mean is None or not smoothed or 0.5 < mean / smoothed < 2:
+        return ""
+    return (" (far apart: the mean counts every clean step, the smoothed estimate passes over the few that "
+            "something else held up, on a loaded machine, or that ran in another phase of the loop)")
 
 
 def session_line(s: SessionSummary) -> str:
@@ -75,7 +90,7 @@ def session_line(s: SessionSummary) -> str:
     if s.resized:
         began += f" on {s.resized[1]} rank(s), saved by {s.resized[0]}"
     if s.seeded:
-        began += f" (carried: {', '.join(s.seeded)})"
+        began += f" ({carried_text(s.seeded)})"
     head = f"session {s.index + 1}: {began}; "
     if not s.checkpoints:
         return head + "no checkpoint"
@@ -92,6 +107,19 @@ def session_line(s: SessionSummary) -> str:
         interval = number_text(s.interval_median_steps, "{:g}")
         measured = f"interval median {interval} steps, overhead {overhead_text(s.overhead)}"
     return f"{head}{taken}, {rate} per 1000 steps, {measured}"
+
+
+CARRIED = {
+    "profile": "the step and checkpoint costs measured before",
+    "policy": "the policy's state (for policy='auto', the interval it chose and its overhead budget)",
+}
+"""What each part a checkpoint carries into the next session is, in words (docs/policies.md)."""
+
+
+def carried_text(seeded: tuple[str, ...] | list[str]) -> str:
+    """What a restored session took over from its checkpoint and why it matters, in words."""
+    parts = " and ".join(CARRIED.get(part, part) for part in seeded)
+    return f"took over {parts}, so it goes on from what the run had learned instead of learning it afresh"
 
 
 def overhead_text(overhead: float | None, unit: str = "") -> str:
