@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
+from checkfreq.cli.demo import lost_text
 from checkfreq.run.events import EventLog
+from checkfreq.tools.report import load_run
 from helpers import make_model, train_step
 
 runner = CliRunner()
@@ -151,3 +153,17 @@ def test_report_on_a_read_only_run_writes_into_a_temporary_directory_and_says_so
     asked = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "here")], terminal_width=300)
     assert asked.exit_code == 0 and (tmp_path / "here" / "report.png").is_file()
     assert "could not write" not in asked.stdout
+
+
+def test_the_demo_says_a_persist_in_flight_is_why_more_steps_than_an_interval_were_lost(tmp_path: Path) -> None:
+    """The case a demo's random kill lands on now and then (tests/integration/test_demo.py checks whichever comes)."""
+    log = EventLog(tmp_path)
+    log.write("start", pid=1, policy="Auto", keep=3)
+    _window(log, 10, interval_s=1.0, clean_s=0.1, iteration_s=0.1)
+    log.write("snapshot", step=30, stall_s=0.01, bytes=100, interval_steps=20, interval_s=2.0)  # killed in its persist
+    log.write("start", pid=2, policy="Auto", keep=3)
+    log.write("restore", step=10, skipped=[], seeded=["profile", "policy"])
+    assert lost_text(load_run(tmp_path), killed=41, restored=10) == (
+        "the checkpoint of step 30 was still being written when the kill came at step 41, so the newest durable "
+        "one was that of step 10, the one before it"
+    )
