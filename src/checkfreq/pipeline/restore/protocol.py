@@ -35,6 +35,7 @@ from checkfreq.pipeline.restore.messages import (
     decode_order,
 )
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
+from checkfreq.pipeline.restore.progress import logged_reads
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.pipeline.tier import Tier, TierName
@@ -394,18 +395,20 @@ class Restorer:
         it says so); return why each damaged one is."""
         stream = readable.stream if order.pack else None
         damaged = {}
-        for name, tier in order.read:
-            source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
-            try:
-                files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
-                if stream is not None:
-                    packs[name] = stream.row(name, *files[name])
-                tiers.add(str(source))
-            except CorruptCheckpointError as e:
-                files.pop(name, None)
-                damaged[name] = str(e)
-                log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
-                            "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
+        total = sum(int(readable.manifest.files[name]["size"]) for name, _ in order.read)
+        with logged_reads(readable.step, total):
+            for name, tier in order.read:
+                source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
+                try:
+                    files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
+                    if stream is not None:
+                        packs[name] = stream.row(name, *files[name])
+                    tiers.add(str(source))
+                except CorruptCheckpointError as e:
+                    files.pop(name, None)
+                    damaged[name] = str(e)
+                    log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
+                                "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
         return damaged
 
     def _exchange(self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor],
