@@ -22,6 +22,8 @@ import pytest
 import torch
 from elastic_train import command, read_steps, step_samples
 
+from checkfreq.run.events import read_events
+from checkfreq.storage.shm import SHM_DIR_ENV
 from checkfreq.tools.report import load_run, summary_text
 from helpers import SCRIPTS, free_port, hf_fit, kill_tree, run_job, sample_reads
 
@@ -99,16 +101,18 @@ def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Pa
         assert f"restored step {restored_step} on {now} rank(s), saved by {saved} " in text, text
 
 
-def elastic_agent(work: Path, node: int, local_dir: str, port: int) -> subprocess.Popen[str]:
-    """A torchrun agent of an elastic job (1 to 2 nodes, one rank each) on 127.0.0.<node+1>.
+def elastic_agent(work: Path, node: int, local_dir: str, port: int, *extra: str, nproc: int = 1,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A torchrun agent of an elastic job (1 to 2 nodes of ``nproc`` ranks) on 127.0.0.<node+1>; by
+    default, with ``--kill-node 5 --die 1:7 --pause-at 1:9``.
 
     Node 0 hosts the rendezvous store (``is_host``): the store must outlive the node that is lost.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    torchrun = command(1, "--ckpt-dir", str(work / local_dir), "--remote", str(work / "remote"),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    torchrun = command(nproc, "--ckpt-dir", str(work / local_dir), "--remote", str(work / "remote"),
                        "--final", str(work / "final.pt"), "--step-log", str(work / "steps.log"),
                        "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS),
-                       "--kill-node", "5", "--die", "1:7", "--pause-at", "1:9")
+                       *(extra or ("--kill-node", "5", "--die", "1:7", "--pause-at", "1:9")))
     at = torchrun.index("--standalone")
     torchrun[at:at + 1] = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                            "--local-addr", f"127.0.0.{node + 1}",
@@ -154,6 +158,33 @@ def test_torchrun_elastic_job_loses_a_node_and_gets_one_back_on_course(reference
     worlds = [sorted({world for _, _, world in steps[step].values()}) for step in sorted(steps)]
     assert worlds == [[2]] * 4 + [[1]] * 4 + [[2]] * 4  # step 9 was run again after the new node joined
     assert_on_course(steps, reference, tmp_path / "final.pt")
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_resumes_from_the_survivors_memory(reference: Path, tmp_path: Path) -> None:
+    """``--nnodes 1:2``, two ranks per node, each node with its own shared memory and a memory snapshot
+    every step: node 1 is lost for good after step 5, its memory and local directory with it; node 0's
+    ranks restart at world size 2 from step 5 in their memory (the durable checkpoint is step 4),
+    put together from the shares they took at world size 4, and finish on course."""
+    port, shm = free_port(), [tmp_path / "shm0", tmp_path / "shm1"]
+    for path in shm:
+        path.mkdir()
+    agents = [elastic_agent(tmp_path, node, f"node{node}", port, "--memory", "1", "--kill-node", "5", nproc=2,
+                            env={SHM_DIR_ENV: str(shm[node])}) for node in (0, 1)]
+    try:
+        codes = [agent.wait(timeout=200) for agent in agents]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    outs = {node: (tmp_path / f"node{node}.out").read_text() for node in (0, 1)}
+    assert codes == [0, -9], outs
+    restores = sorted(line.split(" accumulation")[0] for line in outs[0].splitlines() if "restored step=" in line)
+    assert restores == ["life=0 rank=0 world=4 restored step=0", "life=0 rank=1 world=4 restored step=0",
+                        "life=1 rank=0 world=2 restored step=5", "life=1 rank=1 world=2 restored step=5"], outs
+    tiers = {(e["rank"], e["tier"], e["saved_world_size"]) for e in read_events(tmp_path / "node0")
+             if e["event"] == "restore"}
+    assert tiers == {(0, "memory", 4), (1, "memory", 4)}, tiers  # the shares were taken at world size 4
+    assert_on_course(read_steps(tmp_path / "steps.log"), reference, tmp_path / "final.pt")
 
 
 def fit_lightning(work: Path, log: str, *args: str, expect_success: bool = True) -> str:

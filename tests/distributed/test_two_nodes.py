@@ -26,6 +26,7 @@ import torch
 from checkfreq.run.events import read_events
 from checkfreq.storage import FsspecStore, LocalStore
 from checkfreq.storage.format import MANIFEST_NAME
+from checkfreq.storage.shm import SHM_DIR_ENV
 from helpers import (
     BATCH,
     EPOCHS,
@@ -73,9 +74,10 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
 
 
 def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: int = 0,
-              expect_success: bool = True, per_node: int = 1) -> str:
+              expect_success: bool = True, per_node: int = 1, shm_dirs: tuple[Path, Path] | None = None) -> str:
     """One job of ``ddp_train.py`` on two torchrun agents of ``per_node`` ranks each, node ``i`` with
-    ``local_dirs[i]``; its output."""
+    ``local_dirs[i]`` (and, given ``shm_dirs``, its own shared memory ``shm_dirs[i]``: docs/reliability.md);
+    its output."""
     port = free_port()
     # The c10d rendezvous ranks the agents by address (it ignores --node-rank): node i, at
     # 127.0.0.<i+1>, runs ranks i·per_node … (i+1)·per_node − 1 in every job and every restart.
@@ -91,8 +93,9 @@ def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: 
                    "--batch-log", str(work / "batches.log"),
                    "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
                    "--every", str(EVERY), "--kill-marker", str(work / "killed"), *extra]
+        node_env = env if shm_dirs is None else {**env, SHM_DIR_ENV: str(shm_dirs[node])}
         with open(logs[node], "w") as log:
-            procs.append(subprocess.Popen(command, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env,
+            procs.append(subprocess.Popen(command, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=node_env,
                                           start_new_session=True))
     deadline, hung = time.monotonic() + TIMEOUT_S, False
     try:
@@ -249,3 +252,41 @@ def test_healthy_restarts_read_nothing_from_remote_tier(tmp_path: Path) -> None:
                 path.unlink()
     assert_same_final_state(work, reference, ranks)
     assert_each_sample_once_per_epoch(work / "batches.log")
+
+
+@pytest.mark.slow
+def test_each_node_keeps_one_copy_in_its_memory_and_every_rank_resumes_from_it(tmp_path: Path) -> None:
+    """Two nodes of two ranks each, each node with its own shared memory (``CHECKFREQ_SHM_DIR`` per
+    agent) and local directory, a memory snapshot every step and no persist before the end: each
+    node's two ranks keep one copy of the replicated state between them, and when rank 3 is killed
+    after step 3, every rank of both nodes resumes from its node's memory, bit-identical."""
+    ranks = (0, 1, 2, 3)
+    reference, work = tmp_path / "reference", tmp_path / "work"
+    reference.mkdir()
+    run_nodes(reference, (reference / "ckpt",) * 2, "--find-unused", per_node=2)
+    work.mkdir()
+    shm_dirs = (Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-a",
+                Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-b")
+    for path in shm_dirs:
+        path.mkdir()
+    try:
+        out = run_nodes(work, node_dirs(work), "--every", "100", "--memory", "1", "--die", "0:3:3:step",
+                        "--find-unused", per_node=2, restarts=1, shm_dirs=shm_dirs)
+        resumed = {steps[1] for steps in restored(out).values()}
+        assert resumed <= {2, 3} and len(resumed) == 1, out[-4000:]
+        for node, local in enumerate(node_dirs(work)):
+            tiers = restore_tiers(local)
+            assert sorted(tiers) == [2 * node, 2 * node + 1], tiers
+            assert all(entries[-1][1] == "memory" for entries in tiers.values()), tiers
+            by_step: dict[int, dict[int, int]] = {}
+            for record in read_events(local):
+                if record["event"] == "memory":
+                    by_step.setdefault(record["step"], {})[record["rank"]] = record["bytes"]
+            pairs = [sorted(b.values()) for b in by_step.values() if len(b) == 2]
+            assert pairs and all(abs(a - b) < 0.2 * (a + b) for a, b in pairs), pairs  # each about half
+        assert_same_final_state(work, reference, ranks)
+        assert_each_sample_once_per_epoch(work / "batches.log")
+        assert not any(any(path.iterdir()) for path in shm_dirs)  # a clean close removes the regions
+    finally:
+        for path in shm_dirs:
+            shutil.rmtree(path, ignore_errors=True)

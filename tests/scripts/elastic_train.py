@@ -25,6 +25,7 @@ writes the model, optimizer and scheduler state to ``--final``.
 * ``--batch-size N``: instead of a global batch, ``N`` samples per rank and step (the batch then
   grows and shrinks with the world size: the contrast in docs/distributed.md's figure).
 * ``--remote PATH``: a shared remote tier; ``--ckpt-dir`` is then the node's local directory.
+* ``--memory N``: the memory tier, a snapshot every N steps.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pause-at", default="", help="WORLD:STEP")
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--remote", default=None)
+    parser.add_argument("--memory", type=int, default=0)
     return parser.parse_args()
 
 
@@ -114,7 +116,7 @@ def main() -> None:
     net = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=args.remote,
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=args.remote, memory=args.memory or False,
                         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     step = ckpt.restore()
     accumulation = loader.accumulation_steps

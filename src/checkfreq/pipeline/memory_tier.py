@@ -9,6 +9,13 @@ its slot before writing it to disk and keeps it from being overwritten until the
 If /dev/shm has no room, the tier turns itself off with one warning and checkpoints go to disk
 as without it.
 
+Under torch.distributed the ranks of one machine (those whose regions share its shared memory,
+learned at start: :func:`checkfreq.ranks.sharing.memory_group`) keep one copy of the replicated
+state between them: each rank's slot holds its share of it and its own private state
+(:mod:`checkfreq.ranks.group_share`), so a machine of L ranks holds the replicated state once, not
+L times, and each rank copies 1/L of it. A restore reads the group's other shares straight from
+their regions on the same machine (:meth:`MemoryTier.complete`).
+
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
 the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
 snapshot's side stream at the pinned bandwidth and only the fence waits for it; registering is a
@@ -29,7 +36,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,9 +49,21 @@ from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, Sn
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import Peers
+from checkfreq.ranks.group_share import Group, GroupSharer, unusable_at
+from checkfreq.ranks.sharing import directory_key, memory_group
+from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.storage.host_pinning import HostRegistry, host_registry
-from checkfreq.storage.shm import MemoryRegion, OpenSlot, ShmCapacityError, layout_signature, remove_regions_beyond
+from checkfreq.storage.shm import (
+    MemoryRegion,
+    OpenSlot,
+    ShmCapacityError,
+    device_and_inode,
+    layout_signature,
+    region_path,
+    remove_regions_beyond,
+    shm_directory,
+)
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
@@ -83,12 +102,17 @@ class MemoryTier(Tier):
         directory: the checkpoint directory (path or URL) the region is named after.
         cadence: when memory-only snapshots are taken.
         data_file: the data file name the snapshot's manifest refers to.
+        group: the ranks of this machine that keep the state together (None: this rank keeps all of it).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0
+        self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0,
+        group: Group | None = None,
     ) -> None:
+        self.directory, self.rank = directory, rank
         self.region = MemoryRegion.for_directory(directory, rank)
+        self.group = group
+        self._sharer = None if group is None else GroupSharer(group)
         self._sealer: ThreadPoolExecutor | None = None
         self.registry: HostRegistry | None = None
         """Pins slots for device copies; created at the first CUDA snapshot or restore."""
@@ -115,7 +139,11 @@ class MemoryTier(Tier):
                                        "(e.g. memory=1), so that every rank snapshots the same steps")
         if peers.rank == 0:
             remove_regions_beyond(directory, peers.size)
-        return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank)
+        group = None
+        if peers.size > 1:
+            ranks = memory_group(peers, _machine_key(directory, peers.rank))
+            group = Group(tuple(ranks), peers.rank, peers.size)
+        return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank, group=group)
 
     @property
     def busy(self) -> bool:
@@ -144,24 +172,31 @@ class MemoryTier(Tier):
     def record_device_wait(self, seconds: float) -> None:
         self.cadence.record_device_wait(seconds)
 
+    def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
+              ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+        """This rank's share of the state its machine's ranks keep together (module docstring)."""
+        if self._sharer is None or not self.enabled:
+            return tensors, owned, None
+        arrays, fenced, index = self._sharer.select(tensors, owned, replicated(tensors, objects), skeleton)
+        return arrays, fenced, dict(index)
+
     def target(self, request: SnapshotRequest) -> MemoryTarget | None:
         """Open a slot for a snapshot of ``request.layout``; None once the tier is off (no room in
         /dev/shm, or sharded state). With ``request.device_copies`` (CUDA tensors will be copied in)
         the slot is pinned first."""
         if not self.enabled:
             return None
-        if request.sharded:
-            log.warning(
-                "memory tier off: it holds each rank's whole local state and does not take sharded (DTensor) state yet"
-            )
+        if request.sharded and request.split is None:
+            log.warning("memory tier off: a job of one rank with sharded (DTensor) state is not taken into memory")
             self.enabled = False
             return None
         layout = request.layout
+        world_size = 1 if request.split is None else request.split["world_size"]  # the job's, for the events
         manifest = Manifest(
-            step=request.step, epoch=request.epoch, world_size=1,
+            step=request.step, epoch=request.epoch, world_size=world_size,
             files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
             tensors=tensor_entries(layout, self._data_file), state=request.skeleton, versions=request.versions,
-            created=request.created,
+            created=request.created, distributed=request.split,
         )
         meta = manifest.to_json()
         start = time.perf_counter()
@@ -261,12 +296,47 @@ class MemoryTier(Tier):
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects
                 manifest = Manifest.from_json(meta)
                 tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+                problem = self._foreign_split(manifest)
             except CheckfreqError as e:
-                log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
-                skipped.append((f"memory slot {info.slot}", str(e)))
+                problem = str(e)
+            if problem is not None:
+                log.warning("skipping memory snapshot in slot %d: %s", info.slot, problem)
+                skipped.append((f"memory slot {info.slot}", problem))
                 continue
             states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self.name))
         return states, skipped
+
+    def _foreign_split(self, manifest: Manifest) -> str | None:
+        """Why this job cannot restore the state of ``manifest`` (a share of its machine's), or None."""
+        split = manifest.distributed
+        if split is None:  # this rank's whole state
+            return None
+        return unusable_at(split, 1 if self.group is None else self.group.world_size)
+
+    def complete(self, state: HeldState) -> HeldState:
+        """``state`` (this rank's share) with the shares of the other ranks of its machine when it was
+        taken, each read from that rank's region and verified (copied first: their owners write
+        again once training goes on). A :class:`CheckfreqError` naming the rank if one is missing or
+        damaged (the rank now runs elsewhere, or not at all)."""
+        split = state.manifest.distributed
+        if split is None or _stored_names(split) <= state.tensors.keys():
+            return state  # its whole state: nothing is kept by another rank (sharded state, a machine of one)
+        step = state.manifest.step
+        tensors = dict(state.tensors)
+        for peer in (r for r in split["group"] if r != self.rank):
+            region = MemoryRegion(region_path(self.directory, peer), device_and_inode(self.directory), tidy=False)
+            try:
+                found = region.newest(step)
+                if found is None:
+                    reasons = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
+                    raise CheckfreqError(f"rank {peer}'s share of memory snapshot {step} on this machine cannot be "
+                                         f"read ({region.path}): {reasons}")
+                _, meta, data = found
+                tensors.update({name: entry_view(data, entry)
+                                for name, entry in Manifest.from_json(meta).tensors.items()})
+            finally:
+                region.release(remove=False)
+        return HeldState(state.manifest, tensors, state.name, state.tier)
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
@@ -283,3 +353,22 @@ class MemoryTier(Tier):
         if self._sealer is not None:  # a checksum being computed reads the region: it goes first
             self._sealer.shutdown(wait=True, cancel_futures=remove)
         self.region.release(remove=remove)
+
+
+def _stored_names(split: Mapping[str, Any]) -> set[str]:
+    """The names of the arrays the tensors of a group's index are stored under, on any of its ranks."""
+    names = set()
+    for record in split["tensors"].values():
+        for part in record["parts"]:
+            if part is not None:
+                names.add(part if isinstance(part, str) else part[0])
+    return names
+
+
+def _machine_key(directory: str | os.PathLike[str], rank: int) -> str:
+    """The same on the ranks whose regions of ``directory`` share one machine's shared memory."""
+    try:
+        machine = directory_key(shm_directory())
+    except OSError:  # no shared memory to share: this rank keeps its whole state
+        machine = f"rank {rank}"
+    return f"{machine}|{region_path(directory, 0).name}"

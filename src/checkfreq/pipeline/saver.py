@@ -132,8 +132,9 @@ class Saver:
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
+        tensors, owned, split = tier.share(tensors, owned, self.objects, skeleton)
         layout = layout_of(tensors)
-        target = tier.target(self._request(layout, skeleton, step, epoch_label, tensors))
+        target = tier.target(self._request(layout, skeleton, step, epoch_label, tensors, split))
         if target is None:  # the tier turned itself off (no room, state it does not take)
             self.profiler.record_memory_stall(time.perf_counter() - start)
             return
@@ -184,10 +185,10 @@ class Saver:
 
     @staticmethod
     def _request(layout: Any, skeleton: Any, step: int, epoch: int | None,
-                 tensors: dict[str, torch.Tensor]) -> SnapshotRequest:
+                 tensors: dict[str, torch.Tensor], split: dict[str, Any] | None = None) -> SnapshotRequest:
         return SnapshotRequest(layout, skeleton, step, epoch, versions(), time.time(),
                                device_copies=any_cuda(tensors.values()),
-                               sharded=any(is_dtensor(t) for t in tensors.values()))
+                               sharded=any(is_dtensor(t) for t in tensors.values()), split=split)
 
     # ------------------------------------------------------------------ the fence and the waits
 

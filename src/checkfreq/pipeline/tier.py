@@ -21,7 +21,7 @@ restore side
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, TypeVar
@@ -75,6 +75,8 @@ class SnapshotRequest:
     """CUDA tensors will be copied in."""
     sharded: bool
     """Some tensors are sharded (DTensors)."""
+    split: dict[str, Any] | None = None
+    """How the state is split over the ranks that hold it together (:meth:`Tier.share`), if it is."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,13 @@ class Tier:
     def due(self, step: int, iteration_time: float) -> bool:
         """Whether a snapshot into this tier alone is due at ``step``."""
         return False
+
+    def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
+              ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+        """What it keeps of this rank's state (``tensors``, of the registered ``objects``) for a snapshot
+        of its own: (arrays, which are fenced, how the state is split over the ranks that keep it
+        together, or None: all of it, here)."""
+        return tensors, owned, None
 
     def target(self, request: SnapshotRequest) -> SnapshotTarget | None:
         """Where the snapshot of ``request`` lands; None: not in this tier."""
@@ -211,6 +220,11 @@ class Tier:
         """Every verified state it holds (or those at ``step``), newest first, and the (name, reason)
         of those skipped."""
         return [], []
+
+    def complete(self, state: HeldState) -> HeldState:
+        """``state`` (one of :meth:`snapshots`) with what other ranks keep of it added, read where they
+        keep it; a :class:`~checkfreq.errors.CheckfreqError` if some of it cannot be read."""
+        return state
 
     def newest_step(self) -> int | None:
         """The step of the newest whole state it holds (:meth:`snapshots`, not verified), if any."""

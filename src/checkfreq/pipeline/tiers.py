@@ -152,6 +152,11 @@ class Tiers:
             skipped += passed
         return sorted(states, key=lambda s: -s.manifest.step), skipped
 
+    def complete(self, state: HeldState) -> HeldState:
+        """``state`` with what other ranks keep of it, from the tier holding it (:meth:`Tier.complete`)."""
+        (tier,) = [tier for tier in self.all if tier.name == state.tier]
+        return tier.complete(state)
+
     def newest_step(self) -> int | None:
         """The newest whole state any tier holds (not verified)."""
         return max((s for s in (tier.newest_step() for tier in self.all) if s is not None), default=None)

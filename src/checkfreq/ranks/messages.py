@@ -53,3 +53,20 @@ class DirectoryLeader:
     @classmethod
     def from_wire(cls, wire: JSON) -> DirectoryLeader:
         return cls(int(wire))
+
+
+@dataclass(frozen=True)
+class GroupMembers:
+    """0 → a rank, at start-up: the ranks whose memory tier shares this rank's machine and run, in
+    rank order (:func:`checkfreq.ranks.sharing.memory_group`)."""
+
+    ranks: list[int]
+
+    def to_wire(self) -> JSON:
+        return list(self.ranks)
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> GroupMembers:
+        if not isinstance(wire, list):
+            raise ValueError(f"a group's members are a list, got {type(wire).__name__}")
+        return cls([int(r) for r in wire])

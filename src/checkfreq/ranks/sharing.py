@@ -24,7 +24,8 @@ from pathlib import Path
 
 from checkfreq.errors import CheckfreqError
 from checkfreq.ranks.collectives import Peers, collect_errors, gather_messages, scatter_messages
-from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader
+from checkfreq.ranks.group_share import groups_of
+from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
@@ -61,6 +62,15 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
             "own local directory, or one directory every rank sees at once"
         )
     return leader
+
+
+def memory_group(peers: Peers, key: str) -> list[int]:
+    """The ranks that passed the same ``key`` (the memory tier's: this machine's shared memory and the
+    run's region name), in rank order. Collective: rank 0 gathers the keys and sends each rank its
+    group, so a rank sends one key and receives its group's ranks, whatever the number of ranks."""
+    keys = gather_messages(peers, DirectoryKey(key), DirectoryKey.from_wire)
+    groups = None if keys is None else [GroupMembers(g) for g in groups_of([k.key for k in keys])]
+    return scatter_messages(peers, groups, GroupMembers.from_wire).ranks
 
 
 def _leaders(keys: list[str]) -> list[int]:

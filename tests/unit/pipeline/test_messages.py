@@ -51,7 +51,7 @@ from checkfreq.ranks.collectives import (
     scatter_messages,
 )
 from checkfreq.ranks.liveness import Whoami
-from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, Token
+from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers, Token
 
 # ---------------------------------------------------------------------------------- values
 
@@ -128,6 +128,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Token: st.builds(Token, texts),
     DirectoryKey: st.builds(DirectoryKey, texts),
     DirectoryLeader: st.builds(DirectoryLeader, counts),
+    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8)),
     Whoami: st.builds(Whoami, texts, counts),
     # commit and upload
     CommitReport: commit_reports(),

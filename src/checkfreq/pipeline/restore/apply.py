@@ -13,10 +13,13 @@ from checkfreq.run.state import unflatten
 
 
 def restored_state(found: Found, cluster: Cluster, objects: Mapping[str, Any], *, allow_pickle: bool) -> Any:
-    """This rank's state in ``found``: a memory snapshot is this rank's own whole state; a checkpoint
-    on disk is cut for this rank at any saved world size."""
-    if found.tier == TierName.MEMORY:
+    """This rank's state in ``found``: a memory snapshot is this rank's own whole state, or its share
+    of its machine's put together (:meth:`~checkfreq.pipeline.tier.Tier.complete`); a checkpoint on
+    disk is cut for this rank at any saved world size."""
+    if found.tier == TierName.MEMORY and found.manifest.distributed is None:  # this rank's whole state
         skeleton, tensors = local_view(found.manifest, found.tensors)
+    elif found.tier == TierName.MEMORY:  # a share of its machine's state, DTensors cut to the live ones
+        skeleton, tensors = cluster.view(found.manifest, found.tensors, objects)
     else:
         note_world_size_change(found.manifest, cluster.control.rank, cluster.world_size)
         skeleton, tensors = cluster.view(found.manifest, found.tensors, objects)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
@@ -218,7 +218,16 @@ class Restorer:
             if by_step and not common:
                 log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
             return None
-        state = by_step[best]
+        problem = None
+        try:  # the shares other ranks of this machine keep (a rank that keeps its whole state has none)
+            state = self.tiers.complete(by_step[best])
+        except CheckfreqError as e:
+            problem = f"rank {self.peers.rank}: {e}"
+        problems = collect_errors(self.peers, problem)
+        if problems:
+            log.warning("memory tier: snapshot %d cannot be put together (%s); restoring from disk",
+                        best, "; ".join(problems))
+            return None
         return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
 
     # ------------------------------------------------------------------ disk

@@ -1,0 +1,86 @@
+"""An FSDP2 training run (CPU, gloo) with the memory tier, for tests/distributed/test_memory_group.py.
+
+``fully_shard`` on each layer and on the model (uneven shards: 33 rows over the ranks), AdamW, a
+shuffled ``ResumableLoader`` with a fixed global batch. Restores from ``--ckpt-dir`` if it can, trains
+to the end and every rank writes its local shards of the model and optimizer state (and its
+values) to ``<final>.rank<r>.pt``.
+
+* ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
+* ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
+  SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from noisy_points import NoisyPoints  # beside this script
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from worker_exit import exit_without_teardown  # beside this script
+
+from checkfreq import Checkpointer
+from checkfreq.data import ResumableLoader
+
+
+def local(value: Any) -> Any:
+    """``value`` with every DTensor replaced by a copy of its local shard."""
+    if isinstance(value, dict):
+        return {k: local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [local(v) for v in value]
+    return value.to_local().clone() if hasattr(value, "to_local") else value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt-dir", required=True)
+    parser.add_argument("--final", required=True)
+    parser.add_argument("--memory", type=int, default=0)
+    parser.add_argument("--every", type=int, default=100)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--die", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
+                        model=model, optimizer=optimizer, loader=loader)
+    ckpt["seen"] = torch.zeros(())
+    step = ckpt.restore()
+    print(f"life={life} rank={rank} restored step={step}", flush=True)
+    for _ in range(loader.epoch, args.epochs):
+        for x, y, _ in loader:
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ckpt["seen"] += len(y)
+            ckpt.step()
+            if args.die == f"{life}:{rank}:{ckpt.global_step}":
+                ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+    torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
+                "seen": ckpt["seen"]}, f"{args.final}.rank{rank}.pt")
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    exit_without_teardown()
