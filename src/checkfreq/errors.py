@@ -17,7 +17,8 @@ class CorruptCheckpointError(CheckfreqError):
 
 
 class NoValidCheckpointError(CheckfreqError):
-    """Checkpoints exist but none of them is valid (each reason is in the message)."""
+    """Checkpoints exist but none of them is valid: the message names the steps and tiers tried, each
+    reason, and the ways out."""
 
 
 class StateMismatchError(CheckfreqError):

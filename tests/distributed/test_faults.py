@@ -381,3 +381,44 @@ def test_a_rank_gone_before_a_gather_is_posted_is_named_at_once(tmp_path: Path) 
     pid = (tmp_path / "pid2").read_text()
     error = (tmp_path / "error").read_text()
     assert f"rank 2 ({socket.gethostname()}, pid {pid}) closed its connection during the test's gather" in error, error
+
+
+def _second_survivor_after_the_store_host_left(rank: int, store_path: str, out: str, port: int) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+    _, (group,) = new_gloo_groups(["commit"], timedelta(seconds=60))
+    # the heartbeats' store lives in rank 0's process, as when torchrun does not share its own
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=30))
+    liveness = Liveness(dist.PrefixStore("liveness", store), rank, 3, 5.0)
+    peers = GroupPeers(group, liveness, "the test's gather")
+    peers.gather(rank)  # rank 0 is connected to every rank
+    if rank == 2:
+        Path(out, "pid2").write_text(str(os.getpid()))
+        exit_without_teardown()  # its connections close, as a killed process's do
+    if rank == 0:  # finds rank 2 gone, gives up and leaves: its store goes with it
+        while not Path(out, "pid2").exists() or alive({int(Path(out, "pid2").read_text())}):
+            time.sleep(0.05)
+        time.sleep(1.0)
+        try:
+            peers.gather(rank)
+        except cf.PeerLostError as e:
+            Path(out, "error0").write_text(str(e))
+        exit_without_teardown()
+    try:  # rank 1: waiting on rank 0, the rank that gave up
+        peers.broadcast(None)
+    except cf.PeerLostError as e:
+        Path(out, "error1").write_text(str(e))
+    liveness.stop()
+
+
+def test_a_second_survivor_names_the_lost_rank_not_the_survivor_that_gave_up_first(tmp_path: Path) -> None:
+    """Rank 2 is lost; rank 0, which hosts the heartbeats' store, finds it and gives up; rank 1 was
+    waiting on rank 0. Rank 0 leaves only once rank 1 has read why the job failed (or a heartbeat
+    interval later), so rank 1's error names rank 2, with its host and pid, as rank 0's does, rather
+    than rank 0, whose connection closed, with neither (its store gone with it)."""
+    spawn_ranks(_second_survivor_after_the_store_host_left, (str(tmp_path / "store"), str(tmp_path), free_port()),
+                nprocs=3)
+    lost = f"rank 2 ({socket.gethostname()}, pid {(tmp_path / 'pid2').read_text()}) closed its connection"
+    first, second = ((tmp_path / f"error{rank}").read_text() for rank in (0, 1))
+    assert lost in first and "(seen by rank 0)" in first, first
+    assert lost in second and "(seen by rank 0)" in second and "rank 1 gives up" in second, second
+    assert "rank 0 closed" not in second

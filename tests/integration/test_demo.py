@@ -11,6 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from checkfreq.cli import app
+from checkfreq.run.events import read_events
 from checkfreq.tools.report import load_run, session_line
 
 
@@ -40,6 +41,25 @@ def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path
     killed = int(re.search(r"killed at step\s+(\d+)", result.stdout).group(1))  # type: ignore[union-attr]
     first, resumed = sessions
     assert resumed.restored_step is not None and 0 < resumed.restored_step <= killed
+    # why the steps were lost, as the killed session's events tell it
+    restored = resumed.restored_step
+    why = next(line for line in lines if line.startswith("Why "))
+    events = read_events(checkpoints)
+    killed_session = events[:next(i for i, e in enumerate(events) if e["event"] == "start" and i > 0)]
+    committed = {e["step"] for e in killed_session if e["event"] == "commit"}
+    unfinished = [e["step"] for e in killed_session if e["event"] == "snapshot" and e["step"] not in committed]
+    lost = f"Why {killed - restored} step{'s' if killed - restored != 1 else ''} lost: "
+    if unfinished:
+        assert why == (f"{lost}the checkpoint of step {unfinished[-1]} was still being written when the kill came "
+                       f"at step {killed}, so the newest durable one was that of step {restored}, the one before it.")
+    else:
+        interval = next(e["interval_steps"] for e in killed_session
+                        if e["event"] == "snapshot" and e["step"] == restored)
+        assert why == (f"{lost}the kill came {killed - restored} steps after the newest checkpoint, that of step "
+                       f"{restored} (which came {interval} steps after the one before it), before the policy's "
+                       "next one was due.")
+    # what the resumed session took over from the checkpoint, in words
+    assert "took over the step and checkpoint costs measured before" in lines[-2] and "carried:" not in result.stdout
     rate = first.checkpoints / killed
     # no back-to-back checkpoints
     assert resumed.checkpoints / (120 - resumed.restored_step) <= 2 * rate + 0.05, sessions

@@ -59,16 +59,26 @@ def test_readme_example_runs_and_resumes(tmp_path: Path) -> None:
     first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "STEP 96" in first.stdout  # 3 epochs of ceil(1000 / 32) = 32 batches
+    # a newcomer sees it work: a line per epoch, and no restore on a fresh run
+    assert re.findall(r"^epoch (\d): step (\d+), loss \d+\.\d{3}$", first.stdout, re.M) == [
+        ("0", "32"), ("1", "64"), ("2", "96")], first.stdout
+    assert "restored" not in first.stdout
     assert (tmp_path / "runs" / "exp1" / "step_000000096" / "manifest.json").exists()
     second = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "STEP 96" in second.stdout  # restored at the end: nothing left to train
+    assert second.stdout.splitlines()[0] == "restored from step 96" and "epoch" not in second.stdout
 
 
 def _digest(script: Path, cwd: Path) -> str:
     done = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    _printed[cwd.name] = done.stdout
     return done.stdout.split("DIGEST ")[1].strip()
+
+
+_printed: dict[str, str] = {}
+"""What each run of ``_digest`` printed, by the name of the directory it ran in."""
 
 
 def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_path: Path) -> None:
@@ -81,7 +91,14 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
     env = {**os.environ, "STOP_AT": str(KILL_AT)}
     with subprocess.Popen([sys.executable, str(script)], cwd=tmp_path / "killed", env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
-        assert child.stdout is not None and child.stdout.readline() == "STOPPED\n", child.stderr.read()  # type: ignore[union-attr]
+        assert child.stdout is not None
+        before_kill = []
+        for line in child.stdout:  # the first epoch's line, then the stop (or the end, if it failed)
+            if line == "STOPPED\n":
+                break
+            before_kill.append(line)
+        assert line == "STOPPED\n", child.stderr.read()  # type: ignore[union-attr]
+        assert len(before_kill) == 1 and re.fullmatch(r"epoch 0: step 32, loss \d+\.\d{3}\n", before_kill[0])
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
     run = tmp_path / "killed" / "runs" / "exp1"
@@ -90,6 +107,10 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
     assert _digest(script, tmp_path / "killed") == reference
     restored = [e["step"] for e in read_events(run) if e["event"] == "restore"]
     assert len(restored) == 1 and 0 < restored[0] <= KILL_AT, restored  # resumed mid-run, not from scratch
+    resumed = _printed["killed"].splitlines()
+    assert resumed[0] == f"restored from step {restored[0]}", resumed
+    epoch = restored[0] // 32  # the epoch it resumed in is the first it reports
+    assert re.fullmatch(rf"epoch {epoch}: step {32 * (epoch + 1)}, loss \d+\.\d{{3}}", resumed[1]), resumed
 
     # `checkfreq diff` of the two runs' last checkpoints: no tensor and no other value differs, the
     # generators' states included (Python's is a value, NumPy's and torch's are tensors)

@@ -7,20 +7,34 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+try:  # typer vendors click from 0.20 on; before, it uses the click package
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import UsageError  # type: ignore[assignment]
+
 from checkfreq.cli._output import exit_with_error
 from checkfreq.errors import CheckfreqError
 
 
 class _Group(TyperGroup):
-    """Typer's command group, with two changes: a checkfreq error that reaches it from any command is
-    one ``error:`` line and exit status 2, not a traceback; and ``--help`` lists flags without a value
+    """Typer's command group, with two changes: a checkfreq error that reaches it from any command,
+    and a bad argument (an unknown option or command, a value that does not parse), is one ``error:``
+    line and exit status 2, not a traceback or a box; and ``--help`` lists flags without a value
     type (``--json``, not ``--json <bool>``)."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except UsageError as e:
+            _usage_error(e)
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except CheckfreqError as e:
             exit_with_error(e)
+        except UsageError as e:
+            _usage_error(e)
 
     def get_help_option(self, ctx: Any) -> Any:
         return _without_type(super().get_help_option(ctx))
@@ -31,6 +45,14 @@ class _Group(TyperGroup):
             for param in [*command.params, command.get_help_option(ctx)]:
                 _without_type(param)
         return command
+
+
+def _usage_error(error: UsageError) -> Any:
+    """A bad argument as one ``error:`` line naming where help is; ``checkfreq`` alone still prints its help."""
+    if type(error).__name__ == "NoArgsIsHelpError":
+        raise error
+    where = f" (see '{error.ctx.command_path} --help')" if error.ctx is not None else ""
+    exit_with_error(ValueError(f"{error.format_message()}{where}"))
 
 
 def _without_type(param: Any) -> Any:

@@ -20,7 +20,7 @@ from rich.table import Table
 from safetensors.torch import load_file
 
 from checkfreq.cli import app
-from checkfreq.tools.report import human_seconds, load_run, session_line
+from checkfreq.tools.report import RunReport, human_seconds, load_run, session_line
 
 console = Console()
 
@@ -117,6 +117,9 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     table.add_row("resumed from step", f"{resumed.resumed_from} (lost {first.last_step - resumed.resumed_from} steps)")
     table.add_row("resumed == uninterrupted", "[green]yes, bit for bit[/]" if identical else "[red]NO[/]")
     console.print(table)
+    lost = first.last_step - resumed.resumed_from
+    why = lost_text(run, first.last_step, resumed.resumed_from)
+    console.print(f"Why {lost} step{'s' if lost != 1 else ''} lost: {why}.", soft_wrap=True, highlight=False)
     console.print("Each session's checkpoints and overhead, measured per window between checkpoints "
                   "(as `checkfreq report` gives them):")
     for session in run.sessions:
@@ -126,6 +129,27 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     )
     if not identical:
         raise typer.Exit(1)
+
+
+def lost_text(run: RunReport, killed: int, restored: int) -> str:
+    """Why the kill at step ``killed`` cost the steps since ``restored``, from the killed session's events."""
+    killed_session = [r for r in run.records if r.session == 0]
+    unfinished = [r for r in killed_session if r.step > restored and r.status != "committed"]
+    if unfinished:
+        r = unfinished[-1]
+        what = "had failed" if r.status == "failed" else "was still being written"
+        return (f"the checkpoint of step {r.step} {what} when the kill came at step {killed}, so the newest "
+                f"durable one was that of step {restored}, the one before it")
+    skipped = [name for restore in run.restores for name, _ in restore.get("skipped", [])]
+    if skipped:
+        return f"the restore passed over {', '.join(skipped)} as invalid (`checkfreq ls` says why)"
+    if restored == 0:
+        return "the kill came before the first checkpoint was durable"
+    newest = next((r for r in killed_session if r.step == restored), None)
+    interval = f" (which came {newest.interval_steps} steps after the one before it)" if newest and \
+        newest.interval_steps else ""
+    return (f"the kill came {killed - restored} steps after the newest checkpoint, that of step {restored}"
+            f"{interval}, before the policy's next one was due")
 
 
 def _ranges(steps: list[int]) -> str:

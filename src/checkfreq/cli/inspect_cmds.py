@@ -17,6 +17,7 @@ from rich.table import Table
 
 from checkfreq.cli import app
 from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fitted_table, human_age, reports_errors
+from checkfreq.cli.progress import bytes_to_read, reading
 from checkfreq.tools.report import human_bytes
 
 if TYPE_CHECKING:
@@ -157,12 +158,13 @@ def verify_command(
 
     single = names_checkpoint(target)
     tier = None if remote is None else open_store(remote, create=False)
-    if single:
-        ref = resolve_checkpoint(target)
-        store, statuses, earlier = ref.store, [check_checkpoint(ref, remote=tier)], []
-    else:
-        store = open_store(target, create=False)
-        statuses, earlier = list_checkpoints(store, remote=remote), set_aside_statuses(store)
+    with reading(f"verifying {_short(target)}", lambda: bytes_to_read(target, every=True), as_json=as_json):
+        if single:
+            ref = resolve_checkpoint(target)
+            store, statuses, earlier = ref.store, [check_checkpoint(ref, remote=tier)], []
+        else:
+            store = open_store(target, create=False)
+            statuses, earlier = list_checkpoints(store, remote=remote), set_aside_statuses(store)
     note = None
     if set_aside:
         statuses, note = set_aside_damaged(store, statuses)
@@ -191,6 +193,11 @@ def verify_command(
             out.print(f"{len(statuses) - len(failed)} of {len(statuses)} checkpoints verified")
     if failed or not statuses:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _short(target: str) -> str:
+    """A checkpoint or run as a progress bar names it: the last part of its path or URL."""
+    return target.rstrip("/").rpartition("/")[2] or target
 
 
 def _aside_name(status: CheckpointStatus) -> str:
@@ -227,7 +234,8 @@ def export_command(
     """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""
     from checkfreq.tools.catalog import export
 
-    result = export(target, to, only=only)
+    with reading(f"reading {_short(target)}", lambda: bytes_to_read(target), as_json=as_json):
+        result = export(target, to, only=only)
     if as_json:
         emit_json(result.to_dict())
         return
@@ -254,7 +262,8 @@ def diff_command(
     """Compare two checkpoints tensor by tensor; exit 1 if they differ, like diff(1)."""
     from checkfreq.tools.diff import diff
 
-    result = diff(a, b)
+    with reading(f"reading {_short(a)} and {_short(b)}", lambda: bytes_to_read(a) + bytes_to_read(b), as_json=as_json):
+        result = diff(a, b)
     if as_json:
         emit_json(result.to_dict())
     else:

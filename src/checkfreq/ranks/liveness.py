@@ -17,7 +17,10 @@ minutes is alive, a rank whose process is gone is not. The signs of life:
 * **the job's failure**: a rank that gives up (it lost a peer, or it leaves on an error with its
   Checkpointer open) writes why under one key; every rank's heartbeat thread reads that key at each
   beat, and each wait in progress raises :class:`~checkfreq.errors.PeerLostError` at once with the
-  first rank's words. A rank that left therefore never keeps its peers waiting for the timeout.
+  first rank's words. A rank that left therefore never keeps its peers waiting for the timeout. The
+  rank that wrote it goes on leaving once the others have read it (each counts itself under a second
+  key), at most a heartbeat interval later: when the store lives in its process, the others would
+  otherwise see only its connection close, and name it, not the rank that was lost.
 * **a closed connection**: gloo's "Connection closed by peer" on a message to or from one rank names
   that rank, whether gloo refuses the message as it is posted (the connection had closed before)
   or as it is awaited.
@@ -51,6 +54,11 @@ MAX_INTERVAL_S = 5.0
 EXIT_GRACE = 1.0
 """A process that knows the job failed ends itself this many failure timeouts later if still running."""
 _FAILED = "failed"
+_READ = "failed/read"
+"""How many ranks have read the published failure."""
+READ_MARGIN_S = 0.5
+"""Beyond a heartbeat interval, how long the rank that published the job's failure waits for the
+others to read it before it goes on leaving."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,7 @@ class Liveness:
         """Record that the job failed (``reason``: what happened, to whom), tell every rank through
         the store, and arm the exit (unless ``end_process`` is False: this rank leaves by its own
         error, which its caller may handle); returns the error to raise. The first reason stays."""
+        published = False
         with self._lock:
             if self.failure is None:
                 self.failure = self._error(f"{reason} (seen by rank {self.rank})")
@@ -139,11 +148,31 @@ class Liveness:
                 try:
                     if not self.store.check([_FAILED]):
                         self.store.set(_FAILED, f"{reason} (seen by rank {self.rank})")
+                        published = True
+                    else:
+                        self.store.add(_READ, 1)
                 except RuntimeError:
                     pass  # the store is gone: every rank finds that out by itself
                 if end_process:
                     self._arm_exit()
-            return self.failure
+            failure = self.failure
+        if published:
+            self._let_ranks_read()
+        return failure
+
+    def _let_ranks_read(self) -> None:
+        """Return once every other rank has read the failure this rank published, or a heartbeat
+        interval later: the store may live in this process (a worker hosts it when torchrun does not
+        share its own) and end with it, and a rank that had not read why the job failed would then
+        name this rank, which only left, as the one lost."""
+        deadline = time.monotonic() + self.interval + READ_MARGIN_S
+        while time.monotonic() < deadline:
+            try:
+                if self.store.add(_READ, 0) >= self.size - 1:
+                    return
+            except RuntimeError:
+                return
+            time.sleep(0.02)
 
     def describe(self, rank: int) -> str:
         """``rank 3 (host, pid 1234)``, as the rank published it at start-up."""
@@ -181,6 +210,10 @@ class Liveness:
                 self.failure = self._error(reason)
                 log.error("%s", self.failure)
                 self._arm_exit()
+                try:
+                    self.store.add(_READ, 1)  # the rank that published it may leave now
+                except RuntimeError:
+                    pass
             return self.failure
 
     def find_lost(self, activity: str, seconds: float, silence: float | None = None) -> PeerLostError | None:

@@ -16,6 +16,7 @@ import torch.utils.data
 
 from checkfreq.errors import ArgumentTypeError, InvalidArgumentError
 from checkfreq.policies.retention import Retention
+from checkfreq.run.names import warn_misspelled
 from checkfreq.run.state import Stateful
 
 PLAIN_VALUES_HINT = "register plain values with values={...} or ckpt['name'] = value"
@@ -45,7 +46,8 @@ def unknown_option(caller: str, name: str, valid: Iterable[str], hint: str = "")
 def check_objects(
     caller: str, objects: Mapping[str, Any], options: Iterable[str], option_types: tuple[type, ...] = ()
 ) -> None:
-    """Refuse every keyword in ``objects`` that is not a stateful object to register.
+    """Refuse every keyword in ``objects`` that is not a stateful object to register, and warn of one
+    that misspells a common name (:mod:`checkfreq.run.names`).
 
     A value of one of ``option_types`` (a policy) is a misspelled option even when it
     has a ``state_dict()``; any other value without one is a misspelled option or a plain value.
@@ -62,6 +64,7 @@ def check_objects(
                 f"its value, a {type(obj).__qualname__}, has no state_dict()/load_state_dict(); {PLAIN_VALUES_HINT}"
             )
             raise unknown_option(caller, name, options, hint)
+    warn_misspelled(caller, objects)
 
 
 def check_names(caller: str, names: Iterable[str], options: Iterable[str]) -> None:

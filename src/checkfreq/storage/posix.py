@@ -33,6 +33,7 @@ from checkfreq.storage.format import (
     decode_header,
     decode_header_length,
 )
+from checkfreq.storage.progress import chunk_read
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write goes through the page cache
 
@@ -141,6 +142,7 @@ def _verify_mapping(mapping: mmap.mmap, name: str, checksum: str) -> None:
         try:
             for start in range(0, len(view), CHUNK_BYTES):  # chunks: the GIL is free between them
                 hasher.update(view[start : start + CHUNK_BYTES])
+                chunk_read(min(CHUNK_BYTES, len(view) - start))
         except OSError as e:
             raise CorruptCheckpointError(f"data file {name} cannot be read: {e.strerror or e}") from None
     if hasher.hexdigest() != checksum:
@@ -183,6 +185,7 @@ def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, s
     header_bytes = _read_exact(f, header_len, name)
     hasher.update(prefix)
     hasher.update(header_bytes)
+    chunk_read(8 + header_len)
     data = torch.empty(size - 8 - header_len, dtype=torch.uint8)
     view = data.numpy().data if data.numel() else memoryview(bytearray())
     for start in range(0, len(view), CHUNK_BYTES):
@@ -190,6 +193,7 @@ def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, s
         if f.readinto(chunk) != len(chunk):
             raise CorruptCheckpointError(f"data file {name} is shorter than its size")
         hasher.update(chunk)
+        chunk_read(len(chunk))
     return data, header_bytes, hasher.hexdigest()
 
 

@@ -3,11 +3,13 @@ TensorBoard scalars, from :func:`checkfreq.tools.report.load_run`'s records."""
 
 from __future__ import annotations
 
+import errno
 import html
 import io
 import logging
 import os
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,17 +230,32 @@ class ReportFiles:
 
     png: str
     html: str
+    not_written_in: str | None = None
+    """The run directory and why the files could not go there (they went to a new temporary
+    directory instead); ``None`` when they are where they were asked for."""
 
 
 def write_report(
     directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
 ) -> tuple[RunReport, ReportFiles]:
-    """Load a run's event log and write ``report.png`` and ``report.html`` into ``out`` (default: the run directory)."""
+    """Load a run's event log and write ``report.png`` and ``report.html`` into ``out`` (default: the run
+    directory; where that cannot be written, a read-only run, a new temporary directory, said in
+    :attr:`ReportFiles.not_written_in`)."""
     report = load_run(directory)
-    out_dir = Path(directory if out is None else out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     figure = render_figure(report)
-    figure.savefig(out_dir / PNG_NAME, format="png")
-    files = ReportFiles(str(out_dir / PNG_NAME), str(write_html(report, out_dir / HTML_NAME, figure)))
+    try:
+        files = _write_files(report, figure, Path(directory if out is None else out))
+    except OSError as e:
+        if out is not None or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        elsewhere = Path(tempfile.mkdtemp(prefix="checkfreq-report-"))
+        log.warning("cannot write the report into %s (%s); writing it into %s", directory, e.strerror, elsewhere)
+        files = replace(_write_files(report, figure, elsewhere), not_written_in=f"{directory} ({e.strerror})")
     log.info("wrote %s and %s", files.png, files.html)
     return report, files
+
+
+def _write_files(report: RunReport, figure: Any, out_dir: Path) -> ReportFiles:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out_dir / PNG_NAME, format="png")
+    return ReportFiles(str(out_dir / PNG_NAME), str(write_html(report, out_dir / HTML_NAME, figure)))

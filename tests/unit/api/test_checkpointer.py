@@ -499,3 +499,23 @@ def test_blocking_save_raises_even_when_errors_only_warn(tmp_path: Path) -> None
         os.rename(tmp_path / "moved", directory)
         ckpt.save(blocking=True)
     assert (directory / "step_000000001" / MANIFEST_NAME).exists()
+
+
+def test_no_valid_checkpoint_names_what_was_tried_and_the_ways_out(tmp_path: Path) -> None:
+    _three_checkpoints(tmp_path)
+    for path in tmp_path.glob("step_*"):
+        _flip_byte(path)
+    model, opt, *_ = _stack()
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.NoValidCheckpointError) as info:
+            ckpt.restore()
+        with pytest.raises(cf.NoValidCheckpointError) as at_step:
+            ckpt.restore(step=2)
+    message = str(info.value)
+    assert f"tried step_000000003, step_000000002, step_000000001 in the local tier ({tmp_path})" in message
+    assert f"`checkfreq verify {tmp_path}`" in message
+    assert "restore(step=N)" in message
+    assert "remote=" in message
+    assert "start fresh with a new directory" in message
+    assert "tried step_000000002 in the local tier" in str(at_step.value)
+    assert "restore() without step=" in str(at_step.value)

@@ -133,7 +133,9 @@ def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, P
     assert resumed["overhead"] == pytest.approx(1 - explained / sum(busy_s(e) for e in counted))
     text = summary_text(load_run(run))
     assert "session 1: started fresh; 2 checkpoints, steps 5..10, 200 per 1000 steps" in text
-    assert "session 2: restored step 10 (carried: profile, policy); 4 checkpoints, steps 15..30" in text
+    assert ("session 2: restored step 10 (took over the step and checkpoint costs measured before and the "
+            "policy's state (for policy='auto', the interval it chose and its overhead budget), so it goes on "
+            "from what the run had learned instead of learning it afresh); 4 checkpoints, steps 15..30") in text
 
 
 def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: Path) -> None:

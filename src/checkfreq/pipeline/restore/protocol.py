@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
@@ -34,6 +35,7 @@ from checkfreq.pipeline.restore.messages import (
     decode_order,
 )
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
+from checkfreq.pipeline.restore.progress import logged_reads
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.pipeline.tier import Tier, TierName
@@ -247,11 +249,8 @@ class Restorer:
                 return found
             problems[s] = damaged[s] = found
         skipped += self._skip_newer_than(-1, problems)
-        where = self.tiers.where()
-        if step is not None:
-            raise NoValidCheckpointError(f"no valid checkpoint for step {step} in {where}" + _reasons(skipped))
-        if plan.listed:
-            raise NoValidCheckpointError(f"no valid checkpoint in {where}" + _reasons(skipped))
+        if step is not None or plan.listed:
+            raise no_valid_checkpoint(self.tiers, step, skipped)
         aside = self.local.set_aside_checkpoints()  # every rank looks: each raises, or none does
         if aside:
             raise NoValidCheckpointError(
@@ -405,18 +404,20 @@ class Restorer:
         it says so); return why each damaged one is."""
         stream = readable.stream if order.pack else None
         damaged = {}
-        for name, tier in order.read:
-            source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
-            try:
-                files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
-                if stream is not None:
-                    packs[name] = stream.row(name, *files[name])
-                tiers.add(str(source))
-            except CorruptCheckpointError as e:
-                files.pop(name, None)
-                damaged[name] = str(e)
-                log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
-                            "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
+        total = sum(int(readable.manifest.files[name]["size"]) for name, _ in order.read)
+        with logged_reads(readable.step, total):
+            for name, tier in order.read:
+                source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
+                try:
+                    files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
+                    if stream is not None:
+                        packs[name] = stream.row(name, *files[name])
+                    tiers.add(str(source))
+                except CorruptCheckpointError as e:
+                    files.pop(name, None)
+                    damaged[name] = str(e)
+                    log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
+                                "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
         return damaged
 
     def _exchange(self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor],
@@ -473,10 +474,6 @@ class Restorer:
         if source is None or location is None:
             raise CorruptCheckpointError(f"the {source or 'remote'} tier no longer lists this checkpoint")
         return self._stored[source].read_data(location, name, entry["size"], entry["xxh3_64"])
-
-
-def _reasons(skipped: Skipped) -> str:
-    return f" ({'; '.join(f'{name}: {why}' for name, why in skipped)})" if skipped else ""
 
 
 def _plan_of(readable: Readable | str, views: list[Holdings | str]) -> ReadPlan | str:

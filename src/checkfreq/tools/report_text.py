@@ -1,0 +1,168 @@
+"""A run's report in words (:mod:`checkfreq.tools.report` computes it): the summary a person reads
+first, each figure said for what it is, and, when the overhead is over the bound, why, from what
+the event log shows, and what to do (:mod:`checkfreq.tools.report_advice`)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from checkfreq.tools.report_advice import overhead_advice
+from checkfreq.tools.report_model import RunReport, SessionSummary
+
+
+def _values(items: Any) -> list[Any]:
+    return [v for v in items if v is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summary_text(report: RunReport) -> str:
+    """A few plain lines a person reads first."""
+    s = report.summary
+    assert s is not None
+    lines = [
+        f"run {report.directory}: {s.checkpoints} checkpoints ({s.committed} committed, {s.failed} failed, "
+        f"{s.unfinished} unfinished), {s.sessions} session(s), {s.restores} restore(s), "
+        f"{human_seconds(s.wall_s)} logged",
+    ]
+    if s.checkpoints:
+        lines.append(
+            f"steps {s.first_step}..{s.last_step}; interval the policy chose: median "
+            f"{number_text(s.interval_median_steps, '{:g}')} steps ({human_seconds(s.interval_median_s)})"
+        )
+        lines.append(
+            f"stall per checkpoint: median {human_seconds(s.stall_median_s)}, max {human_seconds(s.stall_max_s)}, "
+            f"total {human_seconds(s.stall_total_s)}"
+        )
+        lines.append(
+            f"persist: median {human_seconds(s.persist_median_s)} "
+            f"at {number_text(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
+            f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
+        )
+    if len(report.rank_stalls) > 1:
+        lines.append("stall per rank: " + "; ".join(
+            f"rank {rank} median {human_seconds(_median(stalls))}, max {human_seconds(max(stalls, default=None))}"
+            for rank, stalls in report.rank_stalls.items()
+        ))
+    lines.append(
+        f"step time: {human_seconds(s.clean_iteration_s)} on average over the clean steps (no persist running, "
+        f"no stall: what the overhead is measured against); the profiler's smoothed estimate at the end: "
+        f"{human_seconds(s.iteration_s)} per step, {human_seconds(s.iteration_persisting_s)} while a persist runs"
+        + _mean_far_from_smoothed(s.clean_iteration_s, s.iteration_s)
+    )
+    if report.memory_snapshots:
+        stalls = _values(m["stall_s"] for m in report.memory_snapshots)
+        lines.append(
+            f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
+            f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
+        )
+    for kind, what in (("busy", "waited for busy storage (the previous persist or memory snapshot)"),
+                       ("gpu_wait", "GPU streams waited on snapshot copies")):
+        waits = _values(w["wait_s"] for w in report.waits if w["event"] == kind)
+        if waits:
+            lines.append(f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, "
+                         f"max {human_seconds(max(waits))}")
+    meaning = "" if s.overhead is None or s.overhead < 0 else (
+        ": the share of the time between checkpoints (other work between steps left out) that clean steps "
+        "do not account for, that is, the stalls and the steps a persist slowed"
+    )
+    lines.append(f"overhead: {overhead_text(s.overhead, ' of wall time')}{meaning}")
+    lines.extend(overhead_advice(report))
+    if len(report.sessions) > 1:
+        lines.extend(session_line(session) for session in report.sessions)
+    return "\n".join(lines)
+
+
+def _mean_far_from_smoothed(mean: float | None, smoothed: float | None) -> str:
+    """What a person should make of a clean mean far from the smoothed estimate, or ``""``."""
+    if mean is None or not smoothed or 0.5 < mean / smoothed < 2:
+        return ""
+    return (" (far apart: the mean counts every clean step, the smoothed estimate passes over the few that "
+            "something else held up, on a loaded machine, or that ran in another phase of the loop)")
+
+
+def session_line(s: SessionSummary) -> str:
+    """One session in a line: where it started, its checkpoints, interval and overhead."""
+    began = "started fresh" if s.restored_step is None else f"restored step {s.restored_step}"
+    if s.resized:
+        began += f" on {s.resized[1]} rank(s), saved by {s.resized[0]}"
+    if s.seeded:
+        began += f" ({carried_text(s.seeded)})"
+    head = f"session {s.index + 1}: {began}; "
+    if not s.checkpoints:
+        return head + "no checkpoint"
+    taken = f"1 checkpoint, at step {s.last_step}" if s.checkpoints == 1 else (
+        f"{s.checkpoints} checkpoints, steps {s.first_step}..{s.last_step}"
+    )
+    rate = number_text(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, "{:.3g}")
+    if s.interval_median_steps is None and s.overhead is None:
+        measured = (
+            "interval and overhead not measured: the window up to a session's first checkpoint holds its "
+            "start-up, so they need a second checkpoint"
+        )
+    else:
+        interval = number_text(s.interval_median_steps, "{:g}")
+        measured = f"interval median {interval} steps, overhead {overhead_text(s.overhead)}"
+    return f"{head}{taken}, {rate} per 1000 steps, {measured}"
+
+
+CARRIED = {
+    "profile": "the step and checkpoint costs measured before",
+    "policy": "the policy's state (for policy='auto', the interval it chose and its overhead budget)",
+}
+"""What each part a checkpoint carries into the next session is, in words (docs/policies.md)."""
+
+
+def carried_text(seeded: tuple[str, ...] | list[str]) -> str:
+    """What a restored session took over from its checkpoint and why it matters, in words."""
+    parts = " and ".join(CARRIED.get(part, part) for part in seeded)
+    return f"took over {parts}, so it goes on from what the run had learned instead of learning it afresh"
+
+
+def overhead_text(overhead: float | None, unit: str = "") -> str:
+    """An overhead as a percentage followed by ``unit``; one below zero says what it means."""
+    if overhead is None:
+        return f"n/a %{unit}"
+    text = f"{100 * overhead:.2f} %{unit}"
+    if overhead < 0:
+        text += (
+            " (below zero: the steps ran faster than the clean iterations it is measured against, so "
+            "checkpointing cost less than the timing noise: no measurable overhead)"
+        )
+    return text
+
+
+def number_text(value: float | None, fmt: str) -> str:
+    """``value`` formatted with ``fmt``, or ``n/a`` when it was not measured."""
+    return "n/a" if value is None else fmt.format(value)
+
+
+def human_seconds(seconds: float | None) -> str:
+    """A duration for people: ``850 µs``, ``12.3 ms``, ``4.56 s``, ``12.0 min``, ``30.5 h``; ``n/a`` for None."""
+    if seconds is None:
+        return "n/a"
+    seconds = float(f"{seconds:.3g}")  # rounded first, so 0.9999 s reads 1 s, not 1e+03 ms
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if seconds < 600:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:.1f} min" if seconds < 6 * 3600 else f"{seconds / 3600:.1f} h"
+
+
+def human_bytes(nbytes: int | None) -> str:
+    """A size in decimal units for people: ``812 B``, ``1.25 MB``; ``n/a`` for None."""
+    if nbytes is None:
+        return "n/a"
+    if nbytes < 1000:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("kB", "MB", "GB", "TB"):  # noqa: B007 - the unit the loop stops at is the answer
+        value /= 1000
+        if value < 1000:
+            break
+    return f"{value:.3g} {unit}"
