@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.storage.format import Manifest, checkpoint_step
-from helpers import SCRIPTS, assert_state_equal
+from helpers import DOCS, SCRIPTS, assert_state_equal, docs_example
 
 
 def _run(directory: Path, out: Path, kill_step: int = 0) -> None:
@@ -152,3 +152,16 @@ def test_restore_best_without_any_score_says_why(tmp_path: Path) -> None:
     with cf.Checkpointer(tmp_path / "fresh", model=_model()) as ckpt, pytest.raises(cf.errors.InvalidArgumentError,
                                                                                     match="'newest'"):
         ckpt.restore(step="newest")
+
+
+def test_the_docs_example_keeps_the_best_and_restores_it(tmp_path: Path) -> None:
+    """docs/storage.md, "Keeping the best", as written: run twice (the second resumes at the end), it prints
+    the step that ``checkfreq ls`` marks best, the lowest val_loss the manifests record."""
+    (tmp_path / "example.py").write_text(docs_example(DOCS / "storage.md", "Keeping the best"))
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(_cli("ls", str(tmp_path / "runs" / "best"), "--json"))
+    scored = {row["step"]: row["score"] for row in rows if row["score"] is not None}
+    assert len(scored) >= 2 and {row["step"] for row in rows if row["best"]} == set(sorted(scored, key=scored.get)[:2])
+    assert proc.stdout.split() == [str(min(scored, key=scored.get))]
