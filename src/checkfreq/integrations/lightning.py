@@ -175,7 +175,7 @@ class CheckFreqCallback(pl.Callback):
         _place(trainer, self, first=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_ending = False
+        self._epoch_ending, self._validated = False, None
         callbacks = CallbackStates(trainer, self)
         self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, callbacks))
         if trainer.ckpt_path is not None:

@@ -350,9 +350,7 @@ class CheckFreqTrainer(Trainer):
         elif self._end_of_epoch_pending:  # the end-of-epoch call that follows an epoch's last step
             self._end_of_epoch_pending = False
             self._checkpointer.step(loss=self._loss.take())
-        else:
-            return
-        if self._evaluated is not None:  # the step's evaluation scores its checkpoint (keep the best)
+        if self._evaluated is not None:  # the evaluation of the step counted scores its checkpoint (keep the best)
             self._checkpointer.log(**{str(self._best): self._evaluated})
             self._evaluated = None
 
