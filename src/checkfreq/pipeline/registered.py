@@ -91,7 +91,7 @@ class Registered:
         state = self.state_of(self.names)
         small = fingerprint({n: state[n] for n in self.small}) if persisted else {}
         state[RUN_STATE] = run_state()
-        if (score := self.scores.entry(step, self.values)) is not None:
+        if (score := self.scores.entry(step, self.values, checkpoint=persisted)) is not None:
             state[RUN_STATE][SCORE_KEY] = score
         skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
         if persisted:  # a tier's own snapshot (as often as every step) is not compared: its cost stays flat

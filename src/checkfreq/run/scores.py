@@ -81,13 +81,15 @@ class Scores:
         """Whether the newest capture is of ``step`` and came after the last ``log()`` of the metric."""
         return self._captured == (step, self._logs)
 
-    def entry(self, step: int, values: Mapping[str, Any]) -> dict[str, Any] | None:
+    def entry(self, step: int, values: Mapping[str, Any], *, checkpoint: bool = True) -> dict[str, Any] | None:
         """The score a capture at ``step`` takes (None when the retention keeps no best):
-        ``{"metric", "mode", "top", "value"}``, the value None when the metric has none at ``step``."""
+        ``{"metric", "mode", "top", "value"}``, the value None when the metric has none at ``step``.
+        ``checkpoint``: the capture is a checkpoint's (not a memory tier's snapshot, which retention never keeps)."""
         best = self.retention.best
         if best is None:
             return None
-        self._captured = (step, self._logs)
+        if checkpoint:
+            self._captured = (step, self._logs)
         value = self.value_at(step, values)
         return {"metric": best[0], "mode": best[1], "top": self.retention.top,
                 "value": None if value is None or math.isnan(value) else value}

@@ -81,3 +81,25 @@ def test_log_without_a_best_to_keep_takes_nothing(tmp_path: Path) -> None:
     assert [e for e in read_events(tmp_path) if e["event"] == "snapshot"] == []
     with pytest.raises(cf.errors.UsageError, match="log"):
         ckpt.log(val_loss=0.3)
+
+
+def test_a_memory_snapshot_at_the_epoch_boundary_does_not_stand_for_the_scored_checkpoint(tmp_path: Path) -> None:
+    """With a memory tier snapshotting every step, the snapshot of an epoch's last step waits for the boundary,
+    which ``log()`` is: it is taken after the log, yet the value still needs a checkpoint on disk."""
+    from checkfreq.data import ResumableLoader
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=0)
+    keep = cf.Retention(3, best=("val_loss", "min"))
+    with cf.Checkpointer(tmp_path, policy=100, memory=1, keep=keep, model=model, optimizer=opt,
+                         loader=loader) as ckpt:
+        for epoch in range(2):
+            for x, y in loader:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.step()
+            ckpt.log(val_loss=1.0 - epoch / 10)
+    assert _scores(tmp_path) == {2: 1.0, 4: 0.9}
