@@ -150,7 +150,8 @@ class CheckFreqTrainer(Trainer):
         self.checkfreq_dir = Path(
             checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq"
         )
-        keep = best_retention(checkfreq_keep or self.args.save_total_limit or 3, *best_metric(self.args), 1,
+        metric, mode = best_metric(self.args)  # keep the best by it too, with metric_for_best_model
+        keep = best_retention(checkfreq_keep or self.args.save_total_limit or 3, metric, mode, 1 if metric else None,
                               names=("metric_for_best_model", "greater_is_better", "top"))
         self._best = keep.metric if isinstance(keep, Retention) else None
         self._evaluated: Any = None  # the best metric's value in the evaluation of a step not yet counted
