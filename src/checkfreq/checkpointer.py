@@ -46,15 +46,10 @@ from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
+from checkfreq.run.scores import Scores
 from checkfreq.run.session import run_state, seed_session
 from checkfreq.run.signals import SignalTrap
-from checkfreq.run.state import (
-    Stateful,
-    apply_state,
-    flatten,
-    unclaimed,
-    unclaimed_message,
-)
+from checkfreq.run.state import Stateful, apply_state, flatten, unclaimed, unclaimed_message
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
 from checkfreq.run.tensors import objects_on_cuda
 from checkfreq.run.timeline import Timeline
@@ -77,8 +72,8 @@ class Checkpointer:
         policy: when to checkpoint: a :class:`~checkfreq.policies.Policy`, an int ``n``
             (every ``n`` steps) or ``"auto"`` (the default).
         keep: how many committed checkpoints to keep (the newest one is never deleted), or a
-            :class:`~checkfreq.Retention` (e.g. ``Retention(3, every=1000)`` also keeps every
-            checkpoint whose step is a multiple of 1000).
+            :class:`~checkfreq.Retention` (``Retention(3, every=1000)`` also keeps every checkpoint whose step
+            is a multiple of 1000, ``Retention(3, best=("val_loss", "min"), top=2)`` the two best: :meth:`log`).
         remote: a second, durable tier (URL, path or store): checkpoints are committed to the
             local ``directory`` first, then copied to ``remote`` in the background (each rank
             its own file); restore takes the newest valid checkpoint of either tier, each file
@@ -142,10 +137,8 @@ class Checkpointer:
         **objects: Stateful,
     ) -> None:
         check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
-        check_option_types(
-            keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle, persist_timeout=persist_timeout,
-            failure_timeout=failure_timeout,
-        )
+        check_option_types(keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle,
+                           persist_timeout=persist_timeout, failure_timeout=failure_timeout)
         if on_error not in ("raise", "warn"):
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         values = dict(values or {})
@@ -163,21 +156,21 @@ class Checkpointer:
         flatten(self._values, allow_pickle=allow_pickle)  # fail now on values we could never store
         if rng:
             self._objects["rng"] = RNGState()
-        self._registered = Registered(self._objects, self._values, allow_pickle=allow_pickle)
+        retention = Retention.of(keep)
+        self._registered = Registered(self._objects, self._values, allow_pickle=allow_pickle, scores=Scores(retention))
 
         local, far = open_stores(directory, remote)
         # a cluster at every world size (a world of one alone)
         cluster = self._cluster = attach(local, far, persist_timeout, self._policy, failure_timeout)
         control = self._control = cluster.control
         self.directory = local.root
-        retention = Retention.of(keep)
         retainer = Retainer(local, retention, leader=cluster.leader)
         tiers = self._tiers = choose_tiers(
             local, far, cluster, memory=memory_cadence, retainer=retainer,
             far_retention=retention if remote_keep is None else Retention.of(remote_keep),
         )
         self._restorer = Restorer(tiers, control, page_cache=cluster.page_cache,
-                                  directory_leader=cluster.directory_leader)
+                                  directory_leader=cluster.directory_leader, retention=retention)
         committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,
                               followers=tiers.followers, directory_leader=cluster.directory_leader)
         self._foreign_step = self._restorer.newest_on_any_rank()  # until restore() adopts them
@@ -197,10 +190,8 @@ class Checkpointer:
 
         self._optimizers = self._registered.optimizers
         self_ref = weakref.ref(self)
-        self._hook_handles = [
-            stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
-            for opt in self._optimizers.values()
-        ]
+        self._hook_handles = [stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
+                              for opt in self._optimizers.values()]
         self._step_order = StepOrder(
             [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
         )
@@ -252,6 +243,7 @@ class Checkpointer:
         self._step_order.check(saver.timeline.step + 1)
         saver.collect()
         saver.record_gpu_waits()
+        self._registered.scores.stepped(saver.timeline.step + 1, loss)
         overdue = self._boundary.take()  # deferred to an epoch boundary that never came: taken at this step
         measured = saver.timeline.advance(
             now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
@@ -284,6 +276,17 @@ class Checkpointer:
         elif not self._holds_current_state():
             self._checkpoint(blocking=False, reason="save()")
 
+    def log(self, **metrics: float) -> None:
+        """Record metrics of the current step (``ckpt.log(val_loss=0.41)`` after an evaluation): the one
+        ``Retention(best=...)`` ranks by scores a checkpoint of this step, taken now if none holds it
+        (docs/storage.md, "Keeping the best")."""
+        self._check_open("log()")
+        if self._registered.scores.log(self._timeline.step, metrics):
+            self._saver.collect()
+            self._at_boundary()  # a checkpoint due at the epoch's end, after the evaluation: it takes the value
+            if not self._registered.scores.holds_log(self._timeline.step):
+                self._checkpoint(blocking=False, reason="log()")
+
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight
         committed); raise its error if it failed.
@@ -298,12 +301,12 @@ class Checkpointer:
         if remote:
             self._tiers.flush(self._saver.newest_committed, timeout)
 
-    def restore(self, step: int | None = None) -> int:
-        """Load the newest valid checkpoint (or the one at ``step``) into the registered objects.
+    def restore(self, step: int | str | None = None) -> int:
+        """Load the newest valid checkpoint (or the one at ``step``; ``"best"``: the best scored) into the objects.
 
-        Returns the restored step, or 0 when the directory holds no checkpoint (a fresh run).
-        Invalid checkpoints are skipped with a warning saying why; if checkpoints exist but none
-        is valid, raises :class:`~checkfreq.errors.NoValidCheckpointError`.
+        Returns the restored step, or 0 when the directory holds no checkpoint (a fresh run). Invalid checkpoints
+        are skipped with a warning saying why; if checkpoints exist but none is valid (or, for ``"best"``, none
+        has a score), raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
         self._check_open("restore()")
         self._boundary.take()  # what this run decided is not for the state restored
@@ -321,9 +324,8 @@ class Checkpointer:
         self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
         if self._unclaimed:
             log.warning("%s", unclaimed_message(source, self._unclaimed))
-        warn_if_buckets_reorder(
-            (o for o in self._objects.values() if isinstance(o, torch.nn.Module)), self._cluster.world_size
-        )
+        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)),
+                                self._cluster.world_size)
         self._begin_session(manifest.step)
         from_memory = found.tier == TierName.MEMORY
         self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
@@ -490,10 +492,8 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._saver.finish_fence()
 
 
-CHECKPOINTER_OPTIONS = tuple(
-    name for name, p in inspect.signature(Checkpointer.__init__).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY
-)
+CHECKPOINTER_OPTIONS = tuple(name for name, p in inspect.signature(Checkpointer.__init__).parameters.items()
+                             if p.kind is inspect.Parameter.KEYWORD_ONLY)
 """The option keywords of :class:`Checkpointer` (every other keyword registers an object)."""
 
 

@@ -15,7 +15,9 @@ weights, optimizer and scheduler state and the log history to ``--out``, exports
 checkpoint to ``checkpoint-N/`` and adds the weights ``from_pretrained`` reads from it. With ``--attempt-store``
 (torchrun's static launch form) it creates the default process group on keys of its own for each
 restart attempt before ``TrainingArguments`` would create it, as docs/huggingface.md shows;
-``--die-at`` kills only in the first attempt.
+``--die-at`` kills only in the first attempt. ``--noisy-eval`` adds to each evaluation the metric
+``eval_noisy``: the evaluation's loss plus a noise that is a function of the step (:data:`NOISE`, the same
+in a resumed run), and writes the model's weights at each evaluation to ``--out`` + ``.models/STEP.pt``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,31 @@ class CharBlocks(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+NOISE = {4: -2.0, 8: -0.5}
+"""Added to the evaluation's loss at a step (else +1): the best is not the newest, the second best neither."""
+
+
+def noisy_metric(trainer: CheckFreqTrainer):
+    """``compute_metrics``: the evaluation's cross-entropy plus the noise of ``trainer``'s step."""
+    def metric(prediction) -> dict[str, float]:
+        logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        loss = torch.nn.functional.cross_entropy(flat, labels[:, 1:].reshape(-1))
+        return {"noisy": float(loss) + NOISE.get(trainer.state.global_step, 1.0)}
+    return metric
+
+
+class SaveAtEvaluation(TrainerCallback):
+    """The weights at each evaluation, by step, to compare a restored best with."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        os.makedirs(f"{out}.models", exist_ok=True)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        torch.save(model.state_dict(), f"{self.out}.models/{state.global_step}.pt")
+
+
 class DieAt(TrainerCallback):
     def __init__(self, step: int | None) -> None:
         self.step, self.trainer = step, None
@@ -85,6 +112,7 @@ def main() -> None:
     parser.add_argument("--attempt-store", action="store_true")
     parser.add_argument("--grad-acc", type=int, default=2)
     parser.add_argument("--plain", action="store_true", help="the plain transformers.Trainer, without checkfreq")
+    parser.add_argument("--noisy-eval", action="store_true", help="eval_noisy and the weights at each evaluation")
     args, training_flags = parser.parse_known_args()
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.attempt_store:  # before TrainingArguments, which would create the default group on stale keys
@@ -114,11 +142,14 @@ def main() -> None:
         torch.save({"model": model.state_dict(), "optimizer": plain.optimizer.state_dict(),
                     "log_history": plain.state.log_history}, args.out)
         return
+    callbacks = [die, SaveAtEvaluation(args.out)] if args.noisy_eval else [die]
     trainer = CheckFreqTrainer(
-        model=model, args=training, callbacks=[die], checkfreq_dir=os.path.join(args.dir, "checkfreq"),
+        model=model, args=training, callbacks=callbacks, checkfreq_dir=os.path.join(args.dir, "checkfreq"),
         checkfreq_policy=args.every, checkfreq_keep=2, **data,
     )
     die.trainer = trainer
+    if args.noisy_eval:
+        trainer.compute_metrics = noisy_metric(trainer)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     exported = trainer.export_checkpoint()
     reloaded = GPT2LMHeadModel.from_pretrained(exported)

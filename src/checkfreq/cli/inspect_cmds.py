@@ -49,9 +49,11 @@ def ls_command(
     """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason.
 
     Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too, and
-    so are the checkpoints set aside as damaged (never restored, not counted by keep=), with why.
+    so are the checkpoints set aside as damaged (never restored, not counted by keep=), with why. A run
+    that keeps the best (keep=Retention(n, best=...)) has its best marked, with their metric.
     """
     from checkfreq.tools.aside import set_aside_statuses
+    from checkfreq.tools.best import rank_run
     from checkfreq.tools.catalog import is_url, list_checkpoints, memory_snapshots
 
     disk = list_checkpoints(directory, checksums=not quick, remote=remote)
@@ -59,8 +61,12 @@ def ls_command(
         memory_snapshots(directory, checksums=not quick) + disk + set_aside_statuses(directory),
         key=lambda s: (-s.step, s.tier != "memory", s.set_aside is not None),
     )
+    ranking = rank_run(directory)
+    listed = [s for s in statuses if s.tier == "disk" and s.set_aside is None]
+    marks = {id(s): ranking.best.get(s.step) for s in listed}
     if as_json:
-        emit_json([s.to_dict() for s in statuses])
+        emit_json([{**s.to_dict(), "score": ranking.scores.get(s.step) if id(s) in marks else None,
+                    "best": None if (mark := marks.get(id(s))) is None else mark.to_dict()} for s in statuses])
         return
     table = Table(title=f"{directory} ({'sizes only' if quick else 'checksums verified'})")
     for column in ("checkpoint", "tier", "step", "epoch", "size", "age", "status"):
@@ -70,6 +76,8 @@ def ls_command(
             status = f"[yellow]set aside[/yellow]{_aside_name(s)}: {s.reason}"
         else:
             status = f"[green]valid[/green]{_elsewhere(s.elsewhere)}" if s.valid else f"[red]INVALID[/red]: {s.reason}"
+        if (mark := marks.get(id(s))) is not None:
+            status += f", [cyan]best {mark.rank} of {mark.top} by {mark.metric} ({mark.mode}): {mark.value:.6g}[/cyan]"
         epoch = "-" if s.epoch is None else str(s.epoch)
         table.add_row(s.name, s.tier, str(s.step), epoch, human_bytes(s.bytes), human_age(s.created), status)
     out = console()
@@ -84,6 +92,10 @@ def ls_command(
         else "its data files and manifest.json on disk"
     )
     out.print(f"size: {counted} (docs/cli.md, 'Sizes')")
+    if any(s.valid for s in listed):
+        best = min(ranking.best.items(), key=lambda item: item[1].rank, default=None)
+        out.print("to resume from one of them: ckpt.restore(step=N), N a valid step above"
+                  + (f'; ckpt.restore(step="best") takes step {best[0]}' if best else ""), soft_wrap=True)
 
 
 @app.command("inspect")
@@ -229,13 +241,17 @@ def export_command(
     target: Annotated[str, typer.Argument(help="A checkpoint, or a run directory for its newest valid one.")],
     to: Annotated[Path, typer.Option("--to", help="Output file: NAME.safetensors, NAME.pt or NAME.pth.")],
     only: Annotated[str | None, typer.Option("--only", help="Export one registered object, e.g. 'model'.")] = None,
+    best: Annotated[bool, typer.Option("--best", help="Export the run's best-scored checkpoint (Retention(best=...)).")]
+    = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""
+    from checkfreq.tools.best import best_checkpoint
     from checkfreq.tools.catalog import export
 
-    with reading(f"reading {_short(target)}", lambda: bytes_to_read(target), as_json=as_json):
-        result = export(target, to, only=only)
+    source = best_checkpoint(target).address if best else target
+    with reading(f"reading {_short(source)}", lambda: bytes_to_read(source), as_json=as_json):
+        result = export(source, to, only=only)
     if as_json:
         emit_json(result.to_dict())
         return

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableLoader
 from checkfreq.errors import ExistingCheckpointsError, UsageError
+from checkfreq.integrations.best import best_retention
 from checkfreq.integrations.lightning_metrics import EpochMetrics
 from checkfreq.integrations.loss import LossFeed
 from checkfreq.policies import Policy
@@ -119,7 +120,12 @@ class CheckFreqCallback(pl.Callback):
         save_on_train_end: take a blocking checkpoint when training ends.
         monitor: what convergence-aware policies see as the loss: ``None`` for the loss
             ``training_step`` returns, or the name of a metric logged with ``self.log``. It is read
-            without a device sync (see :class:`~checkfreq.integrations.loss.LossFeed`).
+            without a device sync (see :class:`~checkfreq.integrations.loss.LossFeed`). With
+            ``save_top_k``, also the metric the best checkpoints are kept by, as ``ModelCheckpoint``'s.
+        mode: ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is better (with ``save_top_k``).
+        save_top_k: keep the ``save_top_k`` checkpoints with the best ``monitor`` after a validation,
+            beside the newest ``keep`` (``keep=Retention(keep, best=(monitor, mode), top=save_top_k)``;
+            -1 keeps every validated checkpoint, 0 or None none for its score). See docs/lightning.md.
         **options: further :class:`~checkfreq.Checkpointer` options (``on_error``,
             ``persist_timeout``, ``save_on_signal``, ``values``, ...); any other keyword raises
             ``TypeError`` naming the closest option.
@@ -136,10 +142,15 @@ class CheckFreqCallback(pl.Callback):
         resume: bool = True,
         save_on_train_end: bool = True,
         monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         check_names("CheckFreqCallback", options, _OPTIONS)  # the explicit ones never reach **options
+        keep = best_retention(keep, monitor, mode, save_top_k, names=("monitor", "mode", "save_top_k"))
+        self._best = keep.metric if isinstance(keep, Retention) else None
+        self._validated: Any = None  # the epoch's validation value, logged once its last step is counted
         self._settings = dict(policy=policy, keep=keep, remote=remote, remote_keep=remote_keep, **options)
         self._directory = directory
         self._resume = resume
@@ -164,7 +175,7 @@ class CheckFreqCallback(pl.Callback):
         _place(trainer, self, first=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_ending = False
+        self._epoch_ending, self._validated = False, None
         callbacks = CallbackStates(trainer, self)
         self._checkpointer = Checkpointer(self._directory, **self._settings, **_objects(trainer, pl_module, callbacks))
         if trainer.ckpt_path is not None:
@@ -216,7 +227,21 @@ class CheckFreqCallback(pl.Callback):
         if self._epoch_ending:
             self._epoch_ending = False
             self.checkpointer.step(loss=self._loss.take())
+            if self._validated is not None:
+                self.checkpointer.log(**{str(self._best): self._validated})
+                self._validated = None
             _place(trainer, self, first=False)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With ``save_top_k``: the validation's ``monitor`` scores the checkpoint of its step (an epoch's
+        last step is counted after the epoch, its validation included, has ended: the value waits for it)."""
+        value = None if self._best is None or trainer.sanity_checking else trainer.callback_metrics.get(self._best)
+        if value is None:
+            return
+        if self._epoch_ending:
+            self._validated = value
+        else:
+            self.checkpointer.log(**{self._best: value})
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -230,7 +255,7 @@ class CheckFreqCallback(pl.Callback):
             checkpointer.close()
 
 
-_OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end", "monitor")
+_OPTIONS = (*CHECKPOINTER_OPTIONS, "resume", "save_on_train_end", "monitor", "mode", "save_top_k")
 
 
 def _check_global_batches(trainer: pl.Trainer) -> None:

@@ -37,9 +37,12 @@ from transformers.trainer_utils import get_last_checkpoint
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableSampler
 from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
+from checkfreq.integrations.best import best_retention
 from checkfreq.integrations.loss import LossFeed
+from checkfreq.integrations.transformers_pick import best_metric, chosen_step, named_step
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.policies import Policy
+from checkfreq.policies.retention import Retention
 from checkfreq.ranks.rebuild import local_view
 from checkfreq.run.options import check_names
 from checkfreq.run.state import unflatten
@@ -116,7 +119,9 @@ class CheckFreqTrainer(Trainer):
         *args, **kwargs: those of ``transformers.Trainer``.
         checkfreq_dir: where checkpoints go (default ``<output_dir>/checkfreq``).
         checkfreq_policy: when to checkpoint (see :class:`~checkfreq.Checkpointer`), in optimizer steps.
-        checkfreq_keep: committed checkpoints to keep (default ``args.save_total_limit``, else 3).
+        checkfreq_keep: committed checkpoints to keep (default ``args.save_total_limit``, else 3), or a
+            :class:`~checkfreq.Retention`. With ``args.metric_for_best_model``, the best checkpoint by that
+            evaluation metric (``greater_is_better`` says which way) is kept too, however old.
         checkfreq_options: further :class:`~checkfreq.Checkpointer` options (``remote``, ``on_error``, ...);
             any other name raises ``TypeError`` naming the closest option.
 
@@ -124,9 +129,10 @@ class CheckFreqTrainer(Trainer):
     starts afresh when there is none, so the same command serves the first run and every restart;
     the strings ``"true"``/``"false"`` (``--resume_from_checkpoint true`` parsed by
     ``HfArgumentParser``) count as the booleans. A path still resumes from one of the Trainer's own
-    ``checkpoint-N/`` directories, and checkfreq counts on from its ``global_step``. Without
-    ``True``, a ``checkfreq_dir`` that holds checkpoints raises
-    :class:`~checkfreq.errors.ExistingCheckpointsError` when ``train()`` starts.
+    ``checkpoint-N/`` directories, and checkfreq counts on from its ``global_step``; the path of a
+    checkpoint of ``checkfreq_dir`` (``<checkfreq_dir>/step_N``) resumes from that one, and ``"best"``
+    from the best by ``metric_for_best_model``. Without ``True``, a ``checkfreq_dir`` that holds
+    checkpoints raises :class:`~checkfreq.errors.ExistingCheckpointsError` when ``train()`` starts.
     """
 
     def __init__(
@@ -134,7 +140,7 @@ class CheckFreqTrainer(Trainer):
         *args: Any,
         checkfreq_dir: str | os.PathLike[str] | None = None,
         checkfreq_policy: Policy | str | int = "auto",
-        checkfreq_keep: int | None = None,
+        checkfreq_keep: int | Retention | None = None,
         checkfreq_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -144,9 +150,13 @@ class CheckFreqTrainer(Trainer):
         self.checkfreq_dir = Path(
             checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq"
         )
-        self._checkfreq_settings = dict(
-            policy=checkfreq_policy, keep=checkfreq_keep or self.args.save_total_limit or 3, **(checkfreq_options or {})
-        )
+        metric, mode = best_metric(self.args)  # keep the best by it too, with metric_for_best_model
+        keep = best_retention(checkfreq_keep or self.args.save_total_limit or 3, metric, mode, 1 if metric else None,
+                              names=("metric_for_best_model", "greater_is_better", "top"))
+        self._best = keep.metric if isinstance(keep, Retention) else None
+        self._evaluated: Any = None  # the best metric's value in the evaluation of a step not yet counted
+        self._checkfreq_settings = dict(policy=checkfreq_policy, keep=keep, **(checkfreq_options or {}))
+        self._resume_at: int | str | None = None  # a step of checkfreq_dir named as resume_from_checkpoint
         self._checkpointer: Checkpointer | None = None
         self._resume = False
         self._resume_step = 0  # the checkpoint being resumed from, restored at the first batch fetch
@@ -175,8 +185,11 @@ class CheckFreqTrainer(Trainer):
         if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "false"):
             # ``--resume_from_checkpoint true`` parsed by HfArgumentParser: TrainingArguments holds a string
             resume_from_checkpoint = resume_from_checkpoint.lower() == "true"
+        self._resume_at = named_step(resume_from_checkpoint, self.checkfreq_dir)
+        if self._resume_at is not None:  # a checkfreq checkpoint, by its path or "best": the Trainer's resume from it
+            resume_from_checkpoint = True
         self._resume = resume_from_checkpoint is True
-        if self._resume and not _holds_checkpoints(self.checkfreq_dir):
+        if self._resume and self._resume_at is None and not _holds_checkpoints(self.checkfreq_dir):
             theirs = _newest_trainer_checkpoint(self.args.output_dir)
             if theirs is not None:  # as the plain Trainer's resume_from_checkpoint=True: its checkpoint-N/
                 log.warning("%s holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint, %s "
@@ -188,7 +201,7 @@ class CheckFreqTrainer(Trainer):
         self._resume_step = self.restored_step = 0
         self._data_order = CHECKFREQ_ORDER
         if self._resume:
-            found = _resume_point(self.checkfreq_dir)
+            found = _resume_point(self.checkfreq_dir, chosen_step(self.checkfreq_dir, self._resume_at))
             if found is not None:  # the Trainer's resume path, fed from the checkfreq checkpoint
                 self._resume_step, path, self._saved_state, self._data_order = found
                 self.restored_step = self._resume_step
@@ -338,6 +351,15 @@ class CheckFreqTrainer(Trainer):
         elif self._end_of_epoch_pending:  # the end-of-epoch call that follows an epoch's last step
             self._end_of_epoch_pending = False
             self._checkpointer.step(loss=self._loss.take())
+        if self._evaluated is not None:  # the evaluation of the step counted scores its checkpoint (keep the best)
+            self._checkpointer.log(**{str(self._best): self._evaluated})
+            self._evaluated = None
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        metrics: dict[str, float] = super()._evaluate(*args, **kwargs)
+        if self._best is not None and self._checkpointer is not None and metrics.get(self._best) is not None:
+            self._evaluated = metrics[self._best]
+        return metrics
 
     # ------------------------------------------------------------------ export
 
@@ -375,14 +397,17 @@ def _state_json(trainer: Trainer) -> str:
     return json.dumps(dataclasses.asdict(state), sort_keys=True)
 
 
-def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any], str] | None:
-    """(step, path, saved TrainerState, data order) of the newest checkpoint in ``directory`` that verifies,
-    or None when it holds none; :class:`NoValidCheckpointError` when it holds some but none verifies."""
+def _resume_point(directory: Path, only: int | None = None) -> tuple[int, Path, dict[str, Any], str] | None:
+    """(step, path, saved TrainerState, data order) of the newest checkpoint in ``directory`` that verifies
+    (or of step ``only``), or None when it holds none; :class:`NoValidCheckpointError` when it holds some but
+    none verifies (or not ``only``)."""
     if not directory.is_dir():
         return None
     store = LocalStore(directory, create=False)
     skipped = []
     for step, path in store.checkpoints():
+        if only is not None and step != only:
+            continue
         try:
             manifest, tensors = read_checkpoint(path, store)
         except CorruptCheckpointError as e:  # the Checkpointer skips it the same way
@@ -392,8 +417,9 @@ def _resume_point(directory: Path) -> tuple[int, Path, dict[str, Any], str] | No
         skeleton, tensors = local_view(manifest, tensors)
         progress = unflatten(skeleton["trainer"], tensors)
         return step, path, json.loads(progress["trainer_state"]), progress.get("data_order", CHECKFREQ_ORDER)
-    if skipped:
-        raise NoValidCheckpointError(f"no valid checkpoint in {directory} ({'; '.join(skipped)})")
+    if skipped or only is not None:
+        what = "no valid checkpoint" if only is None else f"no valid checkpoint for step {only}"
+        raise NoValidCheckpointError(f"{what} in {directory}" + (f" ({'; '.join(skipped)})" if skipped else ""))
     return None
 
 

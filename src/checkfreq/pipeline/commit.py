@@ -36,6 +36,7 @@ from typing import Any
 import xxhash
 
 from checkfreq.errors import PersistError, ReplicaMismatchError
+from checkfreq.pipeline.best import score_entry
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import Tier
@@ -110,6 +111,8 @@ class CommitReport:
     """Several ranks: the lowest rank whose local directory is this rank's."""
     leader: bool | None = None
     """Several ranks: this rank commits its directory."""
+    score: dict[str, Any] | None = None
+    """Rank 0 only, with a retention that keeps the best: its capture's score, which the manifest records."""
 
     def to_wire(self) -> dict[str, Any]:
         """The report as sent: only the fields this kind of report carries."""
@@ -124,6 +127,8 @@ class CommitReport:
                 wire.update(agree=self.agree, directory=self.directory_leader)
         if self.leader is not None:
             wire["leader"] = self.leader
+        if self.score is not None:
+            wire["score"] = self.score
         return wire
 
     @classmethod
@@ -131,7 +136,8 @@ class CommitReport:
         return cls(rank=wire["rank"], created=wire["created"], ok=wire["ok"], error=wire.get("error"),
                    file=wire.get("file"), size=wire.get("size", 0), xxh3_64=wire.get("xxh3_64"),
                    upload_idle=wire.get("upload_idle", False), index=wire.get("index"), state=wire.get("state"),
-                   agree=wire.get("agree"), directory_leader=wire.get("directory"), leader=wire.get("leader"))
+                   agree=wire.get("agree"), directory_leader=wire.get("directory"), leader=wire.get("leader"),
+                   score=wire.get("score"))
 
 
 @dataclass
@@ -233,7 +239,7 @@ class Committer:
             copy_error = e
         staging = self._prepare(step)
         name = data_file_name(rank)
-        report = CommitReport(rank, time.time())
+        report = CommitReport(rank, time.time(), score=score_entry(job.skeleton) if rank == 0 else None)
         size = 0
         failure: Exception | None = None  # this rank's own, raised as the cause
         try:
@@ -352,9 +358,10 @@ def _problem(verdict: Verdict, peers: Peers, share: Share | None) -> Exception |
 def merge(
     reports: list[CommitReport], step: int, epoch: int | None, versions: dict[str, str], share: Share | None
 ) -> Manifest:
-    """The manifest: every rank's file, and (one process) the file's index and skeleton or (several
-    ranks) the tensors they share, from this rank's ``share`` (every rank reported the same)."""
+    """The manifest: every rank's file, rank 0's score, and (one process) the file's index and skeleton or
+    (several ranks) the tensors they share, from this rank's ``share`` (every rank reported the same)."""
     reports = sorted(reports, key=lambda r: r.rank)
+    score = reports[0].score if reports[0].rank == 0 else None
     files: dict[str, FileEntry] = {}
     for r in reports:
         assert r.file is not None and r.xxh3_64 is not None  # merged only when every rank wrote its file
@@ -371,6 +378,7 @@ def merge(
             state=report.state,
             versions=versions,
             created=created,
+            score=score,
         )
     return Manifest(
         step=step,
@@ -382,4 +390,5 @@ def merge(
         versions=versions,
         created=created,
         distributed={"tensors": share["shared"], "directories": [r.directory_leader for r in reports]},
+        score=score,
     )

@@ -23,8 +23,10 @@ from typing import Any
 import torch
 import xxhash
 
+from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import Peers, tree_max
 from checkfreq.run.fingerprint import Fingerprint, changed, fingerprint
+from checkfreq.run.scores import SCORE_KEY, Scores
 from checkfreq.run.state import Stateful, flatten, optimizer_owned
 
 log = logging.getLogger("checkfreq")
@@ -53,10 +55,13 @@ class Registered:
         objects: the registered objects (``state_dict()``/``load_state_dict()``), the generators included.
         values: the plain values, by name (the dict ``ckpt[name] = value`` fills).
         allow_pickle: the Checkpointer's option.
+        scores: the metrics the loop reports, of which a capture takes its score (a retention keeping the best).
     """
 
-    def __init__(self, objects: dict[str, Stateful], values: dict[str, Any], *, allow_pickle: bool) -> None:
+    def __init__(self, objects: dict[str, Stateful], values: dict[str, Any], *, allow_pickle: bool,
+                 scores: Scores | None = None) -> None:
         self.objects, self.values, self.allow_pickle = objects, values, allow_pickle
+        self.scores = Scores(Retention(1)) if scores is None else scores
         self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
         self._epoch_source = next((o for o in objects.values() if _has_int_epoch(o)), None)
         self.seal: Seal | None = None
@@ -86,6 +91,8 @@ class Registered:
         state = self.state_of(self.names)
         small = fingerprint({n: state[n] for n in self.small}) if persisted else {}
         state[RUN_STATE] = run_state()
+        if (score := self.scores.entry(step, self.values, checkpoint=persisted)) is not None:
+            state[RUN_STATE][SCORE_KEY] = score
         skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
         if persisted:  # a tier's own snapshot (as often as every step) is not compared: its cost stays flat
             self.seal = Seal(step, small, _versions(tensors))
@@ -94,6 +101,7 @@ class Registered:
     def forget(self) -> None:
         """A restore or ``start_at``: the state is another run's."""
         self.seal = None
+        self.scores.forget()
 
     def check_before_batch(self, step: int) -> None:
         """Once per checkpoint, before the next batch: warn if the small state changed since it was sealed."""

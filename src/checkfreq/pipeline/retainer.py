@@ -1,5 +1,6 @@
 """Retention applied: the leader of a directory deletes the checkpoints its rule dooms, and the
-damaged checkpoints set aside there once they have expired."""
+damaged checkpoints set aside there once they have expired. For a rule that keeps the best, each
+checkpoint's score is read from its manifest (:class:`~checkfreq.pipeline.best.ScoreBook`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,23 @@ import logging
 import threading
 from collections.abc import Collection
 
+from checkfreq.pipeline.best import ScoreBook
 from checkfreq.policies.retention import Retention
 from checkfreq.storage.base import Store
 
 log = logging.getLogger("checkfreq.retention")
 
 
-def retain(store: Store, retention: Retention, protect: Collection[int] = ()) -> None:
+def retain(store: Store, retention: Retention, protect: Collection[int] = (), book: ScoreBook | None = None) -> None:
     """Delete the checkpoints of ``store`` that ``retention`` dooms (never one in ``protect``), then
     the set-aside damaged ones it says have expired. Only the checkpoints ``store`` lists count: a
-    damaged checkpoint set aside never holds a slot of ``keep``."""
+    damaged checkpoint set aside never holds a slot of ``keep``. ``book`` keeps the scores read
+    (``protect`` holds the checkpoints committed since, whose scores are read again)."""
     listed = dict(store.checkpoints())
-    doomed = retention.doomed(listed, protect)
+    scores, unreadable = None, set[int]()
+    if retention.best is not None:
+        scores, unreadable = (book or ScoreBook(store)).scores(listed, retention.metric, fresh=protect)
+    doomed = retention.doomed(listed, set(protect) | unreadable, scores)
     for step in doomed:
         store.delete(listed[step])
     aside = store.set_aside_checkpoints()
@@ -40,6 +46,7 @@ class Retainer:
 
     def __init__(self, store: Store, retention: Retention, *, leader: bool) -> None:
         self.store, self.retention, self.leader = store, retention, leader
+        self.book = ScoreBook(store)
         self._lock = threading.Lock()
         self.uploading: int | None = None
 
@@ -47,4 +54,4 @@ class Retainer:
         if not self.leader:
             return
         with self._lock:
-            retain(self.store, self.retention, {s for s in (protect, self.uploading) if s is not None})
+            retain(self.store, self.retention, {s for s in (protect, self.uploading) if s is not None}, self.book)

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
+from checkfreq.pipeline.best import ScoreBook
 from checkfreq.pipeline.retainer import Retainer, retain
 from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.policies.retention import Retention
@@ -85,6 +86,7 @@ class RemoteTier(Tier):
         self.local, self.remote, self.peers, self.token = local, remote, peers, token
         self.store: Store = remote
         self._retention = retention
+        self._scores = ScoreBook(remote)  # what retention of the remote tier read of its checkpoints' scores
         self._local_retainer = local_retainer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -189,7 +191,7 @@ class RemoteTier(Tier):
                 _raise_failures([e.error for e in errors if e.error], step)
                 self.remote.write_file(staging, MANIFEST_NAME, [manifest_bytes])
                 self.remote.commit(staging, step)
-                retain(self.remote, self._retention, {step})
+                retain(self.remote, self._retention, {step}, self._scores)
             except Exception as e:  # noqa: BLE001 - every rank hears it
                 self.remote.discard(staging)
                 outcome = UploadOutcome(False, str(e))

@@ -280,6 +280,8 @@ class Manifest:
     created: float
     distributed: dict[str, Any] | None = None
     """Written by several ranks: per-rank skeletons and how each tensor is split (see :mod:`checkfreq.ranks.shares`)."""
+    score: dict[str, Any] | None = None
+    """With a retention that keeps the best: rank 0's score at the capture (:mod:`checkfreq.pipeline.best`)."""
 
     @property
     def complete(self) -> bool:
@@ -322,6 +324,7 @@ class Manifest:
                 distributed=None
                 if doc.get("distributed") is None
                 else _expect(doc["distributed"], dict, "distributed"),
+                score=None if doc.get("score") is None else _expect(doc["score"], dict, "score"),
             )
         except KeyError as e:
             raise CorruptCheckpointError(f"manifest lacks field {e}") from None

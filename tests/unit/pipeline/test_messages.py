@@ -103,6 +103,7 @@ def commit_reports(draw: st.DrawFn) -> CommitReport:
             report.agree, report.directory_leader = draw(texts), draw(counts)
     if kind != "one process":
         report.leader = draw(st.none() | st.booleans())
+    report.score = draw(st.none() | json_objects)
     return report
 
 

@@ -99,3 +99,36 @@ def test_checkpointer_keeps_milestones_locally_and_remotely(tmp_path: Path) -> N
 def test_keep_takes_a_count_or_a_retention(tmp_path: Path) -> None:
     with pytest.raises(cf.ArgumentTypeError, match="int .* or a checkfreq.Retention"):
         cf.Checkpointer(tmp_path, keep="3", model=torch.nn.Linear(1, 1))
+
+
+def test_keeps_the_top_scoring_by_the_metric_beside_the_newest() -> None:
+    """``best``: the ``top`` best scores are kept however old; a step without a score is never among them."""
+    steps = [10, 20, 30, 40, 50, 60]
+    scores = {10: 0.5, 20: 0.2, 30: None, 40: 0.9, 50: 0.3}  # 60: none logged
+    low = Retention(2, best=("val_loss", "min"), top=2)
+    assert low.best_steps(steps, scores) == [20, 50]
+    assert low.doomed(steps, scores=scores) == [10, 30, 40]
+    high = Retention(1, best=("accuracy", "max"), top=1)
+    assert high.doomed(steps, scores=scores) == [10, 20, 30, 50]
+    assert low.doomed(steps) == [10, 20, 30, 40]  # no scores read: the newest only
+    assert Retention(1, every=30, best=("val_loss", "min")).doomed(steps, scores=scores) == [10, 40, 50]
+
+
+def test_a_newer_checkpoint_must_score_strictly_better_to_displace_a_best() -> None:
+    rule = Retention(1, best=("val_loss", "min"), top=1)
+    assert rule.best_steps([1, 2, 3], {1: 0.4, 2: 0.4, 3: 0.4}) == [1]
+    assert rule.best_steps([1, 2, 3], {1: 0.4, 2: float("nan"), 3: 0.39}) == [3]
+    assert rule.best_steps([1, 2], {1: float("nan"), 2: None}) == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"best": ("val_loss", "lowest")}, "best must be (metric name, 'min' or 'max')"),
+    ({"best": "val_loss"}, "best must be"),
+    ({"best": ("", "min")}, "best must be"),
+    ({"top": 2}, "top=2 needs best="),
+    ({"best": ("val_loss", "min"), "top": 0}, "top must be an int >= 1"),
+])
+def test_best_is_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(cf.errors.InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Retention(3, **kwargs)  # type: ignore[arg-type]
+    assert Retention(3, best=["val_loss", "max"]).best == ("val_loss", "max")  # type: ignore[arg-type]

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import xxhash
 
-from checkfreq.errors import CheckfreqError, CorruptCheckpointError, NoValidCheckpointError
+from checkfreq.errors import CheckfreqError, CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError
+from checkfreq.pipeline.best import best_step
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
@@ -40,6 +41,7 @@ from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.stream import ReplicatedStream
 from checkfreq.pipeline.tier import Tier, TierName
 from checkfreq.pipeline.tiers import Tiers
+from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
     Peers,
     broadcast_message,
@@ -150,8 +152,9 @@ class Restorer:
     """
 
     def __init__(self, tiers: Tiers, peers: Peers, page_cache: int | None = None,
-                 directory_leader: int | None = None) -> None:
+                 directory_leader: int | None = None, retention: Retention | None = None) -> None:
         self.tiers, self.peers = tiers, peers
+        self.retention = Retention(1) if retention is None else retention
         self.local = tiers.store
         self._stored: dict[str, Tier] = {tier.name: tier for tier in [tiers.committed_to, *tiers.far]}
         self.page_cache = page_cache
@@ -171,10 +174,10 @@ class Restorer:
         newest = None if steps is None else NewestStep(max((s.step for s in steps if s.step is not None), default=None))
         return broadcast_message(self.peers, newest, NewestStep.from_wire).step
 
-    def find(self, step: int | None = None, blocks: Blocks | None = None, *,
+    def find(self, step: int | str | None = None, blocks: Blocks | None = None, *,
              device_copies: bool = False) -> Found | None:
-        """The newest valid checkpoint (or the one at ``step``) every rank can read; None if no
-        rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
+        """The newest valid checkpoint (or the one at ``step``; ``"best"``: :func:`best_step`'s) every
+        rank can read; None if no rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
 
         ``blocks`` gives the blocks of the sharded tensors this rank restores: with it a rank gets
         only the files that hold them (its own, when the layout is the saved one); without it, every
@@ -182,7 +185,12 @@ class Restorer:
         is restored onto a GPU) memory slots are pinned before they are read, so the copies to the
         device run at the pinned bandwidth.
         """
+        if isinstance(step, bool) or not (step is None or step == "best" or isinstance(step, int)):
+            raise InvalidArgumentError(f"restore() takes step=None, a step number or 'best', got {step!r}")
         with during(self.peers, "the restore"):
+            if step == "best" and (step := best_step(self._stored.values(), self.peers, self.retention)) is None:
+                return None
+            assert not isinstance(step, str)  # "best" resolved above
             return self._find(step, blocks, device_copies)
 
     def _find(self, step: int | None, blocks: Blocks | None, device_copies: bool) -> Found | None:
