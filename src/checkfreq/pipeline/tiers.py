@@ -74,6 +74,12 @@ class Tiers:
         """The stores' roots, as an error names where it looked."""
         return " or ".join(str(store.root) for store in self.stores)
 
+    def searched(self) -> list[str]:
+        """The tiers a restore looks in, as messages name them (``memory tier``, ``local tier (/path)``)."""
+        stored = [f"{tier.name} tier ({tier.store.root})" for tier in [self.committed_to, *self.far]
+                  if tier.store is not None]
+        return (["memory tier"] if self.holds_states else []) + stored
+
     @property
     def busy(self) -> bool:
         """A snapshot taken for a tier alone is still being committed."""

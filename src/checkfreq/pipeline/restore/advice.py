@@ -14,10 +14,7 @@ def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[
 
     ``skipped`` lists ``(checkpoint or memory slot, why)`` for each one tried, newest first.
     """
-    searched = [f"{tier.name} tier ({tier.store.root})" for tier in [tiers.committed_to, *tiers.far]
-                if tier.store is not None]
-    if tiers.holds_states:
-        searched.insert(0, "memory tier")
+    searched = tiers.searched()
     what = f"for step {step}" if step is not None else "to restore"
     tried = ", ".join(name for name, _ in skipped) or "none"
     reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
