@@ -189,3 +189,18 @@ def test_a_growing_memory_region_waits_for_the_persist_still_copying_into_its_re
     kinds = [entry[0] for entry in gpu.log if entry[0] in ("copy", "synchronized")]
     assert kinds[:2] == ["copy", "synchronized"]
     assert [kind for kind, *_ in gpu.registry.calls][:2] == ["register", "unregister"]
+
+
+def test_closing_a_checkpointer_gives_its_snapshot_buffer_back(tmp_path: Path) -> None:
+    import checkfreq as cf
+    from helpers import make_model, train_step
+
+    model = make_model(width=256)
+    opt = torch.optim.Adam(model.parameters())
+    ckpt = cf.Checkpointer(tmp_path, policy=1000, model=model, optimizer=opt)
+    train_step(model, opt)
+    ckpt.step()
+    ckpt.save(blocking=True)
+    assert ckpt._saver.snapshotter.nbytes > 0
+    ckpt.close()
+    assert ckpt._saver.snapshotter.nbytes == 0  # on a GPU: the pinned buffer (16 GiB for 12.5 GB of state)

@@ -146,3 +146,26 @@ def test_gpu_side_waits_raise_the_costs_the_policy_and_the_cadence_see() -> None
     cadence.record_device_wait(0.2)
     assert cadence.cost.value == pytest.approx(0.21)
     assert cadence.interval(0.22) > cadence.interval(0.22 * 100)
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_fresh_optimizer_is_restored_straight_onto_the_device(shm_dir: Path, tmp_path: Path) -> None:
+    """Its state goes from the pinned memory slot to the device, not through a pageable clone; non-fused
+    Adam's ``step`` counters stay on the CPU, where that optimizer keeps them."""
+    model = make_model(width=256).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model, optimizer=opt) as ckpt:
+        _train(model, opt, 3, ckpt)
+        ckpt.wait()
+        expected = {k: {n: v.cpu() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
+        memory_tier(ckpt).close(remove=False)
+        ckpt._finalizer()
+    model2 = make_model(seed=1, width=256).cuda()
+    opt2 = torch.optim.Adam(model2.parameters())
+    with cf.Checkpointer(tmp_path, policy=1000, memory=1, model=model2, optimizer=opt2) as again:
+        assert again.restore() == 3
+        for pid, entry in opt2.state_dict()["state"].items():
+            assert entry["exp_avg"].is_cuda and entry["exp_avg_sq"].is_cuda and not entry["step"].is_cuda
+            assert all(torch.equal(v.cpu(), expected[pid][n]) for n, v in entry.items())
+        _train(model2, opt2, 1, again)  # the restored optimizer steps
