@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from checkfreq.run.tensors import local_part
+
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 """``(dst, src)`` copies."""
 
@@ -110,7 +112,7 @@ class CudaOps:
                 dst.copy_(src, non_blocking=True)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
+        local_part(tensor).record_stream(stream)  # a DTensor's memory is its local shard's
 
     def synchronize(self, event: Any) -> None:
         event.synchronize()

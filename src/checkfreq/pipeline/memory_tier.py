@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -97,7 +98,8 @@ class MemoryTier(Tier):
         self._writer = Writer()
         self._finalizer = weakref.finalize(self, self._writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
-        self._persist_copy: PendingSnapshot | None = None  # the persist's snapshot, maybe still being copied in
+        self._persist_done = threading.Event()  # the persist holding a slot is over (its copy in, its write out)
+        self._persist_done.set()
         self.enabled = True
         """False once /dev/shm had no room, or the state is sharded: snapshots go to disk only."""
         self.newest: HeldSnapshot | None = None
@@ -166,9 +168,10 @@ class MemoryTier(Tier):
         )
         meta = manifest.to_json()
         start = time.perf_counter()
-        persist_copy = self._persist_copy
-        if persist_copy is not None and not self.region.fits(layout.nbytes, len(meta)):
-            persist_copy.copied.wait()  # the region is made again: never unregister a slot under its copy
+        if not self.region.fits(layout.nbytes, len(meta)):
+            # the region is made again: never unregister or unmap the slot a persist still copies into
+            # (the side stream) or writes to disk from (the writer)
+            self._persist_done.wait()
         try:
             self.region.reserve(layout.nbytes, len(meta))
         except ShmCapacityError as e:
@@ -237,7 +240,8 @@ class MemoryTier(Tier):
         then write it to disk; the slot stays untouched by memory snapshots until the write is done."""
         if not isinstance(target, MemoryTarget):  # the snapshot is elsewhere: nothing to commit here
             return persist
-        self._persisting, self._persist_copy = target.slot.slot, pending
+        self._persisting = target.slot.slot
+        self._persist_done.clear()
         self.newest = None  # the persist supersedes any memory-only snapshot
         self.taken(target.step)
 
@@ -246,7 +250,8 @@ class MemoryTier(Tier):
                 self.commit(target, pending)
                 return persist()
             finally:
-                self._persisting = self._persist_copy = None
+                self._persisting = None
+                self._persist_done.set()
 
         return job
 

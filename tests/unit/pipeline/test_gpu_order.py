@@ -204,3 +204,37 @@ def test_closing_a_checkpointer_gives_its_snapshot_buffer_back(tmp_path: Path) -
     assert ckpt._saver.snapshotter.nbytes > 0
     ckpt.close()
     assert ckpt._saver.snapshotter.nbytes == 0  # on a GPU: the pinned buffer (16 GiB for 12.5 GB of state)
+
+
+def test_a_growing_memory_region_waits_for_the_persist_writing_to_disk_from_its_slot(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """The persist writes to disk from a view of the slot: the region it maps must outlive the write."""
+    tier = MemoryTier(tmp_path, MemoryCadence(every=1), data_file="data.safetensors")
+    state = {"w": _values(1024, 0)}
+    layout = layout_of(state)
+    target = tier.target(SnapshotRequest(layout, {}, 1, None, {}, 0.0, device_copies=False, sharded=False))
+    assert target is not None
+    pending = Snapshotter().take(state, deferred=set(), layout=layout, buffer=target.buffer, step=1)
+    gate, seen = threading.Event(), []
+
+    def persist() -> None:
+        gate.wait(10)
+        seen.append((tier.region.nbytes, torch.equal(target.buffer[: layout.nbytes].view(torch.float32), state["w"])))
+
+    writer = Writer()
+    writer.submit(tier.around_persist(target, pending, persist))
+    size = tier.region.nbytes
+    timer = threading.Timer(0.5, gate.set)
+    timer.start()
+    grown = {**state, "more": _values(1 << 20, 1)}
+    try:
+        assert tier.target(SnapshotRequest(layout_of(grown), {}, 2, None, {}, 0.0, device_copies=False,
+                                           sharded=False)) is not None
+    finally:
+        timer.join()
+        writer.wait(10)
+        writer.close(10)
+    assert seen == [(size, True)]  # the write read the slot it was given, in the mapping it was given
+    assert tier.region.nbytes > size
+    tier.close(remove=True)
