@@ -45,15 +45,16 @@ trap 'exit 130' INT TERM
 
 # The plan, in seconds on one H100 (PCIe gen5, ~55 GB/s pinned D2H, a local NVMe at >= 2 GB/s), each
 # part cut at its limit by timeout:
-#   tests: the CUDA tests (about 20 of them, the kill-and-resume ones the longest)        110
+#   tests: the CUDA tests (about 20 of them; the kill-and-resume runs the longest)        150
 #   a. 1B fused: start and 3 warm-up steps 25, limits 10, memory tier copy 25 (region made,
 #      2 slots registered, 3 snapshots sealed), 5 modes x 20+3 steps of ~0.3 s = 35, the
 #      memory modes' ends (restore from memory 3 s each, from disk once 8 s, persist at
-#      close 7 s each) 40, the default's persists 15                                   190
-#   b. 1B non-fused AdamW: start 25, 3 modes x 23 steps of ~0.33 s = 23, ends 35          100
-#   c. 4 layers, fused: start 10, 3 modes x 23 steps of ~0.1 s = 7, persists and DCP 30    60
+#      close 7 s each) 40, the default's persists 15: 165                               170
+#   b. 1B non-fused AdamW: start 25, 3 modes x 23 steps of ~0.33 s = 23, ends 30: 78      90
+#   c. 4 layers, fused: start 10, 3 modes x 23 steps of ~0.1 s = 7, persists and DCP 25:
+#      42                                                                                50
 #   versions, summaries, clean-up                                                        20
-tests_limit=110; full_limit=190; adamw_limit=100; small_limit=60; rest=20
+tests_limit=150; full_limit=170; adamw_limit=90; small_limit=50; rest=20
 plan=$(( tests_limit + full_limit + adamw_limit + small_limit + rest ))
 {
     echo "plan: tests $tests_limit s + 1B fused $full_limit s + 1B non-fused AdamW $adamw_limit s + 4 layers $small_limit s + the rest $rest s = $plan s (8 minutes: 480 s)"
