@@ -61,5 +61,6 @@ class Fence:
                 writer.check_alive()
                 if time.perf_counter() > deadline:
                     raise PersistTimeoutError(f"snapshot copy still running after {timeout} s")
+            writer.check_alive()  # a dead writer, whose pieces this thread copied, is said here
         wait = time.perf_counter() - start
         account(FenceWait(wait, self._stall + wait))
