@@ -187,6 +187,8 @@ class MemoryTier(Tier):
     def _pin(self, slot: int) -> None:
         if self.registry is None:
             self.registry = host_registry()
+        if slot in self.region.pinned_slots:
+            return
         if self.region.pin_slot(slot, self.registry) and torch.cuda.is_available():
             if not self.region.slot_data(slot).is_pinned():  # the copies would fall back to pageable speed
                 log.warning("memory slot %d was registered but CUDA does not see it pinned: its copies run at "

@@ -111,7 +111,7 @@ def test_the_memory_tier_pins_its_slots_for_cuda_and_restores_onto_the_device(
     region = memory_tier(ckpt).region
     assert region.pinned_slots == ({0, 1} if device == "cuda" else set())  # CPU state: no device copies
     if device == "cuda":
-        assert all(region._bytes[region._data_at(s)].is_pinned() for s in (0, 1))
+        assert all(region.slot_data(s).is_pinned() for s in (0, 1))  # each slot its own storage
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
     memory_tier(ckpt).close(remove=False)  # as if killed: the region stays, nothing reaches disk
     ckpt._finalizer()
