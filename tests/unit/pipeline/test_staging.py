@@ -169,3 +169,49 @@ def test_a_fresh_optimizer_is_restored_straight_onto_the_device(shm_dir: Path, t
             assert entry["exp_avg"].is_cuda and entry["exp_avg_sq"].is_cuda and not entry["step"].is_cuda
             assert all(torch.equal(v.cpu(), expected[pid][n]) for n, v in entry.items())
         _train(model2, opt2, 1, again)  # the restored optimizer steps
+
+
+def _busy_side_stream(snapshotter, device: torch.device) -> None:  # type: ignore[no-untyped-def]
+    """Keep the snapshotter's side stream busy for about a second, so its copies start late."""
+    stream = snapshotter._streams.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_freed_cuda_temporary_is_copied_before_the_next_forward_reuses_its_memory() -> None:
+    from checkfreq.pipeline.snapshot import Snapshotter
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    snapshotter = Snapshotter(gpu_staging=False)
+    param = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    _busy_side_stream(snapshotter, device)
+    temporary = param * 1  # as a DDP share's piece of a channels_last tensor is
+    pending = snapshotter.take({"piece": temporary}, deferred={"piece"})
+    del temporary
+    activations = torch.empty_like(param).fill_(-1.0)  # the caching allocator's freed block, if nothing held it
+    pending.finish_copy()
+    held = pending.buffer[: param.numel() * 4].view(torch.float32)
+    assert torch.equal(held, param.cpu())
+    assert bool((activations == -1.0).all())
+
+
+@pytest.mark.cuda
+@cuda
+def test_the_fence_of_a_non_fused_adam_does_not_wait_on_the_cpu_for_the_device_copy(tmp_path: Path) -> None:
+    model = make_model(width=1024).cuda()
+    opt = torch.optim.Adam(model.parameters())  # non-fused: its step counters are CPU tensors
+    with cf.Checkpointer(tmp_path, policy=1000, gpu_staging=False, model=model, optimizer=opt) as ckpt:
+        _train(model, opt, 2, ckpt)
+        ckpt.save()
+        ckpt.wait()
+        device = torch.device("cuda", torch.cuda.current_device())
+        _busy_side_stream(ckpt._saver.snapshotter, device)
+        _train(model, opt, 1, ckpt)
+        ckpt.save()
+        pending = ckpt._saver.fence._pending
+        assert pending is not None and pending.cpu_fence and pending.cuda_done
+        _train(model, opt, 1, None)  # optimizer.step(): the fence
+        assert not pending.cuda_done[0].query()  # it returned while the side stream still sleeps
+        ckpt.wait()
