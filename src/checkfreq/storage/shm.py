@@ -293,7 +293,7 @@ class MemoryRegion:
         if self._map is not None:
             try:
                 self._map.close()
-            except BufferError:  # a snapshot view is still alive: the mapping goes with it
+            except BufferError:  # a memoryview export is alive: the mapping goes with it (tensor views hold none)
                 pass
             self._map = None
         if remove:
