@@ -1,12 +1,15 @@
-"""checkfreq on a GPU as users train: a 1B-parameter GPT, each checkpointing mode for ~40 steps, one process.
+"""checkfreq on a GPU as users train: a 1B-parameter GPT, each checkpointing mode for some steps, one process.
 
     python -m benchmarks.gpu                      # the 1.04B model (d=2048, 18 layers, vocab 32k), on CUDA
+    python -m benchmarks.gpu --optimizer adamw    # the same with non-fused AdamW (what most users run)
+    python -m benchmarks.gpu --size small         # 4 layers (~4 GB of state): for the disk-bound modes
     python -m benchmarks.gpu --tiny --device cpu  # the same modes on a toy model, in seconds (CI)
     python -m benchmarks.gpu --json out.json      # also the raw figures
 
-The model: a pre-LayerNorm GPT with causal self-attention, trained with bf16 autocast and fused
-fp32 AdamW on batches of 16×1024 random tokens (12.47 GB of checkpointed state: fp32 parameters
-and two Adam moments). Modes, each on the same model, in this order, after ``--warmup`` steps:
+The model: a pre-LayerNorm GPT with causal self-attention, trained with bf16 autocast and fp32
+AdamW (fused by default; ``--optimizer adamw``: torch's default implementation, whose ``step``
+counters are CPU tensors) on batches of 16×1024 random tokens (12.47 GB of checkpointed state: fp32
+parameters and two Adam moments). Modes, each on the same model, in this order, after ``--warmup`` steps:
 
 * ``none``: no checkpointing (the baseline every mode is relative to);
 * ``default``: ``Checkpointer(dir, model=, optimizer=)`` (``policy="auto"``);
@@ -20,8 +23,13 @@ and two Adam moments). Modes, each on the same model, in this order, after ``--w
 
 Each mode reports its mean step relative to ``none``, the snapshot, fence, GPU-wait, busy-wait
 and persist times from its events, and (memory tiers) how long ``restore()`` took from memory and
-from disk. The physical limits are measured in the same run: pinned and pageable device-to-host
-copies, a ``/dev/shm`` mapping registered with ``cudaHostRegister``, device-to-device, disk write.
+from disk. A step is timed on the training stream (CUDA events around it), never with
+``torch.cuda.synchronize()``, which would also wait for the side stream's copy to the host that
+runs while the next steps compute; beside it, the stall checkfreq's own events saw per step (its
+snapshot stalls, fence waits, busy waits and GPU-timed waits), so that the two can be compared.
+The physical limits are measured in the same run (``--no-limits`` skips them): pinned and pageable
+device-to-host copies, a ``/dev/shm`` mapping registered with ``cudaHostRegister``,
+device-to-device, disk write.
 """
 
 from __future__ import annotations
@@ -64,7 +72,9 @@ class Size:
 
 
 FULL = Size(d=2048, layers=18, heads=16, vocab=32000, batch=16, seq=1024)
+SMALL = Size(d=2048, layers=4, heads=16, vocab=32000, batch=16, seq=1024)
 TINY = Size(d=64, layers=2, heads=4, vocab=256, batch=2, seq=32)
+SIZES = {"full": FULL, "small": SMALL, "tiny": TINY}
 
 
 class Block(nn.Module):
@@ -100,11 +110,11 @@ class GPT(nn.Module):
 class Trainer:
     """The model, its optimizer and one training step (bf16 autocast on CUDA)."""
 
-    def __init__(self, size: Size, device: torch.device) -> None:
+    def __init__(self, size: Size, device: torch.device, optimizer: str = "fused") -> None:
         torch.manual_seed(0)
         self.size, self.device = size, device
         self.model = GPT(size).to(device)
-        fused = device.type == "cuda"
+        fused = device.type == "cuda" and optimizer == "fused"  # else torch's default: step counters on the CPU
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused)
         self.tokens = torch.randint(0, size.vocab, (size.batch, size.seq + 1), device=device)
 
@@ -221,18 +231,16 @@ def run_mode(name: str, trainer: Trainer, workdir: Path, steps: int, warmup: int
         after, end = dcp_mode.after_step, dcp_mode.end
     elif name != "none":
         (after, end), ckpt = checkfreq_mode(**MODES[name])(trainer, directory)
-    times = []
+    times = StepTimes(trainer.device)
     for i in range(warmup + steps):
-        start = time.perf_counter()
-        trainer.step()
+        times.begin()
+        trainer.step()  # its loss.item() waits for the training stream only
         after()
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        times.end(timed=i >= warmup)
     start = time.perf_counter()
     end()
-    result: dict[str, Any] = {"step_s": times, "end_s": time.perf_counter() - start}
+    result: dict[str, Any] = {"step_s": times.seconds(), "end_s": time.perf_counter() - start,
+                              "steps_total": warmup + steps}
     if dcp_mode is not None:
         result.update(stall_s=dcp_mode.stalls, wait_previous_s=dcp_mode.waits, failed=dcp_mode.failed)
     if ckpt is not None:
@@ -242,6 +250,39 @@ def run_mode(name: str, trainer: Trainer, workdir: Path, steps: int, warmup: int
         result["events"] = summarise(read_events(directory))
     shutil.rmtree(directory, ignore_errors=True)
     return result
+
+
+class StepTimes:
+    """Each step's time on the training stream: CUDA events recorded on it before and after the step
+    (read once the mode is over), or the CPU's clock without CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[Any, Any]] = []
+        self._cpu: list[float] = []
+        self._start: Any = None
+
+    def begin(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def end(self, timed: bool) -> None:
+        if self.cuda:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+            if timed:
+                self._marks.append((self._start, stop))
+        elif timed:
+            self._cpu.append(time.perf_counter() - self._start)
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return self._cpu
+        self._marks[-1][1].synchronize()
+        return [start.elapsed_time(stop) / 1000.0 for start, stop in self._marks]
 
 
 def restores(ckpt: cf.Checkpointer, directory: Path, disk: bool) -> dict[str, float]:
@@ -274,7 +315,19 @@ def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
         "memory stall_s": mean("memory", "stall_s"), "gpu_wait s": mean("gpu_wait", "wait_s"),
         "busy wait_s": mean("busy", "wait_s"), "persist_s": mean("commit", "persist_s"),
         "bandwidth GB/s": mean("commit", "bandwidth_gbps"), "restore_s": mean("restore", "restore_s"),
+        "stall total_s": sum(e.get(key) or 0.0 for e in events for kind, key in STALLS if e["event"] == kind),
     }
+
+
+STALLS = (("snapshot", "stall_s"), ("memory", "stall_s"), ("fence", "wait_s"), ("gpu_wait", "wait_s"))
+"""The events whose seconds are a stall of training, as checkfreq measured it (a busy wait is part of its
+snapshot's stall already)."""
+
+
+def events_stall_per_step(mode: dict[str, Any]) -> float | None:
+    """The stall checkfreq's events saw, per step of the mode (warm-up steps included: they are in the events)."""
+    ev = mode.get("events")
+    return None if ev is None else ev["stall total_s"] / mode["steps_total"]
 
 
 # ---------------------------------------------------------------------- limits
@@ -308,21 +361,7 @@ def limits(n: int, device: torch.device, workdir: Path) -> dict[str, float]:
     copy = torch.empty_like(src)
     timed("D2D copy_ GB/s", lambda: copy.copy_(src))
     copy = None  # give the device memory back
-    shm = Path(os.environ.get("CHECKFREQ_SHM_DIR") or "/dev/shm") / f"checkfreq-bench-{os.getpid()}"
-    try:
-        with open(shm, "w+b") as f:
-            f.truncate(n)
-            mapping = mmap.mmap(f.fileno(), n)
-        shared = torch.frombuffer(mapping, dtype=torch.uint8)
-        timed("D2H into /dev/shm mapping GB/s", lambda: shared.copy_(src, non_blocking=True))
-        registry = host_registry()
-        if device.type == "cuda" and registry.register(shared.data_ptr(), n):
-            timed("D2H into registered /dev/shm GB/s", lambda: shared.copy_(src, non_blocking=True))
-            registry.unregister(shared.data_ptr())
-        shared = None
-        mapping.close()
-    finally:
-        shm.unlink(missing_ok=True)
+    shm_limits(n, src, timed, cuda=device.type == "cuda")
     path = workdir / "limit.bin"
     timed_once = time.perf_counter()
     write_fsync(path, memoryview(pinned.numpy()))
@@ -331,11 +370,37 @@ def limits(n: int, device: torch.device, workdir: Path) -> dict[str, float]:
     return out
 
 
+def shm_limits(n: int, src: torch.Tensor, timed: Callable[[str, Callable[[], None]], None], *, cuda: bool) -> None:
+    """Device-to-host copies into an ``n``-byte /dev/shm mapping, plain and registered; skipped (and
+    said so) when /dev/shm has less than twice that free, so that the memory tier still has room."""
+    shm = Path(os.environ.get("CHECKFREQ_SHM_DIR") or "/dev/shm") / f"checkfreq-bench-{os.getpid()}"
+    stats = os.statvfs(shm.parent)
+    if stats.f_bavail * stats.f_frsize < 2 * n:
+        print(f"skipping the /dev/shm limits: {stats.f_bavail * stats.f_frsize / 1e9:.1f} GB free there, "
+              f"{2 * n / 1e9:.1f} GB wanted", flush=True)
+        return
+    try:
+        with open(shm, "w+b") as f:
+            f.truncate(n)
+            mapping = mmap.mmap(f.fileno(), n)
+        shared = torch.frombuffer(mapping, dtype=torch.uint8)
+        timed("D2H into /dev/shm mapping GB/s", lambda: shared.copy_(src, non_blocking=True))
+        registry = host_registry()
+        if cuda and registry.register(shared.data_ptr(), n):
+            timed("D2H into registered /dev/shm GB/s", lambda: shared.copy_(src, non_blocking=True))
+            registry.unregister(shared.data_ptr())
+        shared = None  # the mapping cannot close while a tensor uses it
+        mapping.close()
+    finally:
+        shm.unlink(missing_ok=True)
+
+
 def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
     """The memory tier's copy of the whole state, GB/s: a snapshot into a slot (the side stream's
     copies) until it is committed (the checksum of a large state is sealed afterwards, not counted).
-    The second snapshot is timed: the first creates the region and pins its slot. Uses the tier
-    directly, so no persist at close writes 12 GB to disk for nothing."""
+    The third snapshot is timed: the first two create the region and register both slots, and each
+    is sealed before the next starts, so that neither a registration nor a checksum overlaps the
+    timed copy. Uses the tier directly, so no persist at close writes 12 GB to disk for nothing."""
     from checkfreq.pipeline.memory_tier import MemoryTier
     from checkfreq.pipeline.snapshot import Snapshotter, layout_of
     from checkfreq.pipeline.tier import SnapshotRequest
@@ -349,7 +414,8 @@ def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
     snapshotter, seconds = Snapshotter(gpu_staging=False), []
     cuda = trainer.device.type == "cuda"
     try:
-        for step in range(2):
+        for step in range(3):
+            tier.wait_sealed()
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -369,12 +435,13 @@ def report(doc: dict[str, Any]) -> str:
     """The modes as a Markdown table (step times relative to ``none``), then the limits."""
     none = statistics.fmean(doc["modes"]["none"]["step_s"])
     lines = [f"{doc['device']}, {doc['parameters'] / 1e6:.1f}M parameters, {doc['state_bytes'] / 1e9:.2f} GB of state, "
-             f"{doc['steps']} steps a mode after {doc['warmup']} warm-up steps", "",
-             "| mode | mean step | vs none | snapshot stall | fence wait | GPU wait | busy wait | persist | "
-             "restore from memory | restore from disk |", "|" + " --- |" * 10]
+             f"{doc['optimizer']} AdamW, {doc['steps']} steps a mode after {doc['warmup']} warm-up steps; a step is "
+             "timed on the training stream", "",
+             "| mode | mean step | vs none | stall the events saw per step | snapshot stall | fence wait | GPU wait | "
+             "busy wait | persist | restore from memory | restore from disk |", "|" + " --- |" * 11]
     for name, mode in doc["modes"].items():
         if "error" in mode:
-            lines.append(f"| {name} | failed: {mode['error']} |" + " |" * 8)
+            lines.append(f"| {name} | failed: {mode['error']} |" + " |" * 9)
             continue
         step = statistics.fmean(mode["step_s"])
         ev = mode.get("events", {})
@@ -387,7 +454,11 @@ def report(doc: dict[str, Any]) -> str:
         restore = mode.get("restore", {})
         cells += [_sec(restore.get("memory_s")), _sec(restore.get("disk_s"))]
         ratio = "failed: " + mode["failed"] if mode.get("failed") else f"{step / none:.3f}×"
+        seen = events_stall_per_step(mode)
+        cells.insert(0, "–" if seen is None else f"{seen * 1e3:.1f} ms")
         lines.append(f"| {name} | {step * 1e3:.0f} ms | {ratio} | " + " | ".join(cells) + " |")
+    if "limits" not in doc:
+        return "\n".join(lines)
     lines += ["", f"| limit ({doc['limit_bytes'] / 1e9:.2f} GB copied) | GB/s |", "| --- | --- |"]
     lines += [f"| {k[:-5]} | {v:.2f} |" for k, v in doc["limits"].items()]
     tier, pinned = doc["tier"]["memory tier copy GB/s"], doc["limits"]["D2H pinned copy_ GB/s"]
@@ -413,7 +484,11 @@ def _sec(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="a toy model (seconds, for CI and a CPU)")
+    p.add_argument("--tiny", action="store_true", help="a toy model (seconds, for CI and a CPU): --size tiny")
+    p.add_argument("--size", choices=list(SIZES), default="full", help="full: 1.04B parameters; small: 4 layers")
+    p.add_argument("--optimizer", choices=["fused", "adamw"], default="fused",
+                   help="fused AdamW, or torch's default AdamW (its step counters are CPU tensors)")
+    p.add_argument("--no-limits", action="store_true", help="skip the hardware limits and the tier copy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode, before the timed ones")
@@ -426,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")
     device = torch.device(args.device)
-    trainer = Trainer(TINY if args.tiny else FULL, device)
+    trainer = Trainer(TINY if args.tiny else SIZES[args.size], device, args.optimizer)
     for _ in range(3):
         trainer.step()  # compile kernels, allocate the optimizer state
     with tempfile.TemporaryDirectory(prefix="cf-gpu-", dir=args.dir) as tmp:
@@ -435,10 +510,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "torch": torch.__version__, "parameters": trainer.parameters, "state_bytes": trainer.state_bytes(),
             "steps": args.steps, "warmup": args.warmup, "modes": {},
+            "optimizer": "fused" if args.optimizer == "fused" and device.type == "cuda" else "non-fused",
         }
-        doc["limit_bytes"] = min(doc["state_bytes"], LIMIT_BYTES)
-        doc["limits"] = limits(doc["limit_bytes"], device, workdir)
-        doc["tier"] = tier_copy(trainer, workdir)
+        if not args.no_limits:
+            doc["limit_bytes"] = min(doc["state_bytes"], LIMIT_BYTES)
+            doc["limits"] = limits(doc["limit_bytes"], device, workdir)
+            doc["tier"] = tier_copy(trainer, workdir)
         for name in modes:
             try:
                 doc["modes"][name] = run_mode(name, trainer, workdir, args.steps, args.warmup)
@@ -447,7 +524,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 doc["modes"][name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
             mode = doc["modes"][name]
             if "step_s" in mode:
-                print(f"{name}: mean step {statistics.fmean(mode['step_s']) * 1e3:.1f} ms", flush=True)
+                seen = events_stall_per_step(mode)
+                print(f"{name}: mean step on the training stream {statistics.fmean(mode['step_s']) * 1e3:.1f} ms; "
+                      f"stall the events saw per step "
+                      f"{'–' if seen is None else f'{seen * 1e3:.1f} ms'}", flush=True)
             if args.json is not None:  # after every mode: a run cut short keeps what it measured
                 args.json.write_text(json.dumps(doc, indent=1, default=str))
     text = report(doc)

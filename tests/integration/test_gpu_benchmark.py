@@ -69,3 +69,18 @@ def test_a_baseline_failing_after_its_warm_up_is_reported_and_the_others_go_on()
     result = interleave([Works(), FailsWhenReused()], build_state(1), repeats=2)
     assert len(result["samples"]["works"]) == 2 and result["samples"]["fails when reused"] == []
     assert result["errors"]["fails when reused"].startswith("KeyError") and "works" not in result["errors"]
+
+
+def test_a_run_without_limits_reports_each_mode_on_the_training_stream_beside_the_stall_its_events_saw(
+    shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = gpu.main(["--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1", "--modes", "memory=1",
+                    "--optimizer", "adamw", "--no-limits", "--dir", str(tmp_path)])
+    assert "limits" not in doc and "tier" not in doc and doc["optimizer"] == "non-fused"
+    mode = doc["modes"]["memory=1"]
+    assert len(mode["step_s"]) == 3 and mode["steps_total"] == 4
+    seen = gpu.events_stall_per_step(mode)
+    assert seen is not None and seen > 0  # a memory snapshot every step: the events saw a stall
+    out = capsys.readouterr().out
+    assert "memory=1: mean step on the training stream" in out and "stall the events saw per step" in out
+    assert "| limit" not in out

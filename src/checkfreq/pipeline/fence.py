@@ -44,9 +44,10 @@ class Fence:
         self._pending = self._writer = self._account = None
 
     def finish(self, timeout: float) -> None:
-        """Wait until the deferred copies are done (the training thread copies the pieces the writer
+        """Wait until the deferred CPU copies are done (the training thread copies the pieces the writer
         has not reached), then tell the snapshot's account what it cost; nothing if no snapshot was
-        waiting. On CUDA the current stream only waits on the copies' events (no CPU block)."""
+        waiting. CUDA copies are never waited for on the CPU: the current stream waits on their
+        events, even when CPU tensors (a non-fused optimizer's ``step``) were deferred beside them."""
         pending, writer, account = self._pending, self._writer, self._account
         self.clear()
         if pending is None or writer is None or account is None:
@@ -56,9 +57,10 @@ class Fence:
         if pending.cpu_fence:
             pending.copy_pieces()  # share the copies the writer has not reached yet
             deadline = start + timeout
-            while not pending.copied.wait(0.5):
+            while not pending.cpu_copied.wait(0.5):
                 writer.check_alive()
                 if time.perf_counter() > deadline:
                     raise PersistTimeoutError(f"snapshot copy still running after {timeout} s")
+            writer.check_alive()  # a dead writer, whose pieces this thread copied, is said here
         wait = time.perf_counter() - start
         account(FenceWait(wait, self._stall + wait))

@@ -14,8 +14,9 @@ Without CUDA nothing is ever recorded, and the measured stall is the CPU's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+from checkfreq.pipeline.device_ops import CUDA, DeviceOps
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,15 @@ class GpuWait:
 class GpuWaits:
     """Bracketed waits of training streams, until the GPU has passed them."""
 
-    def __init__(self) -> None:
-        self._open: list[tuple[int, bool, str, torch.cuda.Event, torch.cuda.Event]] = []
+    def __init__(self, ops: DeviceOps = CUDA) -> None:
+        self._ops = ops
+        self._open: list[tuple[int, bool, str, Any, Any]] = []
 
-    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event, *, step: int, memory: bool, at: str) -> None:
+    def wait(self, stream: Any, event: Any, *, step: int, memory: bool, at: str) -> None:
         """Make ``stream`` wait for ``event``, timing the wait on the GPU."""
-        before = torch.cuda.Event(enable_timing=True)
-        after = torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(event)
-        after.record(stream)
+        before = self._ops.record(stream, timing=True)
+        self._ops.wait_event(stream, event)
+        after = self._ops.record(stream, timing=True)
         self._open.append((step, memory, at, before, after))
 
     def collect(self) -> list[GpuWait]:
@@ -50,8 +50,8 @@ class GpuWaits:
         done, still = [], []
         for entry in self._open:
             step, memory, at, before, after = entry
-            if after.query():
-                done.append(GpuWait(step, memory, at, before.elapsed_time(after) / 1000.0))
+            if self._ops.query(after):
+                done.append(GpuWait(step, memory, at, self._ops.elapsed_s(before, after)))
             else:
                 still.append(entry)
         self._open = still

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -121,6 +122,8 @@ class MemoryTier(Tier):
         self._writer = Writer()
         self._finalizer = weakref.finalize(self, self._writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
+        self._persist_done = threading.Event()  # the persist holding a slot is over (its copy in, its write out)
+        self._persist_done.set()
         self.enabled = True
         """False once /dev/shm had no room, or the state is sharded: snapshots go to disk only."""
         self.newest: HeldSnapshot | None = None
@@ -200,6 +203,10 @@ class MemoryTier(Tier):
         )
         meta = manifest.to_json()
         start = time.perf_counter()
+        if not self.region.fits(layout.nbytes, len(meta)):
+            # the region is made again: never unregister or unmap the slot a persist still copies into
+            # (the side stream) or writes to disk from (the writer)
+            self._persist_done.wait()
         try:
             self.region.reserve(layout.nbytes, len(meta))
         except ShmCapacityError as e:
@@ -215,7 +222,12 @@ class MemoryTier(Tier):
     def _pin(self, slot: int) -> None:
         if self.registry is None:
             self.registry = host_registry()
-        self.region.pin_slot(slot, self.registry)
+        if slot in self.region.pinned_slots:
+            return
+        if self.region.pin_slot(slot, self.registry) and torch.cuda.is_available():
+            if not self.region.slot_data(slot).is_pinned():  # the copies would fall back to pageable speed
+                log.warning("memory slot %d was registered but CUDA does not see it pinned: its copies run at "
+                            "the pageable bandwidth", slot)
 
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
@@ -266,6 +278,7 @@ class MemoryTier(Tier):
         if not isinstance(target, MemoryTarget):  # the snapshot is elsewhere: nothing to commit here
             return persist
         self._persisting = target.slot.slot
+        self._persist_done.clear()
         self.newest = None  # the persist supersedes any memory-only snapshot
         self.taken(target.step)
 
@@ -275,6 +288,7 @@ class MemoryTier(Tier):
                 return persist()
             finally:
                 self._persisting = None
+                self._persist_done.set()
 
         return job
 
@@ -284,7 +298,9 @@ class MemoryTier(Tier):
         self, step: int | None = None, *, device_copies: bool = False
     ) -> tuple[list[HeldState], list[tuple[str, str]]]:
         """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those
-        skipped; with ``device_copies`` (restored onto a GPU) each slot is pinned before it is read."""
+        skipped; with ``device_copies`` (restored onto a GPU) each slot is pinned before it is read.
+        A checksum still being computed is waited for: what is restored is verified."""
+        self.wait_sealed()
         states: list[HeldState] = []
         skipped: list[tuple[str, str]] = []
         for info in self.region.snapshots():
@@ -340,6 +356,7 @@ class MemoryTier(Tier):
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
+        self.wait_sealed()  # a seal in flight never writes a header back after the clear
         newest = self.newest_step()
         if newest is not None and newest > step:
             log.info("memory tier: dropping snapshots after step %d (restored an older step)", step)

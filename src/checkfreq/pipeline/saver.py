@@ -157,7 +157,8 @@ class Saver:
     def close_tiers(self, *, remove: bool) -> None:
         """At a clean close: persist the newest snapshot a tier holds as it stands if disk is behind it
         and it is the whole checkpoint, bring the newest checkpoint to the tiers that copy them, then
-        close the tiers (with ``remove``, the memory tier's region is removed)."""
+        close the tiers (with ``remove``, the memory tier's region is removed) and give back the
+        snapshot buffers (host and device)."""
         self.wait_tiers()
         held = self.tiers.unpersisted(self.durable_step)
         if held is not None and self.cluster.writes_whole_state:
@@ -168,6 +169,7 @@ class Saver:
                 raise
         self.tiers.flush(self.newest_committed, self.timeout)
         self.tiers.close(remove=remove, timeout=self.timeout)
+        self.snapshotter.close()
 
     def _persist_held(self, held: HeldSnapshot) -> None:
         """Persist, and wait for, a snapshot a tier holds as it stands."""
@@ -205,7 +207,9 @@ class Saver:
         tier.record_cost(done.stall_s)
 
     def record_gpu_waits(self) -> None:
-        """Add the training streams' waits on snapshot copies, timed on the GPU, to their costs."""
+        """Once per step: add the training streams' waits on snapshot copies, timed on the GPU, to their
+        costs (a whole step has run: the staging buffer can be sized against its peak memory)."""
+        self.snapshotter.stepped = True
         for wait in self.snapshotter.gpu_waits.collect():
             self.events.write("gpu_wait", step=wait.step, wait_s=wait.seconds, at=wait.at, memory=wait.memory)
             if wait.memory:

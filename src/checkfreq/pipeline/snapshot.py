@@ -12,6 +12,19 @@ stream first copies the state into a reused device buffer (:mod:`checkfreq.pipel
 the fence then waits only for that device-to-device copy, and the copy to the host follows on the
 side stream while training goes on. The training stream's waits on the side stream are timed on
 the GPU (:mod:`checkfreq.pipeline.gpu_waits`).
+
+Three rules keep the side stream's copies exact and the training thread free:
+
+* every CUDA source is ``record_stream``-ed on the side stream, so the caching allocator never hands
+  its memory to the next forward before the side stream has read it, even when the source is a
+  temporary (a DDP share's piece, a tensor an optimizer's ``state_dict()`` built) freed as soon as
+  the snapshot is taken;
+* the fence blocks the CPU only for the CPU tensors deferred (an optimizer's ``step`` counter of a
+  non-fused Adam); CUDA copies are ordered by events on the streams, never waited for on the CPU;
+* the next forward waits for the side stream only where forward-mutated CUDA tensors were copied.
+
+The CUDA calls go through :class:`~checkfreq.pipeline.device_ops.DeviceOps`, so that tests run
+this logic on a CPU with a fake that records their order.
 """
 
 from __future__ import annotations
@@ -22,11 +35,13 @@ import logging
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from checkfreq.pipeline.device_ops import CUDA, DeviceOps
 from checkfreq.pipeline.gpu_waits import GpuWaits
-from checkfreq.pipeline.staging import StagingBuffer, choose_staging, free_device_bytes
+from checkfreq.pipeline.staging import StagingBuffer, choose_staging, staging_room
 from checkfreq.storage.format import BLOCK_BYTES, Layout, plan_layout, slot_view
 
 log = logging.getLogger("checkfreq.snapshot")
@@ -53,15 +68,16 @@ class PendingSnapshot:
     layout: Layout
     buffer: torch.Tensor
     deferred_cpu: CopyPairs
-    cuda_done: list[torch.cuda.Event] = field(default_factory=list)
+    cuda_done: list[Any] = field(default_factory=list)
     """One event per device: its side stream finished every copy to the host."""
-    cuda_fence: list[torch.cuda.Event] = field(default_factory=list)
-    """One event per device: the state was copied (to the host, or to the staging buffer)."""
+    cuda_fence: list[tuple[torch.device, Any]] = field(default_factory=list)
+    """One (device, event) per device: the state was copied (to the host, or to the staging buffer)."""
     copied: threading.Event = field(default_factory=threading.Event)
     """Set by the writer once every deferred copy is done (or has failed)."""
     waits: GpuWaits | None = None
     step: int = 0
     memory: bool = False
+    ops: DeviceOps = CUDA
 
     def __post_init__(self) -> None:
         self.cpu_fence = bool(self.deferred_cpu)
@@ -78,6 +94,11 @@ class PendingSnapshot:
     @property
     def has_deferred(self) -> bool:
         return self.cpu_fence or bool(self.cuda_done)
+
+    @property
+    def cpu_copied(self) -> threading.Event:
+        """Set once every deferred CPU piece is copied (or one failed): all the fence waits for on the CPU."""
+        return self._pieces_done
 
     def copy_pieces(self) -> None:
         """Copy unclaimed pieces until none is left; the writer and the fence both call this."""
@@ -102,7 +123,7 @@ class PendingSnapshot:
         try:
             self.copy_pieces()
             for event in self.cuda_done:
-                event.synchronize()
+                self.ops.synchronize(event)
             self._pieces_done.wait()  # the training thread may still be copying a piece it claimed
             if self._failed is not None:
                 raise RuntimeError(f"a deferred snapshot copy failed: {self._failed}") from self._failed
@@ -112,10 +133,10 @@ class PendingSnapshot:
 
     def order_after_copy(self) -> None:
         """Make the current CUDA streams wait for the side-stream copies of the state (no CPU wait)."""
-        for event in self.cuda_fence:
-            stream = torch.cuda.current_stream(event.device)
+        for device, event in self.cuda_fence:
+            stream = self.ops.current_stream(device)
             if self.waits is None:
-                stream.wait_event(event)
+                self.ops.wait_event(stream, event)
             else:
                 self.waits.wait(stream, event, step=self.step, memory=self.memory, at="fence")
 
@@ -153,23 +174,41 @@ class Snapshotter:
 
     Args:
         gpu_staging: stage CUDA snapshots through device memory: ``None`` when the state fits in
-            half of the free device memory (:func:`~checkfreq.pipeline.staging.choose_staging`),
-            ``True``/``False`` always/never.
+            half of the device memory a training step leaves
+            (:func:`~checkfreq.pipeline.staging.choose_staging`), ``True``/``False`` always/never.
+        ops: the device operations (CUDA's; a test's fake records their order on a CPU).
     """
 
-    def __init__(self, gpu_staging: bool | None = None) -> None:
+    def __init__(self, gpu_staging: bool | None = None, ops: DeviceOps = CUDA) -> None:
         self._signature: tuple[object, ...] | None = None
         self._buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._ops = ops
+        self._streams: dict[torch.device, Any] = {}
         self._force_staging = gpu_staging
         self._staging: dict[torch.device, StagingBuffer | None] = {}
-        self.gpu_waits = GpuWaits()
+        self._staging_failed: set[torch.device] = set()
+        self.stepped = False
+        """A whole training step has run in this process (set by the saver): the staging choice can be made."""
+        self.gpu_waits = GpuWaits(ops)
         """The training streams' waits on the side streams, timed on the GPU."""
 
     @property
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
+
+    def staging_bytes(self, device: torch.device) -> int:
+        """Bytes of ``device``'s staging buffer (0 without one)."""
+        staging = self._staging.get(device)
+        return 0 if staging is None else staging.nbytes
+
+    def close(self) -> None:
+        """Give back the host buffer and the staging buffers (every snapshot's copies must be done)."""
+        self._buffer, self._views, self._signature = None, [], None
+        for staging in self._staging.values():
+            if staging is not None:
+                staging.release()
+        self._staging.clear()
 
     def _views_for(self, layout: Layout, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         signature = (layout.signature, pin)
@@ -197,8 +236,9 @@ class Snapshotter:
         caller planned it already. ``step`` and ``memory`` label the GPU waits it causes.
         """
         layout = layout or layout_of(tensors)
+        ops = self._ops
         if buffer is None:
-            pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+            pin = torch.cuda.is_available() and any(ops.is_device(t) for t in tensors.values())
             buffer, views = self._views_for(layout, pin)
         else:
             views = [slot_view(buffer, slot) for slot in layout.slots]
@@ -209,15 +249,15 @@ class Snapshotter:
         for slot, view in zip(layout.slots, views, strict=True):
             src = tensors[slot.name]
             later = slot.name in deferred
-            if src.is_cuda:
+            if ops.is_device(src):
                 (cuda_later if later else cuda_now).setdefault(src.device, []).append((view, src))
             else:
                 (later_cpu if later else now_cpu).append((view, src))
-        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory)
+        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops)
         for device in set(cuda_now) | set(cuda_later):
             fence, done = self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, []),
                                                     step, memory)
-            pending.cuda_fence.append(fence)
+            pending.cuda_fence.append((device, fence))
             pending.cuda_done.append(done)
         with torch.no_grad():
             for dst, src in now_cpu:
@@ -228,55 +268,62 @@ class Snapshotter:
 
     def _copy_on_side_stream(
         self, device: torch.device, now: CopyPairs, later: CopyPairs, step: int, memory: bool
-    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    ) -> tuple[Any, Any]:
         """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` before the next
         optimizer step. Returns the events (state copied: the fence; everything on the host)."""
+        ops = self._ops
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        current = torch.cuda.current_stream(device)
-        stream.wait_stream(current)
+            stream = self._streams[device] = ops.side_stream(device)
+        current = ops.current_stream(device)
+        ops.wait_stream(stream, current)
         pairs = now + later
-        with torch.no_grad(), torch.cuda.stream(stream):
-            staged = self._staged_views(device, pairs)  # allocated on the side stream, used only there
-            first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
-            for dst, src in first[: len(now)]:
-                dst.copy_(src, non_blocking=True)
-            now_done = torch.cuda.Event()
-            now_done.record(stream)
-            for dst, src in first[len(now) :]:
-                dst.copy_(src, non_blocking=True)
-            fence = torch.cuda.Event()
-            fence.record(stream)
-            done = fence
-            if staged is not None:  # the slow copy to the host, while the next steps compute
-                for view, (dst, _) in zip(staged, pairs, strict=True):
-                    dst.copy_(view, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-        # the next forward runs only after forward-mutated tensors are copied
-        self.gpu_waits.wait(current, now_done, step=step, memory=memory, at="snapshot")
+        for _, src in pairs:  # a source freed by the caller keeps its memory until the side stream read it
+            ops.keep_alive(src, stream)
+        staged = self._staged_views(device, pairs, stream)  # allocated for the side stream, used only there
+        first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
+        ops.copy(stream, first[: len(now)])
+        now_done = ops.record(stream) if now else None
+        ops.copy(stream, first[len(now) :])
+        fence = done = ops.record(stream)
+        if staged is not None:  # the slow copy to the host, while the next steps compute
+            ops.copy(stream, [(dst, view) for view, (dst, _) in zip(staged, pairs, strict=True)])
+            done = ops.record(stream)
+        if now_done is not None:  # the next forward runs only after forward-mutated tensors are copied
+            self.gpu_waits.wait(current, now_done, step=step, memory=memory, at="snapshot")
         return fence, done
 
-    def _staged_views(self, device: torch.device, pairs: CopyPairs) -> list[torch.Tensor] | None:
-        """The staging buffer's views for ``pairs``' sources, or None where snapshots of ``device``
-        go straight to the host (decided, and logged, at its first snapshot)."""
-        if device not in self._staging:
-            nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
-            choice = choose_staging(nbytes, free_device_bytes(device), self._force_staging)
+    def _staged_views(self, device: torch.device, pairs: CopyPairs, stream: Any) -> list[torch.Tensor] | None:
+        """The staging buffer's views for ``pairs``' sources, or None where this snapshot of ``device``
+        goes straight to the host. The choice is made once a whole step has run, and again when the
+        state outgrows the buffer (:mod:`checkfreq.pipeline.staging`)."""
+        sources = [src for _, src in pairs]
+        staging = self._staging.get(device)
+        if staging is not None and staging.fits(sources):
+            return staging.views_for(sources, stream)
+        if device in self._staging_failed or (self._force_staging is None and not self.stepped):
+            return None  # before a whole step ran, the memory it needs is unknown: straight to the host
+        if device not in self._staging or staging is not None:  # the first choice, or the state grew
+            nbytes = sum(src.numel() * src.element_size() for src in sources)
+            room = staging_room(*self._ops.memory(device), self.staging_bytes(device))
+            choice = choose_staging(nbytes, room, self._force_staging)
             path = "GPU staging buffer" if choice.use else "direct copy to the host"
             log.info("snapshots of %s: %s: %s", device, path, choice.reason)
-            self._staging[device] = StagingBuffer(device) if choice.use else None
+            if staging is not None:
+                staging.release()  # stream order: its last copies are queued before any use of the new one
+            self._staging[device] = StagingBuffer(device, self._ops) if choice.use else None
         staging = self._staging[device]
         if staging is None:
             return None
         try:
-            return staging.views_for([src for _, src in pairs])
+            return staging.views_for(sources, stream)
         except torch.cuda.OutOfMemoryError:
-            nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+            nbytes = sum(src.numel() * src.element_size() for src in sources)
             log.warning("snapshots of %s: no device memory left for the staging buffer (%.2f GB); copying straight "
                         "to the host from now on", device, nbytes / 1e9)
+            staging.release()
             self._staging[device] = None
+            self._staging_failed.add(device)
             return None
 
 

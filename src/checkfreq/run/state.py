@@ -261,15 +261,19 @@ def own_storage(tree: Any) -> Any:
     return tree
 
 
-def _into_live(saved: Any, live: Any) -> Any:
+def _into_live(saved: Any, live: Any, device: torch.device | None = None) -> Any:
     """``saved`` with each tensor copied into the live tensor at the same place of ``live`` (same
-    type, dtype and shape), so a restored optimizer keeps its memory; other tensors are cloned."""
+    type, dtype and shape), so a restored optimizer keeps its memory; other tensors are cloned, or,
+    with a ``device`` that is not the CPU (the parameter's), copied straight there: a fresh
+    optimizer's state then never passes through a pageable host copy of its own."""
     if isinstance(saved, torch.Tensor):
         fits = (
             type(saved) is torch.Tensor and type(live) is torch.Tensor
             and live.dtype == saved.dtype and live.shape == saved.shape
         )
         if not fits:
+            if device is not None and device.type != "cpu" and type(saved) is torch.Tensor:
+                return saved.to(device)  # from a pinned memory slot at the pinned bandwidth
             return saved.clone()
         with torch.no_grad():
             live.copy_(saved)
@@ -281,6 +285,24 @@ def _into_live(saved: Any, live: Any) -> Any:
         live = live if isinstance(live, (list, tuple)) and len(live) == len(saved) else [None] * len(saved)
         return type(saved)(_into_live(v, w) for v, w in zip(saved, live, strict=True))
     return saved
+
+
+def _into_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> Any:
+    """An optimizer's saved state, its tensors in the live ones, else on their parameter's device (the
+    ``step`` counters excepted: ``load_state_dict`` decides where those go)."""
+    live = optimizer.state_dict()
+    devices: dict[Any, torch.device] = {}
+    for group, saved_group in zip(optimizer.param_groups, state.get("param_groups") or [], strict=False):
+        ids = saved_group.get("params", []) if isinstance(saved_group, Mapping) else []
+        devices.update((pid, param.device) for pid, param in zip(ids, group["params"], strict=False))
+    own = _into_live({k: v for k, v in state.items() if k != "state"}, live)
+    live_state = live.get("state") or {}
+    own["state"] = {
+        pid: {key: _into_live(value, (live_state.get(pid) or {}).get(key), None if key == "step" else devices.get(pid))
+              for key, value in entry.items()} if isinstance(entry, Mapping) else _into_live(entry, None)
+        for pid, entry in (state.get("state") or {}).items()
+    }
+    return own
 
 
 def check_fits(name: str, obj: Any, state: Any, saved_type: str | None = None) -> None:
@@ -305,7 +327,7 @@ def load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state, strict=True)
         return
-    own = _into_live(state, obj.state_dict()) if isinstance(obj, torch.optim.Optimizer) else own_storage(state)
+    own = _into_optimizer(obj, state) if isinstance(obj, torch.optim.Optimizer) else own_storage(state)
     try:
         obj.load_state_dict(own)
     except (KeyError, ValueError, TypeError, RuntimeError) as e:

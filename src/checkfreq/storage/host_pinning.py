@@ -15,7 +15,9 @@ that is not registered, so a bookkeeping mistake is loud on the CPU before it re
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import time
 from typing import Protocol
 
@@ -80,7 +82,12 @@ class RecordingRegistry:
 
 class CudaHostRegistry(RecordingRegistry):
     """Registers ranges with the CUDA runtime (``cudaHostRegister``, flags 0: pinned, usable by the
-    current device's copies); a refusal is logged once and the range stays pageable."""
+    current device's copies); a refusal is logged once and the range stays pageable.
+
+    A refused ``cudaHostRegister`` leaves the runtime's last error set on the calling thread, and
+    torch checks that error after its next kernel launch, which would raise in the training loop:
+    the error is read (and so cleared) at once with ``cudaGetLastError``, which torch's ``cudart``
+    binding does not offer, from the CUDA runtime library torch loaded."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,6 +97,7 @@ class CudaHostRegistry(RecordingRegistry):
         start = time.perf_counter()
         status = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
         if status != 0:
+            _clear_last_cuda_error()
             if not self._warned:
                 log.warning("cudaHostRegister of %.1f MiB failed (CUDA error %d): the memory tier's copies "
                             "stay pageable, several times slower", nbytes / 2**20, status)
@@ -104,6 +112,24 @@ class CudaHostRegistry(RecordingRegistry):
         status = int(torch.cuda.cudart().cudaHostUnregister(address))
         if status != 0:
             log.warning("cudaHostUnregister failed (CUDA error %d)", status)
+
+
+def _clear_last_cuda_error() -> None:
+    """Read (and so reset) the CUDA runtime's last error of this thread; a warning if it cannot be."""
+    for name in _cudart_names():
+        try:
+            library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)  # the one loaded, never another
+        except OSError:
+            continue
+        library.cudaGetLastError()
+        return
+    log.warning("could not reset the CUDA runtime's last error after a refused cudaHostRegister: the next "
+                "kernel launch may report it")
+
+
+def _cudart_names() -> list[str]:
+    major = (torch.version.cuda or "").split(".")[0]
+    return [f"libcudart.so.{major}", "libcudart.so"] if major else ["libcudart.so"]
 
 
 def host_registry() -> HostRegistry:

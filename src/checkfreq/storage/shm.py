@@ -151,6 +151,7 @@ class MemoryRegion:
         self._sequence = 0
         self._registry: HostRegistry | None = None
         self._pinned: dict[int, int] = {}  # slot -> registered address
+        self._refused: set[int] = set()  # slots whose registration the platform refused, in this mapping
         self.skipped: list[tuple[str, str]] = []
         """(slot, reason) of every snapshot :meth:`newest` found torn or damaged."""
         if path.exists():
@@ -218,7 +219,7 @@ class MemoryRegion:
         :class:`ShmCapacityError` if the shared-memory filesystem has no room (nothing is left
         behind then).
         """
-        if self._map is not None and data_bytes <= self._data_capacity and meta_bytes <= self._meta_capacity:
+        if self.fits(data_bytes, meta_bytes):
             return
         data_cap, meta_cap = _align(data_bytes), _align(max(META_MIN_BYTES, 2 * meta_bytes))
         size = HEADER_BYTES + SLOTS * (data_cap + meta_cap)
@@ -252,15 +253,23 @@ class MemoryRegion:
         self._sequence = 0
         log.info("memory tier: %s, %d slots of %.1f MiB", self.path, SLOTS, data_cap / 2**20)
 
+    def fits(self, data_bytes: int, meta_bytes: int) -> bool:
+        """Whether :meth:`reserve` would keep the mapping (and its registrations) as it is."""
+        return self._map is not None and data_bytes <= self._data_capacity and meta_bytes <= self._meta_capacity
+
     def pin_slot(self, slot: int, registry: HostRegistry) -> bool:
         """Register ``slot``'s data area with ``registry`` (once per mapping: a no-op if it is
-        registered already); False if the platform refused and the slot stays pageable."""
+        registered already); False if the platform refused and the slot stays pageable (asked once
+        per mapping: a refusal is not retried at every snapshot)."""
         assert self._bytes is not None
         if slot in self._pinned:
             return True
+        if slot in self._refused:
+            return False
         self._registry = registry
-        address = self._bytes.data_ptr() + self._data_at(slot)
+        address = self.slot_data(slot).data_ptr()
         if not registry.register(address, self._data_capacity):
+            self._refused.add(slot)
             return False
         self._pinned[slot] = address
         return True
@@ -272,7 +281,7 @@ class MemoryRegion:
 
     def _unpin_all(self) -> None:
         """Undo every registration: before the mapping goes (a registered range must never be unmapped)."""
-        registry, pinned, self._pinned = self._registry, self._pinned, {}
+        registry, pinned, self._pinned, self._refused = self._registry, self._pinned, {}, set()
         for address in pinned.values():
             assert registry is not None
             registry.unregister(address)
@@ -284,7 +293,7 @@ class MemoryRegion:
         if self._map is not None:
             try:
                 self._map.close()
-            except BufferError:  # a snapshot view is still alive: the mapping goes with it
+            except BufferError:  # a memoryview export is alive: the mapping goes with it (tensor views hold none)
                 pass
             self._map = None
         if remove:
@@ -297,6 +306,12 @@ class MemoryRegion:
 
     def _data_at(self, slot: int) -> int:
         return HEADER_BYTES + slot * (self._data_capacity + self._meta_capacity)
+
+    def slot_data(self, slot: int) -> torch.Tensor:
+        """The slot's data area, a tensor of its own storage starting at the slot (so that
+        ``is_pinned()``, which asks about a storage's start, sees the slot's registration)."""
+        assert self._map is not None
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=self._data_capacity, offset=self._data_at(slot))
 
     def header(self, slot: int) -> SlotInfo | None:
         """The slot's committed header, or None if it has none or it is damaged."""
@@ -337,8 +352,7 @@ class MemoryRegion:
             self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
             self._sequence += 1
             sequence = self._sequence
-        start = self._data_at(slot)
-        return OpenSlot(slot, sequence, self._bytes[start : start + self._data_capacity])
+        return OpenSlot(slot, sequence, self.slot_data(slot))
 
     def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes, *,
                checksum: bool = True) -> SlotInfo:
@@ -381,10 +395,11 @@ class MemoryRegion:
 
     def clear(self) -> None:
         """Invalidate every snapshot (the run went back to an older state: they are another timeline)."""
-        if self._map is not None:
-            for slot in range(SLOTS):
-                at = self._header_at(slot)
-                self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
+        with self._lock:  # a seal checks and writes a header under it: it never brings one back
+            if self._map is not None:
+                for slot in range(SLOTS):
+                    at = self._header_at(slot)
+                    self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
 
     def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
         view = memoryview(self._map)  # type: ignore[arg-type]
@@ -406,7 +421,7 @@ class MemoryRegion:
         """
         assert self._bytes is not None
         start = self._data_at(info.slot)
-        data = self._bytes[start : start + info.data_bytes]
+        data = self.slot_data(info.slot)[: info.data_bytes]
         if private:
             data = data.clone()
         meta_at = start + self._data_capacity

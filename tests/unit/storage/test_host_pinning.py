@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,95 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
         assert [i.step for i in infos] == [3, 2] and all(i.checksum != PENDING for i in infos)
         states, skipped = tier.snapshots()
         assert [s.manifest.step for s in states] == [3, 2] and not skipped
+
+
+def test_each_slot_is_a_storage_of_its_own_starting_at_the_slot(shm_dir: Path, tmp_path: Path) -> None:
+    """CUDA's is_pinned() asks about a tensor's storage start: a view of the whole region's storage
+    starts at the unregistered header page and would never look pinned."""
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(8192, 100)
+    for _ in range(2):
+        data = region.begin().data
+        assert data.untyped_storage().data_ptr() == data.data_ptr()
+        assert data.untyped_storage().nbytes() == data.numel()
+    region.release(remove=True)
+
+
+class RefusingRegistry(RecordingRegistry):
+    def _pin(self, address: int, nbytes: int) -> bool:
+        self._ranges.pop(address)
+        return False
+
+
+def test_a_refused_registration_is_asked_once_per_mapping(shm_dir: Path, tmp_path: Path) -> None:
+    region = MemoryRegion.for_directory(tmp_path)
+    region.reserve(8192, 100)
+    registry = RefusingRegistry()
+    slot = region.begin().slot
+    assert not region.pin_slot(slot, registry) and not region.pin_slot(slot, registry)
+    assert len(registry.calls) == 1 and region.pinned_slots == frozenset()
+    region.reserve(4 << 20, 100)  # a new mapping: asked again, once
+    assert not region.pin_slot(slot, registry) and not region.pin_slot(slot, registry)
+    assert len(registry.calls) == 2
+    region.release(remove=True)
+
+
+class SealRacingClear(MemoryRegion):
+    """A region whose seal, once past its last check, lets a clear() from another thread run first."""
+
+    def _write_header(self, info) -> None:  # type: ignore[no-untyped-def]
+        if info.checksum != PENDING and not getattr(self, "raced", False):
+            self.raced = True
+            cleared = threading.Event()
+            threading.Thread(target=lambda: (self.clear(), cleared.set()), daemon=True).start()
+            cleared.wait(1.0)  # under the region's lock the clear waits for the seal instead
+        super()._write_header(info)
+
+
+def test_a_seal_racing_a_clear_never_brings_the_snapshot_back(shm_dir: Path, tmp_path: Path) -> None:
+    region = SealRacingClear(MemoryRegion.for_directory(tmp_path).path, (0, 0))
+    region.reserve(8192, 100)
+    target = region.begin()
+    info = region.commit(target, 7, 8192, b"{}", SIG, checksum=False)
+    region.seal(info)
+    deadline = time.monotonic() + 10
+    while region.snapshots() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the clear runs once the seal let go of the lock
+    assert region.snapshots() == []  # the restore went back before step 7: step 7 stays invalid
+    region.release(remove=True)
+
+
+def test_a_memory_restore_waits_for_the_checksum_in_flight(shm_dir: Path, tmp_path: Path) -> None:
+    from checkfreq.pipeline.memory_tier import MemoryTarget, MemoryTier
+    from checkfreq.pipeline.snapshot import Snapshotter, layout_of
+    from checkfreq.policies.memory_cadence import MemoryCadence
+    from checkfreq.storage.format import Manifest, tensor_entries
+
+    tier = MemoryTier(tmp_path, MemoryCadence(every=1), data_file="data.safetensors")
+    tensors = {"w": torch.arange(4096, dtype=torch.float32)}
+    layout = layout_of(tensors)
+    meta = Manifest(step=3, epoch=None, world_size=1, files={"data.safetensors": {"size": layout.nbytes,
+                    "xxh3_64": ""}}, tensors=tensor_entries(layout, "data.safetensors"), state={}, versions={},
+                    created=0.0).to_json()
+    tier.region.reserve(layout.nbytes, len(meta))
+    target = MemoryTarget(tier.region.begin(), 3, layout, meta, 0.0, seal_later=True)
+    gate = threading.Event()
+    tier._sealer = ThreadPoolExecutor(1)
+    tier._sealer.submit(gate.wait, 10)  # the sealer is busy: the seal of step 3 queues behind
+    tier.commit(target, Snapshotter().take(tensors, set(), layout=layout, buffer=target.buffer))
+    threading.Timer(0.3, gate.set).start()
+    states, skipped = tier.snapshots()
+    assert [s.manifest.step for s in states] == [3] and skipped == []
+    assert tier.region.snapshots()[0].checksum != PENDING  # restored only once verifiable
+    tier.close(remove=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_refused_registration_leaves_no_cuda_error_for_the_next_kernel() -> None:
+    pinned = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)  # registered already: CUDA refuses
+    registry = CudaHostRegistry()
+    assert not registry.register(pinned.data_ptr(), pinned.numel())
+    x = torch.ones(1024, device="cuda")
+    assert float((x * 2).sum()) == 2048.0  # the launch check finds no error left by the refusal
+    torch.cuda.synchronize()
