@@ -102,6 +102,7 @@ class Checkpointer:
             steps; the policy still decides when to persist to disk. Falls back to disk only,
             with one warning, when /dev/shm has no room. Under torch.distributed with several
             ranks it must be a number of steps (every rank snapshots the same steps).
+        replicas: with ``memory``, copy each memory snapshot to a rank on another machine (docs/storage.md).
         gpu_staging: CUDA state only: copy each snapshot into a reused device buffer first (a
             device-to-device copy the next optimizer step waits for), then to the host in the
             background. ``None`` (the default) does when the state fits in half of the free device
@@ -132,6 +133,7 @@ class Checkpointer:
         failure_timeout: float = 30.0,
         save_on_signal: Iterable[int] = (),
         memory: bool | int = False,
+        replicas: int = 0,
         gpu_staging: bool | None = None,
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
@@ -166,9 +168,8 @@ class Checkpointer:
         self.directory = local.root
         retainer = Retainer(local, retention, leader=cluster.leader)
         tiers = self._tiers = choose_tiers(
-            local, far, cluster, memory=memory_cadence, retainer=retainer,
-            far_retention=retention if remote_keep is None else Retention.of(remote_keep),
-        )
+            local, far, cluster, memory=memory_cadence, replicas=replicas, failure_timeout=failure_timeout,
+            retainer=retainer, far_retention=retention if remote_keep is None else Retention.of(remote_keep))
         self._restorer = Restorer(tiers, control, page_cache=cluster.page_cache,
                                   directory_leader=cluster.directory_leader, retention=retention)
         committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,
@@ -192,9 +193,8 @@ class Checkpointer:
         self_ref = weakref.ref(self)
         self._hook_handles = [stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
                               for opt in self._optimizers.values()]
-        self._step_order = StepOrder(
-            [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
-        )
+        self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()],
+                                     list(self._objects.values()))
         self._boundary = EpochBoundary(self._objects.values(), BoundaryListener(self))
 
     # ------------------------------------------------------------------ user API

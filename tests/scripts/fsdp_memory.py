@@ -8,6 +8,13 @@ values) to ``<final>.rank<r>.pt``.
 * ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
+* ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier.
+* ``--kill-node STEP``: in the first incarnation, after step STEP, every rank waits for what is in
+  flight (the remote tier's copy and the replicas included); then every rank of the last node
+  SIGKILLs itself, the last one its torchrun agent first: the node is gone for good.
+* ``--step-log PATH``: each rank appends ``life step rank world loss`` after each step, the loss being
+  the global batch's (averaged over the ranks); rank 0 writes every parameter, gathered, to
+  ``<final>.full.pt`` at the end.
 """
 
 from __future__ import annotations
@@ -45,11 +52,16 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--die", default="")
+    parser.add_argument("--replicas", type=int, default=0)
+    parser.add_argument("--remote", default=None)
+    parser.add_argument("--kill-node", type=int, default=None)
+    parser.add_argument("--step-log", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     torch.manual_seed(0)
@@ -60,10 +72,10 @@ def main() -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
-                        model=model, optimizer=optimizer, loader=loader)
+                        replicas=args.replicas, remote=args.remote, model=model, optimizer=optimizer, loader=loader)
     ckpt["seen"] = torch.zeros(())
     step = ckpt.restore()
-    print(f"life={life} rank={rank} restored step={step}", flush=True)
+    print(f"life={life} rank={rank} world={world} restored step={step}", flush=True)
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
             loss = nn.functional.cross_entropy(model(x), y)
@@ -72,11 +84,25 @@ def main() -> None:
             optimizer.step()
             ckpt["seen"] += len(y)
             ckpt.step()
+            if args.step_log:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                with open(args.step_log, "a") as log:
+                    log.write(f"{life} {ckpt.global_step} {rank} {world} {mean.item() / world!r}\n")
             if args.die == f"{life}:{rank}:{ckpt.global_step}":
                 ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.kill_node == ckpt.global_step and life == 0:
+                ckpt.wait(remote=bool(args.remote))  # collective: every rank
+                if rank >= world - per_node:  # the last node's ranks
+                    if rank == world - 1:
+                        os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
+                    os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
                 "seen": ckpt["seen"]}, f"{args.final}.rank{rank}.pt")
+    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, f"{args.final}.full.pt")
     ckpt.close()
     dist.destroy_process_group()
 

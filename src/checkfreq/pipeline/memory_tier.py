@@ -32,6 +32,7 @@ the memory cadence counts the commit's copy and checksum as the snapshot's cost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -40,17 +41,21 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import Peers
-from checkfreq.ranks.group_share import Group, GroupSharer, unusable_at
+from checkfreq.ranks.group_share import Group, GroupSharer
+from checkfreq.ranks.groups import new_gloo_groups
+from checkfreq.ranks.shares import SHARDED
 from checkfreq.ranks.sharing import directory_key, memory_group
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
@@ -63,12 +68,16 @@ from checkfreq.storage.shm import (
     layout_signature,
     region_path,
     remove_regions_beyond,
+    replica_path,
     shm_directory,
 )
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
 
+REPLICA_GROUP_TIMEOUT = timedelta(days=1)
+"""The replica group's gloo timeout: a keeper waits for the next copy as long as the job runs (a
+sender that dies closes its connection, which ends the wait at once)."""
 SEAL_AFTER_BYTES = 256 << 20
 """Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
 
@@ -108,9 +117,12 @@ class MemoryTier(Tier):
 
     def __init__(
         self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0,
-        group: Group | None = None,
+        group: Group | None = None, failure_timeout: float = 30.0,
     ) -> None:
         self.directory, self.rank = directory, rank
+        self.failure_timeout = failure_timeout
+        self.link: ReplicaLink | None = None
+        """Copies of this rank's snapshots on another machine, and of others' here (``replicas=``)."""
         self.region = MemoryRegion.for_directory(directory, rank)
         self.group = group
         self._sharer = None if group is None else GroupSharer(group)
@@ -134,19 +146,30 @@ class MemoryTier(Tier):
     takes_snapshots = True
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers) -> MemoryTier:
+    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, replicas: int = 0,
+             failure_timeout: float = 30.0) -> MemoryTier:
         """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
-        removes the regions of ranks this job does not have (an earlier job ran with more)."""
+        removes the regions of ranks this job does not have (an earlier job ran with more). With
+        ``replicas``, each snapshot is copied to the shared memory of a rank on another machine
+        (:mod:`checkfreq.pipeline.replicas`). Collective."""
         if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
             raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
                                        "(e.g. memory=1), so that every rank snapshots the same steps")
         if peers.rank == 0:
             remove_regions_beyond(directory, peers.size)
-        group = None
-        if peers.size > 1:
-            ranks = memory_group(peers, _machine_key(directory, peers.rank))
-            group = Group(tuple(ranks), peers.rank, peers.size)
-        return cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank, group=group)
+        if peers.size == 1:
+            if replicas:
+                log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
+            return cls(directory, cadence, data_file=data_file_name(0))
+        members = memory_group(peers, _machine_key(directory, peers.rank), stride=replicas)
+        tier = cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank,
+                   group=Group(tuple(members.ranks), peers.rank, peers.size), failure_timeout=failure_timeout)
+        if replicas:  # every rank: the group is created collectively
+            _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)
+            if members.sends_to is None and peers.rank == 0:
+                log.warning("memory tier: replicas=%d, but the job runs on one machine: no copies are kept", replicas)
+            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from)
+        return tier
 
     @property
     def busy(self) -> bool:
@@ -174,6 +197,10 @@ class MemoryTier(Tier):
 
     def record_device_wait(self, seconds: float) -> None:
         self.cadence.record_device_wait(seconds)
+
+    def report_to(self, write: Callable[..., None]) -> None:
+        if self.link is not None:
+            self.link.report = write
 
     def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
               ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
@@ -213,11 +240,25 @@ class MemoryTier(Tier):
             log.warning("memory tier off, checkpoints go to disk only: %s", e)
             self.enabled = False
             return None
-        slot = self.region.begin(keep=self._persisting)
+        slot = self.region.begin(keep=self._held_slot())
         if request.device_copies:
             self._pin(slot.slot)
         return MemoryTarget(slot, request.step, layout, meta, time.perf_counter() - start,
                             seal_later(request.device_copies, layout.nbytes))
+
+    def _held_slot(self) -> int | None:
+        """The slot the next snapshot must not overwrite: the one a persist writes to disk, else the one
+        being copied to another machine. When both are held, the copy is waited for (the busy rule),
+        at most ``failure_timeout``: a copy still running then is found torn by its receiver."""
+        persisting, link = self._persisting, self.link
+        sending = None if link is None else link.sending
+        if persisting is not None and sending is not None and sending != persisting:
+            assert link is not None
+            if not link.wait_sent(self.failure_timeout):
+                log.warning("memory tier: the copy of a snapshot to rank %s took over %.0f s; its slot is reused",
+                            link.sends_to, self.failure_timeout)
+            return persisting
+        return persisting if persisting is not None else sending
 
     def _pin(self, slot: int) -> None:
         if self.registry is None:
@@ -234,6 +275,8 @@ class MemoryTier(Tier):
         pending.finish_copy()
         info = self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta,
                                   layout_signature(target.layout.signature), checksum=not target.seal_later)
+        if self.link is not None:
+            self.link.offer(self.region, info)
         if target.seal_later:
             if self._sealer is None:
                 self._sealer = ThreadPoolExecutor(1, thread_name_prefix="checkfreq-seal")
@@ -245,8 +288,11 @@ class MemoryTier(Tier):
             self._sealer.submit(lambda: None).result()
 
     def wait(self, timeout: float) -> BaseException | None:
-        """Wait for the memory snapshot being committed; return its error if it failed."""
+        """Wait for the memory snapshot being committed (and copied to another machine, with replicas);
+        return its error if it failed."""
         self._writer.wait(timeout)
+        if self.link is not None:
+            self.link.wait_sent(min(timeout, self.failure_timeout))
         error = self._writer.take_error()
         if error is not None:
             self.newest = None  # never committed: nothing to persist from it
@@ -312,47 +358,65 @@ class MemoryTier(Tier):
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects
                 manifest = Manifest.from_json(meta)
                 tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
-                problem = self._foreign_split(manifest)
             except CheckfreqError as e:
-                problem = str(e)
-            if problem is not None:
-                log.warning("skipping memory snapshot in slot %d: %s", info.slot, problem)
-                skipped.append((f"memory slot {info.slot}", problem))
+                log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
+                skipped.append((f"memory slot {info.slot}", str(e)))
                 continue
             states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self.name))
         return states, skipped
 
-    def _foreign_split(self, manifest: Manifest) -> str | None:
-        """Why this job cannot restore the state of ``manifest`` (a share of its machine's), or None."""
-        split = manifest.distributed
-        if split is None:  # this rank's whole state
-            return None
-        return unusable_at(split, 1 if self.group is None else self.group.world_size)
-
     def complete(self, state: HeldState) -> HeldState:
-        """``state`` (this rank's share) with the shares of the other ranks of its machine when it was
-        taken, each read from that rank's region and verified (copied first: their owners write
-        again once training goes on). A :class:`CheckfreqError` naming the rank if one is missing or
-        damaged (the rank now runs elsewhere, or not at all)."""
+        """``state`` (this rank's share) with the shares it needs of other ranks' (taken at the same
+        step), each read from a region on this machine and verified (copied first: their owners
+        write again once training goes on): the shares of the ranks of its machine when it was taken
+        (each holds part of the replicated state) or, for sharded state restored at another world
+        size, every rank's, from its own region or the replica this machine keeps of it. A
+        :class:`CheckfreqError` naming the rank if one cannot be read here."""
         split = state.manifest.distributed
-        if split is None or _stored_names(split) <= state.tensors.keys():
+        if split is None:
+            return state
+        sharded = [name for name, record in split["tensors"].items() if record["kind"] == SHARDED]
+        resharded = bool(sharded) and split["world_size"] != (1 if self.group is None else self.group.world_size)
+        if resharded:
+            others = [rank for rank in range(split["world_size"]) if rank != self.rank]
+        elif _stored_names(split) <= state.tensors.keys():
             return state  # its whole state: nothing is kept by another rank (sharded state, a machine of one)
+        else:
+            others = [rank for rank in split["group"] if rank != self.rank]
         step = state.manifest.step
         tensors = dict(state.tensors)
-        for peer in (r for r in split["group"] if r != self.rank):
-            region = MemoryRegion(region_path(self.directory, peer), device_and_inode(self.directory), tidy=False)
+        records = {name: {**record, "parts": list(record["parts"])} for name, record in split["tensors"].items()}
+        for rank in others:
+            manifest, arrays = self._share(rank, step)
+            tensors.update(arrays)
+            try:
+                for name in sharded if resharded else ():
+                    records[name]["parts"] += manifest.distributed["tensors"][name]["parts"]  # type: ignore[index]
+            except (KeyError, TypeError) as e:
+                raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} does not record {e}") from None
+        manifest = dataclasses.replace(state.manifest, distributed={**split, "tensors": records})
+        return HeldState(manifest, tensors, state.name, state.tier)
+
+    def _share(self, rank: int, step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """Rank ``rank``'s share of memory snapshot ``step``, from its region on this machine, else
+        from the replica this machine keeps of it."""
+        reasons = []
+        for path in (region_path(self.directory, rank), replica_path(self.directory, rank)):
+            if not path.exists():
+                continue
+            region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
             try:
                 found = region.newest(step)
-                if found is None:
-                    reasons = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
-                    raise CheckfreqError(f"rank {peer}'s share of memory snapshot {step} on this machine cannot be "
-                                         f"read ({region.path}): {reasons}")
-                _, meta, data = found
-                tensors.update({name: entry_view(data, entry)
-                                for name, entry in Manifest.from_json(meta).tensors.items()})
+                if found is not None:
+                    _, meta, data = found
+                    manifest = Manifest.from_json(meta)
+                    return manifest, {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+                why = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
+                reasons.append(f"{path.name}: {why}")
             finally:
                 region.release(remove=False)
-        return HeldState(state.manifest, tensors, state.name, state.tier)
+        raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} is on no region of this machine"
+                             + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
@@ -369,6 +433,11 @@ class MemoryTier(Tier):
         self.newest = None
         if self._sealer is not None:  # a checksum being computed reads the region: it goes first
             self._sealer.shutdown(wait=True, cancel_futures=remove)
+        if self.link is not None:  # a copy being sent reads the region: it goes first
+            self.link.close(self.failure_timeout if timeout is None else min(timeout, self.failure_timeout))
+            if remove:  # the job is done: the copies kept for others are of no use
+                for sender in self.link.receives_from:
+                    replica_path(self.directory, sender).unlink(missing_ok=True)
         self.region.release(remove=remove)
 
 

@@ -66,6 +66,8 @@ class Saver:
         self.snapshotter = Snapshotter(gpu_staging)
         self.fence = Fence()
         self.busy = BusyStorage(events)
+        for tier in tiers.all:
+            tier.report_to(events.write)
         self.profiler = Profiler()
         """What checkpoints cost here (replaced by the restored session's, seeded)."""
         self.timeline = Timeline()

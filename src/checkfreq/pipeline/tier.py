@@ -131,6 +131,9 @@ class Tier:
         """Whether a snapshot into this tier alone is due at ``step``."""
         return False
 
+    def report_to(self, write: Callable[..., None]) -> None:
+        """Record what it does in the background with ``write`` (the run's event log)."""
+
     def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
               ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
         """What it keeps of this rank's state (``tensors``, of the registered ``objects``) for a snapshot

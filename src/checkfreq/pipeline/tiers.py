@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from checkfreq.errors import InvalidArgumentError
 from checkfreq.pipeline.memory_tier import MemoryTier
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
@@ -174,15 +175,21 @@ class Tiers:
 
 def choose_tiers(
     local: Store, far: Sequence[Store], cluster: Cluster, *, memory: MemoryCadence | None, retainer: Retainer,
-    far_retention: Retention,
+    far_retention: Retention, replicas: int = 0, failure_timeout: float = 30.0,
 ) -> Tiers:
-    """A Checkpointer's tiers: the memory tier (with ``memory``), its directory, the remote tier (``far``).
+    """A Checkpointer's tiers: the memory tier (with ``memory``, its snapshots copied to ``replicas``
+    other machines), its directory, the remote tier (``far``).
 
     The one place tiers are chosen: a new tier is a module of its own and a line here.
     """
     chosen: list[Tier] = []
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas not in (0, 1):
+        raise InvalidArgumentError(f"replicas must be 0 or 1 (copies on other machines), got {replicas!r}")
+    if replicas and memory is None:
+        raise InvalidArgumentError("replicas= copies memory snapshots to another machine: it needs memory= too")
     if memory is not None:
-        chosen.append(MemoryTier.open(local.root, memory, cluster.control))
+        chosen.append(MemoryTier.open(local.root, memory, cluster.control, replicas=replicas,
+                                      failure_timeout=failure_timeout))
     chosen.append(LocalTier(local))
     for store in far:
         assert isinstance(local, LocalStore)  # open_stores puts a local directory in front of a remote tier

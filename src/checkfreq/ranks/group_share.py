@@ -138,17 +138,26 @@ def _record(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
-def unusable_at(index: Mapping[str, Any], world_size: int) -> str | None:
-    """Why the state indexed by ``index`` (one rank's share) cannot be restored by a job of
-    ``world_size`` ranks from its group's regions, or None.
+def replica_ring(groups: Sequence[Sequence[int]], stride: int) -> list[tuple[int | None, list[int]]]:
+    """Each rank's (rank it copies its snapshots to, ranks whose snapshots it keeps), given each rank's
+    machine (``groups[r]``: the ranks of rank ``r``'s machine, in rank order) and ``stride`` (0: no copies).
 
-    Replicated and private state restore at any world size (each rank takes the private state of
-    the saved rank of its number, as from disk); sharded state only at the world size it was taken
-    at, where each rank's shard is its block again (a disk checkpoint reshards)."""
-    saved = index.get("world_size")
-    if saved != world_size and any(r.get("kind") == SHARDED for r in index.get("tensors", {}).values()):
-        return f"sharded state taken by {saved} ranks does not restore from memory at {world_size}: disk reshards it"
-    return None
+    The machines in a ring, by their lowest rank: machine ``i`` copies to machine ``i + stride``
+    (mod the number of machines), its ``k``-th rank to that machine's ``k``-th (mod its number of
+    ranks). With one machine there is nowhere else to copy to: no copies. One pass."""
+    machines = sorted({tuple(g) for g in groups}, key=lambda g: g[0])
+    plan: list[tuple[int | None, list[int]]] = [(None, []) for _ in groups]
+    if stride <= 0 or len(machines) < 2:
+        return plan
+    for i, machine in enumerate(machines):
+        other = machines[(i + stride) % len(machines)]
+        if other == machine:  # a stride that is a multiple of the number of machines
+            continue
+        for k, rank in enumerate(machine):
+            holder = other[k % len(other)]
+            plan[rank] = (holder, plan[rank][1])
+            plan[holder][1].append(rank)
+    return plan
 
 
 def groups_of(keys: Sequence[str]) -> list[list[int]]:

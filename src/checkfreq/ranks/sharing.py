@@ -24,7 +24,7 @@ from pathlib import Path
 
 from checkfreq.errors import CheckfreqError
 from checkfreq.ranks.collectives import Peers, collect_errors, gather_messages, scatter_messages
-from checkfreq.ranks.group_share import groups_of
+from checkfreq.ranks.group_share import groups_of, replica_ring
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
@@ -64,13 +64,19 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
     return leader
 
 
-def memory_group(peers: Peers, key: str) -> list[int]:
+def memory_group(peers: Peers, key: str, stride: int = 0) -> GroupMembers:
     """The ranks that passed the same ``key`` (the memory tier's: this machine's shared memory and the
-    run's region name), in rank order. Collective: rank 0 gathers the keys and sends each rank its
-    group, so a rank sends one key and receives its group's ranks, whatever the number of ranks."""
+    run's region name), in rank order, and with ``stride`` (replicas), where this rank copies its
+    snapshots and whose it keeps (:func:`~checkfreq.ranks.group_share.replica_ring`). Collective: rank
+    0 gathers the keys and sends each rank its part, so a rank sends one key and receives its
+    machine's ranks and its partners, whatever the number of ranks."""
     keys = gather_messages(peers, DirectoryKey(key), DirectoryKey.from_wire)
-    groups = None if keys is None else [GroupMembers(g) for g in groups_of([k.key for k in keys])]
-    return scatter_messages(peers, groups, GroupMembers.from_wire).ranks
+    members = None
+    if keys is not None:
+        groups = groups_of([k.key for k in keys])
+        ring = replica_ring(groups, stride)
+        members = [GroupMembers(g, to, held) for g, (to, held) in zip(groups, ring, strict=True)]
+    return scatter_messages(peers, members, GroupMembers.from_wire)
 
 
 def _leaders(keys: list[str]) -> list[int]:

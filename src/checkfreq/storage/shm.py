@@ -113,6 +113,12 @@ def region_path(directory: str | os.PathLike[str], rank: int) -> Path:
     return shm_directory() / f"checkfreq-{xxhash.xxh3_64(key.encode()).hexdigest()}-rank{rank:05d}"
 
 
+def replica_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Where this machine keeps the copies of rank ``rank``'s snapshots of checkpoint ``directory``
+    (its replicas, sent from another machine)."""
+    return region_path(directory, rank).with_name(region_path(directory, rank).name.replace("-rank", "-replica"))
+
+
 def device_and_inode(directory: str | os.PathLike[str]) -> tuple[int, int]:
     """(st_dev, st_ino) of a local directory, (0, 0) for a URL: a region written for a directory
     that was since deleted and re-created belongs to another run and is never restored."""
@@ -355,10 +361,12 @@ class MemoryRegion:
         return OpenSlot(slot, sequence, self.slot_data(slot))
 
     def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes, *,
-               checksum: bool = True) -> SlotInfo:
+               checksum: bool = True, expect: int | None = None) -> SlotInfo:
         """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last).
 
         Without ``checksum`` the header says :data:`PENDING`; :meth:`seal` adds the checksum later.
+        With ``expect`` (a copy of another slot: a replica) the checksum must be that slot's, else
+        :class:`ShmSnapshotError` and the slot stays without a header.
         """
         assert self._map is not None
         if len(meta) > self._meta_capacity or data_bytes > self._data_capacity:
@@ -367,6 +375,8 @@ class MemoryRegion:
         meta_at = start + self._data_capacity
         self._map[meta_at : meta_at + len(meta)] = meta
         digest = self._checksum(start, data_bytes, meta_at, len(meta)) if checksum else PENDING
+        if expect is not None and digest != expect:
+            raise ShmSnapshotError(f"the copy of step {step} does not match its sender's checksum: damaged on the way")
         info = SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, digest)
         self._write_header(info)
         return info
@@ -430,6 +440,14 @@ class MemoryRegion:
         if (not pending and _digest(data.numpy().data, meta) != info.checksum) or self.header(info.slot) != info:
             raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")
         return meta, data
+
+    def slot_bytes(self, info: SlotInfo) -> tuple[torch.Tensor, bytes]:
+        """The data (a view of the region) and metadata of a committed snapshot, unverified: for a
+        copy the receiver verifies against ``info.checksum``."""
+        assert self._bytes is not None and self._map is not None
+        start = self._data_at(info.slot)
+        meta_at = start + self._data_capacity
+        return self._bytes[start : start + info.data_bytes], bytes(self._map[meta_at : meta_at + info.meta_bytes])
 
     def newest(self, step: int | None = None) -> tuple[SlotInfo, bytes, torch.Tensor] | None:
         """The newest snapshot (or the one at ``step``) that verifies; damaged ones are skipped

@@ -4,6 +4,7 @@ damaged share naming its rank, and skips shares taken by another set of ranks.""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group
 from checkfreq.ranks.rebuild import local_view
 from checkfreq.storage.format import data_file_name
-from checkfreq.storage.shm import MemoryRegion, device_and_inode, region_path
+from checkfreq.storage.shm import MemoryRegion, device_and_inode, region_path, replica_path
 
 
 class _Module(torch.nn.Module):
@@ -99,3 +100,27 @@ def test_shares_restore_at_another_world_size_from_the_machines_regions(shm_dir:
         expected = _state(rank, module)
         assert skeleton == {"rank": rank} and all(torch.equal(tensors[n], expected[n]) for n in expected)
         tier.close(remove=False)
+
+
+def test_a_share_whose_region_is_gone_is_read_from_its_replica_unless_damaged(shm_dir: Path, tmp_path: Path) -> None:
+    """Rank 1's region lost with its node, a copy of it kept here (``replicas=``): rank 0 reads the
+    copy; with a byte of the copy flipped, it names rank 1 and the copy, and reads nothing from it."""
+    module = _Module()
+    for rank, tier in enumerate(_tiers(tmp_path, (0, 1), 2)):
+        _snapshot(tier, rank, module, step=5)
+        tier.close(remove=False)
+    shutil.move(region_path(tmp_path, 1), replica_path(tmp_path, 1))
+    tier = _tiers(tmp_path, (0, 1), 2)[0]
+    (state,), _ = tier.snapshots()
+    whole = tier.complete(state)
+    skeleton, tensors = local_view(whole.manifest, whole.tensors)
+    assert all(torch.equal(tensors[n], t) for n, t in _state(0, module).items())
+    copy = MemoryRegion(replica_path(tmp_path, 1), device_and_inode(tmp_path), tidy=False)
+    info = copy.snapshots()[0]
+    data, _ = copy.slot_bytes(info)
+    data[3] ^= 0xFF
+    copy.release(remove=False)
+    with pytest.raises(CheckfreqError, match=r"rank 1's share of memory snapshot 5 is on no region of this machine "
+                                             r"\(checkfreq-\w+-replica00001: slot \d \(step 5\) fails its checksum"):
+        tier.complete(state)
+    tier.close(remove=False)

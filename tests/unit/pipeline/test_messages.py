@@ -129,7 +129,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Token: st.builds(Token, texts),
     DirectoryKey: st.builds(DirectoryKey, texts),
     DirectoryLeader: st.builds(DirectoryLeader, counts),
-    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8)),
+    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8), st.none() | counts,
+                            st.lists(counts, max_size=3)),
     Whoami: st.builds(Whoami, texts, counts),
     # commit and upload
     CommitReport: commit_reports(),

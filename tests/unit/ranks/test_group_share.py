@@ -9,7 +9,7 @@ import torch
 from fake_peers import FakePeers, run_ranks
 
 from checkfreq.ranks import sharing
-from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, unusable_at
+from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_ring
 from checkfreq.ranks.rebuild import local_view
 from checkfreq.storage.format import Manifest
 
@@ -56,11 +56,7 @@ def test_the_shares_of_a_group_give_every_rank_its_whole_state(size: int) -> Non
             assert torch.equal(rebuilt[name], tensor), name
 
 
-def test_sharded_shares_restore_at_their_world_size_only() -> None:
-    replicated = {"group": [0, 1], "world_size": 4, "tensors": {"w": {"kind": "replicated"}, "b": {"kind": "private"}}}
-    sharded = {"group": [0, 1], "world_size": 4, "tensors": {"w": {"kind": "sharded"}}}
-    assert unusable_at(replicated, 4) is None and unusable_at(replicated, 2) is None and unusable_at(sharded, 4) is None
-    assert "sharded state taken by 4 ranks does not restore from memory at 2" in (unusable_at(sharded, 2) or "")
+def test_a_rank_belongs_to_its_group() -> None:
     with pytest.raises(ValueError, match="not in its group"):
         Group((0, 1), 2, 4)
 
@@ -73,8 +69,20 @@ def test_ranks_learn_their_machine_in_a_few_messages() -> None:
     keys = ["m1", "m1", "m2", "m2", "m1", "m3"]
 
     def group(peers: FakePeers) -> list[int]:
-        return sharing.memory_group(peers, keys[peers.rank])
+        return sharing.memory_group(peers, keys[peers.rank]).ranks
 
     groups, wire = run_ranks(len(keys), group)
     assert groups == [[0, 1, 4], [0, 1, 4], [2, 3], [2, 3], [0, 1, 4], [5]]
     assert max(wire.received[rank] for rank in range(1, len(keys))) <= 2
+
+
+def test_each_machine_copies_to_the_next_one_rank_to_rank() -> None:
+    two = [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert replica_ring(two, 1) == [(2, [2]), (3, [3]), (0, [0]), (1, [1])]
+    three = [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]
+    assert replica_ring(three, 1) == [(2, [4]), (3, [5]), (4, [0]), (5, [1]), (0, [2]), (1, [3])]
+    assert replica_ring(three, 2) == [(4, [2]), (5, [3]), (0, [4]), (1, [5]), (2, [0]), (3, [1])]
+    uneven = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [3], [4, 5], [4, 5]]
+    assert replica_ring(uneven, 1) == [(3, [4]), (3, [5]), (3, []), (4, [0, 1, 2]), (0, [3]), (1, [])]
+    assert replica_ring(two[:2], 1) == [(None, []), (None, [])]  # one machine: nowhere to copy to
+    assert replica_ring(two, 2) == [(None, [])] * 4 and replica_ring(two, 0) == [(None, [])] * 4

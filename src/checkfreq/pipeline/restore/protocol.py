@@ -214,29 +214,32 @@ class Restorer:
     # ------------------------------------------------------------------ memory
 
     def _from_memory(self, step: int | None, listed: list[int], device_copies: bool = False) -> Found | None:
-        """The newest memory snapshot every rank holds, unless disk lists a newer checkpoint."""
+        """The newest memory snapshot every rank holds and can put together (:meth:`Tiers.complete`),
+        unless disk lists a newer checkpoint: a step some rank cannot put together gives way to the
+        next older one every rank holds."""
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
         by_step = {state.manifest.step: state for state in states}
-        reports = gather_messages(self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None),
-                                  MemoryReport.from_wire)
-        choice = None if reports is None else memory_choice(reports)
-        chosen = broadcast_message(self.peers, choice, MemoryChoice.from_wire)
-        best, common = chosen.best, chosen.common
-        if best is None:
-            if by_step and not common:
-                log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
-            return None
-        problem = None
-        try:  # the shares other ranks of this machine keep (a rank that keeps its whole state has none)
-            state = self.tiers.complete(by_step[best])
-        except CheckfreqError as e:
-            problem = f"rank {self.peers.rank}: {e}"
-        problems = collect_errors(self.peers, problem)
-        if problems:
-            log.warning("memory tier: snapshot %d cannot be put together (%s); restoring from disk",
-                        best, "; ".join(problems))
-            return None
-        return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
+        while True:
+            reports = gather_messages(self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None),
+                                      MemoryReport.from_wire)
+            choice = None if reports is None else memory_choice(reports)
+            chosen = broadcast_message(self.peers, choice, MemoryChoice.from_wire)
+            best, common = chosen.best, chosen.common
+            if best is None:
+                if by_step and not common:
+                    log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
+                return None
+            problem = None
+            try:  # the shares other ranks keep (a rank that keeps its whole state needs none)
+                state = self.tiers.complete(by_step[best])
+            except CheckfreqError as e:
+                problem = f"rank {self.peers.rank}: {e}"
+            problems = collect_errors(self.peers, problem)
+            if not problems:
+                return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
+            log.warning("memory tier: snapshot %d cannot be put together (%s)", best, "; ".join(problems))
+            skipped.append((f"memory snapshot {best}", "; ".join(problems)))
+            del by_step[best]  # the same on every rank: the next round tries an older step, or disk
 
     # ------------------------------------------------------------------ disk
 

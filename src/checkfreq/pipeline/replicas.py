@@ -1,0 +1,212 @@
+"""Copies of a rank's memory snapshots in another machine's shared memory (``replicas=``).
+
+Each rank with a partner (:func:`checkfreq.ranks.group_share.replica_ring`) sends every memory
+snapshot it commits, as it lies in its slot (data, then its manifest), to that rank, over a gloo
+group of its own, on a thread of its own: training never waits for it, except when the next
+snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A rank
+keeps the snapshots it receives in a region of its machine's shared memory named after the
+sender (:func:`checkfreq.storage.shm.replica_path`), each slot committed only once its bytes match
+the sender's checksum: a copy cut short (the sender died) or damaged on the way is never used.
+
+On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, data and manifest
+bytes, checksum, layout signature), its data and its manifest, and the keeper answers with the step
+it kept (or -1): the sender's slot is free again, and :meth:`ReplicaLink.wait_sent` returns, only
+then. A header of kind :data:`STOP` ends the copies at a clean close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from checkfreq.errors import CheckfreqError
+from checkfreq.storage.shm import PENDING, MemoryRegion, SlotInfo, device_and_inode, replica_path
+
+log = logging.getLogger("checkfreq.memory")
+
+HEADER = 8
+"""int64 values in a header."""
+SNAPSHOT, STOP = 1, 0
+COPY_TAG, ACK_TAG = 1, 2
+"""gloo tags: a sender's copies, and the keeper's answer (the step kept, or -1), which may travel
+between the same two ranks at once the other way."""
+_SIGNED = struct.Struct("<q")
+_UNSIGNED = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One snapshot copied to the partner: for the events and the docs' figures."""
+
+    step: int
+    nbytes: int
+    seconds: float
+
+
+def _signed(value: int) -> int:
+    return _SIGNED.unpack(_UNSIGNED.pack(value))[0]
+
+
+def _unsigned(value: int) -> int:
+    return _UNSIGNED.unpack(_SIGNED.pack(value))[0]
+
+
+def encode_header(info: SlotInfo) -> torch.Tensor:
+    """The header announcing the snapshot of ``info``."""
+    low, high = struct.unpack("<qq", info.signature)
+    return torch.tensor([SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, _signed(info.checksum), low, high, 0],
+                        dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[int, SlotInfo]:
+    """(kind, the announced snapshot's step, sizes, checksum and signature; slot and sequence 0)."""
+    kind, step, data_bytes, meta_bytes, checksum, low, high, _ = (int(v) for v in header.tolist())
+    return kind, SlotInfo(0, 0, step, data_bytes, meta_bytes, struct.pack("<qq", low, high), _unsigned(checksum))
+
+
+class ReplicaLink:
+    """This rank's copies to its partner and its keeping of the copies other ranks send it.
+
+    Args:
+        group: the gloo group of the copies (every rank's, created collectively).
+        directory: the checkpoint directory the replica regions are named after.
+        sends_to: the rank this one copies its snapshots to (None: none).
+        receives_from: the ranks whose snapshots this one keeps.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, directory: str | os.PathLike[str], *, sends_to: int | None,
+                 receives_from: list[int]) -> None:
+        self.group, self.directory = group, directory
+        self.sends_to, self.receives_from = sends_to, list(receives_from)
+        self.sent: list[Sent] = []
+        """Every snapshot copied so far (this session)."""
+        self.report: Callable[..., None] = lambda event, **fields: None
+        """Where the copies are recorded (the run's event log: :meth:`EventLog.write`)."""
+        self.kept: dict[int, int] = {}
+        """Sender → step of the newest copy kept for it."""
+        self._offers: queue.SimpleQueue[tuple[MemoryRegion, SlotInfo] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.sending: int | None = None
+        """The slot being copied (it must not be overwritten until the copy is done)."""
+        self._broken: BaseException | None = None
+        self._threads = []
+        if sends_to is not None:
+            self._threads.append(threading.Thread(target=self._send_loop, name="checkfreq-replica-send", daemon=True))
+        for sender in self.receives_from:
+            self._threads.append(threading.Thread(target=self._keep_loop, args=(sender,),
+                                                  name=f"checkfreq-replica-keep-{sender}", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ sending
+
+    def offer(self, region: MemoryRegion, info: SlotInfo) -> bool:
+        """Copy the snapshot of ``info`` (committed in ``region``) to the partner in the background,
+        unless the previous copy is still in flight or no partner can take it; whether it goes."""
+        if self.sends_to is None or self._broken is not None:
+            return False
+        if not self._idle.is_set():  # the busy rule: the previous copy is still in flight
+            self.report("replica skipped", step=info.step, to=self.sends_to, reason="the previous copy is in flight")
+            return False
+        if info.checksum == PENDING:  # committed before its checksum (a large GPU snapshot): nothing to check a copy by
+            self.report("replica skipped", step=info.step, to=self.sends_to, reason="checksum not computed yet")
+            return False
+        self._idle.clear()
+        self.sending = info.slot
+        self._offers.put((region, info))
+        return True
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait until no copy is in flight, at most ``timeout`` seconds; whether none is."""
+        return self._idle.wait(timeout)
+
+    def _send_loop(self) -> None:
+        assert self.sends_to is not None
+        to = self.sends_to
+        while (offer := self._offers.get()) is not None:
+            region, info = offer
+            start = time.perf_counter()
+            try:
+                data, meta = region.slot_bytes(info)
+                dist.send(encode_header(info), group=self.group, group_dst=to, tag=COPY_TAG)
+                dist.send(data, group=self.group, group_dst=to, tag=COPY_TAG)
+                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), group=self.group, group_dst=to,
+                          tag=COPY_TAG)
+                answer = torch.empty(1, dtype=torch.int64)
+                dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
+                seconds = time.perf_counter() - start
+                if int(answer) == info.step:
+                    self.sent.append(Sent(info.step, info.data_bytes + info.meta_bytes, seconds))
+                self.report("replica", step=info.step, to=to, bytes=info.data_bytes + info.meta_bytes,
+                            seconds=seconds, kept=int(answer) == info.step)
+            except (RuntimeError, CheckfreqError) as e:  # the partner is gone: no more copies this session
+                self._broken = e
+                log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent",
+                            info.step, to, e)
+            finally:
+                self.sending = None
+                self._idle.set()
+        if self._broken is None:
+            stop = torch.zeros(HEADER, dtype=torch.int64)
+            try:
+                dist.send(stop, group=self.group, group_dst=to, tag=COPY_TAG)
+            except RuntimeError as e:
+                log.debug("memory tier: rank %d did not take the end of the replicas: %s", to, e)
+
+    # ------------------------------------------------------------------ keeping
+
+    def _keep_loop(self, sender: int) -> None:
+        region = MemoryRegion(replica_path(self.directory, sender), device_and_inode(self.directory))
+        header = torch.empty(HEADER, dtype=torch.int64)
+        try:
+            while True:
+                dist.recv(header, group=self.group, group_src=sender, tag=COPY_TAG)
+                kind, info = decode_header(header)
+                if kind == STOP:
+                    return
+                kept = self._keep(region, sender, info)
+                dist.send(torch.tensor([info.step if kept else -1]), group=self.group, group_dst=sender, tag=ACK_TAG)
+        except RuntimeError as e:  # the sender died or left: its copy in flight, if any, is never committed
+            log.info("memory tier: no more replicas from rank %d (%s)", sender, str(e).strip().splitlines()[0])
+        finally:
+            region.release(remove=False)
+
+    def _keep(self, region: MemoryRegion, sender: int, info: SlotInfo) -> bool:
+        """Receive the snapshot ``info`` announces into a slot; commit it if its bytes match."""
+        region.reserve(info.data_bytes, info.meta_bytes)
+        slot = region.begin()
+        dist.recv(slot.data[: info.data_bytes], group=self.group, group_src=sender, tag=COPY_TAG)
+        meta = torch.empty(info.meta_bytes, dtype=torch.uint8)
+        dist.recv(meta, group=self.group, group_src=sender, tag=COPY_TAG)
+        try:
+            region.commit(slot, info.step, info.data_bytes, meta.numpy().tobytes(), info.signature,
+                          expect=info.checksum)
+        except CheckfreqError as e:
+            log.warning("memory tier: the replica of rank %d's snapshot %d is not kept: %s", sender, info.step, e)
+            self.report("replica refused", step=info.step, sender=sender, reason=str(e))
+            return False
+        self.kept[sender] = info.step
+        return True
+
+    # ------------------------------------------------------------------ end
+
+    def close(self, timeout: float) -> None:
+        """End the copies: the sender finishes the one in flight and tells its partner; the keepers
+        end at their senders' word (each waited for at most ``timeout`` seconds)."""
+        self._offers.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = [t.name for t in self._threads if t.is_alive()]
+        if left:
+            log.warning("memory tier: %s still running after %.0f s at close", ", ".join(left), timeout)

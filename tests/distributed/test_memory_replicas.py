@@ -1,0 +1,99 @@
+"""Memory snapshots copied to another node (``replicas=1``): a node lost for good with its memory and
+its disk, under ``torchrun --nnodes 1:2``, FSDP2 on two agents of two ranks (CPU, gloo), each agent
+its own shared memory and local directory, a shared remote tier.
+
+With replicas the survivors resume at world size 2 from the newest memory step, putting each
+parameter's new blocks together from their own shards and the copies of the lost node's, and
+finish on course; without, from the newest durable checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkfreq.run.events import read_events
+from checkfreq.storage.shm import SHM_DIR_ENV
+from helpers import SCRIPTS, free_port, kill_tree
+
+pytestmark = pytest.mark.slow
+STEPS, KILL, EVERY = 12, 6, 4  # 64 samples, global batches of 16, 3 epochs; durable checkpoints at 4, 8, 12
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # the same global batches, summed in another order at 2 ranks
+ARGS = ("--epochs", "3", "--every", str(EVERY), "--memory", "1")
+
+
+def _steps(log: Path) -> dict[int, float]:
+    """Step → the global batch's loss; a step run again after a restart replaces the earlier one."""
+    losses = {}
+    for line in log.read_text().splitlines():
+        _, step, rank, _, loss = line.split()
+        if rank == "0":
+            losses[int(step)] = float(loss)
+    return losses
+
+
+def _agent(work: Path, node: int, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """A torchrun agent of two ranks of an elastic job (1 to 2 nodes) on 127.0.0.<node+1>; node 0
+    hosts the rendezvous store, which must outlive the node that is lost."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           SHM_DIR_ENV: str(work / f"shm{node}")}
+    (work / f"shm{node}").mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
+               "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
+               "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / f"node{node}"),
+               "--final", str(work / "final"), "--step-log", str(work / "steps.log"), *ARGS, *extra]
+    log = (work / f"node{node}.out").open("w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted job at world size 4."""
+    work = tmp_path_factory.mktemp("reference")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final"),
+               "--step-log", str(work / "steps.log"), *ARGS]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(work)})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return work
+
+
+@pytest.mark.parametrize(("replicas", "resumed"), [(1, KILL), (0, EVERY)])
+def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
+    reference: Path, tmp_path: Path, replicas: int, resumed: int
+) -> None:
+    port = free_port()
+    extra = ("--replicas", str(replicas), "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL))
+    agents = [_agent(tmp_path, node, port, *extra) for node in (0, 1)]
+    try:
+        assert agents[1].wait(timeout=200) == -9, (tmp_path / "node1.out").read_text()[-3000:]
+        for gone in (tmp_path / "shm1", tmp_path / "node1"):  # the node's memory and disk go with it
+            subprocess.run(["rm", "-rf", str(gone)], check=True)
+        assert agents[0].wait(timeout=200) == 0, (tmp_path / "node0.out").read_text()[-4000:]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    out = (tmp_path / "node0.out").read_text()
+    restores = sorted(line.split("] ")[-1] for line in out.splitlines() if "restored step=" in line)
+    assert restores[-2:] == [f"life=1 rank=0 world=2 restored step={resumed}",
+                             f"life=1 rank=1 world=2 restored step={resumed}"], out[-4000:]
+    tiers = {(e["rank"], e["tier"]) for e in read_events(tmp_path / "node0")
+             if e["event"] == "restore" and e["world_size"] == 2}
+    copies = [e for e in read_events(tmp_path / "node0") if e["event"] == "replica" and e["kept"]]
+    if replicas:  # nothing read from disk or the remote tier; each survivor had copied its snapshots to node 1
+        assert tiers == {(0, "memory"), (1, "memory")}, tiers
+        assert {(e["rank"], e["to"]) for e in copies} == {(0, 2), (1, 3)}, copies
+    else:
+        assert not copies
+    losses, expected = _steps(tmp_path / "steps.log"), _steps(reference / "steps.log")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)
+    torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(reference / "final.full.pt"),
+                               **TOLERANCE)

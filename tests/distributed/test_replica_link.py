@@ -1,0 +1,67 @@
+"""The copies of memory snapshots between two real gloo ranks (checkfreq.pipeline.replicas): a copy
+is kept only once its bytes match the sender's checksum; one damaged on the way, or cut short by
+the sender's death, is never committed, and the keeper's newest good copy stays."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from checkfreq.pipeline import replicas
+from checkfreq.pipeline.replicas import ReplicaLink, encode_header
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
+from helpers import spawn_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _commit(region: MemoryRegion, step: int, fill: int) -> object:
+    region.reserve(1 << 16, 1024)
+    slot = region.begin()
+    slot.data[: 1 << 16] = fill
+    return region.commit(slot, step, 1 << 16, json.dumps({"step": step}).encode(), b"s" * 16)
+
+
+def _ranks(rank: int, work: Path, case: str) -> None:
+    os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    directory = work / "ckpt"
+    if rank == 0:  # the sender: its own region, two snapshots
+        region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
+        link = ReplicaLink(dist.group.WORLD, directory, sends_to=1, receives_from=[])
+        assert link.offer(region, _commit(region, 3, 7)) and link.wait_sent(30)
+        info = _commit(region, 4, 9)
+        if case == "damaged":  # a byte changed after the checksum was taken: what a bad link or memory does
+            data, _ = region.slot_bytes(info)
+            data[100] ^= 1
+        if case == "died":  # the header, then the sender is gone
+            dist.send(encode_header(info), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG)
+            os._exit(0)
+        assert link.offer(region, info) and link.wait_sent(30)
+        link.close(30)
+        (work / "sent.json").write_text(json.dumps([s.step for s in link.sent]))
+    else:  # the keeper
+        link = ReplicaLink(dist.group.WORLD, directory, sends_to=None, receives_from=[0])
+        link.close(60)
+        kept = MemoryRegion(replica_path(directory, 0), device_and_inode(directory), tidy=False)
+        found = [(info.step, int(kept.read(info)[1][0])) for info in kept.snapshots()]
+        (work / "kept.json").write_text(json.dumps(found))
+
+
+@pytest.mark.parametrize(("case", "kept", "sent"), [
+    ("good", [[4, 9], [3, 7]], [3, 4]), ("damaged", [[3, 7]], [3]), ("died", [[3, 7]], None),
+])
+def test_only_a_copy_that_matches_its_checksum_is_kept(tmp_path: Path, case: str, kept: list, sent: list) -> None:
+    for rank in (0, 1):
+        (tmp_path / f"shm{rank}").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    spawn_ranks(_ranks, (tmp_path, case), nprocs=2)  # "died": rank 0 leaves mid-copy, the keeper still ends
+    if sent is not None:
+        assert json.loads((tmp_path / "sent.json").read_text()) == sent
+    assert json.loads((tmp_path / "kept.json").read_text()) == kept
