@@ -232,8 +232,12 @@ class MemoryTier(Tier):
         start = time.perf_counter()
         if not self.region.fits(layout.nbytes, len(meta)):
             # the region is made again: never unregister or unmap the slot a persist still copies into
-            # (the side stream) or writes to disk from (the writer)
+            # (the side stream) or writes to disk from (the writer), or a copy to another machine reads
             self._persist_done.wait()
+            if self.link is not None and not self.link.wait_sent(self.failure_timeout):
+                log.warning("memory tier: snapshot %d not taken: the region must grow, and the copy of the "
+                            "previous one to rank %s still reads it", request.step, self.link.sends_to)
+                return None
         try:
             self.region.reserve(layout.nbytes, len(meta))
         except ShmCapacityError as e:

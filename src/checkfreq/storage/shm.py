@@ -444,10 +444,9 @@ class MemoryRegion:
     def slot_bytes(self, info: SlotInfo) -> tuple[torch.Tensor, bytes]:
         """The data (a view of the region) and metadata of a committed snapshot, unverified: for a
         copy the receiver verifies against ``info.checksum``."""
-        assert self._bytes is not None and self._map is not None
-        start = self._data_at(info.slot)
-        meta_at = start + self._data_capacity
-        return self._bytes[start : start + info.data_bytes], bytes(self._map[meta_at : meta_at + info.meta_bytes])
+        assert self._map is not None
+        meta_at = self._data_at(info.slot) + self._data_capacity
+        return self.slot_data(info.slot)[: info.data_bytes], bytes(self._map[meta_at : meta_at + info.meta_bytes])
 
     def newest(self, step: int | None = None) -> tuple[SlotInfo, bytes, torch.Tensor] | None:
         """The newest snapshot (or the one at ``step``) that verifies; damaged ones are skipped
