@@ -89,7 +89,7 @@ def test_fsdp2_ranks_resume_from_their_shards_in_memory(tmp_path: Path, monkeypa
         procs = [launch_job(reference, "fsdp_memory.py", *common),
                  launch_job(killed, "fsdp_memory.py", *common, "--memory", "1", "--die", "0:1:5")]
         out = [finish_job(p) for p in procs][1]
-        found = re.findall(r"life=(\d+) rank=\d+ restored step=(\d+)", out)
+        found = re.findall(r"life=(\d+) rank=\d+ world=\d+ restored step=(\d+)", out)
         assert {int(step) for life, step in found if life == "1"} in ({4}, {5}), out[-3000:]
         tiers = {(e["rank"], e["tier"]) for e in read_events(killed / "ckpt") if e["event"] == "restore"}
         assert tiers == {(0, "memory"), (1, "memory")}, (tiers, out[-3000:])
