@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from checkfreq.pipeline import replicas
 from checkfreq.pipeline.replicas import ReplicaLink, encode_header
+from checkfreq.storage.format import Manifest
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
+from checkfreq.tools.catalog import memory_snapshots
 from helpers import spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -24,7 +26,8 @@ def _commit(region: MemoryRegion, step: int, fill: int) -> object:
     region.reserve(1 << 16, 1024)
     slot = region.begin()
     slot.data[: 1 << 16] = fill
-    return region.commit(slot, step, 1 << 16, json.dumps({"step": step}).encode(), b"s" * 16)
+    meta = Manifest(step=step, epoch=0, world_size=1, files={}, tensors={}, state=None, versions={}, created=0.0)
+    return region.commit(slot, step, 1 << 16, meta.to_json(), b"s" * 16)
 
 
 def _ranks(rank: int, work: Path, case: str) -> None:
@@ -52,6 +55,8 @@ def _ranks(rank: int, work: Path, case: str) -> None:
         kept = MemoryRegion(replica_path(directory, 0), device_and_inode(directory), tidy=False)
         found = [(info.step, int(kept.read(info)[1][0])) for info in kept.snapshots()]
         (work / "kept.json").write_text(json.dumps(found))
+        listed = [(s.name.rsplit(" slot", 1)[0], s.step, s.valid) for s in memory_snapshots(directory)]
+        assert listed == [("memory copy of rank 0", step, True) for step, _ in found], listed  # checkfreq ls
 
 
 @pytest.mark.parametrize(("case", "kept", "sent"), [

@@ -486,9 +486,10 @@ def remove_regions_beyond(directory: str | os.PathLike[str], world_size: int) ->
     return removed
 
 
-def listed_regions(directory: str | os.PathLike[str]) -> list[tuple[int, MemoryRegion]]:
-    """The regions of checkpoint ``directory`` on this node, by rank (read-only look, for the CLI)."""
-    prefix = region_path(directory, 0).name.rsplit("-rank", 1)[0] + "-rank"
+def listed_regions(directory: str | os.PathLike[str], kind: str = "rank") -> list[tuple[int, MemoryRegion]]:
+    """The regions of checkpoint ``directory`` on this node, by rank (read-only look, for the CLI);
+    with ``kind="replica"``, the copies this node keeps of other nodes' ranks' snapshots."""
+    prefix = region_path(directory, 0).name.rsplit("-rank", 1)[0] + f"-{kind}"
     found = []
     for path in sorted(shm_directory().glob(prefix + "*")):
         try:

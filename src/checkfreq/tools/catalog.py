@@ -167,12 +167,14 @@ def list_checkpoints(
 
 
 def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) -> list[CheckpointStatus]:
-    """The memory tier's snapshots of the run at ``root`` on this node, newest first, with their validity.
+    """The memory tier's snapshots of the run at ``root`` on this node, newest first, with their validity:
+    its ranks' (``memory rank R slot S``) and the copies it keeps of other nodes' (``memory copy of rank R``).
 
     With ``checksums=False`` only the slot headers are checked. Nothing is changed or removed.
     """
     found = []
-    for rank, region in listed_regions(root):
+    regions = [(kind, rank, region) for kind in ("rank", "replica") for rank, region in listed_regions(root, kind)]
+    for kind, rank, region in regions:
         try:
             for info in region.snapshots():
                 manifest, valid, reason = None, True, None
@@ -182,7 +184,8 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
                 found.append(CheckpointStatus(
-                    name=f"memory rank {rank} slot {info.slot}", path=str(region.path), step=info.step,
+                    name=f"memory {'rank' if kind == 'rank' else 'copy of rank'} {rank} slot {info.slot}",
+                    path=str(region.path), step=info.step,
                     epoch=manifest.epoch if manifest else None, bytes=info.data_bytes,
                     created=manifest.created if manifest else None, valid=valid, reason=reason,
                     checksummed=checksums, tier="memory",
