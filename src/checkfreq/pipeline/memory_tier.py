@@ -14,7 +14,9 @@ learned at start: :func:`checkfreq.ranks.sharing.memory_group`) keep one copy of
 state between them: each rank's slot holds its share of it and its own private state
 (:mod:`checkfreq.ranks.group_share`), so a machine of L ranks holds the replicated state once, not
 L times, and each rank copies 1/L of it. A restore reads the group's other shares straight from
-their regions on the same machine (:meth:`MemoryTier.complete`).
+their regions on the same machine (:meth:`MemoryTier.complete`). Sharded state is each rank's own
+(its shards). With ``replicas=1`` each snapshot is also copied to a rank of the next machine
+(:mod:`checkfreq.pipeline.replicas`), and a share this machine lacks is read from the copy kept here.
 
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
 the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
@@ -137,7 +139,7 @@ class MemoryTier(Tier):
         self._persist_done = threading.Event()  # the persist holding a slot is over (its copy in, its write out)
         self._persist_done.set()
         self.enabled = True
-        """False once /dev/shm had no room, or the state is sharded: snapshots go to disk only."""
+        """False once /dev/shm had no room, or a job of one process has sharded state: snapshots go to disk only."""
         self.newest: HeldSnapshot | None = None
         """The newest snapshot taken into memory alone (none since a persist)."""
 
