@@ -18,6 +18,7 @@ import torch
 
 from checkfreq.run.events import read_events
 from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.tools.report import load_run, summary_text
 from helpers import SCRIPTS, free_port, kill_tree
 
 pytestmark = pytest.mark.slow
@@ -89,6 +90,9 @@ def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
     if replicas:  # nothing read from disk or the remote tier; each survivor had copied its snapshots to node 1
         assert tiers == {(0, "memory"), (1, "memory")}, tiers
         assert {(e["rank"], e["to"]) for e in copies} == {(0, 2), (1, 3)}, copies
+        text = summary_text(load_run(tmp_path / "node0"))  # checkfreq report: rank 0's, as for its other series
+        kept = len([e for e in copies if e["rank"] == 0])
+        assert f"memory copies on another machine: {kept} kept there" in text, text
     else:
         assert not copies
     losses, expected = _steps(tmp_path / "steps.log"), _steps(reference / "steps.log")

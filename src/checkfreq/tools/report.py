@@ -88,6 +88,9 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
                                          resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
         elif kind == "memory":
             report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
+        elif kind in ("replica", "replica skipped", "replica refused"):
+            report.replicas.append({k: event.get(k) for k in ("event", "time", "step", "rank", "bytes", "seconds",
+                                                               "kept", "reason")})
         elif kind in ("busy", "gpu_wait"):
             report.waits.append({"event": kind, **{k: event.get(k) for k in ("time", "step", "wait_s", "waiting_for")}})
         elif kind == "snapshot":

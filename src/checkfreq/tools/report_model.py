@@ -117,6 +117,8 @@ class RunReport:
     waits: list[dict[str, Any]] = field(default_factory=list)
     """The ``busy`` waits (for the previous persist or memory snapshot) and ``gpu_wait`` waits."""
     """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    """The memory tier's copies to another machine (``replica``, ``replica skipped``, ``replica refused``)."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
     """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
@@ -132,5 +134,6 @@ class RunReport:
             "restores": self.restores,
             "rank_stalls": self.rank_stalls,
             "memory_snapshots": self.memory_snapshots,
+            "replicas": self.replicas,
             "waits": self.waits,
         }

@@ -59,6 +59,8 @@ def summary_text(report: RunReport) -> str:
             f"memory tier: {len(report.memory_snapshots)} snapshots besides the checkpoints, stall median "
             f"{human_seconds(_median(stalls))}, total {human_seconds(sum(stalls))}"
         )
+    if report.replicas:
+        lines.append(_replicas_line(report.replicas))
     for kind, what in (("busy", "waited for busy storage (the previous persist or memory snapshot)"),
                        ("gpu_wait", "GPU streams waited on snapshot copies")):
         waits = _values(w["wait_s"] for w in report.waits if w["event"] == kind)
@@ -166,3 +168,18 @@ def human_bytes(nbytes: int | None) -> str:
         if value < 1000:
             break
     return f"{value:.3g} {unit}"
+
+
+def _replicas_line(events: list[dict[str, Any]]) -> str:
+    """The memory tier's copies on another machine (``replicas=1``) in one line."""
+    kept = [e for e in events if e["event"] == "replica" and e.get("kept")]
+    skipped = [e for e in events if e["event"] == "replica skipped"]
+    refused = [e for e in events if e["event"] == "replica" and not e.get("kept")]  # the sender's side of each
+    line = (f"memory copies on another machine: {len(kept)} kept there "
+            f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, median "
+            f"{human_seconds(_median(_values(e.get('seconds') for e in kept)))} each, off the training thread)")
+    if skipped:
+        line += f"; {len(skipped)} not copied (the previous copy still in flight, or its checksum not computed yet)"
+    if refused:
+        line += f"; {len(refused)} refused by the keeper (damaged on the way)"
+    return line
