@@ -19,7 +19,7 @@ import torch
 from checkfreq.run.events import read_events
 from checkfreq.storage.shm import SHM_DIR_ENV
 from checkfreq.tools.report import load_run, summary_text
-from helpers import SCRIPTS, free_port, kill_tree
+from helpers import SCRIPTS, assert_state_equal, free_port, kill_tree
 
 pytestmark = pytest.mark.slow
 STEPS, KILL, EVERY = 12, 6, 4  # 64 samples, global batches of 16, 3 epochs; durable checkpoints at 4, 8, 12
@@ -37,18 +37,19 @@ def _steps(log: Path) -> dict[int, float]:
     return losses
 
 
-def _agent(work: Path, node: int, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    """A torchrun agent of two ranks of an elastic job (1 to 2 nodes) on 127.0.0.<node+1>; node 0
-    hosts the rendezvous store, which must outlive the node that is lost."""
+def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2") -> subprocess.Popen[bytes]:
+    """A torchrun agent of two ranks of a job of ``nnodes`` nodes on 127.0.0.<node+1>; node 0 hosts the
+    rendezvous store, which must outlive the node that is lost."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            SHM_DIR_ENV: str(work / f"shm{node}")}
     (work / f"shm{node}").mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
                "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
                "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / f"node{node}"),
-               "--final", str(work / "final"), "--step-log", str(work / "steps.log"), *ARGS, *extra]
-    log = (work / f"node{node}.out").open("w")
+               "--final", str(work / "final"), "--step-log", str(work / "steps.log"),
+               "--kill-marker", str(work / "killed"), *ARGS, *extra]
+    log = (work / f"node{node}.out").open("a")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -101,3 +102,28 @@ def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
                                torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)
     torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(reference / "final.full.pt"),
                                **TOLERANCE)
+
+
+def test_a_replacement_node_takes_its_ranks_snapshots_from_the_copies(reference: Path, tmp_path: Path) -> None:
+    """``--nnodes 2``: node 1 lost after step 6 with its memory and disk, a new node 1 (empty memory,
+    empty directory) joins; its ranks take their snapshots of step 6 from the copies node 0's ranks
+    kept, every rank resumes from memory, and the job ends bit-identical to the uninterrupted one."""
+    port = free_port()
+    extra = ("--replicas", "1", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL))
+    agents = [_agent(tmp_path, node, port, *extra, nnodes="2") for node in (0, 1)]
+    try:
+        assert agents[1].wait(timeout=200) == -9, (tmp_path / "node1.out").read_text()[-3000:]
+        for gone in (tmp_path / "shm1", tmp_path / "node1"):
+            subprocess.run(["rm", "-rf", str(gone)], check=True)
+        agents.append(_agent(tmp_path, 1, port, *extra, nnodes="2"))  # the replacement
+        codes = [agents[0].wait(timeout=200), agents[2].wait(timeout=200)]
+        assert codes == [0, 0], [(tmp_path / f"node{n}.out").read_text()[-3000:] for n in (0, 1)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1) for e in read_events(tmp_path / f"node{node}")
+                if e["event"] == "restore"}
+    assert restores == {(rank, KILL, "memory") for rank in range(4)}, restores
+    for rank in range(4):
+        expected = torch.load(reference / f"final.rank{rank}.pt")
+        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"), expected)

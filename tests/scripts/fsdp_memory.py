@@ -9,9 +9,10 @@ values) to ``<final>.rank<r>.pt``.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
 * ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier.
-* ``--kill-node STEP``: in the first incarnation, after step STEP, every rank waits for what is in
-  flight (the remote tier's copy and the replicas included); then every rank of the last node
-  SIGKILLs itself, the last one its torchrun agent first: the node is gone for good.
+* ``--kill-node STEP``: once (``--kill-marker`` is left behind: a replacement node's workers start
+  at incarnation 0 again), after step STEP, every rank waits for what is in flight (the remote
+  tier's copy and the replicas included); then every rank of the last node SIGKILLs itself, the
+  last one its torchrun agent first: the node is gone.
 * ``--step-log PATH``: each rank appends ``life step rank world loss`` after each step, the loss being
   the global batch's (averaged over the ranks); rank 0 writes every parameter, gathered, to
   ``<final>.full.pt`` at the end.
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--remote", default=None)
     parser.add_argument("--kill-node", type=int, default=None)
     parser.add_argument("--step-log", default=None)
+    parser.add_argument("--kill-marker", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
@@ -92,9 +94,11 @@ def main() -> None:
             if args.die == f"{life}:{rank}:{ckpt.global_step}":
                 ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if args.kill_node == ckpt.global_step and life == 0:
+            if args.kill_node == ckpt.global_step and not os.path.exists(args.kill_marker):
                 ckpt.wait(remote=bool(args.remote))  # collective: every rank
+                dist.barrier()  # every rank has looked at the marker
                 if rank >= world - per_node:  # the last node's ranks
+                    open(args.kill_marker, "a").close()
                     if rank == world - 1:
                         os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
                     os.kill(os.getpid(), signal.SIGKILL)

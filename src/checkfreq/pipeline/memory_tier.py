@@ -51,7 +51,7 @@ import torch
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
+from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import Peers
@@ -68,6 +68,7 @@ from checkfreq.storage.shm import (
     ShmCapacityError,
     device_and_inode,
     layout_signature,
+    listed_regions,
     region_path,
     remove_regions_beyond,
     replica_path,
@@ -402,6 +403,39 @@ class MemoryTier(Tier):
                 raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} does not record {e}") from None
         manifest = dataclasses.replace(state.manifest, distributed={**split, "tensors": records})
         return HeldState(manifest, tensors, state.name, state.tier)
+
+    @property
+    def keeps_copies(self) -> bool:  # type: ignore[override]
+        return self.link is not None
+
+    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
+        """The steps of this rank's snapshots, and of the copies of other ranks' its machine keeps."""
+        copies: dict[int, list[int]] = {}
+        for rank, region in listed_regions(self.directory, "replica"):
+            try:
+                copies[rank] = [info.step for info in region.snapshots()]
+            finally:
+                region.release(remove=False)
+        return [info.step for info in self.region.snapshots()], copies
+
+    def read_copy(self, rank: int, step: int) -> HeldCopy:
+        region = MemoryRegion(replica_path(self.directory, rank), device_and_inode(self.directory), tidy=False)
+        try:
+            found = region.newest(step)
+        finally:
+            region.release(remove=False)
+        if found is None:
+            why = "; ".join(reason for _, reason in region.skipped) or "none of that step"
+            raise CheckfreqError(f"the copy of rank {rank}'s memory snapshot {step} kept here cannot be read: {why}")
+        info, meta, data = found
+        return HeldCopy(rank, step, meta, data, info.checksum, info.signature)
+
+    def adopt(self, copy: HeldCopy) -> None:
+        """Commit ``copy`` into a slot of this rank's region, checked against the checksum it was kept with."""
+        self.region.reserve(copy.data.numel(), len(copy.meta))
+        slot = self.region.begin(keep=self._held_slot())
+        slot.data[: copy.data.numel()].copy_(copy.data)
+        self.region.commit(slot, copy.step, copy.data.numel(), copy.meta, copy.signature, expect=copy.checksum)
 
     def _share(self, rank: int, step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
         """Rank ``rank``'s share of memory snapshot ``step``, from its region on this machine, else

@@ -101,6 +101,19 @@ class HeldState:
     """The name of the tier holding it."""
 
 
+@dataclass(frozen=True)
+class HeldCopy:
+    """A copy of another rank's snapshot a tier keeps (:meth:`Tier.read_copy`), verified, as it lies in
+    its slot: what a rank that lost its own takes over (:meth:`Tier.adopt`)."""
+
+    rank: int
+    step: int
+    meta: bytes
+    data: torch.Tensor
+    checksum: int
+    signature: bytes
+
+
 class Tier:
     """A place checkpoints live; every hook does nothing (see the module docstring)."""
 
@@ -223,6 +236,21 @@ class Tier:
         """Every verified state it holds (or those at ``step``), newest first, and the (name, reason)
         of those skipped."""
         return [], []
+
+    keeps_copies = False
+    """It keeps copies of other ranks' snapshots (``replicas=``): the restore asks every rank which."""
+
+    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
+        """The steps of the snapshots it holds (not verified), and of the copies it keeps, by rank."""
+        return [], {}
+
+    def read_copy(self, rank: int, step: int) -> HeldCopy:
+        """Its copy of rank ``rank``'s snapshot ``step``, verified; a :class:`CheckfreqError` if it has none."""
+        raise NotImplementedError(f"the {self.name} tier keeps no copies")
+
+    def adopt(self, copy: HeldCopy) -> None:
+        """Take ``copy`` (sent by the rank that kept it) as a snapshot of this rank's own."""
+        raise NotImplementedError(f"the {self.name} tier keeps no copies")
 
     def complete(self, state: HeldState) -> HeldState:
         """``state`` (one of :meth:`snapshots`) with what other ranks keep of it added, read where they

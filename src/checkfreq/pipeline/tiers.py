@@ -15,7 +15,7 @@ from checkfreq.errors import InvalidArgumentError
 from checkfreq.pipeline.memory_tier import MemoryTier
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
+from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.retention import Retention
@@ -158,6 +158,32 @@ class Tiers:
             states += found
             skipped += passed
         return sorted(states, key=lambda s: -s.manifest.step), skipped
+
+    @property
+    def keeps_copies(self) -> bool:
+        """A tier keeps copies of other ranks' snapshots (``replicas=``)."""
+        return any(tier.keeps_copies for tier in self.all)
+
+    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
+        """The steps of the snapshots the tiers hold, and of the copies they keep, by rank (not verified)."""
+        own: set[int] = set()
+        copies: dict[int, set[int]] = {}
+        for tier in self.all:
+            steps, kept = tier.holdings()
+            own.update(steps)
+            for rank, held in kept.items():
+                copies.setdefault(rank, set()).update(held)
+        return sorted(own), {rank: sorted(held) for rank, held in copies.items()}
+
+    def read_copy(self, rank: int, step: int) -> HeldCopy:
+        """The copy of rank ``rank``'s snapshot ``step`` the tier keeping copies holds, verified."""
+        (tier,) = [tier for tier in self.all if tier.keeps_copies]
+        return tier.read_copy(rank, step)
+
+    def adopt(self, copy: HeldCopy) -> None:
+        """Take a copy another rank kept of this rank's snapshot as this rank's own."""
+        (tier,) = [tier for tier in self.all if tier.keeps_copies]
+        tier.adopt(copy)
 
     def complete(self, state: HeldState) -> HeldState:
         """``state`` with what other ranks keep of it, from the tier holding it (:meth:`Tier.complete`)."""

@@ -27,6 +27,7 @@ from checkfreq.pipeline.restore.messages import (
     ExchangeOrder,
     ExchangeOutcome,
     ExchangeVerdict,
+    FetchPlan,
     FileTransfer,
     Holdings,
     ListedSteps,
@@ -139,7 +140,9 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Claims: st.builds(Claims, replica_claims, st.dictionaries(texts, tensor_records(), max_size=3)),
     UploadOutcome: st.just(UploadOutcome()) | st.builds(UploadOutcome, st.just(False), optional_texts),
     # restore
-    MemoryReport: st.builds(MemoryReport, st.lists(counts, max_size=4), st.none() | counts),
+    MemoryReport: st.builds(MemoryReport, st.lists(counts, max_size=4), st.none() | counts,
+                            st.dictionaries(counts, st.lists(counts, max_size=2), max_size=2)),
+    FetchPlan: st.builds(FetchPlan, st.none() | counts, st.lists(st.tuples(counts, counts), max_size=3)),
     MemoryChoice: st.builds(MemoryChoice, st.none() | counts, st.booleans()),
     NewestStep: st.builds(NewestStep, st.none() | counts),
     ListedSteps: st.builds(ListedSteps, st.lists(counts, max_size=4)),

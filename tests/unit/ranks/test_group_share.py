@@ -86,3 +86,19 @@ def test_each_machine_copies_to_the_next_one_rank_to_rank() -> None:
     assert replica_ring(uneven, 1) == [(3, [4]), (3, [5]), (3, []), (4, [0, 1, 2]), (0, [3]), (1, [])]
     assert replica_ring(two[:2], 1) == [(None, []), (None, [])]  # one machine: nowhere to copy to
     assert replica_ring(two, 2) == [(None, [])] * 4 and replica_ring(two, 0) == [(None, [])] * 4
+
+
+def test_a_rank_that_lost_its_snapshots_takes_the_newest_step_all_can_have_from_a_copy() -> None:
+    from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+    from checkfreq.pipeline.restore.plan import fetch_plan
+
+    kept = {2: [6, 5], 3: [5]}  # node 0's ranks keep node 1's copies; rank 3's newest did not arrive
+    survivors = [MemoryReport([6, 5], 4, {2: kept[2]}), MemoryReport([6, 5], 4, {3: kept[3]})]
+    replaced = [MemoryReport([], None), MemoryReport([], None)]  # a new node: empty memory and disk
+    assert fetch_plan(survivors + replaced) == FetchPlan(5, [(2, 0), (3, 1)])
+    kept[3].insert(0, 6)
+    assert fetch_plan(survivors + replaced) == FetchPlan(6, [(2, 0), (3, 1)])
+    assert fetch_plan([MemoryReport([6], 4), MemoryReport([6], 4)]) == FetchPlan(None, [])  # nothing lost
+    assert fetch_plan(survivors + [MemoryReport([], 8), replaced[1]]) == FetchPlan(None, [])  # disk is newer
+    no_copies = [MemoryReport([6, 5], 4), MemoryReport([6, 5], 4)]
+    assert fetch_plan(no_copies + replaced) == FetchPlan(None, [])  # replicas=0: nothing kept of ranks 2 and 3

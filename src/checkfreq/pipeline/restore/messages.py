@@ -9,7 +9,7 @@ that kind has (:func:`decode_order`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from checkfreq.pipeline.tier import TierName
@@ -21,17 +21,38 @@ ALL_FILES = "all"
 
 @dataclass
 class MemoryReport:
-    """Rank → 0: the memory snapshots this rank holds, and the newest step its disk tiers list."""
+    """Rank → 0: the memory snapshots this rank holds, the newest step its disk tiers list, and (with
+    ``replicas=``) the steps of the copies of other ranks' snapshots its machine keeps, by rank."""
 
     steps: list[int]
     disk: int | None
+    copies: dict[int, list[int]] = field(default_factory=dict)
 
     def to_wire(self) -> JSON:
-        return {"steps": self.steps, "disk": self.disk}
+        return {"steps": self.steps, "disk": self.disk, "copies": {str(r): s for r, s in self.copies.items()}}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> MemoryReport:
-        return cls([int(s) for s in wire["steps"]], None if wire["disk"] is None else int(wire["disk"]))
+        copies = {int(r): [int(s) for s in steps] for r, steps in (wire.get("copies") or {}).items()}
+        return cls([int(s) for s in wire["steps"]], None if wire["disk"] is None else int(wire["disk"]), copies)
+
+
+@dataclass
+class FetchPlan:
+    """0 → every rank: the memory snapshot (None: none) that the ranks which lost theirs take from the
+    copies other ranks keep, as (rank, the rank sending it its copy) pairs, in the order every rank
+    goes through them."""
+
+    step: int | None
+    pairs: list[tuple[int, int]]
+
+    def to_wire(self) -> JSON:
+        return {"step": self.step, "pairs": [list(p) for p in self.pairs]}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> FetchPlan:
+        step = wire["step"]
+        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]])
 
 
 @dataclass

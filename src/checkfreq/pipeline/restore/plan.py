@@ -11,6 +11,7 @@ from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
     ExchangeOrder,
+    FetchPlan,
     Holdings,
     MemoryChoice,
     MemoryReport,
@@ -31,6 +32,30 @@ def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
     if best is not None and disk is not None and best < disk:
         best = None
     return MemoryChoice(best, bool(common))
+
+
+def fetch_plan(reports: list[MemoryReport]) -> FetchPlan:
+    """The newest memory step every rank holds itself or can take from a copy another rank keeps
+    (not older than the newest step on disk), when some rank must take it from a copy: each such
+    rank with the first rank keeping its copy. Nothing to take (``step`` None) when every rank holds
+    that step itself, or no step can be had by all."""
+    disk = max((r.disk for r in reports if r.disk is not None), default=None)
+    steps = {s for r in reports for s in r.steps} | {s for r in reports for held in r.copies.values() for s in held}
+    for step in sorted(steps, reverse=True):
+        if disk is not None and step < disk:
+            break
+        pairs = []
+        for rank, report in enumerate(reports):
+            if step in report.steps:
+                continue
+            holder = next((h for h, other in enumerate(reports) if h != rank and step in other.copies.get(rank, ())),
+                          None)
+            if holder is None:
+                break
+            pairs.append((rank, holder))
+        else:
+            return FetchPlan(step if pairs else None, pairs)
+    return FetchPlan(None, [])
 
 
 def agenda(lists: list[list[int]]) -> Agenda:

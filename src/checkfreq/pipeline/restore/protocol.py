@@ -16,6 +16,7 @@ import xxhash
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError
 from checkfreq.pipeline.best import best_step
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
+from checkfreq.pipeline.restore.copies import fetch_copies
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     Agenda,
@@ -217,6 +218,8 @@ class Restorer:
         """The newest memory snapshot every rank holds and can put together (:meth:`Tiers.complete`),
         unless disk lists a newer checkpoint: a step some rank cannot put together gives way to the
         next older one every rank holds."""
+        if self.tiers.keeps_copies and step is None:  # a rank that lost its snapshots takes them from copies
+            fetch_copies(self.tiers, self.peers, listed[0] if listed else None)
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
         by_step = {state.manifest.step: state for state in states}
         while True:
