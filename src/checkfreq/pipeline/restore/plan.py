@@ -40,21 +40,19 @@ def fetch_plan(reports: list[MemoryReport]) -> FetchPlan:
     rank with the first rank keeping its copy. Nothing to take (``step`` None) when every rank holds
     that step itself, or no step can be had by all."""
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
-    steps = {s for r in reports for s in r.steps} | {s for r in reports for held in r.copies.values() for s in held}
+    keepers: dict[tuple[int, int], int] = {}  # (rank, step) -> the first other rank keeping its copy: one pass
+    for keeper, report in enumerate(reports):
+        for rank, held in report.copies.items():
+            for step in held:
+                if rank != keeper:
+                    keepers.setdefault((rank, step), keeper)
+    steps = {s for r in reports for s in r.steps} | {step for _, step in keepers}
     for step in sorted(steps, reverse=True):
         if disk is not None and step < disk:
             break
-        pairs = []
-        for rank, report in enumerate(reports):
-            if step in report.steps:
-                continue
-            holder = next((h for h, other in enumerate(reports) if h != rank and step in other.copies.get(rank, ())),
-                          None)
-            if holder is None:
-                break
-            pairs.append((rank, holder))
-        else:
-            return FetchPlan(step if pairs else None, pairs)
+        lacking = [rank for rank, report in enumerate(reports) if step not in report.steps]
+        if all((rank, step) in keepers for rank in lacking):
+            return FetchPlan(step if lacking else None, [(rank, keepers[(rank, step)]) for rank in lacking])
     return FetchPlan(None, [])
 
 
