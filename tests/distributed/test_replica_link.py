@@ -17,7 +17,7 @@ from checkfreq.pipeline.replicas import ReplicaLink, encode_header
 from checkfreq.storage.format import Manifest
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
 from checkfreq.tools.catalog import memory_snapshots
-from helpers import spawn_ranks
+from helpers import spawn_ranks, tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +70,14 @@ def test_only_a_copy_that_matches_its_checksum_is_kept(tmp_path: Path, case: str
     if sent is not None:
         assert json.loads((tmp_path / "sent.json").read_text()) == sent
     assert json.loads((tmp_path / "kept.json").read_text()) == kept
+
+
+def test_a_keeper_without_room_refuses_the_copies_and_both_ranks_go_on(tmp_path: Path) -> None:
+    """The keeper's shared memory cannot hold a region: each copy is received, dropped and answered
+    as not kept; the sender counts none and ends normally."""
+    (tmp_path / "shm0").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    with tmpfs(tmp_path / "shm1", "128k"):
+        spawn_ranks(_ranks, (tmp_path, "good"), nprocs=2)
+    assert json.loads((tmp_path / "sent.json").read_text()) == []
+    assert json.loads((tmp_path / "kept.json").read_text()) == []

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.storage.shm import PENDING, MemoryRegion, SlotInfo, device_and_inode, replica_path
+from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo, device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
 
@@ -182,8 +182,16 @@ class ReplicaLink:
             region.release(remove=False)
 
     def _keep(self, region: MemoryRegion, sender: int, info: SlotInfo) -> bool:
-        """Receive the snapshot ``info`` announces into a slot; commit it if its bytes match."""
-        region.reserve(info.data_bytes, info.meta_bytes)
+        """Receive the snapshot ``info`` announces into a slot; commit it if its bytes match (if no slot
+        can hold it, the bytes are received and dropped: the sender is told it was not kept)."""
+        try:
+            region.reserve(info.data_bytes, info.meta_bytes)
+        except ShmCapacityError as e:
+            dist.recv(torch.empty(info.data_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
+            dist.recv(torch.empty(info.meta_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
+            log.warning("memory tier: no room for the replica of rank %d's snapshot %d: %s", sender, info.step, e)
+            self.report("replica refused", step=info.step, sender=sender, reason=str(e))
+            return False
         slot = region.begin()
         dist.recv(slot.data[: info.data_bytes], group=self.group, group_src=sender, tag=COPY_TAG)
         meta = torch.empty(info.meta_bytes, dtype=torch.uint8)
