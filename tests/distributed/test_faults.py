@@ -355,7 +355,8 @@ def _gather_after_a_peer_is_gone(rank: int, store_path: str, out: str) -> None:
     peers.gather(rank)  # rank 0 is connected to every rank
     done = Path(out, "done")
     if rank == 2:
-        Path(out, "pid2").write_text(str(os.getpid()))
+        Path(out, "pid2.tmp").write_text(str(os.getpid()))
+        Path(out, "pid2.tmp").rename(Path(out, "pid2"))  # whole when rank 0 reads it
         exit_without_teardown()  # its connections close, as a killed process's do
     if rank == 1:  # alive until rank 0 is done
         while not done.exists():
@@ -392,7 +393,8 @@ def _second_survivor_after_the_store_host_left(rank: int, store_path: str, out: 
     peers = GroupPeers(group, liveness, "the test's gather")
     peers.gather(rank)  # rank 0 is connected to every rank
     if rank == 2:
-        Path(out, "pid2").write_text(str(os.getpid()))
+        Path(out, "pid2.tmp").write_text(str(os.getpid()))
+        Path(out, "pid2.tmp").rename(Path(out, "pid2"))  # whole when rank 0 reads it
         exit_without_teardown()  # its connections close, as a killed process's do
     if rank == 0:  # finds rank 2 gone, gives up and leaves: its store goes with it
         while not Path(out, "pid2").exists() or alive({int(Path(out, "pid2").read_text())}):
