@@ -34,7 +34,7 @@ from checkfreq.version import versions
 log = logging.getLogger("checkfreq")
 
 Capture = Callable[[int], tuple[Any, dict[str, torch.Tensor], set[str]]]
-"""The registered state at a step: (skeleton, tensors, names of the optimizer-owned tensors)."""
+"""The registered state at a step: (skeleton, tensors, names of the tensors copied behind the fence)."""
 
 Epoch = Callable[[], int | None]
 """The epoch a checkpoint is labelled with, read right after its capture (which may move a loader
