@@ -93,14 +93,15 @@ class Saver:
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
-        tensors, owned, share = self.cluster.select(tensors, owned, self.objects)
+        tensors, owned, share = self.cluster.select(tensors, owned, self.objects, self.snapshotter.is_device)
         profiler.begin_checkpoint()
         layout = layout_of(tensors)
         placement = None
         if self.cluster.writes_whole_state:  # else the share has a buffer of its own
             placement = self.tiers.place(self._request(layout, skeleton, step, epoch_label, tensors))
         pending = self.snapshotter.take(
-            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step
+            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step,
+            aside=None if share is None else share["later"],  # the replica claim's device pieces, for the writer
         )
         job: Callable[[], CommitResult] = functools.partial(
             self.committer.run, CommitJob(step, epoch_label, pending, skeleton, share, versions(), start)
