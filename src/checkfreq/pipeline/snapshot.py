@@ -266,23 +266,28 @@ class Snapshotter:
         later_cpu: CopyPairs = []
         cuda_now: dict[torch.device, CopyPairs] = {}
         cuda_later: dict[torch.device, CopyPairs] = {}
-        pairs = [(view, tensors[slot.name], slot.name in deferred) for slot, view in zip(layout.slots, views,
-                                                                                         strict=True)]
-        copies = aside_buffers(aside or {}, pin)
-        pairs += [(copies[name], src, True) for name, src in (aside or {}).items()]
-        for view, src, fenced in pairs:
+        cuda_aside: dict[torch.device, CopyPairs] = {}
+        for slot, view in zip(layout.slots, views, strict=True):
+            src = tensors[slot.name]
+            later = slot.name in deferred
             if ops.is_device(src):
-                (cuda_later if fenced else cuda_now).setdefault(src.device, []).append((view, src))
+                (cuda_later if later else cuda_now).setdefault(src.device, []).append((view, src))
             else:
-                (later_cpu if fenced else now_cpu).append((view, src))
+                (later_cpu if later else now_cpu).append((view, src))
+        copies = aside_buffers(aside or {}, pin)
+        for name, src in (aside or {}).items():
+            if ops.is_device(src):
+                cuda_aside.setdefault(src.device, []).append((copies[name], src))
+            else:
+                now_cpu.append((copies[name], src))
         pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops,
                                   aside=copies)
-        for device in set(cuda_now) | set(cuda_later):
-            now, later = cuda_now.get(device, []), cuda_later.get(device, [])
-            fence, start, done = self._copy_on_side_stream(device, now, later, step, memory)
+        for device in set(cuda_now) | set(cuda_later) | set(cuda_aside):
+            fence, start, done, nbytes = self._copy_on_side_stream(
+                device, cuda_now.get(device, []), cuda_later.get(device, []), cuda_aside.get(device, []), step, memory)
             pending.cuda_fence.append((device, fence))
             pending.cuda_done.append(done)
-            pending.host_copies.append((start, done, sum(src.numel() * src.element_size() for _, src in now + later)))
+            pending.host_copies.append((start, done, nbytes))
         with torch.no_grad():
             for dst, src in now_cpu:
                 dst.copy_(src)
@@ -291,11 +296,13 @@ class Snapshotter:
         return pending
 
     def _copy_on_side_stream(
-        self, device: torch.device, now: CopyPairs, later: CopyPairs, step: int, memory: bool
-    ) -> tuple[Any, Any, Any]:
-        """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` before the next
-        optimizer step. Returns the events: the state copied (the fence); the copy to the host begins;
-        everything is on the host (those two timing events)."""
+        self, device: torch.device, now: CopyPairs, later: CopyPairs, aside: CopyPairs, step: int, memory: bool
+    ) -> tuple[Any, Any, Any, int]:
+        """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` and ``aside``
+        before the next optimizer step (``aside`` straight to the host, never through the staging
+        buffer: the replica claim's pieces change at every checkpoint, the buffer's layout must not).
+        Returns the events (the state copied: the fence; the timed copy to the host begins; everything
+        is on the host) and the bytes that timed copy moves."""
         ops = self._ops
         stream = self._streams.get(device)
         if stream is None:
@@ -303,7 +310,7 @@ class Snapshotter:
         current = ops.current_stream(device)
         ops.wait_stream(stream, current)
         pairs = now + later
-        for _, src in pairs:  # a source freed by the caller keeps its memory until the side stream read it
+        for _, src in pairs + aside:  # a source freed by the caller keeps its memory until the side stream read it
             ops.keep_alive(src, stream)
         staged = self._staged_views(device, pairs, stream)  # allocated for the side stream, used only there
         first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
@@ -311,14 +318,16 @@ class Snapshotter:
         ops.copy(stream, first[: len(now)])
         now_done = ops.record(stream) if now else None
         ops.copy(stream, first[len(now) :])
+        ops.copy(stream, aside)
         fence = done = ops.record(stream, timing=staged is None)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs + ([] if staged is not None else aside))
         if staged is not None:  # the slow copy to the host, while the next steps compute
             start = ops.record(stream, timing=True)
             ops.copy(stream, [(dst, view) for view, (dst, _) in zip(staged, pairs, strict=True)])
             done = ops.record(stream, timing=True)
         if now_done is not None:  # the next forward runs only after forward-mutated tensors are copied
             self.gpu_waits.wait(current, now_done, step=step, memory=memory, at="snapshot")
-        return fence, start, done
+        return fence, start, done, nbytes
 
     def _staged_views(self, device: torch.device, pairs: CopyPairs, stream: Any) -> list[torch.Tensor] | None:
         """The staging buffer's views for ``pairs``' sources, or None where this snapshot of ``device``

@@ -18,7 +18,8 @@ until the device caught up (a sync), and at the first checkpoint copy the whole 
 the host through pageable memory. Its pieces are handed to the snapshot instead (:func:`claim`),
 which copies them on its side stream with the state, before the fence's event (so in stream order:
 what the training stream computed before the snapshot, nothing the next optimizer step changes),
-into a host buffer of their own; the writer thread hashes those copies once they have arrived and
+straight into a host buffer of their own (never through the staging buffer, whose layout is the
+state's); the writer thread hashes those copies once they have arrived and
 completes the claim (:func:`resolve`) before the commit report that carries it. The bytes hashed
 are the same on every rank and on either path, so the fingerprints agree where the bytes do. That
 host buffer is bounded: when the layout is planned with the state on a device, the first check

@@ -4,6 +4,7 @@ and how much of a device's replicated state the first check of a layout copies t
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -71,3 +72,22 @@ def test_the_first_check_on_a_device_copies_a_bounded_head_of_every_tensor() -> 
     assert [(p.name, p.begin, p.end, p.whole) for p in on_host] == [(n, 0, sizes[n], True) for n in sorted(sizes)]
     window = plan.verify_next()  # later checks: a window of the stream, as on the host
     assert sum((p.end - p.begin) * 4 for p in window) <= replicas.VERIFY_BYTES
+
+
+def test_the_claims_pieces_go_straight_to_the_host_and_never_reshape_the_staging_buffer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The window verified changes at every checkpoint; the staging buffer is laid out for the state
+    and must stay as it is (made again, it would cost a device allocation of the state's size)."""
+    gpu = FakeDevice()
+    snapshotter = Snapshotter(gpu_staging=True, ops=gpu)
+    weight = gpu.tensor(torch.arange(8192, dtype=torch.float32))
+    windows = [(0, 100), (100, 3000), (3000, 8192)]
+    with caplog.at_level(logging.INFO, logger="checkfreq.snapshot"):
+        for begin, end in windows:
+            piece = weight[begin:end]
+            pending = snapshotter.take({"weight": weight}, deferred={"weight"}, aside={"w": piece})
+            pending.finish_copy()
+            assert torch.equal(pending.aside["w"], torch.arange(begin, end, dtype=torch.float32))
+            assert snapshotter.staging_bytes(gpu.device) >= 8192 * 4
+    assert len([r for r in caplog.records if r.getMessage().startswith("snapshots of")]) == 1  # chosen once
