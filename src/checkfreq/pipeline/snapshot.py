@@ -312,7 +312,7 @@ class Snapshotter:
         pairs = now + later
         for _, src in pairs + aside:  # a source freed by the caller keeps its memory until the side stream read it
             ops.keep_alive(src, stream)
-        staged = self._staged_views(device, pairs, stream)  # allocated for the side stream, used only there
+        staged = self._staged_views(device, pairs, stream) if pairs else None  # allocated for the side stream only
         first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
         start = ops.record(stream, timing=staged is None)
         ops.copy(stream, first[: len(now)])
