@@ -614,7 +614,7 @@ class Job:
         tensors = {n: t for n, t in everything.items() if n not in sharded}
         names = sorted(tensors)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
-        plan = SharePlan.of(layout, tensors, _Shape(world))  # type: ignore[arg-type]
+        plan = SharePlan.of(layout, tensors, world, 0)
         claim = replicas.report(layout, {n: replicas.fingerprint(tensors[n]) for n in names})
         return cls(tensors, plan, partition(plan.sizes, world), claim, skeleton(everything), sharded)
 
@@ -642,14 +642,8 @@ class Job:
         buffer = aligned_empty(layout.nbytes, False)
         buffer.zero_()
         pending = PendingSnapshot(layout, buffer, [])
-        share = {"rank": own, "shared": shared, "replicas": self.claim, "plan": self.plan.digest}
+        share = {"rank": own, "shared": shared, "replicas": self.claim, "plan": self.plan.digest, "later": {}}
         return CommitJob(STEP, 0, pending, self.skeleton, share, {"checkfreq": "sim"}, time.perf_counter())
-
-
-@dataclass
-class _Shape:
-    world_size: int
-    rank: int = 0
 
 
 def chunk_block(shape: tuple[int, ...], parts: int, index: int) -> Box:

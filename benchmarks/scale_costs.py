@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -63,10 +62,9 @@ def skeleton(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
 def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
     tensors = replicated_state(layers)
     names = sorted(tensors)
-    cluster = SimpleNamespace(world_size=world, rank=0)
     if state == "ddp":
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
-        plan = SharePlan.of(layout, {n: tensors[n] for n in names}, cluster)  # type: ignore[arg-type]
+        plan = SharePlan.of(layout, {n: tensors[n] for n in names}, world, 0)
         shared = dict(plan.shared)
         own = {}
         arrays = {p.stored_name: (tensors[p.name].dtype, (p.end - p.begin,)) for p in plan.pieces}
@@ -85,7 +83,8 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
         own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE,
                      "parts": [private_name(name, 0)]}
         arrays[private_name(name, 0)] = (dtype, shape)
-    share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest}
+    share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest,
+             "later": {}}
     reports = [CommitReport(rank=r, created=1.8e9, ok=True, file=data_file_name(r), size=2**40,
                             xxh3_64="0123456789abcdef", upload_idle=True, agree=agreement_digest(share),
                             directory_leader=r, leader=False)

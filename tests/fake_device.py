@@ -52,7 +52,13 @@ class FakeStream:
 
 
 class FakeRegistry(RecordingRegistry):
-    """Books of registered host ranges that the fake device checks its copies against."""
+    """Books of registered host ranges that the fake device checks its copies against; with
+    ``pinned_seen`` False, the device does not see them pinned (a registration that did not take)."""
+
+    pinned_seen = True
+
+    def seen_pinned(self, tensor: torch.Tensor) -> bool:
+        return self.pinned_seen
 
 
 class FakeDevice:

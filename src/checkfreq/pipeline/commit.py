@@ -235,6 +235,8 @@ class Committer:
         copy_error: Exception | None = None
         try:  # first, so the fence shares the copies with this thread while the rounds wait on the others
             job.pending.finish_copy()
+            if job.share is not None:  # the claim's pieces on a device, hashed from their copies here
+                replicas.resolve(job.share["replicas"], job.pending.aside)
         except Exception as e:  # noqa: BLE001 - reported in round 2: every rank takes part in every round
             copy_error = e
         staging = self._prepare(step)

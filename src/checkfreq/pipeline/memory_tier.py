@@ -50,6 +50,7 @@ import torch
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
 from checkfreq.pipeline.replicas import ReplicaLink
+from checkfreq.pipeline.slot_pinning import SlotPinning
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
@@ -61,7 +62,6 @@ from checkfreq.ranks.shares import SHARDED
 from checkfreq.ranks.sharing import directory_key, memory_group
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
-from checkfreq.storage.host_pinning import HostRegistry, host_registry
 from checkfreq.storage.shm import (
     MemoryRegion,
     OpenSlot,
@@ -130,8 +130,8 @@ class MemoryTier(Tier):
         self.group = group
         self._sharer = None if group is None else GroupSharer(group)
         self._sealer: ThreadPoolExecutor | None = None
-        self.registry: HostRegistry | None = None
-        """Pins slots for device copies; created at the first CUDA snapshot or restore."""
+        self.pinning = SlotPinning()
+        """Pins slots for device copies, and says once if the device does not see them pinned."""
         self.cadence = cadence
         self._data_file = data_file
         self._writer = Writer()
@@ -249,7 +249,7 @@ class MemoryTier(Tier):
             return None
         slot = self.region.begin(keep=self._held_slot())
         if request.device_copies:
-            self._pin(slot.slot)
+            self.pinning.pin(self.region, slot.slot)
         return MemoryTarget(slot, request.step, layout, meta, time.perf_counter() - start,
                             seal_later(request.device_copies, layout.nbytes))
 
@@ -267,19 +267,10 @@ class MemoryTier(Tier):
             return persisting
         return persisting if persisting is not None else sending
 
-    def _pin(self, slot: int) -> None:
-        if self.registry is None:
-            self.registry = host_registry()
-        if slot in self.region.pinned_slots:
-            return
-        if self.region.pin_slot(slot, self.registry) and torch.cuda.is_available():
-            if not self.region.slot_data(slot).is_pinned():  # the copies would fall back to pageable speed
-                log.warning("memory slot %d was registered but CUDA does not see it pinned: its copies run at "
-                            "the pageable bandwidth", slot)
-
     def commit(self, target: MemoryTarget, pending: PendingSnapshot) -> None:
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
+        self.pinning.copied(target.slot.slot, pending)  # a slot not seen pinned: the copy's bandwidth, once
         info = self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta,
                                   layout_signature(target.layout.signature), checksum=not target.seal_later)
         if self.link is not None:
@@ -360,7 +351,7 @@ class MemoryTier(Tier):
             if step is not None and info.step != step:
                 continue
             if device_copies and not states:  # the newest valid one is restored: its copies go to the device
-                self._pin(info.slot)
+                self.pinning.pin(self.region, info.slot)
             try:
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects
                 manifest = Manifest.from_json(meta)

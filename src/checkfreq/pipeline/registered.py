@@ -25,6 +25,7 @@ import xxhash
 
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import Peers, tree_max
+from checkfreq.run import scaler_state
 from checkfreq.run.fingerprint import Fingerprint, changed, fingerprint
 from checkfreq.run.scores import SCORE_KEY, Scores
 from checkfreq.run.state import Stateful, flatten, optimizer_owned
@@ -35,7 +36,8 @@ RUN_STATE = "checkfreq"
 """The entry of a checkpoint that holds checkfreq's own state (the step, the profile)."""
 
 Captured = tuple[Any, dict[str, torch.Tensor], set[str]]
-"""(skeleton, tensors, names of the optimizer-owned tensors)."""
+"""(skeleton, tensors, names of the tensors copied behind the fence: the optimizer-owned ones, and the
+GradScalers' scales and growth trackers, copies of their own)."""
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Registered:
         self.objects, self.values, self.allow_pickle = objects, values, allow_pickle
         self.scores = Scores(Retention(1)) if scores is None else scores
         self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+        self.scalers = [n for n, o in objects.items() if scaler_state.is_grad_scaler(o)]
         self._epoch_source = next((o for o in objects.values() if _has_int_epoch(o)), None)
         self.seal: Seal | None = None
         self._warned: set[str] = set()
@@ -82,8 +85,9 @@ class Registered:
         return epoch if _is_int(epoch) else None
 
     def state_of(self, names: list[str]) -> dict[str, Any]:
-        """The live state of ``names`` (objects' ``state_dict()``, values as they are)."""
-        return {n: (self.objects[n].state_dict() if n in self.objects else self.values[n]) for n in names}
+        """The live state of ``names`` (objects' ``state_dict()``, values as they are); a GradScaler's
+        without a device sync (:mod:`~checkfreq.run.scaler_state`)."""
+        return {n: (_state_of(self.objects[n]) if n in self.objects else self.values[n]) for n in names}
 
     def capture(self, step: int, run_state: Callable[[], Any], *, persisted: bool) -> Captured:
         """The state at ``step`` with ``run_state()`` as its ``checkfreq`` entry, sealed if ``persisted`` (a
@@ -96,7 +100,8 @@ class Registered:
         skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
         if persisted:  # a tier's own snapshot (as often as every step) is not compared: its cost stays flat
             self.seal = Seal(step, small, _versions(tensors))
-        return skeleton, tensors, optimizer_owned(tensors, self.optimizers)
+        frozen = scaler_state.freeze(tensors, self.scalers)  # copied behind the fence, like the optimizer state
+        return skeleton, tensors, optimizer_owned(tensors, self.optimizers) | frozen
 
     def forget(self) -> None:
         """A restore or ``start_at``: the state is another run's."""
@@ -133,6 +138,10 @@ class Registered:
             held = not changed(seal.small, fingerprint({n: state[n] for n in self.small})) and (
                 _versions(tensors) == seal.versions)
         return not int(tree_max(peers, torch.tensor([0 if held else 1]))[0])
+
+
+def _state_of(obj: Stateful) -> Any:
+    return scaler_state.capture(obj) if scaler_state.is_grad_scaler(obj) else obj.state_dict()  # type: ignore[arg-type]
 
 
 def _versions(tensors: Mapping[str, torch.Tensor]) -> str:

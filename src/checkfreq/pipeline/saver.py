@@ -34,7 +34,7 @@ from checkfreq.version import versions
 log = logging.getLogger("checkfreq")
 
 Capture = Callable[[int], tuple[Any, dict[str, torch.Tensor], set[str]]]
-"""The registered state at a step: (skeleton, tensors, names of the optimizer-owned tensors)."""
+"""The registered state at a step: (skeleton, tensors, names of the tensors copied behind the fence)."""
 
 Epoch = Callable[[], int | None]
 """The epoch a checkpoint is labelled with, read right after its capture (which may move a loader
@@ -93,14 +93,15 @@ class Saver:
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
-        tensors, owned, share = self.cluster.select(tensors, owned, self.objects)
+        tensors, owned, share = self.cluster.select(tensors, owned, self.objects, self.snapshotter.is_device)
         profiler.begin_checkpoint()
         layout = layout_of(tensors)
         placement = None
         if self.cluster.writes_whole_state:  # else the share has a buffer of its own
             placement = self.tiers.place(self._request(layout, skeleton, step, epoch_label, tensors))
         pending = self.snapshotter.take(
-            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step
+            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step,
+            aside=None if share is None else share["later"],  # the replica claim's device pieces, for the writer
         )
         job: Callable[[], CommitResult] = functools.partial(
             self.committer.run, CommitJob(step, epoch_label, pending, skeleton, share, versions(), start)

@@ -78,6 +78,11 @@ class PendingSnapshot:
     step: int = 0
     memory: bool = False
     ops: DeviceOps = CUDA
+    host_copies: list[tuple[Any, Any, int]] = field(default_factory=list)
+    """One (start, end, bytes) per device: timing events around its side stream's copies to the host."""
+    aside: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Host copies of the tensors :meth:`Snapshotter.take` was given ``aside``, by name: complete once
+    :meth:`finish_copy` returned."""
 
     def __post_init__(self) -> None:
         self.cpu_fence = bool(self.deferred_cpu)
@@ -130,6 +135,14 @@ class PendingSnapshot:
         finally:
             self.deferred_cpu, self._pieces = [], []
             self.copied.set()
+
+    def host_copy(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of the copies from the devices to the host, timed on their side streams (the
+        slowest device's seconds), once they are done; None if there were none (never blocks)."""
+        done = [(start, end, n) for start, end, n in self.host_copies if self.ops.query(end)]
+        if not done or len(done) < len(self.host_copies):
+            return None
+        return sum(n for *_, n in done), max(self.ops.elapsed_s(start, end) for start, end, _ in done)
 
     def order_after_copy(self) -> None:
         """Make the current CUDA streams wait for the side-stream copies of the state (no CPU wait)."""
@@ -197,6 +210,10 @@ class Snapshotter:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on a device: only this snapshotter's stream copies read it."""
+        return self._ops.is_device(tensor)
+
     def staging_bytes(self, device: torch.device) -> int:
         """Bytes of ``device``'s staging buffer (0 without one)."""
         staging = self._staging.get(device)
@@ -228,17 +245,20 @@ class Snapshotter:
         buffer: torch.Tensor | None = None,
         step: int = 0,
         memory: bool = False,
+        aside: Mapping[str, torch.Tensor] | None = None,
     ) -> PendingSnapshot:
         """Copy ``tensors`` into the host buffer; names in ``deferred`` may be copied later (fenced).
 
         ``buffer`` (``layout.nbytes`` bytes, e.g. a slot of the memory tier) replaces the
         snapshotter's own buffer for this snapshot; ``layout`` is ``layout_of(tensors)`` if the
-        caller planned it already. ``step`` and ``memory`` label the GPU waits it causes.
+        caller planned it already. ``step`` and ``memory`` label the GPU waits it causes. The
+        tensors of ``aside`` are copied too, into host memory of their own (:attr:`PendingSnapshot.aside`),
+        as late as the deferred ones: the replica claim's device pieces, which only the writer reads.
         """
         layout = layout or layout_of(tensors)
         ops = self._ops
+        pin = torch.cuda.is_available() and any(ops.is_device(t) for t in tensors.values())
         if buffer is None:
-            pin = torch.cuda.is_available() and any(ops.is_device(t) for t in tensors.values())
             buffer, views = self._views_for(layout, pin)
         else:
             views = [slot_view(buffer, slot) for slot in layout.slots]
@@ -246,6 +266,7 @@ class Snapshotter:
         later_cpu: CopyPairs = []
         cuda_now: dict[torch.device, CopyPairs] = {}
         cuda_later: dict[torch.device, CopyPairs] = {}
+        cuda_aside: dict[torch.device, CopyPairs] = {}
         for slot, view in zip(layout.slots, views, strict=True):
             src = tensors[slot.name]
             later = slot.name in deferred
@@ -253,12 +274,20 @@ class Snapshotter:
                 (cuda_later if later else cuda_now).setdefault(src.device, []).append((view, src))
             else:
                 (later_cpu if later else now_cpu).append((view, src))
-        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops)
-        for device in set(cuda_now) | set(cuda_later):
-            fence, done = self._copy_on_side_stream(device, cuda_now.get(device, []), cuda_later.get(device, []),
-                                                    step, memory)
+        copies = aside_buffers(aside or {}, pin)
+        for name, src in (aside or {}).items():
+            if ops.is_device(src):
+                cuda_aside.setdefault(src.device, []).append((copies[name], src))
+            else:
+                now_cpu.append((copies[name], src))
+        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops,
+                                  aside=copies)
+        for device in set(cuda_now) | set(cuda_later) | set(cuda_aside):
+            fence, start, done, nbytes = self._copy_on_side_stream(
+                device, cuda_now.get(device, []), cuda_later.get(device, []), cuda_aside.get(device, []), step, memory)
             pending.cuda_fence.append((device, fence))
             pending.cuda_done.append(done)
+            pending.host_copies.append((start, done, nbytes))
         with torch.no_grad():
             for dst, src in now_cpu:
                 dst.copy_(src)
@@ -267,10 +296,13 @@ class Snapshotter:
         return pending
 
     def _copy_on_side_stream(
-        self, device: torch.device, now: CopyPairs, later: CopyPairs, step: int, memory: bool
-    ) -> tuple[Any, Any]:
-        """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` before the next
-        optimizer step. Returns the events (state copied: the fence; everything on the host)."""
+        self, device: torch.device, now: CopyPairs, later: CopyPairs, aside: CopyPairs, step: int, memory: bool
+    ) -> tuple[Any, Any, Any, int]:
+        """Copy on ``device``'s side stream: ``now`` before the next forward, ``later`` and ``aside``
+        before the next optimizer step (``aside`` straight to the host, never through the staging
+        buffer: the replica claim's pieces change at every checkpoint, the buffer's layout must not).
+        Returns the events (the state copied: the fence; the timed copy to the host begins; everything
+        is on the host) and the bytes that timed copy moves."""
         ops = self._ops
         stream = self._streams.get(device)
         if stream is None:
@@ -278,20 +310,24 @@ class Snapshotter:
         current = ops.current_stream(device)
         ops.wait_stream(stream, current)
         pairs = now + later
-        for _, src in pairs:  # a source freed by the caller keeps its memory until the side stream read it
+        for _, src in pairs + aside:  # a source freed by the caller keeps its memory until the side stream read it
             ops.keep_alive(src, stream)
-        staged = self._staged_views(device, pairs, stream)  # allocated for the side stream, used only there
+        staged = self._staged_views(device, pairs, stream) if pairs else None  # allocated for the side stream only
         first = pairs if staged is None else [(view, src) for view, (_, src) in zip(staged, pairs, strict=True)]
+        start = ops.record(stream, timing=staged is None)
         ops.copy(stream, first[: len(now)])
         now_done = ops.record(stream) if now else None
         ops.copy(stream, first[len(now) :])
-        fence = done = ops.record(stream)
+        ops.copy(stream, aside)
+        fence = done = ops.record(stream, timing=staged is None)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs + ([] if staged is not None else aside))
         if staged is not None:  # the slow copy to the host, while the next steps compute
+            start = ops.record(stream, timing=True)
             ops.copy(stream, [(dst, view) for view, (dst, _) in zip(staged, pairs, strict=True)])
-            done = ops.record(stream)
+            done = ops.record(stream, timing=True)
         if now_done is not None:  # the next forward runs only after forward-mutated tensors are copied
             self.gpu_waits.wait(current, now_done, step=step, memory=memory, at="snapshot")
-        return fence, done
+        return fence, start, done, nbytes
 
     def _staged_views(self, device: torch.device, pairs: CopyPairs, stream: Any) -> list[torch.Tensor] | None:
         """The staging buffer's views for ``pairs``' sources, or None where this snapshot of ``device``
@@ -330,6 +366,19 @@ class Snapshotter:
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
     """Where each of ``tensors`` goes in a snapshot buffer."""
     return plan_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+
+
+def aside_buffers(tensors: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+    """A contiguous host tensor shaped like each of ``tensors``, all in one buffer (pinned with ``pin``)."""
+    if not tensors:
+        return {}
+    offsets, total = [], 0
+    for tensor in tensors.values():
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64  # every start aligned for any dtype
+    flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+    return {name: flat[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for (name, t), at in zip(tensors.items(), offsets, strict=True)}
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:

@@ -90,11 +90,13 @@ class Cluster(Protocol):
         ...
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        on_device: Callable[[torch.Tensor], bool] = ...,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         """What this rank writes of ``tensors`` (the state of the registered ``objects``): the arrays,
         which of them are fenced (``owned``: optimizer-owned), and the share's index for the commit
-        (None: the arrays are the whole state, indexed by the manifest alone)."""
+        (None: the arrays are the whole state, indexed by the manifest alone). ``on_device``: whether
+        a tensor lives on a device, where only the snapshot's copies read it."""
         ...
 
     def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],
@@ -162,7 +164,8 @@ class SoloCluster:
         open_directories(local, far, self.control, leader=True)
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        on_device: Callable[[torch.Tensor], bool] | None = None,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         return dict(tensors), owned, None
 

@@ -128,6 +128,11 @@ def _incarnation() -> str:
     return "fresh-store"
 
 
+def _on_device(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on a device (its bytes are read only through the snapshot's copies)."""
+    return tensor.device.type != "cpu" and not tensor.is_meta
+
+
 class GroupCluster:
     """This rank's part in checkpointing under torch.distributed: its share of the state, its
     directory, its groups (a :class:`~checkfreq.ranks.cluster.Cluster`).
@@ -175,27 +180,28 @@ class GroupCluster:
     # -------------------------------------------------------------- training thread
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any]
+        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        on_device: Callable[[torch.Tensor], bool] = _on_device,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share]:
         """This rank's share of ``tensors`` (the state of ``objects``): (arrays to write, which of
         them are fenced, their index).
 
         The tensors that are the same on every rank (the parameters and optimizer state of
         ``objects``) are split over the ranks, and fingerprinted for rank 0 to verify at the commit
-        (:mod:`checkfreq.ranks.replicas`); every other tensor is written by each rank for itself.
+        (:mod:`checkfreq.ranks.replicas`): those ``on_device`` says live on a device are left for
+        the snapshot to copy (``Share["later"]``), never read here. Every other tensor is written
+        by each rank for itself.
         """
         replicated = replicated_names(tensors, objects)
         names = sorted(n for n, t in tensors.items() if kind_of(n, t, replicated) == REPLICATED)
         layout = tuple((n, str(tensors[n].dtype), tuple(tensors[n].shape)) for n in names)
         if self._plan is None or self._plan.layout != layout:
-            self._plan = SharePlan.of(layout, {n: tensors[n] for n in names}, self)
-            checked = self._plan.verify_all()
+            self._plan = SharePlan.of(layout, {n: tensors[n] for n in names}, self.world_size, self.rank)
+            checked = self._plan.verify_first(device=any(on_device(tensors[n]) for n in names))
         else:
             checked = self._plan.verify_next()
         plan = self._plan
-        claim = replicas.report(
-            layout, {_label(p): replicas.fingerprint(piece_view(tensors[p.name], p)) for p in checked}
-        )
+        claim, later = replicas.claim(layout, {_label(p): piece_view(tensors[p.name], p) for p in checked}, on_device)
         arrays = {piece.stored_name: piece_view(tensors[piece.name], piece) for piece in plan.pieces}
         own: dict[str, TensorRecord] = {}  # this rank's tensors but its replicated pieces: in its file's header
         shared = dict(plan.shared)  # what every rank records the same: in the manifest
@@ -219,7 +225,7 @@ class GroupCluster:
         fenced = {p.stored_name for p in plan.pieces if p.name in owned} | {
             private_name(n, self.rank) for n in own if n in owned
         }
-        return arrays, fenced, Share(rank=own, shared=shared, replicas=claim, plan=plan.digest)
+        return arrays, fenced, Share(rank=own, shared=shared, replicas=claim, plan=plan.digest, later=later)
 
     def view(
         self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]
@@ -302,20 +308,30 @@ class SharePlan:
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], cluster: GroupCluster) -> SharePlan:
+    def of(cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], world_size: int,
+           rank: int) -> SharePlan:
         sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
-        plans = partition(sizes, cluster.world_size)
+        plans = partition(sizes, world_size)
         shared: dict[str, TensorRecord] = {}
         for pieces in plans:
             for piece in pieces:
                 entry = shared.setdefault(piece.name, _entry(tensors[piece.name], REPLICATED, []))
                 entry["parts"].append([piece.stored_name, piece.begin, piece.end])
         digest = xxhash.xxh3_64_hexdigest(json.dumps(shared, sort_keys=True, separators=(",", ":")).encode())
-        return cls(layout, sizes, plans[cluster.rank], shared, digest)
+        return cls(layout, sizes, plans[rank], shared, digest)
 
-    def verify_all(self) -> list[Piece]:
-        """Every tensor, whole: the layout was just planned."""
-        return [Piece(name, 0, numel, True) for name, numel, _ in self.sizes]
+    def verify_first(self, *, device: bool) -> list[Piece]:
+        """The layout was just planned: every tensor whole, or with the state on a ``device`` the head
+        of every tensor, at most :data:`~checkfreq.ranks.replicas.FIRST_DEVICE_BYTES` in all (the
+        host memory its copies take; the windows of :meth:`verify_next` cover the rest in turn)."""
+        if not device:
+            return [Piece(name, 0, numel, True) for name, numel, _ in self.sizes]
+        head = replicas.FIRST_DEVICE_BYTES // max(1, len(self.sizes))
+        pieces = []
+        for name, numel, itemsize in self.sizes:
+            end = min(numel, max(1, head // itemsize))
+            pieces.append(Piece(name, 0, end, end == numel))
+        return pieces
 
     def verify_next(self) -> list[Piece]:
         """The next window of at most :data:`~checkfreq.ranks.replicas.VERIFY_BYTES` of the bytes, in turn."""

@@ -8,10 +8,25 @@ several ranks' values on restore. So with each checkpoint every rank reports, in
 it sends anyway:
 
 * the **layout** (name, dtype and shape of every replicated tensor);
-* **fingerprints** (xxh3-64 of the bytes, taken on the training thread at the snapshot) of every
-  replicated tensor when the layout is planned, and at each later checkpoint of the next window of
-  at most :data:`VERIFY_BYTES` of them, in turn, so every byte is checked again from time to time
-  at a bounded cost per checkpoint.
+* **fingerprints** (xxh3-64 of the bytes) of every replicated tensor when the layout is planned,
+  and at each later checkpoint of the next window of at most :data:`VERIFY_BYTES` of them, in
+  turn, so every byte is checked again from time to time at a bounded cost per checkpoint.
+
+Where the fingerprints are taken: a tensor in host memory is hashed on the training thread at the
+snapshot (no copy). A tensor on a device is not: reading it there would block the training thread
+until the device caught up (a sync), and at the first checkpoint copy the whole replicated state to
+the host through pageable memory. Its pieces are handed to the snapshot instead (:func:`claim`),
+which copies them on its side stream with the state, before the fence's event (so in stream order:
+what the training stream computed before the snapshot, nothing the next optimizer step changes),
+straight into a host buffer of their own (never through the staging buffer, whose layout is the
+state's); the writer thread hashes those copies once they have arrived and
+completes the claim (:func:`resolve`) before the commit report that carries it. The bytes hashed
+are the same on every rank and on either path, so the fingerprints agree where the bytes do. That
+host buffer is bounded: when the layout is planned with the state on a device, the first check
+covers the head of every replicated tensor, at most :data:`FIRST_DEVICE_BYTES` in all (each tensor's
+first elements: the check that catches ranks that started from different weights, or an
+optimizer built differently), and the windows that follow cover the rest in turn. Every rank keeps
+its replicated state on the same kind of device (as DDP does), so every rank checks the same pieces.
 
 Each rank reports a digest of its claim; rank 0 commits only if every rank reported the same
 digest (when they differ, the ranks exchange their claims in full and :func:`disagreement` says
@@ -21,7 +36,7 @@ naming the entries and the ranks that disagree, and the last committed checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -29,6 +44,9 @@ import xxhash
 
 VERIFY_BYTES = 2 << 20
 """Bytes of replicated state each checkpoint after the first verifies (the whole of it when smaller)."""
+FIRST_DEVICE_BYTES = 64 << 20
+"""Bytes of replicated state on a device the first check of a layout copies to the host and verifies
+(the head of every tensor); in host memory the first check verifies every byte."""
 SHOWN = 5
 """How many disagreeing entries a message names (the rest are counted)."""
 
@@ -37,11 +55,25 @@ Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
 def fingerprint(tensor: torch.Tensor) -> str:
-    """xxh3-64 of a tensor's bytes (copied to host memory first if it lives on a device)."""
+    """xxh3-64 of a host tensor's bytes, in the order of its elements."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"a fingerprint is taken of host memory, not of a tensor on {tensor.device}")
     flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
     return xxhash.xxh3_64_hexdigest(flat.contiguous().view(torch.uint8).numpy().data)
+
+
+def claim(
+    layout: Signature, pieces: Mapping[str, torch.Tensor], on_device: Callable[[torch.Tensor], bool]
+) -> tuple[ReplicaClaim, dict[str, torch.Tensor]]:
+    """This rank's claim of the ``pieces`` it verifies (by label): the host ones fingerprinted now, the
+    device ones left out and returned, to be copied by the snapshot and passed to :func:`resolve`."""
+    later = {label: piece for label, piece in pieces.items() if on_device(piece)}
+    return report(layout, {label: fingerprint(p) for label, p in pieces.items() if label not in later}), later
+
+
+def resolve(claim: ReplicaClaim, copies: Mapping[str, torch.Tensor]) -> None:
+    """Complete ``claim`` with the fingerprints of the host ``copies`` of its device pieces (by label)."""
+    claim["fingerprints"].update((label, fingerprint(copy)) for label, copy in copies.items())
 
 
 class ReplicaClaim(TypedDict):

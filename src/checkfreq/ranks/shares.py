@@ -70,6 +70,9 @@ class Share(TypedDict):
     """This rank's claim of the replicated state (``replicas.report``)."""
     plan: str | None
     """The digest of the plan that split the replicated state (None: no replicated state)."""
+    later: dict[str, torch.Tensor]
+    """The pieces of the claim on a device, by label: the snapshot copies them to the host with the
+    state, and the writer completes ``replicas`` with their fingerprints (``replicas.resolve``)."""
 
 
 REPLICATED, PRIVATE, SHARDED = "replicated", "private", "sharded"

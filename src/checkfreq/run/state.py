@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError, UsageError
+from checkfreq.run import scaler_state
 from checkfreq.run.tensors import storage_ptr
 from checkfreq.storage.format import MAX_JSON_DEPTH
 
@@ -327,6 +328,8 @@ def load_into(name: str, obj: Any, state: Any) -> None:
     if isinstance(obj, torch.nn.Module):
         obj.load_state_dict(state, strict=True)
         return
+    if isinstance(obj, torch.amp.GradScaler):  # its scale and growth tracker may be saved as tensors
+        state = scaler_state.loadable(state)
     own = _into_optimizer(obj, state) if isinstance(obj, torch.optim.Optimizer) else own_storage(state)
     try:
         obj.load_state_dict(own)

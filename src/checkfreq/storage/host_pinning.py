@@ -47,6 +47,11 @@ class HostRegistry(Protocol):
         """The ranges registered now: ``{address: nbytes}``."""
         ...
 
+    def seen_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether the device sees ``tensor`` (in a registered range) as pinned memory: its copies then
+        run asynchronously at the pinned bandwidth."""
+        ...
+
 
 class RecordingRegistry:
     """Keeps the books of registration without pinning anything (no CUDA), and checks them."""
@@ -72,6 +77,9 @@ class RecordingRegistry:
 
     def registered(self) -> dict[int, int]:
         return dict(self._ranges)
+
+    def seen_pinned(self, tensor: torch.Tensor) -> bool:
+        return True  # books only: no device to see it otherwise
 
     def _pin(self, address: int, nbytes: int) -> bool:
         return True
@@ -107,6 +115,9 @@ class CudaHostRegistry(RecordingRegistry):
         log.info("pinned %.1f MiB of shared memory for device copies in %.2f s", nbytes / 2**20,
                  time.perf_counter() - start)
         return True
+
+    def seen_pinned(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.is_pinned())
 
     def _unpin(self, address: int) -> None:
         status = int(torch.cuda.cudart().cudaHostUnregister(address))

@@ -29,6 +29,7 @@ from checkfreq.errors import (
 )
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.ranks.rebuild import check_assembles, local_view
+from checkfreq.run.scaler_state import loadable
 from checkfreq.run.state import unflatten
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.format import (
@@ -410,8 +411,8 @@ def _plain(node: Any) -> Any:
         return node.clone()  # a view shares the whole data section; torch.save would write all of it
     if isinstance(node, np.ndarray):
         return torch.from_numpy(node.copy())
-    if isinstance(node, dict):
-        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, dict):  # a GradScaler's scale and growth tracker as the numbers its load_state_dict takes
+        return loadable({k: _plain(v) for k, v in node.items()})
     if isinstance(node, list):
         return [_plain(v) for v in node]
     if isinstance(node, tuple):

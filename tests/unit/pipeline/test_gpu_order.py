@@ -165,7 +165,7 @@ def test_a_growing_memory_region_waits_for_the_persist_still_copying_into_its_re
 ) -> None:
     gpu = FakeDevice(auto=False)
     tier = MemoryTier(tmp_path, MemoryCadence(every=1), data_file="data.safetensors")
-    tier.registry = gpu.registry
+    tier.pinning.registry = gpu.registry
     snapshotter = Snapshotter(gpu_staging=False, ops=gpu)
     state = {"param": gpu.tensor(_values(1024, 0))}
     layout = layout_of(state)
@@ -189,6 +189,41 @@ def test_a_growing_memory_region_waits_for_the_persist_still_copying_into_its_re
     kinds = [entry[0] for entry in gpu.log if entry[0] in ("copy", "synchronized")]
     assert kinds[:2] == ["copy", "synchronized"]
     assert [kind for kind, *_ in gpu.registry.calls][:2] == ["register", "unregister"]
+
+
+@pytest.mark.parametrize("seen", [False, True])
+def test_a_slot_the_device_does_not_see_pinned_is_reported_once_with_its_copy_bandwidth(
+    shm_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, seen: bool
+) -> None:
+    """A slot registered without the device seeing it pinned copies at the pageable bandwidth: the first
+    snapshot copied into one says so, with the bandwidth its timed device-to-host copy reached."""
+    gpu = FakeDevice()
+    gpu.registry.pinned_seen = seen
+    tier = MemoryTier(tmp_path, MemoryCadence(every=1), data_file="data.safetensors")
+    tier.pinning.registry = gpu.registry
+    snapshotter = Snapshotter(gpu_staging=False, ops=gpu)
+    state = {"param": gpu.tensor(_values(1 << 16, 0)), "buffer": gpu.tensor(_values(256, 1))}
+    layout = layout_of(state)
+    timed = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkfreq.memory"):
+            for step in (1, 2, 3):
+                target = tier.target(_request(layout, step))
+                assert target is not None
+                pending = snapshotter.take(state, deferred={"param"}, layout=layout, buffer=target.buffer,
+                                           step=step, memory=True)
+                tier.submit(target, pending, {}, None).wait(10)
+                timed.append(pending.host_copy())
+    finally:
+        tier.close(remove=True)
+    warnings = [r.getMessage() for r in caplog.records if "does not see it pinned" in r.getMessage()]
+    if seen:
+        assert warnings == []
+        return
+    nbytes, seconds = timed[0]
+    assert nbytes == (1 << 16) * 4 + 256 * 4 and seconds > 0
+    assert len(warnings) == 1  # once, not at every snapshot
+    assert f"ran at {nbytes / seconds / 1e9:.2f} GB/s" in warnings[0] and "pageable" in warnings[0]
 
 
 def test_closing_a_checkpointer_gives_its_snapshot_buffer_back(tmp_path: Path) -> None:
