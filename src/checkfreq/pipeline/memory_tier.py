@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.pipeline.replica_parts import usable_steps, whole
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
@@ -58,7 +59,7 @@ from checkfreq.ranks.collectives import Peers
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.shares import SHARDED
-from checkfreq.ranks.sharing import directory_key, memory_group
+from checkfreq.ranks.sharing import memory_group, memory_key
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.storage.host_pinning import HostRegistry, host_registry
@@ -72,7 +73,6 @@ from checkfreq.storage.shm import (
     region_path,
     remove_regions_beyond,
     replica_path,
-    shm_directory,
 )
 
 log = logging.getLogger("checkfreq.memory")
@@ -164,7 +164,7 @@ class MemoryTier(Tier):
             if replicas:
                 log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
             return cls(directory, cadence, data_file=data_file_name(0))
-        members = memory_group(peers, _machine_key(directory, peers.rank), stride=replicas)
+        members = memory_group(peers, memory_key(directory, peers.rank), stride=replicas)
         tier = cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank,
                    group=Group(tuple(members.ranks), peers.rank, peers.size), failure_timeout=failure_timeout)
         if replicas:  # every rank: the group is created collectively
@@ -412,8 +412,8 @@ class MemoryTier(Tier):
         """The steps of this rank's snapshots, and of the copies of other ranks' its machine keeps."""
         copies: dict[int, list[int]] = {}
         for rank, region in listed_regions(self.directory, "replica"):
-            try:
-                copies[rank] = [info.step for info in region.snapshots()]
+            try:  # those this machine can make whole (a copy may leave replicated pieces out)
+                copies[rank] = usable_steps(self.directory, region)
             finally:
                 region.release(remove=False)
         return [info.step for info in self.region.snapshots()], copies
@@ -428,7 +428,7 @@ class MemoryTier(Tier):
             why = "; ".join(reason for _, reason in region.skipped) or "none of that step"
             raise CheckfreqError(f"the copy of rank {rank}'s memory snapshot {step} kept here cannot be read: {why}")
         info, meta, data = found
-        return HeldCopy(rank, step, meta, data, info.checksum, info.signature)
+        return whole(self.directory, HeldCopy(rank, step, meta, data, info.checksum, info.signature))
 
     def adopt(self, copy: HeldCopy) -> None:
         """Commit ``copy`` into a slot of this rank's region, checked against the checksum it was kept with."""
@@ -447,10 +447,10 @@ class MemoryTier(Tier):
             region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
             try:
                 found = region.newest(step)
-                if found is not None:
-                    _, meta, data = found
-                    manifest = Manifest.from_json(meta)
-                    return manifest, {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+                if found is not None:  # a copy kept here is made whole first (it may leave replicated pieces out)
+                    copy = whole(self.directory, HeldCopy(rank, step, found[1], found[2], found[0].checksum, b""))
+                    manifest = Manifest.from_json(copy.meta)
+                    return manifest, {name: entry_view(copy.data, entry) for name, entry in manifest.tensors.items()}
                 why = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
                 reasons.append(f"{path.name}: {why}")
             finally:
@@ -490,11 +490,3 @@ def _stored_names(split: Mapping[str, Any]) -> set[str]:
                 names.add(part if isinstance(part, str) else part[0])
     return names
 
-
-def _machine_key(directory: str | os.PathLike[str], rank: int) -> str:
-    """The same on the ranks whose regions of ``directory`` share one machine's shared memory."""
-    try:
-        machine = directory_key(shm_directory())
-    except OSError:  # no shared memory to share: this rank keeps its whole state
-        machine = f"rank {rank}"
-    return f"{machine}|{region_path(directory, 0).name}"

@@ -1,15 +1,17 @@
 """Copies of a rank's memory snapshots in another machine's shared memory (``replicas=``).
 
 Each rank with a partner (:func:`checkfreq.ranks.group_share.replica_ring`) sends every memory
-snapshot it commits, as it lies in its slot (data, then its manifest), to that rank, over a gloo
+snapshot it commits, less what every other machine holds too (its replicated pieces:
+:mod:`checkfreq.pipeline.replica_parts`), to that rank, over a gloo
 group of its own, on a thread of its own: training never waits for it, except when the next
 snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A rank
 keeps the snapshots it receives in a region of its machine's shared memory named after the
 sender (:func:`checkfreq.storage.shm.replica_path`), each slot committed only once its bytes match
 the sender's checksum: a copy cut short (the sender died) or damaged on the way is never used.
 
-On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, data and manifest
-bytes, checksum, layout signature), its data and its manifest, and the keeper answers with the step
+On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, the copy's data and
+manifest bytes and checksum, layout signature), its data (in pieces of at most 64 MiB) and its
+manifest (the slot's, or an envelope around it saying what was left out), and the keeper answers with the step
 it kept (or -1): the sender's slot is free again, and :meth:`ReplicaLink.wait_sent` returns, only
 then. A header of kind :data:`STOP` ends the copies at a clean close.
 """
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq.errors import CheckfreqError
+from checkfreq.pipeline.replica_parts import outgoing, pieces_of
 from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo, device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
@@ -137,18 +140,20 @@ class ReplicaLink:
             region, info = offer
             start = time.perf_counter()
             try:
-                data, meta = region.slot_bytes(info)
-                dist.send(encode_header(info), group=self.group, group_dst=to, tag=COPY_TAG)
-                dist.send(data, group=self.group, group_dst=to, tag=COPY_TAG)
-                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), group=self.group, group_dst=to,
+                copy = outgoing(*region.slot_bytes(info), info)
+                dist.send(encode_header(copy.info), group=self.group, group_dst=to, tag=COPY_TAG)
+                for piece in copy.pieces():
+                    dist.send(piece, group=self.group, group_dst=to, tag=COPY_TAG)
+                dist.send(torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), group=self.group, group_dst=to,
                           tag=COPY_TAG)
                 answer = torch.empty(1, dtype=torch.int64)
                 dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
-                seconds = time.perf_counter() - start
+                seconds, nbytes = time.perf_counter() - start, copy.info.data_bytes + copy.info.meta_bytes
                 if int(answer) == info.step:
-                    self.sent.append(Sent(info.step, info.data_bytes + info.meta_bytes, seconds))
-                self.report("replica", step=info.step, to=to, bytes=info.data_bytes + info.meta_bytes,
-                            seconds=seconds, kept=int(answer) == info.step)
+                    self.sent.append(Sent(info.step, nbytes, seconds))
+                self.report("replica", step=info.step, to=to, bytes=nbytes, data_bytes=copy.info.data_bytes,
+                            slot_bytes=info.data_bytes + info.meta_bytes, seconds=seconds,
+                            kept=int(answer) == info.step)
             except (RuntimeError, CheckfreqError) as e:  # the partner is gone: no more copies this session
                 self._broken = e
                 log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent",
@@ -187,13 +192,15 @@ class ReplicaLink:
         try:
             region.reserve(info.data_bytes, info.meta_bytes)
         except ShmCapacityError as e:
-            dist.recv(torch.empty(info.data_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
+            for piece in pieces_of(torch.empty(info.data_bytes, dtype=torch.uint8), info.data_bytes):
+                dist.recv(piece, group=self.group, group_src=sender, tag=COPY_TAG)
             dist.recv(torch.empty(info.meta_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
             log.warning("memory tier: no room for the replica of rank %d's snapshot %d: %s", sender, info.step, e)
             self.report("replica refused", step=info.step, sender=sender, reason=str(e))
             return False
         slot = region.begin()
-        dist.recv(slot.data[: info.data_bytes], group=self.group, group_src=sender, tag=COPY_TAG)
+        for piece in pieces_of(slot.data, info.data_bytes):
+            dist.recv(piece, group=self.group, group_src=sender, tag=COPY_TAG)
         meta = torch.empty(info.meta_bytes, dtype=torch.uint8)
         dist.recv(meta, group=self.group, group_src=sender, tag=COPY_TAG)
         try:

@@ -28,6 +28,7 @@ from checkfreq.ranks.group_share import groups_of, replica_ring
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
+from checkfreq.storage.shm import region_path, shm_directory
 
 LOCAL_FILE_SYSTEMS = frozenset({
     "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
@@ -77,6 +78,16 @@ def memory_group(peers: Peers, key: str, stride: int = 0) -> GroupMembers:
         ring = replica_ring(groups, stride)
         members = [GroupMembers(g, to, held) for g, (to, held) in zip(groups, ring, strict=True)]
     return scatter_messages(peers, members, GroupMembers.from_wire)
+
+
+def memory_key(directory: str | os.PathLike[str], rank: int) -> str:
+    """The key of :func:`memory_group`: the same on the ranks whose memory-tier regions of ``directory``
+    share one machine's shared memory."""
+    try:
+        machine = directory_key(shm_directory())
+    except OSError:  # no shared memory to share: this rank keeps its whole state
+        machine = f"rank {rank}"
+    return f"{machine}|{region_path(directory, 0).name}"
 
 
 def _leaders(keys: list[str]) -> list[int]:

@@ -27,6 +27,7 @@ from checkfreq.errors import (
     NoValidCheckpointError,
     UnknownObjectError,
 )
+from checkfreq.pipeline.replica_parts import manifest_bytes
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.ranks.rebuild import check_assembles, local_view
 from checkfreq.run.state import unflatten
@@ -180,7 +181,7 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
                 manifest, valid, reason = None, True, None
                 try:
                     meta = region.read(info)[0] if checksums else None
-                    manifest = None if meta is None else Manifest.from_json(meta)
+                    manifest = None if meta is None else Manifest.from_json(manifest_bytes(meta))
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
                 found.append(CheckpointStatus(
