@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 STEPS, KILL, EVERY = 12, 6, 4  # 64 samples, global batches of 16, 3 epochs; durable checkpoints at 4, 8, 12
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # the same global batches, summed in another order at 2 ranks
 ARGS = ("--epochs", "3", "--every", str(EVERY), "--memory", "1")
+PRIVATE = 4 + 624 * 4 + 5056
+"""A DDP rank's private tensors: ``seen`` (float32), numpy's RNG key (624 uint32) and torch's CPU RNG state."""
 
 
 def _steps(log: Path) -> dict[int, float]:
@@ -53,17 +55,25 @@ def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2") -
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _uninterrupted(work: Path, *extra: str) -> Path:
     """The uninterrupted job at world size 4."""
-    work = tmp_path_factory.mktemp("reference")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final"),
-               "--step-log", str(work / "steps.log"), *ARGS]
+               "--step-log", str(work / "steps.log"), *ARGS, *extra]
     out = subprocess.run(command, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(work)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return work
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("ddp_reference"), "--ddp")
 
 
 @pytest.mark.parametrize(("replicas", "resumed"), [(1, KILL), (0, EVERY)])
@@ -127,3 +137,56 @@ def test_a_replacement_node_takes_its_ranks_snapshots_from_the_copies(reference:
     for rank in range(4):
         expected = torch.load(reference / f"final.rank{rank}.pt")
         assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"), expected)
+
+
+def _lose_node(work: Path, port: int, extra: tuple[str, ...], nnodes: str) -> list[subprocess.Popen[bytes]]:
+    """Both agents started, node 1 lost after step ``KILL`` with its memory and disk; with ``--nnodes 2``
+    a replacement agent (empty memory and disk) started; every agent waited for."""
+    agents = [_agent(work, node, port, *extra, nnodes=nnodes) for node in (0, 1)]
+    try:
+        assert agents[1].wait(timeout=200) == -9, (work / "node1.out").read_text()[-3000:]
+        for gone in (work / "shm1", work / "node1"):
+            subprocess.run(["rm", "-rf", str(gone)], check=True)
+        if nnodes == "2":
+            agents.append(_agent(work, 1, port, *extra, nnodes=nnodes))
+        codes = [agents[0].wait(timeout=200), *(a.wait(timeout=200) for a in agents[2:])]
+        assert set(codes) == {0}, [(work / f"node{n}.out").read_text()[-3000:] for n in (0, 1)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    return agents
+
+
+@pytest.mark.parametrize("nnodes", ["1:2", "2"])
+def test_ddp_copies_carry_no_replicated_bytes_and_a_lost_node_resumes_from_memory(
+    ddp_reference: Path, tmp_path: Path, nnodes: str
+) -> None:
+    """DDP, ``replicas=1``: each copy of a snapshot carries the rank's private bytes (``PRIVATE``) and
+    its manifest, not its share of the replicated parameters and AdamW state, which
+    every machine holds. Node 1 lost for good (``--nnodes 1:2``): the survivors resume at world size 2
+    from step 6 in their memory, on course. A replacement node (``--nnodes 2``): its ranks take their
+    snapshots of step 6 from the copies, made whole by their keepers from node 0's own shares, and the
+    job ends bit-identical to the uninterrupted one. Nothing is read from disk or the remote tier."""
+    extra = ("--ddp", "--replicas", "1", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL))
+    _lose_node(tmp_path, free_port(), extra, nnodes)
+    copies = [e for e in read_events(tmp_path / "node0") if e["event"] == "replica" and e["kept"]]
+    assert {(e["rank"], e["to"]) for e in copies} == {(0, 2), (1, 3)}, copies
+    assert {e["data_bytes"] for e in copies} == {PRIVATE}, copies  # no replicated byte
+    assert all(e["slot_bytes"] - e["bytes"] > 4096 for e in copies), copies  # the slot's share was left out
+    if nnodes == "1:2":
+        restores = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
+                    if e["event"] == "restore" and e["world_size"] == 2}
+        assert restores == {(0, KILL, "memory"), (1, KILL, "memory")}, restores
+        losses, expected = _steps(tmp_path / "steps.log"), _steps(ddp_reference / "steps.log")
+        assert sorted(losses) == list(range(1, STEPS + 1))
+        torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
+                                   **TOLERANCE)
+        torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(ddp_reference / "final.full.pt"),
+                                   **TOLERANCE)
+        return
+    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1) for e in read_events(tmp_path / f"node{node}")
+                if e["event"] == "restore"}
+    assert restores == {(rank, KILL, "memory") for rank in range(4)}, restores
+    for rank in range(4):
+        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
+                           torch.load(ddp_reference / f"final.rank{rank}.pt"))

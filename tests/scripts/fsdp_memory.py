@@ -1,10 +1,12 @@
-"""An FSDP2 training run (CPU, gloo) with the memory tier, for tests/distributed/test_memory_group.py.
+"""An FSDP2 (or DDP) training run (CPU, gloo) with the memory tier, for tests/distributed/test_memory_group.py
+and tests/distributed/test_memory_replicas.py.
 
 ``fully_shard`` on each layer and on the model (uneven shards: 33 rows over the ranks), AdamW, a
 shuffled ``ResumableLoader`` with a fixed global batch. Restores from ``--ckpt-dir`` if it can, trains
 to the end and every rank writes its local shards of the model and optimizer state (and its
 values) to ``<final>.rank<r>.pt``.
 
+* ``--ddp``: the model wrapped in ``DistributedDataParallel`` instead of sharded (every rank holds it whole).
 * ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--kill-node", type=int, default=None)
     parser.add_argument("--step-log", default=None)
     parser.add_argument("--kill-marker", default=None)
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
@@ -68,10 +71,14 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    net: nn.Module = model
+    if args.ddp:
+        net = nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
                         replicas=args.replicas, remote=args.remote, model=model, optimizer=optimizer, loader=loader)
@@ -80,7 +87,7 @@ def main() -> None:
     print(f"life={life} rank={rank} world={world} restored step={step}", flush=True)
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(net(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -104,7 +111,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
                 "seen": ckpt["seen"]}, f"{args.final}.rank{rank}.pt")
-    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in model.state_dict().items()}
     if rank == 0:
         torch.save(full, f"{args.final}.full.pt")
     ckpt.close()

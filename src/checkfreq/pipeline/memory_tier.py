@@ -15,7 +15,7 @@ state between them: each rank's slot holds its share of it and its own private s
 (:mod:`checkfreq.ranks.group_share`), so a machine of L ranks holds the replicated state once, not
 L times, and each rank copies 1/L of it. A restore reads the group's other shares straight from
 their regions on the same machine (:meth:`MemoryTier.complete`). Sharded state is each rank's own
-(its shards). With ``replicas=1`` each snapshot is also copied to a rank of the next machine
+(its shards). With ``replicas=k`` each snapshot is also copied to a rank of k other machines
 (:mod:`checkfreq.pipeline.replicas`), and a share this machine lacks is read from the copy kept here.
 
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
@@ -150,11 +150,11 @@ class MemoryTier(Tier):
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, replicas: int = 0,
-             failure_timeout: float = 30.0) -> MemoryTier:
+             stride: int = 1, failure_timeout: float = 30.0) -> MemoryTier:
         """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
         removes the regions of ranks this job does not have (an earlier job ran with more). With
-        ``replicas``, each snapshot is copied to the shared memory of a rank on another machine
-        (:mod:`checkfreq.pipeline.replicas`). Collective."""
+        ``replicas``, each snapshot is copied to the shared memory of a rank on each of that many other
+        machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.replicas`). Collective."""
         if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
             raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
                                        "(e.g. memory=1), so that every rank snapshots the same steps")
@@ -164,13 +164,15 @@ class MemoryTier(Tier):
             if replicas:
                 log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
             return cls(directory, cadence, data_file=data_file_name(0))
-        members = memory_group(peers, memory_key(directory, peers.rank), stride=replicas)
+        members = memory_group(peers, memory_key(directory, peers.rank), copies=replicas, stride=stride)
         tier = cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank,
                    group=Group(tuple(members.ranks), peers.rank, peers.size), failure_timeout=failure_timeout)
         if replicas:  # every rank: the group is created collectively
             _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)
-            if members.sends_to is None and peers.rank == 0:
-                log.warning("memory tier: replicas=%d, but the job runs on one machine: no copies are kept", replicas)
+            if len(members.sends_to) < replicas and peers.rank == 0:  # elastic: machines come and go
+                log.warning("memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
+                            "other machines to copy to: %d copies are kept", replicas, stride,
+                            len(members.sends_to), len(members.sends_to))
             tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from)
         return tier
 
