@@ -7,14 +7,15 @@ to the end and every rank writes its local shards of the model and optimizer sta
 values) to ``<final>.rank<r>.pt``.
 
 * ``--ddp``: the model wrapped in ``DistributedDataParallel`` instead of sharded (every rank holds it whole).
+* ``--samples N``, ``--global-batch B``: the data set's size and the global batch (64 and 16).
 * ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
 * ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier.
 * ``--kill-node STEP``: once (``--kill-marker`` is left behind: a replacement node's workers start
   at incarnation 0 again), after step STEP, every rank waits for what is in flight (the remote
-  tier's copy and the replicas included); then every rank of the last node SIGKILLs itself, the
-  last one its torchrun agent first: the node is gone.
+  tier's copy and the replicas included); then every rank of the last node (the last ``--lost-nodes``
+  nodes) SIGKILLs itself, each node's last one its torchrun agent first: the node is gone.
 * ``--step-log PATH``: each rank appends ``life step rank world loss`` after each step, the loss being
   the global batch's (averaged over the ranks); rank 0 writes every parameter, gathered, to
   ``<final>.full.pt`` at the end.
@@ -61,9 +62,12 @@ def main() -> None:
     parser.add_argument("--step-log", default=None)
     parser.add_argument("--kill-marker", default=None)
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--lost-nodes", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
+    loader = ResumableLoader(NoisyPoints(args.samples), global_batch_size=args.global_batch, shuffle=True, seed=5)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -73,7 +77,8 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
     net: nn.Module = model
     if args.ddp:
-        net = nn.parallel.DistributedDataParallel(model)
+        net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)  # never rebuilds its buckets:
+        # a resumed run adds the ranks' gradients in the uninterrupted run's order (checkfreq.ranks.ddp_order)
     else:
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -104,9 +109,9 @@ def main() -> None:
             if args.kill_node == ckpt.global_step and not os.path.exists(args.kill_marker):
                 ckpt.wait(remote=bool(args.remote))  # collective: every rank
                 dist.barrier()  # every rank has looked at the marker
-                if rank >= world - per_node:  # the last node's ranks
+                if rank >= world - per_node * args.lost_nodes:  # the last nodes' ranks
                     open(args.kill_marker, "a").close()
-                    if rank == world - 1:
+                    if rank % per_node == per_node - 1:
                         os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
                     os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),

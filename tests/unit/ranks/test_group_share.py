@@ -119,3 +119,18 @@ def test_a_rank_that_lost_its_snapshots_takes_the_newest_step_all_can_have_from_
     assert fetch_plan(survivors + [MemoryReport([], 8), replaced[1]]) == FetchPlan(None, [])  # disk is newer
     no_copies = [MemoryReport([6, 5], 4), MemoryReport([6, 5], 4)]
     assert fetch_plan(no_copies + replaced) == FetchPlan(None, [])  # replicas=0: nothing kept of ranks 2 and 3
+
+
+def test_a_rank_whose_copy_several_ranks_keep_is_given_every_keeper_in_turn() -> None:
+    """``replicas=2`` on three machines of one rank, machine 2 replaced: both others keep rank 2's copy
+    of step 6 and are its keepers in rank order (the second tried if the first fails); rank 1 kept no
+    copy of step 6, so it is not among them."""
+    from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+    from checkfreq.pipeline.restore.plan import fetch_plan
+
+    survivors = [MemoryReport([6, 4], None, {1: [6, 4], 2: [6, 4]}), MemoryReport([6, 4], None, {0: [6], 2: [6, 4]})]
+    assert fetch_plan([*survivors, MemoryReport([], None)]) == FetchPlan(6, [(2, 0), (2, 1)])
+    survivors[1].copies[2] = [4]  # rank 1's copy of step 6 did not arrive
+    assert fetch_plan([*survivors, MemoryReport([], None)]) == FetchPlan(6, [(2, 0)])
+    lost_two = [MemoryReport([6, 4], None, {1: [6, 4], 2: [6]}), MemoryReport([], None), MemoryReport([], None)]
+    assert fetch_plan(lost_two) == FetchPlan(6, [(1, 0), (2, 0)])  # two machines replaced: one keeper of both
