@@ -241,7 +241,7 @@ class MemoryTier(Tier):
             self._persist_done.wait()
             if self.link is not None and not self.link.wait_sent(self.failure_timeout):
                 log.warning("memory tier: snapshot %d not taken: the region must grow, and the copy of the "
-                            "previous one to rank %s still reads it", request.step, self.link.sends_to)
+                            "previous one to ranks %s still reads it", request.step, self.link.sends_to)
                 return None
         try:
             self.region.reserve(layout.nbytes, len(meta))
@@ -264,7 +264,7 @@ class MemoryTier(Tier):
         if persisting is not None and sending is not None and sending != persisting:
             assert link is not None
             if not link.wait_sent(self.failure_timeout):
-                log.warning("memory tier: the copy of a snapshot to rank %s took over %.0f s; its slot is reused",
+                log.warning("memory tier: the copy of a snapshot to ranks %s took over %.0f s; its slot is reused",
                             link.sends_to, self.failure_timeout)
             return persisting
         return persisting if persisting is not None else sending

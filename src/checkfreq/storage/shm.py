@@ -227,7 +227,7 @@ class MemoryRegion:
         """
         if self.fits(data_bytes, meta_bytes):
             return
-        data_cap, meta_cap = _align(data_bytes), _align(max(META_MIN_BYTES, 2 * meta_bytes))
+        data_cap, meta_cap = _align(max(1, data_bytes)), _align(max(META_MIN_BYTES, 2 * meta_bytes))
         size = HEADER_BYTES + SLOTS * (data_cap + meta_cap)
         self.release(remove=True)
         directory = self.path.parent

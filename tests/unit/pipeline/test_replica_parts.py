@@ -6,6 +6,7 @@ directories), as each machine's ranks take them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def _state(rank: int, module: _Module) -> dict[str, torch.Tensor]:
 
 
 def _machine(monkeypatch: pytest.MonkeyPatch, shm: Path, directory: Path, ranks: tuple[int, ...],
-             module: _Module) -> list[MemoryTier]:
+             module: _Module, state: Callable[[int, _Module], dict[str, torch.Tensor]] = _state) -> list[MemoryTier]:
     """The tiers of one machine's ranks of a job of 4, each with its snapshot of ``STEP`` committed."""
     shm.mkdir(exist_ok=True)
     monkeypatch.setenv(SHM_DIR_ENV, str(shm))
@@ -50,7 +51,7 @@ def _machine(monkeypatch: pytest.MonkeyPatch, shm: Path, directory: Path, ranks:
     for rank in ranks:
         tier = MemoryTier(directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank,
                           group=Group(ranks, rank, 4))
-        tensors, owned, split = tier.share(_state(rank, module), set(), {"model": module}, {"rank": rank})
+        tensors, owned, split = tier.share(state(rank, module), set(), {"model": module}, {"rank": rank})
         layout = layout_of(tensors)
         target = tier.target(SnapshotRequest(layout, {"rank": rank}, STEP, 0, {}, 0.0, device_copies=False,
                                              sharded=False, split=split))
@@ -155,3 +156,28 @@ def test_a_slot_without_a_long_run_of_replicated_pieces_goes_whole(shm_dir: Path
     (piece,) = copy.pieces()
     assert piece.data_ptr() == data.data_ptr() and piece.numel() == info.data_bytes
     sender.release(remove=False)
+
+
+def test_a_copy_of_replicated_state_alone_carries_no_data_and_is_kept(shm_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank with no private tensor (DDP, ``rng=False``): its copy is its manifest alone, 0 bytes of
+    data; the keeper still keeps it, and makes the sender's slot whole from its own region."""
+    module = _Module()
+
+    def replicated_only(rank: int, module: _Module) -> dict[str, torch.Tensor]:
+        return {"model/big": module.big.detach(), "model/small": module.small.detach()}
+
+    for tier in _machine(monkeypatch, shm_dir / "b", tmp_path, (2, 3), module, replicated_only):
+        tier.close(remove=False)
+    sender = MemoryRegion(region_path(tmp_path, 2), device_and_inode(tmp_path), tidy=False)
+    info = sender.snapshots()[0]
+    slot_data = sender.slot_bytes(info)[0].clone()
+    copy = outgoing(*sender.slot_bytes(info), info)
+    assert copy.info.data_bytes == 0 and list(copy.pieces()) == []
+    tiers = _machine(monkeypatch, shm_dir / "a", tmp_path, (0, 1), module, replicated_only)
+    _keep(tmp_path, 2, copy)
+    sender.release(remove=False)
+    made = tiers[0].read_copy(2, STEP)
+    assert made.checksum == info.checksum and torch.equal(made.data, slot_data)
+    for tier in tiers:
+        tier.close(remove=False)
