@@ -180,8 +180,7 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
             for info in region.snapshots():
                 manifest, valid, reason = None, True, None
                 try:
-                    meta = region.read(info)[0] if checksums else None
-                    manifest = None if meta is None else Manifest.from_json(manifest_bytes(meta))
+                    manifest = Manifest.from_json(manifest_bytes(region.read(info)[0])) if checksums else None
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
                 found.append(CheckpointStatus(
