@@ -8,7 +8,8 @@ job's regions in shared memory, each rank's snapshot size, the median stall of a
 (what the training thread waited) and of its background commit (copy and checksum), and the
 slowest rank's ``restore()``. With ``--nodes 2`` each job runs as two torchrun agents on this
 machine, each with its own shared memory (``CHECKFREQ_SHM_DIR``), as two nodes, and ``--replicas 1``
-copies each snapshot to the other one (the copies' time and bytes are printed too).
+copies each snapshot to the other one (the copies' time, and each rank's bytes sent per snapshot,
+are printed too).
 
     python -m benchmarks.memory_group --ranks 2,4 --mb 100
     python -m benchmarks.memory_group --ranks 4 --nodes 2 --replicas 0,1
@@ -104,6 +105,7 @@ def measure(ranks: int, mb: float, steps: int, nodes: int = 1, replicas: int = 0
         "snapshot_bytes": sorted({e["rank"]: e["bytes"] for e in taken}.values()),
         "stall_ms": 1e3 * statistics.median(e["stall_s"] for e in taken[ranks:]),  # the first creates the region
         "copies": len(copies), "copy_ms": 1e3 * statistics.median(e["seconds"] for e in copies) if copies else None,
+        "copy_bytes": sorted({e["rank"]: e["bytes"] for e in copies}.values()),  # what one snapshot's copy sent
         "restore_s": max(e["restore_s"] for e in events if e["event"] == "restore"),
     }
 

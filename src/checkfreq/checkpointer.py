@@ -102,7 +102,8 @@ class Checkpointer:
             steps; the policy still decides when to persist to disk. Falls back to disk only,
             with one warning, when /dev/shm has no room. Under torch.distributed with several
             ranks it must be a number of steps (every rank snapshots the same steps).
-        replicas: with ``memory``, copy each memory snapshot to a rank on another machine (docs/storage.md).
+        replicas: with ``memory``, copy each memory snapshot to a rank on this many other machines (docs/storage.md).
+        replica_stride: machine ``i`` copies to machines ``i + replica_stride``, ``i + 2 * replica_stride``, ...
         gpu_staging: CUDA state only: copy each snapshot into a reused device buffer first (a
             device-to-device copy the next optimizer step waits for), then to the host in the
             background. ``None`` (the default) does when the state fits in half of the free device
@@ -134,6 +135,7 @@ class Checkpointer:
         save_on_signal: Iterable[int] = (),
         memory: bool | int = False,
         replicas: int = 0,
+        replica_stride: int = 1,
         gpu_staging: bool | None = None,
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
@@ -146,12 +148,9 @@ class Checkpointer:
         values = dict(values or {})
         check_registration(objects, values, RESERVED_NAMES)
         self._policy = resolve(policy)
-        memory_cadence = MemoryCadence.for_option(memory)
-        gpu_staging = check_gpu_staging(gpu_staging)
+        memory_cadence, gpu_staging = MemoryCadence.for_option(memory), check_gpu_staging(gpu_staging)
         self._trap = SignalTrap(save_on_signal) if save_on_signal else None
-        self._on_error = on_error
-        self._allow_pickle = allow_pickle
-        self._timeout = persist_timeout
+        self._on_error, self._allow_pickle, self._timeout = on_error, allow_pickle, persist_timeout
         self._objects: dict[str, Stateful] = dict(objects)
         self._values: dict[str, Any] = values
         self._unclaimed: list[str] = []  # what the restored checkpoint held that nothing registered took
@@ -168,8 +167,9 @@ class Checkpointer:
         self.directory = local.root
         retainer = Retainer(local, retention, leader=cluster.leader)
         tiers = self._tiers = choose_tiers(
-            local, far, cluster, memory=memory_cadence, replicas=replicas, failure_timeout=failure_timeout,
-            retainer=retainer, far_retention=retention if remote_keep is None else Retention.of(remote_keep))
+            local, far, cluster, memory=memory_cadence, replicas=replicas, replica_stride=replica_stride,
+            failure_timeout=failure_timeout, retainer=retainer,
+            far_retention=retention if remote_keep is None else Retention.of(remote_keep))
         self._restorer = Restorer(tiers, control, page_cache=cluster.page_cache,
                                   directory_leader=cluster.directory_leader, retention=retention)
         committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,

@@ -1,6 +1,7 @@
-"""Memory snapshots copied to another node (``replicas=1``): a node lost for good with its memory and
-its disk, under ``torchrun --nnodes 1:2``, FSDP2 on two agents of two ranks (CPU, gloo), each agent
-its own shared memory and local directory, a shared remote tier.
+"""Memory snapshots copied to other nodes (``replicas=``): a node lost for good with its memory and
+its disk, under ``torchrun --nnodes 1:2``, FSDP2 (and DDP) on two agents of two ranks (CPU, gloo),
+each agent its own shared memory and local directory, a shared remote tier; two of three nodes lost
+with ``replicas=2``, and a damaged copy that gives way to the next keeper's.
 
 With replicas the survivors resume at world size 2 from the newest memory step, putting each
 parameter's new blocks together from their own shards and the copies of the lost node's, and
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
 from checkfreq.tools.report import load_run, summary_text
 from helpers import SCRIPTS, assert_state_equal, free_port, kill_tree
 
@@ -25,6 +26,10 @@ pytestmark = pytest.mark.slow
 STEPS, KILL, EVERY = 12, 6, 4  # 64 samples, global batches of 16, 3 epochs; durable checkpoints at 4, 8, 12
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # the same global batches, summed in another order at 2 ranks
 ARGS = ("--epochs", "3", "--every", str(EVERY), "--memory", "1")
+THREE = ("--samples", "48", "--global-batch", "12")
+"""Three nodes of one rank: 48 samples in global batches of 12 (at 3 ranks and at 1), 12 steps again."""
+PRIVATE = 4 + 624 * 4 + 5056
+"""A DDP rank's private tensors: ``seen`` (float32), numpy's RNG key (624 uint32) and torch's CPU RNG state."""
 
 
 def _steps(log: Path) -> dict[int, float]:
@@ -37,13 +42,14 @@ def _steps(log: Path) -> dict[int, float]:
     return losses
 
 
-def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2") -> subprocess.Popen[bytes]:
-    """A torchrun agent of two ranks of a job of ``nnodes`` nodes on 127.0.0.<node+1>; node 0 hosts the
-    rendezvous store, which must outlive the node that is lost."""
+def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2",
+           nproc: int = 2) -> subprocess.Popen[bytes]:
+    """A torchrun agent of ``nproc`` ranks of a job of ``nnodes`` nodes on 127.0.0.<node+1>; node 0 hosts
+    the rendezvous store, which must outlive the nodes that are lost."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            SHM_DIR_ENV: str(work / f"shm{node}")}
     (work / f"shm{node}").mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
                "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
                "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / f"node{node}"),
@@ -53,17 +59,30 @@ def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2") -
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted job at world size 4."""
-    work = tmp_path_factory.mktemp("reference")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+def _uninterrupted(work: Path, *extra: str, nproc: int = 4) -> Path:
+    """The uninterrupted job at world size ``nproc``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final"),
-               "--step-log", str(work / "steps.log"), *ARGS]
+               "--step-log", str(work / "steps.log"), *ARGS, *extra]
     out = subprocess.run(command, capture_output=True, text=True, timeout=240,
                          env={**os.environ, "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(work)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return work
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def three_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("three_reference"), *THREE, nproc=3)
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("ddp_reference"), "--ddp")
 
 
 @pytest.mark.parametrize(("replicas", "resumed"), [(1, KILL), (0, EVERY)])
@@ -127,3 +146,125 @@ def test_a_replacement_node_takes_its_ranks_snapshots_from_the_copies(reference:
     for rank in range(4):
         expected = torch.load(reference / f"final.rank{rank}.pt")
         assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"), expected)
+
+
+def _lose_node(work: Path, port: int, extra: tuple[str, ...], nnodes: str) -> list[subprocess.Popen[bytes]]:
+    """Both agents started, node 1 lost after step ``KILL`` with its memory and disk; with ``--nnodes 2``
+    a replacement agent (empty memory and disk) started; every agent waited for."""
+    agents = [_agent(work, node, port, *extra, nnodes=nnodes) for node in (0, 1)]
+    try:
+        assert agents[1].wait(timeout=200) == -9, (work / "node1.out").read_text()[-3000:]
+        for gone in (work / "shm1", work / "node1"):
+            subprocess.run(["rm", "-rf", str(gone)], check=True)
+        if nnodes == "2":
+            agents.append(_agent(work, 1, port, *extra, nnodes=nnodes))
+        codes = [agents[0].wait(timeout=200), *(a.wait(timeout=200) for a in agents[2:])]
+        assert set(codes) == {0}, [(work / f"node{n}.out").read_text()[-3000:] for n in (0, 1)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    return agents
+
+
+@pytest.mark.parametrize("nnodes", ["1:2", "2"])
+def test_ddp_copies_carry_no_replicated_bytes_and_a_lost_node_resumes_from_memory(
+    ddp_reference: Path, tmp_path: Path, nnodes: str
+) -> None:
+    """DDP, ``replicas=1``: each copy of a snapshot carries the rank's private bytes (``PRIVATE``) and
+    its manifest, not its share of the replicated parameters and AdamW state, which
+    every machine holds. Node 1 lost for good (``--nnodes 1:2``): the survivors resume at world size 2
+    from step 6 in their memory, on course. A replacement node (``--nnodes 2``): its ranks take their
+    snapshots of step 6 from the copies, made whole by their keepers from node 0's own shares, and the
+    job ends bit-identical to the uninterrupted one. Nothing is read from disk or the remote tier."""
+    extra = ("--ddp", "--replicas", "1", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL))
+    _lose_node(tmp_path, free_port(), extra, nnodes)
+    copies = [e for e in read_events(tmp_path / "node0") if e["event"] == "replica" and e["kept"]]
+    assert {(e["rank"], e["to"]) for e in copies} == {(0, 2), (1, 3)}, copies
+    assert {e["data_bytes"] for e in copies} == {PRIVATE}, copies  # no replicated byte
+    assert all(e["slot_bytes"] - e["bytes"] > 4096 for e in copies), copies  # the slot's share was left out
+    if nnodes == "1:2":
+        restores = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
+                    if e["event"] == "restore" and e["world_size"] == 2}
+        assert restores == {(0, KILL, "memory"), (1, KILL, "memory")}, restores
+        losses, expected = _steps(tmp_path / "steps.log"), _steps(ddp_reference / "steps.log")
+        assert sorted(losses) == list(range(1, STEPS + 1))
+        torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
+                                   **TOLERANCE)
+        torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(ddp_reference / "final.full.pt"),
+                                   **TOLERANCE)
+        return
+    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1) for e in read_events(tmp_path / f"node{node}")
+                if e["event"] == "restore"}
+    assert restores == {(rank, KILL, "memory") for rank in range(4)}, restores
+    for rank in range(4):
+        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
+                           torch.load(ddp_reference / f"final.rank{rank}.pt"))
+
+
+def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivor_keeps(
+    three_reference: Path, tmp_path: Path
+) -> None:
+    """FSDP2 on three agents of one rank (``--nnodes 1:3``), ``replicas=2``: each node's snapshots are
+    copied to both other nodes. Nodes 1 and 2 lost for good after step 6 with their memory and disk:
+    the survivor restarts alone, takes its shards and the copies it keeps of both lost ranks' (with
+    ``replicas=1`` it would keep rank 2's only), reshards at world size 1 from step 6 in memory, and
+    finishes on course."""
+    port = free_port()
+    extra = (*THREE, "--replicas", "2", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL),
+             "--lost-nodes", "2")
+    agents = [_agent(tmp_path, node, port, *extra, nnodes="1:3", nproc=1) for node in (0, 1, 2)]
+    try:
+        assert [agents[n].wait(timeout=200) for n in (1, 2)] == [-9, -9], (tmp_path / "node1.out").read_text()[-3000:]
+        for gone in ("shm1", "node1", "shm2", "node2"):
+            subprocess.run(["rm", "-rf", str(tmp_path / gone)], check=True)
+        assert agents[0].wait(timeout=200) == 0, (tmp_path / "node0.out").read_text()[-4000:]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    events = read_events(tmp_path / "node0")
+    copies = {(e["to"], e["step"]) for e in events if e["event"] == "replica" and e["kept"]}
+    assert {(1, KILL), (2, KILL)} <= copies, copies  # rank 0's own snapshots went to both other nodes
+    restores = [(e["step"], e["tier"]) for e in events if e["event"] == "restore" and e["world_size"] == 1]
+    assert restores == [(KILL, "memory")], restores
+    losses, expected = _steps(tmp_path / "steps.log"), _steps(three_reference / "steps.log")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
+                               **TOLERANCE)
+    torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(three_reference / "final.full.pt"),
+                               **TOLERANCE)
+
+
+def test_a_damaged_copy_gives_way_to_the_next_keepers(three_reference: Path, tmp_path: Path) -> None:
+    """FSDP2 on three agents of one rank (``--nnodes 3``), ``replicas=2``: node 2 lost after step 6 and
+    replaced (empty memory and disk). Its rank's copy of step 6 on node 0, the first keeper, has a
+    byte flipped: the restore names it, takes the copy node 1 keeps instead, and every rank resumes
+    from step 6 in memory, bit-identical to the uninterrupted run."""
+    port = free_port()
+    extra = (*THREE, "--replicas", "2", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL))
+    agents = [_agent(tmp_path, node, port, *extra, nnodes="3", nproc=1) for node in (0, 1, 2)]
+    try:
+        assert agents[2].wait(timeout=200) == -9, (tmp_path / "node2.out").read_text()[-3000:]
+        for gone in ("shm2", "node2"):
+            subprocess.run(["rm", "-rf", str(tmp_path / gone)], check=True)
+        ckpt = tmp_path / "node0"  # node 0's copy of rank 2's newest snapshot, damaged in its memory
+        copy = MemoryRegion(tmp_path / "shm0" / replica_path(ckpt, 2).name, device_and_inode(ckpt), tidy=False)
+        info = copy.snapshots()[0]
+        data, _ = copy.slot_bytes(info)
+        data[0] ^= 0xFF
+        copy.release(remove=False)
+        agents.append(_agent(tmp_path, 2, port, *extra, nnodes="3", nproc=1))  # the replacement
+        codes = [agents[n].wait(timeout=200) for n in (0, 1, 3)]
+        assert codes == [0, 0, 0], [(tmp_path / f"node{n}.out").read_text()[-3000:] for n in (0, 1, 2)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    assert info.step == KILL
+    out = (tmp_path / "node2.out").read_text()
+    assert f"rank 0 cannot send its copy of memory snapshot {KILL}" in out and "trying the copy rank 1 keeps" in out, (
+        out[-3000:])
+    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1, 2) for e in read_events(tmp_path / f"node{node}")
+                if e["event"] == "restore"}
+    assert restores == {(rank, KILL, "memory") for rank in range(3)}, restores
+    for rank in range(3):
+        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
+                           torch.load(three_reference / f"final.rank{rank}.pt"))

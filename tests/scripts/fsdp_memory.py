@@ -1,18 +1,21 @@
-"""An FSDP2 training run (CPU, gloo) with the memory tier, for tests/distributed/test_memory_group.py.
+"""An FSDP2 (or DDP) training run (CPU, gloo) with the memory tier, for tests/distributed/test_memory_group.py
+and tests/distributed/test_memory_replicas.py.
 
 ``fully_shard`` on each layer and on the model (uneven shards: 33 rows over the ranks), AdamW, a
 shuffled ``ResumableLoader`` with a fixed global batch. Restores from ``--ckpt-dir`` if it can, trains
 to the end and every rank writes its local shards of the model and optimizer state (and its
 values) to ``<final>.rank<r>.pt``.
 
+* ``--ddp``: the model wrapped in ``DistributedDataParallel`` instead of sharded (every rank holds it whole).
+* ``--samples N``, ``--global-batch B``: the data set's size and the global batch (64 and 16).
 * ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
 * ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier.
 * ``--kill-node STEP``: once (``--kill-marker`` is left behind: a replacement node's workers start
   at incarnation 0 again), after step STEP, every rank waits for what is in flight (the remote
-  tier's copy and the replicas included); then every rank of the last node SIGKILLs itself, the
-  last one its torchrun agent first: the node is gone.
+  tier's copy and the replicas included); then every rank of the last node (the last ``--lost-nodes``
+  nodes) SIGKILLs itself, each node's last one its torchrun agent first: the node is gone.
 * ``--step-log PATH``: each rank appends ``life step rank world loss`` after each step, the loss being
   the global batch's (averaged over the ranks); rank 0 writes every parameter, gathered, to
   ``<final>.full.pt`` at the end.
@@ -58,9 +61,13 @@ def main() -> None:
     parser.add_argument("--kill-node", type=int, default=None)
     parser.add_argument("--step-log", default=None)
     parser.add_argument("--kill-marker", default=None)
+    parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--lost-nodes", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    loader = ResumableLoader(NoisyPoints(64), global_batch_size=16, shuffle=True, seed=5)
+    loader = ResumableLoader(NoisyPoints(args.samples), global_batch_size=args.global_batch, shuffle=True, seed=5)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -68,10 +75,15 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    net: nn.Module = model
+    if args.ddp:
+        net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)  # never rebuilds its buckets:
+        # a resumed run adds the ranks' gradients in the uninterrupted run's order (checkfreq.ranks.ddp_order)
+    else:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
                         replicas=args.replicas, remote=args.remote, model=model, optimizer=optimizer, loader=loader)
@@ -80,7 +92,7 @@ def main() -> None:
     print(f"life={life} rank={rank} world={world} restored step={step}", flush=True)
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(net(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -97,14 +109,15 @@ def main() -> None:
             if args.kill_node == ckpt.global_step and not os.path.exists(args.kill_marker):
                 ckpt.wait(remote=bool(args.remote))  # collective: every rank
                 dist.barrier()  # every rank has looked at the marker
-                if rank >= world - per_node:  # the last node's ranks
+                if rank >= world - per_node * args.lost_nodes:  # the last nodes' ranks
                     open(args.kill_marker, "a").close()
-                    if rank == world - 1:
+                    if rank % per_node == per_node - 1:
                         os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
                     os.kill(os.getpid(), signal.SIGKILL)
     torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
                 "seen": ckpt["seen"]}, f"{args.final}.rank{rank}.pt")
-    full = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in model.state_dict().items()}
     if rank == 0:
         torch.save(full, f"{args.final}.full.pt")
     ckpt.close()

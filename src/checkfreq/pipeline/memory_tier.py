@@ -15,7 +15,7 @@ state between them: each rank's slot holds its share of it and its own private s
 (:mod:`checkfreq.ranks.group_share`), so a machine of L ranks holds the replicated state once, not
 L times, and each rank copies 1/L of it. A restore reads the group's other shares straight from
 their regions on the same machine (:meth:`MemoryTier.complete`). Sharded state is each rank's own
-(its shards). With ``replicas=1`` each snapshot is also copied to a rank of the next machine
+(its shards). With ``replicas=k`` each snapshot is also copied to a rank of k other machines
 (:mod:`checkfreq.pipeline.replicas`), and a share this machine lacks is read from the copy kept here.
 
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import torch
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.pipeline.replica_parts import usable_steps, whole
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.slot_pinning import SlotPinning
 from checkfreq.pipeline.snapshot import PendingSnapshot
@@ -59,7 +60,7 @@ from checkfreq.ranks.collectives import Peers
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.shares import SHARDED
-from checkfreq.ranks.sharing import directory_key, memory_group
+from checkfreq.ranks.sharing import memory_group, memory_key
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
 from checkfreq.storage.shm import (
@@ -72,7 +73,6 @@ from checkfreq.storage.shm import (
     region_path,
     remove_regions_beyond,
     replica_path,
-    shm_directory,
 )
 
 log = logging.getLogger("checkfreq.memory")
@@ -150,11 +150,11 @@ class MemoryTier(Tier):
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, replicas: int = 0,
-             failure_timeout: float = 30.0) -> MemoryTier:
+             stride: int = 1, failure_timeout: float = 30.0) -> MemoryTier:
         """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
         removes the regions of ranks this job does not have (an earlier job ran with more). With
-        ``replicas``, each snapshot is copied to the shared memory of a rank on another machine
-        (:mod:`checkfreq.pipeline.replicas`). Collective."""
+        ``replicas``, each snapshot is copied to the shared memory of a rank on each of that many other
+        machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.replicas`). Collective."""
         if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
             raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
                                        "(e.g. memory=1), so that every rank snapshots the same steps")
@@ -164,13 +164,15 @@ class MemoryTier(Tier):
             if replicas:
                 log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
             return cls(directory, cadence, data_file=data_file_name(0))
-        members = memory_group(peers, _machine_key(directory, peers.rank), stride=replicas)
+        members = memory_group(peers, memory_key(directory, peers.rank), copies=replicas, stride=stride)
         tier = cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank,
                    group=Group(tuple(members.ranks), peers.rank, peers.size), failure_timeout=failure_timeout)
         if replicas:  # every rank: the group is created collectively
             _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)
-            if members.sends_to is None and peers.rank == 0:
-                log.warning("memory tier: replicas=%d, but the job runs on one machine: no copies are kept", replicas)
+            if len(members.sends_to) < replicas and peers.rank == 0:  # elastic: machines come and go
+                log.warning("memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
+                            "other machines to copy to: %d copies are kept", replicas, stride,
+                            len(members.sends_to), len(members.sends_to))
             tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from)
         return tier
 
@@ -239,7 +241,7 @@ class MemoryTier(Tier):
             self._persist_done.wait()
             if self.link is not None and not self.link.wait_sent(self.failure_timeout):
                 log.warning("memory tier: snapshot %d not taken: the region must grow, and the copy of the "
-                            "previous one to rank %s still reads it", request.step, self.link.sends_to)
+                            "previous one to ranks %s still reads it", request.step, self.link.sends_to)
                 return None
         try:
             self.region.reserve(layout.nbytes, len(meta))
@@ -262,7 +264,7 @@ class MemoryTier(Tier):
         if persisting is not None and sending is not None and sending != persisting:
             assert link is not None
             if not link.wait_sent(self.failure_timeout):
-                log.warning("memory tier: the copy of a snapshot to rank %s took over %.0f s; its slot is reused",
+                log.warning("memory tier: the copy of a snapshot to ranks %s took over %.0f s; its slot is reused",
                             link.sends_to, self.failure_timeout)
             return persisting
         return persisting if persisting is not None else sending
@@ -403,8 +405,8 @@ class MemoryTier(Tier):
         """The steps of this rank's snapshots, and of the copies of other ranks' its machine keeps."""
         copies: dict[int, list[int]] = {}
         for rank, region in listed_regions(self.directory, "replica"):
-            try:
-                copies[rank] = [info.step for info in region.snapshots()]
+            try:  # those this machine can make whole (a copy may leave replicated pieces out)
+                copies[rank] = usable_steps(self.directory, region)
             finally:
                 region.release(remove=False)
         return [info.step for info in self.region.snapshots()], copies
@@ -419,7 +421,7 @@ class MemoryTier(Tier):
             why = "; ".join(reason for _, reason in region.skipped) or "none of that step"
             raise CheckfreqError(f"the copy of rank {rank}'s memory snapshot {step} kept here cannot be read: {why}")
         info, meta, data = found
-        return HeldCopy(rank, step, meta, data, info.checksum, info.signature)
+        return whole(self.directory, HeldCopy(rank, step, meta, data, info.checksum, info.signature))
 
     def adopt(self, copy: HeldCopy) -> None:
         """Commit ``copy`` into a slot of this rank's region, checked against the checksum it was kept with."""
@@ -438,10 +440,10 @@ class MemoryTier(Tier):
             region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
             try:
                 found = region.newest(step)
-                if found is not None:
-                    _, meta, data = found
-                    manifest = Manifest.from_json(meta)
-                    return manifest, {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
+                if found is not None:  # a copy kept here is made whole first (it may leave replicated pieces out)
+                    copy = whole(self.directory, HeldCopy(rank, step, found[1], found[2], found[0].checksum, b""))
+                    manifest = Manifest.from_json(copy.meta)
+                    return manifest, {name: entry_view(copy.data, entry) for name, entry in manifest.tensors.items()}
                 why = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
                 reasons.append(f"{path.name}: {why}")
             finally:
@@ -481,11 +483,3 @@ def _stored_names(split: Mapping[str, Any]) -> set[str]:
                 names.add(part if isinstance(part, str) else part[0])
     return names
 
-
-def _machine_key(directory: str | os.PathLike[str], rank: int) -> str:
-    """The same on the ranks whose regions of ``directory`` share one machine's shared memory."""
-    try:
-        machine = directory_key(shm_directory())
-    except OSError:  # no shared memory to share: this rank keeps its whole state
-        machine = f"rank {rank}"
-    return f"{machine}|{region_path(directory, 0).name}"

@@ -1,17 +1,20 @@
-"""Copies of a rank's memory snapshots in another machine's shared memory (``replicas=``).
+"""Copies of a rank's memory snapshots in other machines' shared memory (``replicas=``).
 
-Each rank with a partner (:func:`checkfreq.ranks.group_share.replica_ring`) sends every memory
-snapshot it commits, as it lies in its slot (data, then its manifest), to that rank, over a gloo
-group of its own, on a thread of its own: training never waits for it, except when the next
-snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A rank
-keeps the snapshots it receives in a region of its machine's shared memory named after the
+Each rank with keepers (:func:`checkfreq.ranks.group_share.replica_ring`: one rank on each of
+``replicas`` other machines) sends every memory snapshot it commits, less what every other machine
+holds too (its replicated pieces: :mod:`checkfreq.pipeline.replica_parts`), to each keeper in turn,
+over a gloo group of its own, on a thread of its own: training never waits for it, except when the
+next snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A
+rank keeps the snapshots it receives in a region of its machine's shared memory named after the
 sender (:func:`checkfreq.storage.shm.replica_path`), each slot committed only once its bytes match
 the sender's checksum: a copy cut short (the sender died) or damaged on the way is never used.
 
-On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, data and manifest
-bytes, checksum, layout signature), its data and its manifest, and the keeper answers with the step
-it kept (or -1): the sender's slot is free again, and :meth:`ReplicaLink.wait_sent` returns, only
-then. A header of kind :data:`STOP` ends the copies at a clean close.
+On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, the copy's data and
+manifest bytes and checksum, layout signature), its data (in pieces of at most 64 MiB) and its
+manifest (the slot's, or an envelope around it saying what was left out), and the keeper answers
+with the step it kept (or -1); once every keeper answered, the sender's slot is free again and
+:meth:`ReplicaLink.wait_sent` returns. A keeper that fails is sent no more copies; the others still
+are. A header of kind :data:`STOP` ends the copies at a clean close.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from checkfreq.errors import CheckfreqError
+from checkfreq.pipeline.replica_parts import Outgoing, outgoing, pieces_of
 from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo, device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
@@ -45,11 +49,13 @@ _UNSIGNED = struct.Struct("<Q")
 
 @dataclass(frozen=True)
 class Sent:
-    """One snapshot copied to the partner: for the events and the docs' figures."""
+    """One snapshot copied to a keeper: for the events and the docs' figures."""
 
     step: int
     nbytes: int
     seconds: float
+    to: int = -1
+    """The keeper."""
 
 
 def _signed(value: int) -> int:
@@ -74,19 +80,20 @@ def decode_header(header: torch.Tensor) -> tuple[int, SlotInfo]:
 
 
 class ReplicaLink:
-    """This rank's copies to its partner and its keeping of the copies other ranks send it.
+    """This rank's copies to its keepers and its keeping of the copies other ranks send it.
 
     Args:
         group: the gloo group of the copies (every rank's, created collectively).
         directory: the checkpoint directory the replica regions are named after.
-        sends_to: the rank this one copies its snapshots to (None: none).
+        sends_to: the ranks this one copies its snapshots to, in turn (one rank, or None: none).
         receives_from: the ranks whose snapshots this one keeps.
     """
 
-    def __init__(self, group: dist.ProcessGroup, directory: str | os.PathLike[str], *, sends_to: int | None,
-                 receives_from: list[int]) -> None:
+    def __init__(self, group: dist.ProcessGroup, directory: str | os.PathLike[str], *,
+                 sends_to: int | Sequence[int] | None, receives_from: list[int]) -> None:
         self.group, self.directory = group, directory
-        self.sends_to, self.receives_from = sends_to, list(receives_from)
+        self.sends_to = [] if sends_to is None else [sends_to] if isinstance(sends_to, int) else list(sends_to)
+        self.receives_from = list(receives_from)
         self.sent: list[Sent] = []
         """Every snapshot copied so far (this session)."""
         self.report: Callable[..., None] = lambda event, **fields: None
@@ -98,9 +105,10 @@ class ReplicaLink:
         self._idle.set()
         self.sending: int | None = None
         """The slot being copied (it must not be overwritten until the copy is done)."""
-        self._broken: BaseException | None = None
+        self._broken: dict[int, BaseException] = {}
+        """Keeper → why copying to it failed (it is sent no more copies this session)."""
         self._threads = []
-        if sends_to is not None:
+        if self.sends_to:
             self._threads.append(threading.Thread(target=self._send_loop, name="checkfreq-replica-send", daemon=True))
         for sender in self.receives_from:
             self._threads.append(threading.Thread(target=self._keep_loop, args=(sender,),
@@ -111,9 +119,9 @@ class ReplicaLink:
     # ------------------------------------------------------------------ sending
 
     def offer(self, region: MemoryRegion, info: SlotInfo) -> bool:
-        """Copy the snapshot of ``info`` (committed in ``region``) to the partner in the background,
-        unless the previous copy is still in flight or no partner can take it; whether it goes."""
-        if self.sends_to is None or self._broken is not None:
+        """Copy the snapshot of ``info`` (committed in ``region``) to the keepers in the background, one
+        after the other, unless the previous copy is still in flight or no keeper can take it; whether it goes."""
+        if not self._live():
             return False
         if not self._idle.is_set():  # the busy rule: the previous copy is still in flight
             self.report("replica skipped", step=info.step, to=self.sends_to, reason="the previous copy is in flight")
@@ -130,38 +138,50 @@ class ReplicaLink:
         """Wait until no copy is in flight, at most ``timeout`` seconds; whether none is."""
         return self._idle.wait(timeout)
 
+    def _live(self) -> list[int]:
+        """The keepers copies still go to."""
+        return [to for to in self.sends_to if to not in self._broken]
+
     def _send_loop(self) -> None:
-        assert self.sends_to is not None
-        to = self.sends_to
         while (offer := self._offers.get()) is not None:
             region, info = offer
-            start = time.perf_counter()
             try:
-                data, meta = region.slot_bytes(info)
-                dist.send(encode_header(info), group=self.group, group_dst=to, tag=COPY_TAG)
-                dist.send(data, group=self.group, group_dst=to, tag=COPY_TAG)
-                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), group=self.group, group_dst=to,
-                          tag=COPY_TAG)
-                answer = torch.empty(1, dtype=torch.int64)
-                dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
-                seconds = time.perf_counter() - start
-                if int(answer) == info.step:
-                    self.sent.append(Sent(info.step, info.data_bytes + info.meta_bytes, seconds))
-                self.report("replica", step=info.step, to=to, bytes=info.data_bytes + info.meta_bytes,
-                            seconds=seconds, kept=int(answer) == info.step)
-            except (RuntimeError, CheckfreqError) as e:  # the partner is gone: no more copies this session
-                self._broken = e
-                log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent",
-                            info.step, to, e)
+                copy = outgoing(*region.slot_bytes(info), info)
+                for to in self._live():
+                    self._send(copy, info, to)
+            except CheckfreqError as e:  # its manifest cannot be read: nothing to tell a copy by
+                log.warning("memory tier: snapshot %d is not copied to another machine: %s", info.step, e)
             finally:
                 self.sending = None
                 self._idle.set()
-        if self._broken is None:
-            stop = torch.zeros(HEADER, dtype=torch.int64)
+        for to in self._live():
             try:
-                dist.send(stop, group=self.group, group_dst=to, tag=COPY_TAG)
+                dist.send(torch.zeros(HEADER, dtype=torch.int64), group=self.group, group_dst=to, tag=COPY_TAG)
             except RuntimeError as e:
                 log.debug("memory tier: rank %d did not take the end of the replicas: %s", to, e)
+
+    def _send(self, copy: Outgoing, info: SlotInfo, to: int) -> None:
+        """Send ``copy`` (of the slot ``info``) to keeper ``to`` and wait for its answer; a keeper that
+        fails (it died, or left) is sent no more copies."""
+        start = time.perf_counter()
+        try:
+            dist.send(encode_header(copy.info), group=self.group, group_dst=to, tag=COPY_TAG)
+            for piece in copy.pieces():
+                dist.send(piece, group=self.group, group_dst=to, tag=COPY_TAG)
+            dist.send(torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), group=self.group, group_dst=to,
+                      tag=COPY_TAG)
+            answer = torch.empty(1, dtype=torch.int64)
+            dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
+        except RuntimeError as e:
+            self._broken[to] = e
+            log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent to it",
+                        info.step, to, e)
+            return
+        seconds, nbytes = time.perf_counter() - start, copy.info.data_bytes + copy.info.meta_bytes
+        if int(answer) == info.step:
+            self.sent.append(Sent(info.step, nbytes, seconds, to))
+        self.report("replica", step=info.step, to=to, bytes=nbytes, data_bytes=copy.info.data_bytes,
+                    slot_bytes=info.data_bytes + info.meta_bytes, seconds=seconds, kept=int(answer) == info.step)
 
     # ------------------------------------------------------------------ keeping
 
@@ -187,13 +207,15 @@ class ReplicaLink:
         try:
             region.reserve(info.data_bytes, info.meta_bytes)
         except ShmCapacityError as e:
-            dist.recv(torch.empty(info.data_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
+            for piece in pieces_of(torch.empty(info.data_bytes, dtype=torch.uint8), info.data_bytes):
+                dist.recv(piece, group=self.group, group_src=sender, tag=COPY_TAG)
             dist.recv(torch.empty(info.meta_bytes, dtype=torch.uint8), group=self.group, group_src=sender, tag=COPY_TAG)
             log.warning("memory tier: no room for the replica of rank %d's snapshot %d: %s", sender, info.step, e)
             self.report("replica refused", step=info.step, sender=sender, reason=str(e))
             return False
         slot = region.begin()
-        dist.recv(slot.data[: info.data_bytes], group=self.group, group_src=sender, tag=COPY_TAG)
+        for piece in pieces_of(slot.data, info.data_bytes):
+            dist.recv(piece, group=self.group, group_src=sender, tag=COPY_TAG)
         meta = torch.empty(info.meta_bytes, dtype=torch.uint8)
         dist.recv(meta, group=self.group, group_src=sender, tag=COPY_TAG)
         try:
@@ -209,7 +231,7 @@ class ReplicaLink:
     # ------------------------------------------------------------------ end
 
     def close(self, timeout: float) -> None:
-        """End the copies: the sender finishes the one in flight and tells its partner; the keepers
+        """End the copies: the sender finishes the one in flight and tells its keepers; the keepers
         end at their senders' word (each waited for at most ``timeout`` seconds)."""
         self._offers.put(None)
         deadline = time.monotonic() + timeout

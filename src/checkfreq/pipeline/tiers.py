@@ -201,20 +201,23 @@ class Tiers:
 
 def choose_tiers(
     local: Store, far: Sequence[Store], cluster: Cluster, *, memory: MemoryCadence | None, retainer: Retainer,
-    far_retention: Retention, replicas: int = 0, failure_timeout: float = 30.0,
+    far_retention: Retention, replicas: int = 0, replica_stride: int = 1, failure_timeout: float = 30.0,
 ) -> Tiers:
     """A Checkpointer's tiers: the memory tier (with ``memory``, its snapshots copied to ``replicas``
-    other machines), its directory, the remote tier (``far``).
+    other machines, ``replica_stride`` apart in the ring of machines), its directory, the remote tier (``far``).
 
     The one place tiers are chosen: a new tier is a module of its own and a line here.
     """
     chosen: list[Tier] = []
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas not in (0, 1):
-        raise InvalidArgumentError(f"replicas must be 0 or 1 (copies on other machines), got {replicas!r}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise InvalidArgumentError(f"replicas must be an int >= 0 (copies on other machines), got {replicas!r}")
+    if isinstance(replica_stride, bool) or not isinstance(replica_stride, int) or replica_stride < 1:
+        raise InvalidArgumentError(f"replica_stride must be an int >= 1 (machine i copies to machine "
+                                   f"i + replica_stride, then i + 2 * replica_stride, ...), got {replica_stride!r}")
     if replicas and memory is None:
         raise InvalidArgumentError("replicas= copies memory snapshots to another machine: it needs memory= too")
     if memory is not None:
-        chosen.append(MemoryTier.open(local.root, memory, cluster.control, replicas=replicas,
+        chosen.append(MemoryTier.open(local.root, memory, cluster.control, replicas=replicas, stride=replica_stride,
                                       failure_timeout=failure_timeout))
     chosen.append(LocalTier(local))
     for store in far:

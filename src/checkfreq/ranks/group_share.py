@@ -138,26 +138,38 @@ def _record(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
-def replica_ring(groups: Sequence[Sequence[int]], stride: int) -> list[tuple[int | None, list[int]]]:
-    """Each rank's (rank it copies its snapshots to, ranks whose snapshots it keeps), given each rank's
-    machine (``groups[r]``: the ranks of rank ``r``'s machine, in rank order) and ``stride`` (0: no copies).
+def replica_ring(groups: Sequence[Sequence[int]], copies: int, stride: int = 1
+                 ) -> list[tuple[list[int], list[int]]]:
+    """Each rank's (ranks it copies its snapshots to, ranks whose snapshots it keeps), given each rank's
+    machine (``groups[r]``: the ranks of rank ``r``'s machine, in rank order), ``copies`` (0: none) and
+    ``stride``.
 
-    The machines in a ring, by their lowest rank: machine ``i`` copies to machine ``i + stride``
-    (mod the number of machines), its ``k``-th rank to that machine's ``k``-th (mod its number of
-    ranks). With one machine there is nowhere else to copy to: no copies. One pass."""
+    The machines in a ring, by their lowest rank: machine ``i`` copies to machines ``i + stride``,
+    ``i + 2 * stride``, ... (mod the number of machines), the first ``copies`` of them that are not
+    ``i`` and not already chosen, its ``k``-th rank to each one's ``k``-th (mod its number of ranks).
+    Fewer machines than that (one machine: none at all) give fewer copies. One pass per copy."""
     machines = sorted({tuple(g) for g in groups}, key=lambda g: g[0])
-    plan: list[tuple[int | None, list[int]]] = [(None, []) for _ in groups]
-    if stride <= 0 or len(machines) < 2:
-        return plan
+    plan: list[tuple[list[int], list[int]]] = [([], []) for _ in groups]
     for i, machine in enumerate(machines):
-        other = machines[(i + stride) % len(machines)]
-        if other == machine:  # a stride that is a multiple of the number of machines
-            continue
-        for k, rank in enumerate(machine):
-            holder = other[k % len(other)]
-            plan[rank] = (holder, plan[rank][1])
-            plan[holder][1].append(rank)
+        for other in replica_machines(i, len(machines), copies, stride):
+            for k, rank in enumerate(machine):
+                holder = machines[other][k % len(machines[other])]
+                plan[rank][0].append(holder)
+                plan[holder][1].append(rank)
     return plan
+
+
+def replica_machines(machine: int, machines: int, copies: int, stride: int) -> list[int]:
+    """The machines (by place in the ring of ``machines``) machine ``machine`` copies to: the first
+    ``copies`` distinct others of ``machine + stride``, ``machine + 2 * stride``, ... (see :func:`replica_ring`)."""
+    chosen: list[int] = []
+    for j in range(1, machines):
+        other = (machine + j * stride) % machines
+        if len(chosen) == copies or other == machine:  # as many as asked, or the ring is walked round
+            break
+        if other not in chosen:
+            chosen.append(other)
+    return chosen
 
 
 def groups_of(keys: Sequence[str]) -> list[list[int]]:

@@ -58,20 +58,19 @@ class DirectoryLeader:
 @dataclass(frozen=True)
 class GroupMembers:
     """0 → a rank, at start-up: the ranks whose memory tier shares this rank's machine and run, in
-    rank order (:func:`checkfreq.ranks.sharing.memory_group`), and, with replicas, the rank on
-    another machine it copies its snapshots to and the ranks whose snapshots it keeps."""
+    rank order (:func:`checkfreq.ranks.sharing.memory_group`), and, with replicas, the ranks on
+    other machines it copies its snapshots to and the ranks whose snapshots it keeps."""
 
     ranks: list[int]
-    sends_to: int | None = None
+    sends_to: list[int] = field(default_factory=list)
     receives_from: list[int] = field(default_factory=list)
 
     def to_wire(self) -> JSON:
-        return {"ranks": list(self.ranks), "to": self.sends_to, "from": list(self.receives_from)}
+        return {"ranks": list(self.ranks), "to": list(self.sends_to), "from": list(self.receives_from)}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> GroupMembers:
         if not isinstance(wire, dict):
             raise ValueError(f"a group's members are an object, got {type(wire).__name__}")
-        to = wire.get("to")
-        return cls([int(r) for r in wire["ranks"]], None if to is None else int(to),
+        return cls([int(r) for r in wire["ranks"]], [int(r) for r in wire.get("to") or []],
                    [int(r) for r in wire.get("from") or []])

@@ -28,6 +28,7 @@ from checkfreq.ranks.group_share import groups_of, replica_ring
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
+from checkfreq.storage.shm import region_path, shm_directory
 
 LOCAL_FILE_SYSTEMS = frozenset({
     "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
@@ -64,19 +65,30 @@ def directory_leader(local: Store, token: str, peers: Peers) -> int:
     return leader
 
 
-def memory_group(peers: Peers, key: str, stride: int = 0) -> GroupMembers:
+def memory_group(peers: Peers, key: str, copies: int = 0, stride: int = 1) -> GroupMembers:
     """The ranks that passed the same ``key`` (the memory tier's: this machine's shared memory and the
-    run's region name), in rank order, and with ``stride`` (replicas), where this rank copies its
-    snapshots and whose it keeps (:func:`~checkfreq.ranks.group_share.replica_ring`). Collective: rank
-    0 gathers the keys and sends each rank its part, so a rank sends one key and receives its
-    machine's ranks and its partners, whatever the number of ranks."""
+    run's region name), in rank order, and with ``copies`` (replicas, on the machines ``stride`` apart),
+    where this rank copies its snapshots and whose it keeps
+    (:func:`~checkfreq.ranks.group_share.replica_ring`). Collective: rank 0 gathers the keys and sends
+    each rank its part, so a rank sends one key and receives its machine's ranks and its partners,
+    whatever the number of ranks."""
     keys = gather_messages(peers, DirectoryKey(key), DirectoryKey.from_wire)
     members = None
     if keys is not None:
         groups = groups_of([k.key for k in keys])
-        ring = replica_ring(groups, stride)
+        ring = replica_ring(groups, copies, stride)
         members = [GroupMembers(g, to, held) for g, (to, held) in zip(groups, ring, strict=True)]
     return scatter_messages(peers, members, GroupMembers.from_wire)
+
+
+def memory_key(directory: str | os.PathLike[str], rank: int) -> str:
+    """The key of :func:`memory_group`: the same on the ranks whose memory-tier regions of ``directory``
+    share one machine's shared memory."""
+    try:
+        machine = directory_key(shm_directory())
+    except OSError:  # no shared memory to share: this rank keeps its whole state
+        machine = f"rank {rank}"
+    return f"{machine}|{region_path(directory, 0).name}"
 
 
 def _leaders(keys: list[str]) -> list[int]:

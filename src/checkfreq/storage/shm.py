@@ -227,7 +227,7 @@ class MemoryRegion:
         """
         if self.fits(data_bytes, meta_bytes):
             return
-        data_cap, meta_cap = _align(data_bytes), _align(max(META_MIN_BYTES, 2 * meta_bytes))
+        data_cap, meta_cap = _align(max(1, data_bytes)), _align(max(META_MIN_BYTES, 2 * meta_bytes))
         size = HEADER_BYTES + SLOTS * (data_cap + meta_cap)
         self.release(remove=True)
         directory = self.path.parent
@@ -414,7 +414,7 @@ class MemoryRegion:
     def _checksum(self, data_at: int, data_bytes: int, meta_at: int, meta_bytes: int) -> int:
         view = memoryview(self._map)  # type: ignore[arg-type]
         try:
-            return _digest(view[data_at : data_at + data_bytes], bytes(view[meta_at : meta_at + meta_bytes]))
+            return slot_digest(view[data_at : data_at + data_bytes], bytes(view[meta_at : meta_at + meta_bytes]))
         finally:
             view.release()
 
@@ -437,7 +437,7 @@ class MemoryRegion:
         meta_at = start + self._data_capacity
         meta = bytes(self._map[meta_at : meta_at + info.meta_bytes])  # type: ignore[index]
         pending = info.checksum == PENDING  # committed after its copy, checksum not computed yet
-        if (not pending and _digest(data.numpy().data, meta) != info.checksum) or self.header(info.slot) != info:
+        if (not pending and slot_digest(data.numpy().data, meta) != info.checksum) or self.header(info.slot) != info:
             raise ShmSnapshotError(f"slot {info.slot} (step {info.step}) fails its checksum: torn or damaged")
         return meta, data
 
@@ -465,7 +465,7 @@ class MemoryRegion:
         return None
 
 
-def _digest(data: memoryview, meta: bytes) -> int:
+def slot_digest(data: memoryview, meta: bytes) -> int:
     """A slot's checksum: never :data:`PENDING` (a 2**-64 chance, made 1)."""
     return chunked_xxh3(data, meta) or 1
 

@@ -27,6 +27,7 @@ from checkfreq.errors import (
     NoValidCheckpointError,
     UnknownObjectError,
 )
+from checkfreq.pipeline.replica_parts import manifest_bytes
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.ranks.rebuild import check_assembles, local_view
 from checkfreq.run.scaler_state import loadable
@@ -180,8 +181,7 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
             for info in region.snapshots():
                 manifest, valid, reason = None, True, None
                 try:
-                    meta = region.read(info)[0] if checksums else None
-                    manifest = None if meta is None else Manifest.from_json(meta)
+                    manifest = Manifest.from_json(manifest_bytes(region.read(info)[0])) if checksums else None
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
                 found.append(CheckpointStatus(

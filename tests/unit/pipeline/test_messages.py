@@ -130,7 +130,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Token: st.builds(Token, texts),
     DirectoryKey: st.builds(DirectoryKey, texts),
     DirectoryLeader: st.builds(DirectoryLeader, counts),
-    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8), st.none() | counts,
+    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8), st.lists(counts, max_size=3),
                             st.lists(counts, max_size=3)),
     Whoami: st.builds(Whoami, texts, counts),
     # commit and upload

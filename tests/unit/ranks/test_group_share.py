@@ -78,14 +78,31 @@ def test_ranks_learn_their_machine_in_a_few_messages() -> None:
 
 def test_each_machine_copies_to_the_next_one_rank_to_rank() -> None:
     two = [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert replica_ring(two, 1) == [(2, [2]), (3, [3]), (0, [0]), (1, [1])]
+    assert replica_ring(two, 1) == [([2], [2]), ([3], [3]), ([0], [0]), ([1], [1])]
     three = [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]
-    assert replica_ring(three, 1) == [(2, [4]), (3, [5]), (4, [0]), (5, [1]), (0, [2]), (1, [3])]
-    assert replica_ring(three, 2) == [(4, [2]), (5, [3]), (0, [4]), (1, [5]), (2, [0]), (3, [1])]
+    assert replica_ring(three, 1) == [([2], [4]), ([3], [5]), ([4], [0]), ([5], [1]), ([0], [2]), ([1], [3])]
+    assert replica_ring(three, 1, stride=2) == [([4], [2]), ([5], [3]), ([0], [4]), ([1], [5]), ([2], [0]),
+                                                ([3], [1])]
     uneven = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [3], [4, 5], [4, 5]]
-    assert replica_ring(uneven, 1) == [(3, [4]), (3, [5]), (3, []), (4, [0, 1, 2]), (0, [3]), (1, [])]
-    assert replica_ring(two[:2], 1) == [(None, []), (None, [])]  # one machine: nowhere to copy to
-    assert replica_ring(two, 2) == [(None, [])] * 4 and replica_ring(two, 0) == [(None, [])] * 4
+    assert replica_ring(uneven, 1) == [([3], [4]), ([3], [5]), ([3], []), ([4], [0, 1, 2]), ([0], [3]), ([1], [])]
+    assert replica_ring(two[:2], 1) == [([], []), ([], [])]  # one machine: nowhere to copy to
+    assert replica_ring(two, 1, stride=2) == [([], [])] * 4 and replica_ring(two, 0) == [([], [])] * 4
+
+
+def test_k_copies_go_to_the_k_next_machines_stride_apart_and_no_further_than_the_ring() -> None:
+    """``replicas=2``: each machine's ranks copy to the next two machines (``stride`` apart: another
+    failure domain), each keeps the copies of the two machines before it; with fewer other machines
+    than copies asked, each machine copies to every other one, once."""
+    three = [[0], [1], [2]]
+    assert replica_ring(three, 2) == [([1, 2], [1, 2]), ([2, 0], [0, 2]), ([0, 1], [0, 1])]
+    assert replica_ring(three, 5) == replica_ring(three, 2)  # only two other machines
+    assert replica_ring([[0], [1]], 2) == [([1], [1]), ([0], [0])]
+    four = [[0], [1], [2], [3]]  # racks {0, 2} and {1, 3}: stride 1 keeps one copy in the other rack
+    assert [to for to, _ in replica_ring(four, 1, stride=1)] == [[1], [2], [3], [0]]
+    assert [to for to, _ in replica_ring(four, 3, stride=2)] == [[2], [3], [0], [1]]  # the ring of stride 2 is short
+    six = [[r] for r in range(6)]
+    assert [to for to, _ in replica_ring(six, 2, stride=3)] == [[3], [4], [5], [0], [1], [2]]
+    assert [to for to, _ in replica_ring(six, 2, stride=2)] == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
 
 
 def test_a_rank_that_lost_its_snapshots_takes_the_newest_step_all_can_have_from_a_copy() -> None:
@@ -102,3 +119,18 @@ def test_a_rank_that_lost_its_snapshots_takes_the_newest_step_all_can_have_from_
     assert fetch_plan(survivors + [MemoryReport([], 8), replaced[1]]) == FetchPlan(None, [])  # disk is newer
     no_copies = [MemoryReport([6, 5], 4), MemoryReport([6, 5], 4)]
     assert fetch_plan(no_copies + replaced) == FetchPlan(None, [])  # replicas=0: nothing kept of ranks 2 and 3
+
+
+def test_a_rank_whose_copy_several_ranks_keep_is_given_every_keeper_in_turn() -> None:
+    """``replicas=2`` on three machines of one rank, machine 2 replaced: both others keep rank 2's copy
+    of step 6 and are its keepers in rank order (the second tried if the first fails); rank 1 kept no
+    copy of step 6, so it is not among them."""
+    from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+    from checkfreq.pipeline.restore.plan import fetch_plan
+
+    survivors = [MemoryReport([6, 4], None, {1: [6, 4], 2: [6, 4]}), MemoryReport([6, 4], None, {0: [6], 2: [6, 4]})]
+    assert fetch_plan([*survivors, MemoryReport([], None)]) == FetchPlan(6, [(2, 0), (2, 1)])
+    survivors[1].copies[2] = [4]  # rank 1's copy of step 6 did not arrive
+    assert fetch_plan([*survivors, MemoryReport([], None)]) == FetchPlan(6, [(2, 0)])
+    lost_two = [MemoryReport([6, 4], None, {1: [6, 4], 2: [6]}), MemoryReport([], None), MemoryReport([], None)]
+    assert fetch_plan(lost_two) == FetchPlan(6, [(1, 0), (2, 0)])  # two machines replaced: one keeper of both

@@ -37,22 +37,24 @@ def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
 def fetch_plan(reports: list[MemoryReport]) -> FetchPlan:
     """The newest memory step every rank holds itself or can take from a copy another rank keeps
     (not older than the newest step on disk), when some rank must take it from a copy: each such
-    rank with the first rank keeping its copy. Nothing to take (``step`` None) when every rank holds
-    that step itself, or no step can be had by all."""
+    rank with every rank keeping its copy, in rank order (the first tried first, the next if it
+    fails). Nothing to take (``step`` None) when every rank holds that step itself, or no step can
+    be had by all."""
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
-    keepers: dict[tuple[int, int], int] = {}  # (rank, step) -> the first other rank keeping its copy: one pass
+    keepers: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the other ranks keeping its copy: one pass
     for keeper, report in enumerate(reports):
         for rank, held in report.copies.items():
             for step in held:
                 if rank != keeper:
-                    keepers.setdefault((rank, step), keeper)
+                    keepers.setdefault((rank, step), []).append(keeper)
     steps = {s for r in reports for s in r.steps} | {step for _, step in keepers}
     for step in sorted(steps, reverse=True):
         if disk is not None and step < disk:
             break
         lacking = [rank for rank, report in enumerate(reports) if step not in report.steps]
         if all((rank, step) in keepers for rank in lacking):
-            return FetchPlan(step if lacking else None, [(rank, keepers[(rank, step)]) for rank in lacking])
+            return FetchPlan(step if lacking else None,
+                             [(rank, keeper) for rank in lacking for keeper in keepers[(rank, step)]])
     return FetchPlan(None, [])
 
 
