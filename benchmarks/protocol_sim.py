@@ -73,10 +73,22 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.replica_sim import (  # noqa: E402
+    DISK_STEP,
+    OWN_BYTES,
+    STRIDE,
+    KeptCopies,
+    Loss,
+    copy_counts,
+    measured_senders,
+    per_snapshot,
+    plan_seconds,
+)
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
 from checkfreq.pipeline.restore import Found, Restorer  # noqa: E402
-from checkfreq.pipeline.restore.plan import ReadPlan  # noqa: E402
+from checkfreq.pipeline.restore.copies import fetch_copies  # noqa: E402
+from checkfreq.pipeline.restore.plan import ReadPlan, fetch_plan  # noqa: E402
 from checkfreq.pipeline.restore.protocol import Readable  # noqa: E402
 from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
 from checkfreq.pipeline.retainer import Retainer  # noqa: E402
@@ -102,7 +114,9 @@ STEP = 100
 TIMEOUT_S = 1800.0
 STACK_BYTES = 256 << 10
 """Each rank thread's stack: 16,384 threads reserve 4 GiB of address space, of which they touch little."""
-PHASES = ("startup", "memory group", "commit", "vote", "restore")
+PHASES = ("startup", "memory group", "commit", "snapshot copy", "vote", "fetch round", "restore")
+COPY_PHASE = "snapshot copy"
+"""Counted from real copies (``benchmarks/replica_sim.py``), not run on the ranks' threads: no CPU or file counts."""
 
 
 def message_bytes(value: Any) -> int:
@@ -680,19 +694,23 @@ class Outcome:
     commit: CommitResult
     restored: str
     restored_files: int
+    fetched: int | None
+    """The memory step the fetch round brought the lost machine's ranks."""
+    adopted: int
+    """Copies this rank took over in it."""
 
 
 def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
-          start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
+          start: threading.Event, restore: bool, loss: Loss, outcomes: list[Any]) -> None:
     try:
         with fabric.baton.held():
-            _run_rank(rank, world, root, fabric, kv, ledger, checkpoint, start, restore, outcomes)
+            _run_rank(rank, world, root, fabric, kv, ledger, checkpoint, start, restore, loss, outcomes)
     except BaseException as e:  # noqa: BLE001 - reported by the caller with the rank
         outcomes[rank] = e
 
 
 def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
-              start: threading.Event, restore: bool, outcomes: list[Any]) -> None:
+              start: threading.Event, restore: bool, loss: Loss, outcomes: list[Any]) -> None:
     job = checkpoint.commit_job(rank)
     peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
     store = StoreView(kv, ledger)
@@ -702,8 +720,8 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         wait_for_every_rank(world, TIMEOUT_S, store, join=0)  # type: ignore[arg-type]
         agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
         token, directory = meet(local, [], peers)
-    with ledger.phase("memory group"):  # a memory tier's start-up: which ranks share a machine
-        memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}")
+    with ledger.phase("memory group"):  # a memory tier's start-up: which ranks share a machine, and the copies' ring
+        members = memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}", STRIDE)
     leader = directory == rank
     with ledger.phase("commit"):
         committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,
@@ -711,6 +729,9 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         result = committer.run(job)
     with ledger.phase("vote"):
         vote(peers)
+    kept = KeptCopies(loss.report(rank, members.receives_from), loss.copy_bytes)
+    with ledger.phase("fetch round"):  # one machine lost: its ranks take their snapshots from the copies kept
+        fetched = fetch_copies(Tiers([kept, LocalTier(local)]), peers, None if loss.is_lost(rank) else DISK_STEP)
     found: Found | None = None
     if restore:
         with ledger.phase("restore"):
@@ -720,7 +741,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
     if leader:
         local.unlock()
     outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
-                             0 if found is None else len(found.manifest.files))
+                             0 if found is None else len(found.manifest.files), fetched, len(kept.adopted))
 
 
 @dataclass
@@ -745,16 +766,28 @@ class Run:
     readers: dict[str, list[int]]
     """Who reads each data file from storage at restore, by the plan."""
     file_bytes: list[int]
+    copies_kept: int
+    """Of the copies ``benchmarks/replica_sim.py`` ran for the "snapshot copy" counts, those kept."""
+    report_bytes: list[int]
+    """Each rank's memory report in the fetch round (the gather to rank 0), on the wire."""
+    fetch_plan_bytes: int
+    """Rank 0's plan of the fetch round, on the wire (broadcast to every rank)."""
+    fetch_plan_s: float
+    """Rank 0's CPU for ``fetch_plan`` over every rank's report (median of repeats)."""
+    fetch_decode_s: float
+    """Rank 0's CPU to decode every rank's report (median of repeats)."""
 
     def counts(self, phase: str) -> list[Counts]:
         return [ledger.phases.get(phase, Counts()) for ledger in self.ledgers]
 
 
 def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None,
-             state: str = "ddp") -> Run:
-    """Run start-up, one commit and (up to ``restore_up_to`` ranks) the restore on ``world`` rank
-    threads, checkpointing a DDP or an FSDP2 ``state`` (:meth:`Job.of`)."""
+             state: str = "ddp", own_bytes: int = OWN_BYTES) -> Run:
+    """Run start-up, one commit, the fetch round after a machine's loss and (up to ``restore_up_to``
+    ranks) the restore on ``world`` rank threads, checkpointing a DDP or an FSDP2 ``state``
+    (:meth:`Job.of`); count one snapshot's copies with ``own_bytes`` of each rank's own state."""
     job = Job.of(world, layers, state)
+    loss = Loss(world, RANKS_PER_MACHINE)
     baton = Baton()
     ledgers = [Ledger(baton) for _ in range(world)]
     fabric, kv = Fabric(world, baton), MemoryStore(baton)
@@ -769,9 +802,8 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         gc.disable()  # else a collection of every rank's objects lands in the CPU time of whatever triggers it
         began = time.perf_counter()
         try:
-            threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True,
-                                        args=(r, world, root, fabric, kv, ledgers[r], job, start, restore, outcomes))
-                       for r in range(world)]
+            threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True, args=(
+                r, world, root, fabric, kv, ledgers[r], job, start, restore, loss, outcomes)) for r in range(world)]
             for thread in threads:
                 thread.start()
         finally:
@@ -788,9 +820,10 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
                 raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
                     error if isinstance(error, BaseException) else None)
             first = outcomes[0]
-            ended = {(o.token, o.directory, o.commit.step, o.restored, o.restored_files) for o in outcomes}
-            if ended != {(first.token, first.directory, first.commit.step, first.restored, first.restored_files)}:
-                raise RuntimeError(f"the ranks ended differently: {sorted(ended)[:4]}")
+            ended = {(o.token, o.directory, o.commit.step, o.restored, o.restored_files, o.fetched) for o in outcomes}
+            if ended != {(first.token, first.directory, first.commit.step, first.restored, first.restored_files,
+                          first.fetched)}:
+                raise RuntimeError(f"the ranks ended differently: {sorted(ended, key=str)[:4]}")
             reader = LocalStore(root, create=False)
             ((_, location),) = reader.checkpoints()
             manifest_bytes = (location / "manifest.json").stat().st_size
@@ -823,8 +856,26 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         finally:
             time.sleep = _SLEEP
             gc.enable()
+    kept = _count_copies(world, layers, own_bytes, ledgers, directory)
+    reports = loss.reports()
+    fetch_plan_s, fetch_decode_s = plan_seconds(reports)
     return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore,
-               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes)
+               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes, kept,
+               [message_bytes(report.to_wire()) for report in reports], message_bytes(fetch_plan(reports).to_wire()),
+               fetch_plan_s, fetch_decode_s)
+
+
+def _count_copies(world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None) -> int:
+    """Each rank's counts for one snapshot's copies (:data:`COPY_PHASE`), from real copies of the
+    first and the last machine's snapshots (``benchmarks/replica_sim.py``); how many were kept."""
+    if world < 2 * RANKS_PER_MACHINE:  # one machine: no copies
+        return 0
+    copied = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
+                         layers=layers, own_bytes=own_bytes, directory=directory)
+    for ledger, link in zip(ledgers, per_snapshot(world, RANKS_PER_MACHINE, copied), strict=True):
+        ledger.phases[COPY_PHASE] = Counts(messages_out=link.messages_out, messages_in=link.messages_in,
+                                           bytes_out=link.bytes_out, bytes_in=link.bytes_in, peers=link.peers)
+    return len(copied.kept)
 
 
 def _readable(store: LocalStore, step: int) -> Readable:
@@ -850,7 +901,7 @@ def rows(run: Run) -> list[dict[str, Any]]:
     out = []
     for phase in PHASES:
         counts = run.counts(phase)
-        if phase == "restore" and not run.restored:
+        if phase == "restore" and not run.restored or phase == COPY_PHASE and not run.copies_kept:
             continue
         metrics = {
             "messages in": lambda c, r: c.messages_in, "messages out": lambda c, r: c.messages_out,
@@ -860,6 +911,8 @@ def rows(run: Run) -> list[dict[str, Any]]:
             "connections": lambda c, r: c.connections(r, run.world), "files read": lambda c, r: len(c.files_read),
             "files looked up": lambda c, r: c.lookups,
         }
+        if phase == COPY_PHASE:
+            metrics = {k: m for k, m in metrics.items() if k not in ("CPU ms", "files read", "files looked up")}
         for name, metric in metrics.items():
             others = [metric(c, r) for r, c in enumerate(counts) if r]
             median, most = _spread(others)
@@ -892,7 +945,51 @@ def summary(run: Run) -> dict[str, Any]:
         "restore_bytes_in_max": max(c.bytes_in for c in run.counts("restore")) if run.restored else None,
         "restore_bytes_in_planned": run.stream_bytes,
         "restore_bytes_in_whole_files": total - min(run.file_bytes),  # every file but its own, as before
+        **_replica_summary(run),
     }
+
+
+def _replica_summary(run: Run) -> dict[str, Any]:
+    """The copies' numbers: each snapshot's per rank (the most of any rank), and the fetch round's."""
+    copy, fetch = run.counts(COPY_PHASE), run.counts("fetch round")
+    others = range(1, run.world)
+    return {
+        "copies_kept": run.copies_kept,
+        "copy_messages_max": max(c.messages_in + c.messages_out for c in copy),
+        "copy_bytes_max": max(c.bytes_in + c.bytes_out for c in copy),
+        "copy_store_ops_max": max(c.store_ops for c in copy),
+        "copy_connections_max": max(c.connections(r, run.world) for r, c in enumerate(copy)),
+        "fetch_report_bytes_max": max(run.report_bytes),
+        "fetch_gather_bytes": sum(run.report_bytes[1:]),
+        "fetch_plan_bytes": run.fetch_plan_bytes,
+        "fetch_plan_ms": 1000 * run.fetch_plan_s, "fetch_decode_ms": 1000 * run.fetch_decode_s,
+        "fetch_rank0_cpu_ms": 1000 * fetch[0].cpu_s,
+        "fetch_messages_max": max(fetch[r].messages_in + fetch[r].messages_out for r in others),
+        "fetch_bytes_max": max(fetch[r].bytes_in + fetch[r].bytes_out for r in others),
+        "fetch_connections_max": max(fetch[r].connections(r, run.world) for r in others),
+        "fetched": sorted({str(o.fetched) for o in run.outcomes}),
+        "adopted": sum(o.adopted for o in run.outcomes),
+    }
+
+
+REPLICA_COLUMNS = {
+    "copy_messages_max": "copy: messages per rank", "copy_bytes_max": "copy: bytes per rank",
+    "copy_store_ops_max": "copy: store operations", "copy_connections_max": "copy: connections",
+    "fetch_report_bytes_max": "fetch: report B", "fetch_gather_bytes": "fetch: rank 0 gathers B",
+    "fetch_plan_bytes": "fetch: plan B", "fetch_plan_ms": "fetch_plan ms", "fetch_decode_ms": "decode ms",
+    "fetch_rank0_cpu_ms": "fetch: rank 0 CPU ms", "fetch_messages_max": "fetch: messages per rank",
+    "fetch_connections_max": "fetch: connections",
+}
+"""The replicas table's columns (:func:`replica_table`): each a key of :func:`summary`."""
+
+
+def replica_table(sums: Sequence[dict[str, Any]]) -> list[str]:
+    """The copies' figures, one row per N: per rank the most of any rank (in + out), for one
+    snapshot's copy and for the fetch round after a machine's loss; rank 0's gather and plan."""
+    lines = ["| N | " + " | ".join(REPLICA_COLUMNS.values()) + " |", "| --- " * (len(REPLICA_COLUMNS) + 1) + "|"]
+    for s in sums:
+        lines.append(f"| {s['world']:,} | " + " | ".join(_number(s[k]) for k in REPLICA_COLUMNS) + " |")
+    return lines
 
 
 def verdicts(sums: list[dict[str, Any]], fsdp2: dict[int, int], layers: int) -> list[tuple[str, bool, str]]:
@@ -904,6 +1001,8 @@ def verdicts(sums: list[dict[str, Any]], fsdp2: dict[int, int], layers: int) -> 
     largest = max(s["world"] for s in sums)
     manifests = max(large["manifest_bytes"], fsdp2[largest])
     n0, n1 = f"N = {small['world']:,}", f"N = {large['world']:,}"
+    copied = [s for s in sums if s["copies_kept"]] or [small]  # the worlds of more than one machine
+    c0, c1 = copied[0], copied[-1]
     return [
         ("a rank's bytes per checkpoint within 2x", per_rank_bytes,
          f"most of a rank other than 0 (in + out): {small['commit_bytes_max']:,} B at {n0}, "
@@ -917,7 +1016,29 @@ def verdicts(sums: list[dict[str, Any]], fsdp2: dict[int, int], layers: int) -> 
          f"a rank other than 0, polls left out: {sorted(ops)} at every N"),
         ("manifest <= 16 MB (DDP and FSDP2)", manifests <= 16_000_000,
          f"{8 * layers} tensors at N = {largest:,}: DDP {large['manifest_bytes']:,} B, FSDP2 {fsdp2[largest]:,} B"),
+        ("a rank's copy per snapshot flat (messages; bytes within 1%; <= 2 connections; no store operation)",
+         flat_copies(copied),
+         f"the most of any rank (in + out): {c0['copy_messages_max']} messages, {c0['copy_bytes_max']:,} B, "
+         f"{c0['copy_connections_max']} connections at N = {c0['world']:,}; {c1['copy_messages_max']}, "
+         f"{c1['copy_bytes_max']:,} B, {c1['copy_connections_max']} at N = {c1['world']:,}; store operations: "
+         f"{max(s['copy_store_ops_max'] for s in sums)}"),
+        ("rank 0's fetch_plan <= 1 s", large["fetch_plan_ms"] <= 1000,
+         f"one machine of {RANKS_PER_MACHINE} lost, at {n1}: {large['fetch_plan_ms']:.1f} ms (decoding the reports: "
+         f"{large['fetch_decode_ms']:.1f} ms)"),
     ]
+
+
+def flat_copies(sums: Sequence[dict[str, Any]]) -> bool:
+    """Whether a rank's copy of a snapshot costs the same at every size of ``sums``: the same
+    messages, bytes within 1% (the digits of rank numbers in its manifest), a partner each way
+    (one connection where two machines copy to each other), no store operation; False without copies."""
+    first = sums[0]
+    return all(
+        s["copies_kept"] and s["copy_messages_max"] == first["copy_messages_max"] and s["copy_store_ops_max"] == 0
+        and s["copy_connections_max"] <= 2 and abs(s["copy_bytes_max"] - first["copy_bytes_max"]) <= first[
+            "copy_bytes_max"] / 100
+        for s in sums
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -929,19 +1050,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="what the ranks checkpoint and restore")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                         help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
+    parser.add_argument("--own-bytes", type=int, default=OWN_BYTES,
+                        help="each rank's own (not replicated) state in a memory snapshot, copied to another machine")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     sums = []
     print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
     for world in worlds:
         run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir,
-                       state=args.state)
+                       state=args.state, own_bytes=args.own_bytes)
         for row in rows(run):
             print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {_number(row['rank0'])} | "
                   f"{_number(row['median'])} | {_number(row['max'])} |", flush=True)
         sums.append(summary(run))
         print(json.dumps(sums[-1]), flush=True)
     fsdp2 = {world: costs(world, "fsdp2", args.layers)["manifest_bytes"] for world in worlds}
+    print("\n".join(replica_table(sums)))
     for name, ok, numbers in verdicts(sums, fsdp2, args.layers):
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {numbers}")
 
