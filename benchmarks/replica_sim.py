@@ -48,6 +48,8 @@ from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_r
 from checkfreq.storage.format import Manifest, data_file_name, plan_layout, tensor_entries
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, layout_signature
 
+RANKS_PER_MACHINE = 8
+"""Ranks to a machine (each with its shared memory)."""
 STRIDE = 1
 """``replicas=1``: machine ``i`` copies to machine ``i + 1``."""
 STEPS = (90, 100)
