@@ -446,3 +446,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name, ok, numbers in verdicts(sums, fsdp2, args.layers):
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {numbers}")
 
+
+if __name__ == "__main__":
+    main()

@@ -196,7 +196,7 @@ class Copied:
 def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers: int, own_bytes: int = OWN_BYTES,
                 directory: str | None = None) -> Copied:
     """Each rank of ``senders`` copies one snapshot to its partner by the ring at ``world`` ranks, through
-    real :class:`ReplicaLink`\\ s (the partners' too) over a :class:`Wire`; every rank's counts of that
+    real :class:`ReplicaLink` links (the partners' too) over a :class:`Wire`; every rank's counts of that
     one snapshot (the copies' end, a header sent at close, is not counted)."""
     partners = ring(world, per_machine)
     wire = Wire()

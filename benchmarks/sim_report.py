@@ -168,7 +168,7 @@ def flat_copies(sums: Sequence[dict[str, Any]]) -> bool:
     )
 
 
-
 def figure(value: float) -> str:
+    """A count as the tables print it: thousands separated, two decimals unless whole."""
     return f"{value:,.2f}" if isinstance(value, float) and not value.is_integer() else f"{int(value):,}"
 

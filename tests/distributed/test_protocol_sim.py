@@ -3,6 +3,8 @@ code on a thread per rank over an in-memory transport, at a few ranks, and what 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,6 +92,16 @@ def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.Captur
     assert verdicts[4].startswith("PASS  manifest <= 16 MB")
     assert verdicts[5].startswith("PASS  a rank's copy per snapshot flat")
     assert verdicts[6].startswith("PASS  rank 0's fetch_plan <= 1 s")
+
+
+def test_the_script_prints_its_report(tmp_path: Path) -> None:
+    """``python benchmarks/protocol_sim.py`` runs its main (the documented command)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "protocol_sim.py"), "--worlds", "16",
+                           "--layers", "2", "--restore-up-to", "0", "--own-bytes", "4096", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600, check=True)
+    assert "| 16 | fetch round | messages in | 30 | 6 | 6 |" in done.stdout, done.stdout  # half lost, half keepers
+    assert sum(line.startswith("PASS") for line in done.stdout.splitlines()) == 7, done.stdout
 
 
 def test_rank_0s_start_up_traffic_grows_linearly(runs: dict[int, Run]) -> None:
