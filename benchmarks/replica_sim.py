@@ -1,5 +1,5 @@
-"""The copies of memory snapshots on other machines (``replicas=``) at N ranks: what
-``benchmarks/protocol_sim.py`` runs and counts of them.
+"""The copies of memory snapshots on other machines (``replicas=``) at N ranks, as
+``benchmarks/protocol_sim.py`` runs and counts them.
 
 * **Each snapshot**: a rank's copy goes to one partner, point to point, by
   :class:`checkfreq.pipeline.replicas.ReplicaLink` (header, data, manifest; the keeper's answer).
