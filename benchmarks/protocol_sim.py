@@ -396,8 +396,9 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
 
 def _count_copies(world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None) -> int:
     """Each rank's counts for one snapshot's copies (:data:`COPY_PHASE`), from real copies of the
-    first and the last machine's snapshots (``benchmarks/replica_sim.py``); how many were kept."""
-    if world < 2 * RANKS_PER_MACHINE:  # one machine: no copies
+    first and the last machine's snapshots (``benchmarks/replica_sim.py``); how many were kept (none
+    counted on one machine, which copies nowhere, or with a last machine smaller than the others)."""
+    if world < 2 * RANKS_PER_MACHINE or world % RANKS_PER_MACHINE:
         return 0
     copied = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
                          layers=layers, own_bytes=own_bytes, directory=directory)
