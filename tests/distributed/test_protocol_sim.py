@@ -3,6 +3,8 @@ code on a thread per rank over an in-memory transport, at a few ranks, and what 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +14,10 @@ from helpers import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.protocol_sim import Baton, Run, main, simulate  # noqa: E402
+from benchmarks.protocol_sim import COPY_PHASE, RANKS_PER_MACHINE, Baton, Run, main, simulate  # noqa: E402
+from benchmarks.replica_sim import LinkCounts, Loss, copy_counts, measured_senders, per_snapshot, slot  # noqa: E402
+
+from checkfreq.pipeline.restore.plan import fetch_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +75,33 @@ def test_rank_0s_commit_traffic_grows_linearly(runs: dict[int, Run]) -> None:
 
 
 def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--worlds", "8,16", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path)])
+    main(["--worlds", "8,16,24", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path),
+          "--own-bytes", "4096"])
     out = capsys.readouterr().out
     assert "| 8 | restore | files read | 1 | 1 | 1 |" in out and "| 16 | restore |" not in out
+    assert "| 16 | snapshot copy | connections | 1 | 1 | 1 |" in out and "| 8 | snapshot copy |" not in out
+    assert "| 24 | snapshot copy | connections | 2 | 2 | 2 |" in out
     assert '"restore_readers": [1], "restore_each_reads_its_own": true' in out
+    rows = ("| N | copy:", "| 8 | 0 |", "| 16 | 8 |", "| 24 | 8 |")
+    table = [line for line in out.splitlines() if line.startswith(rows)]
+    assert len(table) == 4, out  # the replicas table: a header and one row per N (no copies on one machine)
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(verdicts) == 5, out
+    assert len(verdicts) == 7, out
     assert verdicts[0].startswith("PASS  a rank's bytes per checkpoint within 2x")
     assert verdicts[3].startswith("PASS  start-up store operations per rank constant")
     assert verdicts[4].startswith("PASS  manifest <= 16 MB")
+    assert verdicts[5].startswith("PASS  a rank's copy per snapshot flat")
+    assert verdicts[6].startswith("PASS  rank 0's fetch_plan <= 1 s")
+
+
+def test_the_script_prints_its_report(tmp_path: Path) -> None:
+    """``python benchmarks/protocol_sim.py`` runs its main (the documented command)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "protocol_sim.py"), "--worlds", "16",
+                           "--layers", "2", "--restore-up-to", "0", "--own-bytes", "4096", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600, check=True)
+    assert "| 16 | fetch round | messages in | 30 | 6 | 6 |" in done.stdout, done.stdout  # half lost, half keepers
+    assert sum(line.startswith("PASS") for line in done.stdout.splitlines()) == 7, done.stdout
 
 
 def test_rank_0s_start_up_traffic_grows_linearly(runs: dict[int, Run]) -> None:
@@ -115,3 +138,90 @@ def test_the_memory_tiers_start_up_costs_a_rank_the_same_at_any_size(runs: dict[
         assert [(c.messages_out, c.messages_in) for c in counts[1:]] == [(1, 2)] * (world - 1), world
         assert (counts[0].messages_in, counts[0].messages_out) == (world - 1, 2 * (world - 1)), world
         assert max(c.bytes_in for c in counts[1:]) < 100  # eight rank numbers, whatever N
+
+
+# ------------------------------------------------------------------ the copies of memory snapshots (replicas=1)
+
+OWN = 4096
+"""Each rank's own state in a snapshot, beside its share of the replicated state (small: fast)."""
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    """Three machines of 8 (each copies to the next, the last to the first), and sixteen."""
+    return {
+        world: simulate(world, layers=4, restore_up_to=0, own_bytes=OWN,
+                        directory=str(tmp_path_factory.mktemp(f"copies{world}")))
+        for world in (24, 128)
+    }
+
+
+def test_a_ranks_copy_of_a_snapshot_costs_the_same_at_any_size(copies: dict[int, Run]) -> None:
+    """Per snapshot every rank sends its partner a header, its data and its manifest, and answers its
+    own sender: 4 messages out, 4 in, two connections, no store operation and no collective, at 24
+    and at 128 ranks; its bytes are its slot's (the same but for the digits of rank numbers in its
+    manifest). Every copy measured was kept (its checksum matched)."""
+    for world, run in copies.items():
+        assert run.copies_kept == 16, world  # the first and the last machine's
+        for rank, c in enumerate(run.counts(COPY_PHASE)):
+            assert (c.messages_out, c.messages_in, c.connections(rank, world)) == (4, 4, 2), (world, rank)
+            assert c.store_ops == 0 and c.all_gathers == 0 and not c.everyone, (world, rank)
+        data, meta = slot(world, 0, RANKS_PER_MACHINE, 4, OWN)
+        header, answer = 8 * 8, 8  # int64 values
+        assert run.counts(COPY_PHASE)[0].bytes_out == header + data + len(meta) + answer
+    small, large = (copies[w].counts(COPY_PHASE) for w in (24, 128))
+    for k in range(RANKS_PER_MACHINE):  # rank k of the last machine at either size
+        before, after = small[24 - RANKS_PER_MACHINE + k], large[128 - RANKS_PER_MACHINE + k]
+        assert 0 <= after.bytes_out - before.bytes_out <= 16 and 0 <= after.bytes_in - before.bytes_in <= 16, k
+
+
+def test_the_counts_per_rank_are_those_of_every_ranks_real_copy(tmp_path: Path) -> None:
+    """The simulator counts the copies of two machines and gives every other rank those of its
+    local rank on the last machine: at 32 ranks, running every rank's real copy gives the same
+    messages and partners, and bytes within the digits of rank numbers."""
+    world = 32
+    every = copy_counts(world, list(range(world)), per_machine=RANKS_PER_MACHINE, layers=4, own_bytes=OWN,
+                        directory=str(tmp_path))
+    sampled = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
+                          layers=4, own_bytes=OWN, directory=str(tmp_path))
+    assert sorted(every.kept) == list(range(world)) and set(every.kept.values()) == {100}
+    for rank, counted in enumerate(per_snapshot(world, RANKS_PER_MACHINE, sampled)):
+        real = LinkCounts()
+        for (_, _, who), c in every.counts.items():
+            if who == rank:
+                real.add(c)
+        assert (counted.messages_out, counted.messages_in, counted.peers) == (
+            real.messages_out, real.messages_in, real.peers), rank
+        assert abs(counted.bytes_out - real.bytes_out) <= 16 and abs(counted.bytes_in - real.bytes_in) <= 16, rank
+
+
+def test_the_fetch_round_costs_a_rank_the_same_and_rank_0_linearly(copies: dict[int, Run]) -> None:
+    """Machine 1 lost with its memory and disk: every rank ends with step 100, each of machine 1's
+    ranks took one copy over, from the rank of machine 2 keeping it. A rank other than 0 sends its
+    report and no error, and receives the plan and the errors (2 + 2 messages); a lost rank and its
+    keeper also exchange the copy (a header's length, the header, the manifest, the data): at most
+    8 messages and 2 connections at any N. Rank 0 receives 2 messages per rank (its gather), of the
+    same size at any N, and broadcasts a plan that names only the lost machine's ranks."""
+    for world, run in copies.items():
+        assert {o.fetched for o in run.outcomes} == {100}, world
+        lost = range(RANKS_PER_MACHINE, 2 * RANKS_PER_MACHINE)
+        assert [o.adopted for o in run.outcomes] == [int(r in lost) for r in range(world)], world
+        fetch = run.counts("fetch round")
+        for rank, c in enumerate(fetch[1:], start=1):
+            exchanges = rank in lost or rank - RANKS_PER_MACHINE in lost
+            expected = (2, 6) if rank in lost else (6, 2) if exchanges else (2, 2)  # (out, in)
+            assert (c.messages_out, c.messages_in) == expected, (world, rank)
+            assert c.connections(rank, world) == (2 if exchanges else 1) and c.store_ops == 0, (world, rank)
+        assert (fetch[0].messages_in, fetch[0].messages_out) == (2 * (world - 1), 2 * (world - 1)), world
+    small, large = copies[24], copies[128]
+    assert small.fetch_plan_bytes == large.fetch_plan_bytes < 200
+    assert 0.9 < (sum(large.report_bytes) / 128) / (sum(small.report_bytes) / 24) < 1.1
+    assert max(large.report_bytes) <= max(small.report_bytes) + 8  # digits
+
+
+def test_rank_0s_plan_at_16384_ranks_names_only_the_lost_machine() -> None:
+    """fetch_plan over 16,384 reports (one machine lost, the next keeping its copies): step 100, each
+    lost rank from the rank of the next machine with its local index."""
+    plan = fetch_plan(Loss(16384, RANKS_PER_MACHINE).reports())
+    assert plan.step == 100
+    assert plan.pairs == [(rank, rank + RANKS_PER_MACHINE) for rank in range(8, 16)]
