@@ -1,21 +1,22 @@
 """checkfreq's distributed protocol at N ranks, each rank's real code on a thread of its own.
 
 Usage: ``python benchmarks/protocol_sim.py [--worlds 64,1024,4096,16384] [--restore-up-to 64] [--state fsdp2]
-[--own-bytes 1048576]``
+[--own-bytes 1048576] [--replicas 1]``
 
 Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``agree_on_token`` over a
-key-value store, then ``ranks.group_cluster.meet``: the job's token, who shares a directory, each directory
-opened), a memory tier's start-up (``ranks.sharing.memory_group``: which ranks share a machine, 8 to a
-machine, and with ``replicas=1`` where each rank copies its snapshots and whose it keeps), one commit
-(``pipeline.commit.Committer.run``, which writes a real data file per rank and rank 0's
-``manifest.json`` into one shared directory), three exchanges of the vote on when to checkpoint
-(``ranks.collectives.tree_max``, what ``ranks.agreement.AgreedPolicy``'s vote thread runs), the fetch
-round after machine 1 is lost with its memory and disk (``pipeline.restore.copies.fetch_copies``: every
-rank's report gathered on rank 0, its plan broadcast, each copy sent by its keeper to the rank that
-lost it; what each rank holds: ``benchmarks/replica_sim.py``'s ``Loss``), and the restore
-(``pipeline.restore.Restorer.find``: the choice of step, rank 0's plan, each file read and verified by one
-rank, and the replicated tensors all-gathered; the directory is taken for one on a network file
-system, where no two ranks share a page cache, as in a job of many nodes).
+key-value store, then ``ranks.group_cluster.meet``: the job's token, who shares a directory, each
+directory opened), a memory tier's start-up (``ranks.sharing.memory_group``: which ranks share a machine,
+8 to a machine, and with ``replicas=k`` (``--replicas``, 1 by default) the k ranks each rank copies its
+snapshots to and whose it keeps), one commit (``pipeline.commit.Committer.run``, which writes a real data
+file per rank and rank 0's ``manifest.json`` into one shared directory), three exchanges of the vote on
+when to checkpoint (``ranks.collectives.tree_max``, what ``ranks.agreement.AgreedPolicy``'s vote thread
+runs), the fetch round after machine 1 is lost with its memory and disk
+(``pipeline.restore.copies.fetch_copies``: every rank's report gathered on rank 0, its plan broadcast,
+each copy sent by its first keeper to the rank that lost it, then a ``tree_max`` of one flag per such
+rank, and the errors gathered and broadcast; what each rank holds: ``benchmarks/replica_sim.py``'s
+``Loss``), and the restore (``pipeline.restore.Restorer.find``: the choice of step, rank 0's plan, each
+file read and verified by one rank, and the replicated tensors all-gathered; the directory is taken for
+one on a network file system, where no two ranks share a page cache, as in a job of many nodes).
 What stands in for the real thing:
 
 * the transport: :class:`MemoryPeers` implements :class:`checkfreq.ranks.collectives.Peers` in memory.
@@ -50,9 +51,10 @@ measured alone: rank 0's plan (``restore.plan.ReadPlan``) over N views (on one s
 rank's view is rank 0's, built by the restorer's own code), and what every rank computes of the
 stream (``restore.stream.ReplicatedStream``: its layout, and the replicated tensors taken out of the N rows).
 
-Each snapshot's copy to another machine (the "snapshot copy" phase) is not run on the ranks'
+Each snapshot's copies on other machines (the "snapshot copy" phase) is not run on the ranks'
 threads: ``benchmarks/replica_sim.py`` runs real ``ReplicaLink`` links for the first and the last machine's
-ranks and gives each rank the counts of the copy it sends and of those it keeps, by the ring the
+ranks (each sends what ``pipeline.replica_parts.outgoing`` makes of its slot: no replicated state)
+and gives each rank the counts of the copies it sends and of those it keeps, by the ring the
 start-up computes; it also times rank 0's ``fetch_plan`` over N reports.
 
 Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks
@@ -88,6 +90,7 @@ from benchmarks.replica_sim import (  # noqa: E402
     DISK_STEP,
     OWN_BYTES,
     RANKS_PER_MACHINE,
+    REPLICAS,
     STRIDE,
     KeptCopies,
     Loss,
@@ -95,6 +98,8 @@ from benchmarks.replica_sim import (  # noqa: E402
     measured_senders,
     per_snapshot,
     plan_seconds,
+    sent,
+    slot,
 )
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
 from benchmarks.sim_counts import CountedLocalStore, CountingPeers, Counts, Ledger, message_bytes  # noqa: E402
@@ -243,7 +248,7 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         agree_on_token(store, "checkfreq/groups/control+commit", rank, world, timedelta(seconds=TIMEOUT_S))  # type: ignore[arg-type]
         token, directory = meet(local, [], peers)
     with ledger.phase("memory group"):  # a memory tier's start-up: which ranks share a machine, and the copies' ring
-        members = memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}", STRIDE)
+        members = memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}", loss.replicas, STRIDE)
     leader = directory == rank
     with ledger.phase("commit"):
         committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,
@@ -271,6 +276,8 @@ class Run:
     """One simulated world: every rank's counts by phase, how each ended, and rank 0's measurements."""
 
     world: int
+    replicas: int
+    """Each snapshot's copies (``replicas=``): the keepers each rank copies to."""
     wall_s: float
     threads_s: float
     """Seconds to start every rank's thread."""
@@ -289,7 +296,12 @@ class Run:
     """Who reads each data file from storage at restore, by the plan."""
     file_bytes: list[int]
     copies_kept: int
-    """Of the copies ``benchmarks/replica_sim.py`` ran for the "snapshot copy" counts, those kept."""
+    """Of the copies ``benchmarks/replica_sim.py`` ran for the "snapshot copy" counts, those kept
+    (one per measured rank and keeper)."""
+    slot_bytes: int
+    """Rank 0's memory snapshot: its slot's data and manifest (0: no copies counted)."""
+    copy_sent_bytes: int
+    """What rank 0 sends of it to each keeper: the copy's data and envelope (0: no copies counted)."""
     report_bytes: list[int]
     """Each rank's memory report in the fetch round (the gather to rank 0), on the wire."""
     fetch_plan_bytes: int
@@ -304,12 +316,13 @@ class Run:
 
 
 def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None,
-             state: str = "ddp", own_bytes: int = OWN_BYTES) -> Run:
+             state: str = "ddp", own_bytes: int = OWN_BYTES, replicas: int = REPLICAS) -> Run:
     """Run start-up, one commit, the fetch round after a machine's loss and (up to ``restore_up_to``
     ranks) the restore on ``world`` rank threads, checkpointing a DDP or an FSDP2 ``state``
-    (:meth:`Job.of`); count one snapshot's copies with ``own_bytes`` of each rank's own state."""
+    (:meth:`Job.of`); count one snapshot's copies to ``replicas`` keepers each, with ``own_bytes``
+    of each rank's own state."""
     job = Job.of(world, layers, state)
-    loss = Loss(world, RANKS_PER_MACHINE)
+    loss = Loss(world, RANKS_PER_MACHINE, replicas=replicas)
     baton = Baton()
     ledgers = [Ledger(baton) for _ in range(world)]
     fabric, kv = Fabric(world, baton), MemoryStore(baton)
@@ -379,24 +392,29 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         finally:
             time.sleep = REAL_SLEEP
             gc.enable()
-    kept = _count_copies(world, layers, own_bytes, ledgers, directory)
+    kept = _count_copies(world, layers, own_bytes, ledgers, directory, replicas)
+    slot_bytes = copy_sent_bytes = 0
+    if kept:
+        data_bytes, meta = slot(world, 0, RANKS_PER_MACHINE, layers, own_bytes)
+        slot_bytes, copy_sent_bytes = data_bytes + len(meta), sum(sent(world, 0, RANKS_PER_MACHINE, layers, own_bytes))
     reports = loss.reports()
     fetch_plan_s, fetch_decode_s = plan_seconds(reports)
-    return Run(world, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore,
-               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes, kept,
+    return Run(world, replicas, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore,
+               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes, kept, slot_bytes, copy_sent_bytes,
                [message_bytes(report.to_wire()) for report in reports], message_bytes(fetch_plan(reports).to_wire()),
                fetch_plan_s, fetch_decode_s)
 
 
-def _count_copies(world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None) -> int:
+def _count_copies(world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None,
+                  replicas: int = REPLICAS) -> int:
     """Each rank's counts for one snapshot's copies (:data:`COPY_PHASE`), from real copies of the
     first and the last machine's snapshots (``benchmarks/replica_sim.py``); how many were kept (none
     counted on one machine, which copies nowhere, or with a last machine smaller than the others)."""
     if world < 2 * RANKS_PER_MACHINE or world % RANKS_PER_MACHINE:
         return 0
     copied = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
-                         layers=layers, own_bytes=own_bytes, directory=directory)
-    for ledger, link in zip(ledgers, per_snapshot(world, RANKS_PER_MACHINE, copied), strict=True):
+                         layers=layers, own_bytes=own_bytes, directory=directory, replicas=replicas)
+    for ledger, link in zip(ledgers, per_snapshot(world, RANKS_PER_MACHINE, copied, replicas), strict=True):
         ledger.phases[COPY_PHASE] = Counts(messages_out=link.messages_out, messages_in=link.messages_in,
                                            bytes_out=link.bytes_out, bytes_in=link.bytes_in, peers=link.peers)
     return len(copied.kept)
@@ -426,13 +444,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
     parser.add_argument("--own-bytes", type=int, default=OWN_BYTES,
                         help="each rank's own (not replicated) state in a memory snapshot, copied to another machine")
+    parser.add_argument("--replicas", type=int, default=REPLICAS,
+                        help="the copies of each memory snapshot, each on another machine (replicas=k)")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     sums = []
     print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
     for world in worlds:
         run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir,
-                       state=args.state, own_bytes=args.own_bytes)
+                       state=args.state, own_bytes=args.own_bytes, replicas=args.replicas)
         for row in rows(run):
             print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {figure(row['rank0'])} | "
                   f"{figure(row['median'])} | {figure(row['max'])} |", flush=True)

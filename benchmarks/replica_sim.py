@@ -1,15 +1,17 @@
 """The copies of memory snapshots on other machines (``replicas=``) at N ranks, as
 ``benchmarks/protocol_sim.py`` runs and counts them.
 
-* **Each snapshot**: a rank's copy goes to one partner, point to point, by
-  :class:`checkfreq.pipeline.replicas.ReplicaLink` (header, data, manifest; the keeper's answer).
+* **Each snapshot**: a rank's copy goes to each of its ``replicas`` keepers in turn, point to point, by
+  :class:`checkfreq.pipeline.replicas.ReplicaLink` (header, data, envelope; the keeper's answer).
   :func:`copy_counts` runs real links (their own threads, real shared-memory regions, the
   keeper's checksum check) over :class:`Wire`, an in-memory stand-in for the two calls of
   ``torch.distributed`` the link makes (``send`` and ``recv``), which counts each rank's messages
   and bytes. The stand-in has nothing else: a collective or a store operation would fail the run.
-  What each rank sends is its slot as the memory tier builds it (:func:`slot`: its share of its
-  machine's copy of the replicated state, cut by ``ranks.group_share.GroupSharer``, its private
-  tensors and ``own_bytes`` of state of its own, and the manifest beside them).
+  Each rank's slot is as the memory tier builds it (:func:`slot`: its share of its machine's copy
+  of the replicated state, cut by ``ranks.group_share.GroupSharer``, its private tensors and
+  ``own_bytes`` of state of its own, and the manifest beside them); what the link sends of it is
+  what ``pipeline.replica_parts.outgoing`` makes of it (:func:`sent`: the slot less its runs of
+  replicated pieces, which every other machine holds, and an envelope around the manifest).
   :func:`per_snapshot` takes who copies to whom at N from ``ranks.group_share.replica_ring`` (the
   function the start-up runs) and gives every rank the counts of the copies it sends and keeps,
   as measured on the copies of the first and the last machine (:func:`copy_counts`; another rank's
@@ -17,7 +19,7 @@
   the manifest).
 * **At restore** (the fetch round, ``pipeline.restore.copies.fetch_copies``): :class:`KeptCopies`
   is a tier that holds what :class:`Loss` says each rank holds after one machine is lost with its
-  memory and disk (every other rank: its own last two snapshots and the copies of its ring sender's);
+  memory and disk (every other rank: its own last two snapshots and the copies of its ring senders');
   protocol_sim runs the real fetch round with it on every rank's thread.
   :func:`plan_seconds` times rank 0's ``pipeline.restore.plan.fetch_plan`` over the same reports.
 """
@@ -40,18 +42,21 @@ import torch
 from benchmarks.scale_costs import PRIVATE_TENSORS, replicated_state, skeleton
 from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline import replicas
+from checkfreq.pipeline.replica_parts import outgoing
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.restore.messages import MemoryReport
 from checkfreq.pipeline.restore.plan import fetch_plan
 from checkfreq.pipeline.tier import HeldCopy, Tier
 from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_ring
 from checkfreq.storage.format import Manifest, data_file_name, plan_layout, tensor_entries
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, layout_signature
+from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, SlotInfo, device_and_inode, layout_signature
 
 RANKS_PER_MACHINE = 8
 """Ranks to a machine (each with its shared memory)."""
+REPLICAS = 1
+"""The copies of each snapshot, on as many other machines (``replicas=``)."""
 STRIDE = 1
-"""``replicas=1``: machine ``i`` copies to machine ``i + 1``."""
+"""``replica_stride=1``: machine ``i`` copies to machines ``i + 1``, ``i + 2``, ... (``replicas`` of them)."""
 STEPS = (90, 100)
 """The memory snapshots every rank holds (two slots), and the copies it keeps of its sender's."""
 DISK_STEP = 50
@@ -66,9 +71,10 @@ def machines(world: int, per_machine: int) -> list[str]:
     return [f"machine {rank // per_machine}" for rank in range(world)]
 
 
-def ring(world: int, per_machine: int, stride: int = STRIDE) -> list[tuple[int | None, list[int]]]:
-    """Each rank's (partner, senders), as the start-up computes them."""
-    return replica_ring(groups_of(machines(world, per_machine)), stride)
+def ring(world: int, per_machine: int, replicas: int = REPLICAS, stride: int = STRIDE
+         ) -> list[tuple[list[int], list[int]]]:
+    """Each rank's (keepers, senders), as the start-up computes them."""
+    return replica_ring(groups_of(machines(world, per_machine)), replicas, stride)
 
 
 # ---------------------------------------------------------------------------------- one snapshot
@@ -91,6 +97,16 @@ def slot(world: int, rank: int, per_machine: int, layers: int, own_bytes: int = 
                         tensors=tensor_entries(layout, name), state=index["ranks"][0], versions={"checkfreq": "sim"},
                         created=0.0, distributed=dict(index))
     return layout.nbytes, manifest.to_json()
+
+
+def sent(world: int, rank: int, per_machine: int, layers: int, own_bytes: int = OWN_BYTES) -> tuple[int, int]:
+    """(data bytes, manifest bytes) of the copy of rank ``rank``'s :func:`slot` that goes to each keeper,
+    as ``pipeline.replica_parts.outgoing`` makes it: the slot's data less its runs of replicated pieces,
+    and the envelope (what was left out, around the slot's manifest)."""
+    data_bytes, meta = slot(world, rank, per_machine, layers, own_bytes)
+    info = SlotInfo(0, 0, STEPS[-1], data_bytes, len(meta), layout_signature("sim"), 1)
+    copy = outgoing(torch.zeros(data_bytes, dtype=torch.uint8), meta, info)
+    return copy.info.data_bytes, copy.info.meta_bytes
 
 
 @dataclass
@@ -189,16 +205,16 @@ class Copied:
     :attr:`Wire.counts` has them."""
 
     counts: dict[tuple[int, int, int], LinkCounts]
-    kept: dict[int, int]
-    """Sender → the step its keeper kept."""
+    kept: dict[tuple[int, int], int]
+    """(sender, keeper) → the step that keeper kept of that sender's copy."""
 
 
 def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers: int, own_bytes: int = OWN_BYTES,
-                directory: str | None = None) -> Copied:
-    """Each rank of ``senders`` copies one snapshot to its partner by the ring at ``world`` ranks, through
-    real :class:`ReplicaLink` links (the partners' too) over a :class:`Wire`; every rank's counts of that
-    one snapshot (the copies' end, a header sent at close, is not counted)."""
-    partners = ring(world, per_machine)
+                directory: str | None = None, replicas: int = REPLICAS) -> Copied:
+    """Each rank of ``senders`` copies one snapshot to its keepers by the ring at ``world`` ranks (``replicas``
+    of them, in turn), through real :class:`ReplicaLink` links (the keepers' too) over a :class:`Wire`;
+    every rank's counts of that one snapshot (the copies' end, a header sent at close, is not counted)."""
+    partners = ring(world, per_machine, replicas)
     wire = Wire()
     with tempfile.TemporaryDirectory(prefix="checkfreq-replica-sim-", dir=directory) as tmp, \
             _on_wire(wire, Path(tmp)):
@@ -206,9 +222,9 @@ def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers:
         ckpt.mkdir()
         keepers: dict[int, list[int]] = {}
         for sender in senders:
-            to = partners[sender][0]
-            assert to is not None, f"rank {sender} has no partner at {world} ranks"
-            keepers.setdefault(to, []).append(sender)
+            assert partners[sender][0], f"rank {sender} has no keeper at {world} ranks"
+            for to in partners[sender][0]:
+                keepers.setdefault(to, []).append(sender)
         keeping = [ReplicaLink(WireGroup(wire, rank), ckpt, sends_to=None, receives_from=from_)  # type: ignore[arg-type]
                    for rank, from_ in keepers.items()]
         sending: list[ReplicaLink] = []
@@ -223,11 +239,12 @@ def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers:
                 link = ReplicaLink(WireGroup(wire, sender), ckpt, sends_to=partners[sender][0],  # type: ignore[arg-type]
                                    receives_from=[])
                 if not (link.offer(region, info) and link.wait_sent(TIMEOUT_S)):
-                    raise RuntimeError(f"rank {sender}'s copy did not go within {TIMEOUT_S:.0f} s")
+                    raise RuntimeError(f"rank {sender}'s copies did not go within {TIMEOUT_S:.0f} s")
                 sending.append(link)
             counts = {key: LinkCounts(c.messages_out, c.messages_in, c.bytes_out, c.bytes_in, set(c.peers))
                       for key, c in wire.counts.items()}  # before the ends of the copies
-            kept = {sender: step for link in keeping for sender, step in link.kept.items()}
+            kept = {(sender, link.group.rank): step for link in keeping  # type: ignore[attr-defined]
+                    for sender, step in link.kept.items()}
         finally:
             for link in sending + keeping:  # the senders end their keepers' loops
                 link.close(TIMEOUT_S)
@@ -241,24 +258,26 @@ def measured_senders(world: int, per_machine: int) -> list[int]:
     return sorted(set(range(min(per_machine, world))) | set(range(world - per_machine, world)))
 
 
-def per_snapshot(world: int, per_machine: int, copied: Copied) -> list[LinkCounts]:
-    """Every rank's counts for one snapshot at ``world`` ranks (each rank copies to its partner, and
-    keeps its senders' copies), from ``copied``: the copies of the first and the last machine
-    (:func:`measured_senders`), in machines of ``per_machine`` ranks each."""
+def per_snapshot(world: int, per_machine: int, copied: Copied, replicas: int = REPLICAS) -> list[LinkCounts]:
+    """Every rank's counts for one snapshot at ``world`` ranks (each rank copies to its ``replicas``
+    keepers, and keeps its senders' copies), from ``copied``: the copies of the first and the last
+    machine (:func:`measured_senders`), in machines of ``per_machine`` ranks each. A rank's copy to
+    its ``j``-th keeper counts as the measured rank's copy to its own ``j``-th."""
     if world % per_machine:
         raise ValueError(f"{world} ranks do not make machines of {per_machine}")
-    partners = ring(world, per_machine)
+    partners = ring(world, per_machine, replicas)
     last = world - per_machine
     senders = {rank: rank if rank < per_machine else last + rank % per_machine for rank in range(world)}
     out = [LinkCounts() for _ in range(world)]
     for rank, (to, from_) in enumerate(partners):
-        if to is not None:
-            measured = senders[rank]
-            side = copied.counts[(measured, partners[measured][0], measured)]  # type: ignore[index]
-            out[rank].add(LinkCounts(side.messages_out, side.messages_in, side.bytes_out, side.bytes_in, {to}))
+        measured = senders[rank]
+        for j, keeper in enumerate(to):
+            side = copied.counts[(measured, partners[measured][0][j], measured)]
+            out[rank].add(LinkCounts(side.messages_out, side.messages_in, side.bytes_out, side.bytes_in, {keeper}))
         for sender in from_:
             measured = senders[sender]
-            side = copied.counts[(measured, partners[measured][0], partners[measured][0])]  # type: ignore[index]
+            theirs = partners[measured][0][partners[sender][0].index(rank)]
+            side = copied.counts[(measured, theirs, theirs)]
             out[rank].add(LinkCounts(side.messages_out, side.messages_in, side.bytes_out, side.bytes_in, {sender}))
     return out
 
@@ -277,13 +296,15 @@ class Loss:
     lost: int = 1
     copy_bytes: int = 4096
     """The bytes of each copy sent at restore (a stand-in for the slot)."""
+    replicas: int = REPLICAS
 
     def is_lost(self, rank: int) -> bool:
         return rank // self.per_machine == self.lost
 
     def reports(self) -> list[MemoryReport]:
         """Every rank's report, as :func:`checkfreq.pipeline.restore.copies.fetch_copies` sends it."""
-        return [self.report(rank, from_) for rank, (_, from_) in enumerate(ring(self.world, self.per_machine))]
+        partners = ring(self.world, self.per_machine, self.replicas)
+        return [self.report(rank, from_) for rank, (_, from_) in enumerate(partners)]
 
     def report(self, rank: int, senders: Sequence[int]) -> MemoryReport:
         if self.is_lost(rank):

@@ -9,15 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.protocol_sim import COPY_PHASE, RANKS_PER_MACHINE, Baton, Run, main, simulate  # noqa: E402
-from benchmarks.replica_sim import LinkCounts, Loss, copy_counts, measured_senders, per_snapshot, slot  # noqa: E402
+from benchmarks.replica_sim import LinkCounts, Loss, copy_counts, measured_senders, per_snapshot, sent, slot  # noqa: E402
+from benchmarks.scale_costs import PRIVATE_TENSORS  # noqa: E402
 
 from checkfreq.pipeline.restore.plan import fetch_plan  # noqa: E402
+from checkfreq.ranks.collectives import TREE_ARITY  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +85,13 @@ def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.Captur
     assert "| 16 | snapshot copy | connections | 1 | 1 | 1 |" in out and "| 8 | snapshot copy |" not in out
     assert "| 24 | snapshot copy | connections | 2 | 2 | 2 |" in out
     assert '"restore_readers": [1], "restore_each_reads_its_own": true' in out
-    rows = ("| N | copy:", "| 8 | 0 |", "| 16 | 8 |", "| 24 | 8 |")
-    table = [line for line in out.splitlines() if line.startswith(rows)]
+    rows = ["| N | slot B | copy B (to each keeper) | copy: messages per rank |", "| 8 | 0 | 0 | 0 |"]
+    for world in (16, 24):  # a copy carries no replicated state: less than the slot
+        data, meta = slot(world, 0, RANKS_PER_MACHINE, 10, 4096)
+        copy = sum(sent(world, 0, RANKS_PER_MACHINE, 10, 4096))
+        assert copy < data + len(meta)
+        rows.append(f"| {world} | {data + len(meta):,} | {copy:,} | 8 |")
+    table = [line for line in out.splitlines() if line.startswith(tuple(rows))]
     assert len(table) == 4, out  # the replicas table: a header and one row per N (no copies on one machine)
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 7, out
@@ -100,7 +108,8 @@ def test_the_script_prints_its_report(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "protocol_sim.py"), "--worlds", "16",
                            "--layers", "2", "--restore-up-to", "0", "--own-bytes", "4096", "--dir", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600, check=True)
-    assert "| 16 | fetch round | messages in | 30 | 6 | 6 |" in done.stdout, done.stdout  # half lost, half keepers
+    # rank 0: 2 per rank and its 8 children in tree_max; a lost rank: 2, 4 (its copy) and its parent in tree_max
+    assert "| 16 | fetch round | messages in | 38 | 7 | 10 |" in done.stdout, done.stdout
     assert sum(line.startswith("PASS") for line in done.stdout.splitlines()) == 7, done.stdout
 
 
@@ -140,7 +149,7 @@ def test_the_memory_tiers_start_up_costs_a_rank_the_same_at_any_size(runs: dict[
         assert max(c.bytes_in for c in counts[1:]) < 100  # eight rank numbers, whatever N
 
 
-# ------------------------------------------------------------------ the copies of memory snapshots (replicas=1)
+# ------------------------------------------------------------------ the copies of memory snapshots (replicas=k)
 
 OWN = 4096
 """Each rank's own state in a snapshot, beside its share of the replicated state (small: fast)."""
@@ -157,18 +166,24 @@ def copies(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
 
 
 def test_a_ranks_copy_of_a_snapshot_costs_the_same_at_any_size(copies: dict[int, Run]) -> None:
-    """Per snapshot every rank sends its partner a header, its data and its manifest, and answers its
+    """Per snapshot every rank sends its keeper a header, its data and its envelope, and answers its
     own sender: 4 messages out, 4 in, two connections, no store operation and no collective, at 24
-    and at 128 ranks; its bytes are its slot's (the same but for the digits of rank numbers in its
-    manifest). Every copy measured was kept (its checksum matched)."""
+    and at 128 ranks; its bytes are what ``replica_parts.outgoing`` makes of its slot (the same but
+    for the digits of rank numbers in its manifest): the slot's data less its share of the replicated
+    state, which every other machine holds. Every copy measured was kept (its checksum matched)."""
     for world, run in copies.items():
         assert run.copies_kept == 16, world  # the first and the last machine's
         for rank, c in enumerate(run.counts(COPY_PHASE)):
             assert (c.messages_out, c.messages_in, c.connections(rank, world)) == (4, 4, 2), (world, rank)
             assert c.store_ops == 0 and c.all_gathers == 0 and not c.everyone, (world, rank)
         data, meta = slot(world, 0, RANKS_PER_MACHINE, 4, OWN)
+        copy_data, envelope = sent(world, 0, RANKS_PER_MACHINE, 4, OWN)
+        private = OWN + sum(t.numel() * t.element_size() for t in (
+            torch.zeros(shape, dtype=dtype) for dtype, shape in PRIVATE_TENSORS.values()))
+        assert copy_data == private < data and len(meta) < envelope < len(meta) + 1024, (copy_data, data, envelope)
         header, answer = 8 * 8, 8  # int64 values
-        assert run.counts(COPY_PHASE)[0].bytes_out == header + data + len(meta) + answer
+        assert run.counts(COPY_PHASE)[0].bytes_out == header + copy_data + envelope + answer
+        assert (run.slot_bytes, run.copy_sent_bytes) == (data + len(meta), copy_data + envelope)
     small, large = (copies[w].counts(COPY_PHASE) for w in (24, 128))
     for k in range(RANKS_PER_MACHINE):  # rank k of the last machine at either size
         before, after = small[24 - RANKS_PER_MACHINE + k], large[128 - RANKS_PER_MACHINE + k]
@@ -184,7 +199,7 @@ def test_the_counts_per_rank_are_those_of_every_ranks_real_copy(tmp_path: Path) 
                         directory=str(tmp_path))
     sampled = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
                           layers=4, own_bytes=OWN, directory=str(tmp_path))
-    assert sorted(every.kept) == list(range(world)) and set(every.kept.values()) == {100}
+    assert sorted(sender for sender, _ in every.kept) == list(range(world)) and set(every.kept.values()) == {100}
     for rank, counted in enumerate(per_snapshot(world, RANKS_PER_MACHINE, sampled)):
         real = LinkCounts()
         for (_, _, who), c in every.counts.items():
@@ -195,12 +210,20 @@ def test_the_counts_per_rank_are_those_of_every_ranks_real_copy(tmp_path: Path) 
         assert abs(counted.bytes_out - real.bytes_out) <= 16 and abs(counted.bytes_in - real.bytes_in) <= 16, rank
 
 
+def _tree(rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s neighbours in ``tree_max``'s tree: its parent (none for rank 0) and its children."""
+    first = TREE_ARITY * rank + 1
+    return ([(rank - 1) // TREE_ARITY] if rank else []) + list(range(first, min(first + TREE_ARITY, world)))
+
+
 def test_the_fetch_round_costs_a_rank_the_same_and_rank_0_linearly(copies: dict[int, Run]) -> None:
     """Machine 1 lost with its memory and disk: every rank ends with step 100, each of machine 1's
     ranks took one copy over, from the rank of machine 2 keeping it. A rank other than 0 sends its
     report and no error, and receives the plan and the errors (2 + 2 messages); a lost rank and its
-    keeper also exchange the copy (a header's length, the header, the manifest, the data): at most
-    8 messages and 2 connections at any N. Rank 0 receives 2 messages per rank (its gather), of the
+    keeper also exchange the copy (a header's length, the header, the manifest, the data); and every
+    rank takes part in one round of ``tree_max`` (one flag per lost rank), a message each way with
+    its parent and each child. So at most 2 + 2 + 4 + 2 * (TREE_ARITY + 1) messages and
+    TREE_ARITY + 3 connections at any N. Rank 0 receives 2 messages per rank (its gather), of the
     same size at any N, and broadcasts a plan that names only the lost machine's ranks."""
     for world, run in copies.items():
         assert {o.fetched for o in run.outcomes} == {100}, world
@@ -208,15 +231,42 @@ def test_the_fetch_round_costs_a_rank_the_same_and_rank_0_linearly(copies: dict[
         assert [o.adopted for o in run.outcomes] == [int(r in lost) for r in range(world)], world
         fetch = run.counts("fetch round")
         for rank, c in enumerate(fetch[1:], start=1):
-            exchanges = rank in lost or rank - RANKS_PER_MACHINE in lost
-            expected = (2, 6) if rank in lost else (6, 2) if exchanges else (2, 2)  # (out, in)
+            tree = _tree(rank, world)
+            keeps = rank - RANKS_PER_MACHINE in lost
+            expected = (2 + len(tree) + 4 * keeps, 2 + len(tree) + 4 * (rank in lost))  # (out, in)
             assert (c.messages_out, c.messages_in) == expected, (world, rank)
-            assert c.connections(rank, world) == (2 if exchanges else 1) and c.store_ops == 0, (world, rank)
-        assert (fetch[0].messages_in, fetch[0].messages_out) == (2 * (world - 1), 2 * (world - 1)), world
+            partner = [rank + RANKS_PER_MACHINE] if rank in lost else [rank - RANKS_PER_MACHINE] if keeps else []
+            assert c.peers == {0, *tree, *partner} and c.store_ops == 0, (world, rank, c.peers)
+            assert c.messages_in + c.messages_out <= 8 + 2 * (TREE_ARITY + 1), (world, rank)
+        tree = len(_tree(0, world))
+        assert (fetch[0].messages_in, fetch[0].messages_out) == (2 * (world - 1) + tree,) * 2, world
     small, large = copies[24], copies[128]
     assert small.fetch_plan_bytes == large.fetch_plan_bytes < 200
     assert 0.9 < (sum(large.report_bytes) / 128) / (sum(small.report_bytes) / 24) < 1.1
     assert max(large.report_bytes) <= max(small.report_bytes) + 8  # digits
+
+
+def test_with_two_replicas_each_rank_copies_to_two_machines_and_a_lost_rank_has_two_keepers(
+        tmp_path: Path) -> None:
+    """``replicas=2`` at 32 ranks (4 machines): each rank sends its copy to the ranks of its local index
+    on the next two machines, one after the other, and keeps those of the two machines before: 8
+    messages out, 8 in, the same bytes per copy as with one keeper; 3 connections, as on 4 machines the
+    machine two on both keeps a rank's copy and sends it its own. The fetch plan lists both keepers of
+    each lost rank; the first one's copy is taken, in one round."""
+    world, k = 32, 2
+    run = simulate(world, layers=4, restore_up_to=0, own_bytes=OWN, directory=str(tmp_path), replicas=k)
+    assert run.copies_kept == 16 * k  # the first and the last machine's, each kept by both keepers
+    copy_data, envelope = sent(world, 0, RANKS_PER_MACHINE, 4, OWN)
+    for rank, c in enumerate(run.counts(COPY_PHASE)):
+        keepers = {(rank + j * RANKS_PER_MACHINE) % world for j in (1, 2)}
+        senders = {(rank - j * RANKS_PER_MACHINE) % world for j in (1, 2)}
+        assert (c.messages_out, c.messages_in, c.peers) == (4 * k, 4 * k, keepers | senders), (rank, c.peers)
+        assert c.connections(rank, world) == 3 and c.store_ops == 0, (rank, c.peers)
+    assert run.counts(COPY_PHASE)[0].bytes_out == k * (8 * 8 + copy_data + envelope + 8)
+    plan = fetch_plan(Loss(world, RANKS_PER_MACHINE, replicas=k).reports())
+    assert plan.pairs == [(rank, rank + j * RANKS_PER_MACHINE) for rank in range(8, 16) for j in (1, 2)]
+    assert {o.fetched for o in run.outcomes} == {100}
+    assert [o.adopted for o in run.outcomes] == [int(8 <= r < 16) for r in range(world)]
 
 
 def test_rank_0s_plan_at_16384_ranks_names_only_the_lost_machine() -> None:
