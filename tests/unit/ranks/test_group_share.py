@@ -102,3 +102,15 @@ def test_a_rank_that_lost_its_snapshots_takes_the_newest_step_all_can_have_from_
     assert fetch_plan(survivors + [MemoryReport([], 8), replaced[1]]) == FetchPlan(None, [])  # disk is newer
     no_copies = [MemoryReport([6, 5], 4), MemoryReport([6, 5], 4)]
     assert fetch_plan(no_copies + replaced) == FetchPlan(None, [])  # replicas=0: nothing kept of ranks 2 and 3
+
+
+def test_a_copy_found_damaged_is_passed_over_for_another_keeper_else_an_older_step() -> None:
+    from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+    from checkfreq.pipeline.restore.plan import fetch_plan
+
+    survivors = [MemoryReport([6, 5], 4, {2: [6, 5]}), MemoryReport([6, 5], 4, {3: [6, 5]})]
+    replaced = [MemoryReport([], None), MemoryReport([], None)]
+    assert fetch_plan(survivors + replaced, frozenset({(2, 6, 0)})) == FetchPlan(5, [(2, 0), (3, 1)])
+    twice = [MemoryReport([6, 5], 4, {2: [6, 5]}), MemoryReport([6, 5], 4, {2: [6], 3: [6, 5]})]
+    assert fetch_plan(twice + replaced, frozenset({(2, 6, 0)})) == FetchPlan(6, [(2, 1), (3, 1)])  # its other copy
+    assert fetch_plan(survivors + replaced, frozenset({(2, 6, 0), (2, 5, 0)})) == FetchPlan(None, [])  # disk then

@@ -41,18 +41,20 @@ class MemoryReport:
 class FetchPlan:
     """0 → every rank: the memory snapshot (None: none) that the ranks which lost theirs take from the
     copies other ranks keep, as (rank, the rank sending it its copy) pairs, in the order every rank
-    goes through them."""
+    goes through them; after a copy was found damaged, what the restore does ``instead`` (for the log)."""
 
     step: int | None
     pairs: list[tuple[int, int]]
+    instead: str = ""
 
     def to_wire(self) -> JSON:
-        return {"step": self.step, "pairs": [list(p) for p in self.pairs]}
+        return {"step": self.step, "pairs": [list(p) for p in self.pairs], "instead": self.instead}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> FetchPlan:
         step = wire["step"]
-        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]])
+        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]],
+                   str(wire.get("instead", "")))
 
 
 @dataclass

@@ -34,17 +34,18 @@ def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
     return MemoryChoice(best, bool(common))
 
 
-def fetch_plan(reports: list[MemoryReport]) -> FetchPlan:
+def fetch_plan(reports: list[MemoryReport], unusable: frozenset[tuple[int, int, int]] = frozenset()) -> FetchPlan:
     """The newest memory step every rank holds itself or can take from a copy another rank keeps
     (not older than the newest step on disk), when some rank must take it from a copy: each such
     rank with the first rank keeping its copy. Nothing to take (``step`` None) when every rank holds
-    that step itself, or no step can be had by all."""
+    that step itself, or no step can be had by all. A copy in ``unusable`` (rank, step, keeper: one
+    found damaged) is passed over: the next keeper of that copy, else an older step."""
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
     keepers: dict[tuple[int, int], int] = {}  # (rank, step) -> the first other rank keeping its copy: one pass
     for keeper, report in enumerate(reports):
         for rank, held in report.copies.items():
             for step in held:
-                if rank != keeper:
+                if rank != keeper and (rank, step, keeper) not in unusable:
                     keepers.setdefault((rank, step), keeper)
     steps = {s for r in reports for s in r.steps} | {step for _, step in keepers}
     for step in sorted(steps, reverse=True):
