@@ -141,11 +141,11 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False,
-            fsdp: bool = False) -> Job:
-    """One job with ``faults`` (fault_train.py's ``--faults``), watched; node 1's agent is started
-    again after it is lost when ``replace_lost_agent`` (on a new machine, with an empty directory and
-    empty shared memory, when the node is frozen, which still holds its directory's lock, or with
-    ``fsdp``: the job of ``fsdp_memory.py``, whose lost node's memory must not come back)."""
+            fsdp: bool = False, new_machine: bool = False) -> Job:
+    """One job with ``faults`` (fault_train.py's ``--faults``; with ``fsdp``, of ``fsdp_memory.py``),
+    watched; node 1's agent is started again after it is lost when ``replace_lost_agent``: on a new
+    machine, with an empty directory and empty shared memory, when the node is frozen (it still
+    holds its directory's lock) or ``new_machine``, else on the same one."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     first = min((int(f.split(":")[2]) for f in faults.split(",") if int(f.split(":")[2])), default=0)
@@ -165,7 +165,7 @@ def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agen
                 lost |= set(fault.record["pids"])
                 watched.append((fault, workers(agents, fault.record["time"]) - set(fault.record["pids"])))
                 if fault.record["what"] != "rank" and replace_lost_agent:  # a frozen node is replaced by a new machine
-                    fresh = "node1-new" if fault.record["what"] == "freeze" or fsdp else None
+                    fresh = "node1-new" if fault.record["what"] == "freeze" or new_machine else None
                     agents.append(agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh,
                                         fsdp=fsdp))
                     names.append(f"node1-{len(agents) - 1}")
@@ -365,12 +365,14 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
     (its agent and workers) is SIGKILLed while a copy of step 6 or later is in flight: as rank 3
     sends its own (the data sent, the manifest not: ``replica-send``), or as rank 3 has received all
     of rank 1's and not committed it (``replica-keep``). No worker outlives the loss by more than the
-    failure timeout plus the margin (the survivors' copy threads and training threads alike); the job
-    resumes (``--nnodes 1:2``: at 2 ranks, on course; ``--nnodes 2``: with a new node 1, empty
-    memory and disk, bit-identical). The copy cut short is never used: node 0 never lists it as a
-    valid copy, and no restore after the loss is at its step or later."""
+    failure timeout plus the margin, whatever its copy threads were waiting on; the job resumes
+    (``--nnodes 1:2``: at 2 ranks, on course; ``--nnodes 2``: bit-identical, node 1 started again
+    on a new machine, empty memory and disk, after ``replica-send``, on its own machine, its memory
+    kept, after ``replica-keep``). The copy cut short is never used: the keeper's machine
+    never lists it as a valid copy (node 0, or node 1 back on its machine), and, rank 3's own copy
+    cut short, no restore after the loss is at its step or later."""
     job = run_job(tmp_path, nnodes, f"{phase}:3:6:agent", "--failure-timeout", str(FAILURE_TIMEOUT_S),
-                  replace_lost_agent=nnodes == "2", fsdp=True)
+                  replace_lost_agent=nnodes == "2", fsdp=True, new_machine=phase == "replica-send")
     assert_survived(job, FAILURE_TIMEOUT_S, named=False)  # FSDP's own collectives fail first: gloo names no rank
     record = job.faults[0].record
     assert record["phase"] == phase and record["step"] >= 6, record
@@ -383,6 +385,11 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
         assert after and max(after) < record["step"], (record, after)
     if phase == "replica-keep":  # rank 1's copy thread, waiting for rank 3's answer, got an error, not a wait
         assert f"copying snapshot {record['step']} to rank 3 failed" in job.out["node0"], job.out["node0"][-4000:]
+    if phase == "replica-keep" and nnodes == "2":  # node 1 back on its machine, the copy cut short in its memory
+        kept = [found for name, text in job.out.items() if name.startswith("node1-")
+                for found in re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", text)]
+        assert any(r == "1" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)
+        assert all(step != str(record["step"]) for rank, step, _ in kept if rank == "1"), (record, kept)
     if nnodes == "2":
         for rank in range(4):
             assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
