@@ -15,11 +15,12 @@ compared with) two jobs run: a node of two ranks SIGKILLed for good in a commit,
 options, and a frozen node (the heartbeats find it); two spawned ranks test a ``with`` block left on
 an error, and three a rank gone before a gather to it is posted. ``CHECKFREQ_FAULT_MATRIX=ci`` (a
 step of .ci/run, after the suite) runs each phase once, the kinds of fault and the launch forms
-taken in turn, a node lost in a restore's exchange, and a node lost as it sends a memory copy
-(``replicas=1``): 8 jobs and the FSDP job's uninterrupted run, about 3.5 minutes.
-``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three kinds of fault and both launch forms,
-a fault in a restore's exchange, and a node lost mid-copy as the sender and as the keeper, with both
-launch forms: 43 jobs, about 23 minutes (docs/reliability.md has the table of measured times).
+taken in turn, a node lost in a restore's exchange, a node killed as it sends a memory copy
+(``replicas=1``, ``--nnodes 1:2``) and one frozen as it keeps one (``--nnodes 2``): 9 jobs and the
+FSDP job's uninterrupted run, about 4 minutes. ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with
+the three kinds of fault and both launch forms, a fault in a restore's exchange, and a node killed
+or frozen mid-copy as the sender and as the keeper, with both launch forms: 47 jobs, about 26
+minutes (docs/reliability.md has the table of measured times).
 
 The replica cases run ``scripts/fsdp_memory.py`` instead (FSDP2, a memory snapshot at every step,
 each copied to the other node, each agent its own ``CHECKFREQ_SHM_DIR``): the state no other rank
@@ -330,7 +331,10 @@ def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
 FSDP_ARGS = ("--epochs", "3", "--every", "4", "--memory", "1", "--replicas", "1")
 """fsdp_memory.py's job: 12 steps, a memory snapshot at each, copied to the other node, durable every 4."""
 FSDP_STEPS = 12
-REPLICA_CASES = [("replica-send", "1:2"), ("replica-keep", "1:2"), ("replica-send", "2"), ("replica-keep", "2")]
+REPLICA_CASES = [(phase, nnodes, what) for what in ("agent", "freeze") for nnodes in ("1:2", "2")
+                 for phase in ("replica-send", "replica-keep")]
+"""Node 1 killed or frozen mid-copy, as the sender or as the keeper, with both launch forms."""
+ROTATING_REPLICA_CASES = [("replica-send", "1:2", "agent"), ("replica-keep", "2", "freeze")]
 
 
 @pytest.fixture(scope="module")
@@ -358,22 +362,25 @@ def fsdp_losses(log: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (FULL or ROTATION), reason="CHECKFREQ_FAULT_MATRIX=1 or ci runs it")
-@pytest.mark.parametrize(("phase", "nnodes"), REPLICA_CASES if FULL else REPLICA_CASES[:1])
+@pytest.mark.parametrize(("phase", "nnodes", "what"), REPLICA_CASES if FULL else ROTATING_REPLICA_CASES)
 def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usable_partial_copy(
-        fsdp_four_ranks: Path, tmp_path: Path, phase: str, nnodes: str) -> None:
+        fsdp_four_ranks: Path, tmp_path: Path, phase: str, nnodes: str, what: str) -> None:
     """FSDP2, a memory snapshot at every step, each copied to the other node (``replicas=1``). Node 1
-    (its agent and workers) is SIGKILLed while a copy of step 6 or later is in flight: as rank 3
-    sends its own (the data sent, the manifest not: ``replica-send``), or as rank 3 has received all
-    of rank 1's and not committed it (``replica-keep``). No worker outlives the loss by more than the
-    failure timeout plus the margin, whatever its copy threads were waiting on; the job resumes
+    (its agent and workers) is SIGKILLed (``agent``) or SIGSTOPped (``freeze``: its connections stay
+    open) while a copy of step 6 or later is in flight: as rank 3 sends its own (the data sent, the
+    manifest not: ``replica-send``), or as rank 3 has received all of rank 1's and not committed it
+    (``replica-keep``). No worker outlives the loss by more than the failure timeout plus the
+    margin, whatever its copy threads and FSDP's collectives were waiting on (a frozen node: the
+    copy threads' watch finds its silent heartbeats, and the survivors name it); the job resumes
     (``--nnodes 1:2``: at 2 ranks, on course; ``--nnodes 2``: bit-identical, node 1 started again
-    on a new machine, empty memory and disk, after ``replica-send``, on its own machine, its memory
-    kept, after ``replica-keep``). The copy cut short is never used: the keeper's machine
-    never lists it as a valid copy (node 0, or node 1 back on its machine), and, rank 3's own copy
-    cut short, no restore after the loss is at its step or later."""
-    job = run_job(tmp_path, nnodes, f"{phase}:3:6:agent", "--failure-timeout", str(FAILURE_TIMEOUT_S),
+    on a new machine, empty memory and disk, after ``replica-send`` or a freeze, on its own
+    machine, its memory kept, after ``replica-keep``). The copy cut short is never used: the
+    keeper's machine never lists it as a valid copy (node 0, or node 1 back on its machine), and,
+    rank 3's own copy cut short, no restore after the loss is at its step or later."""
+    job = run_job(tmp_path, nnodes, f"{phase}:3:6:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
                   replace_lost_agent=nnodes == "2", fsdp=True, new_machine=phase == "replica-send")
-    assert_survived(job, FAILURE_TIMEOUT_S, named=False)  # FSDP's own collectives fail first: gloo names no rank
+    # a killed node: FSDP's own collectives fail first, and gloo names no rank; a frozen one: its heartbeats do
+    assert_survived(job, FAILURE_TIMEOUT_S, named=what == "freeze")
     record = job.faults[0].record
     assert record["phase"] == phase and record["step"] >= 6, record
     kept = re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", job.out["node0"])
@@ -383,9 +390,12 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
         after = [int(step) for step, at in re.findall(r"restored step=(\d+) at=([\d.]+)", job.text)
                  if float(at) > record["time"]]
         assert after and max(after) < record["step"], (record, after)
-    if phase == "replica-keep":  # rank 1's copy thread, waiting for rank 3's answer, got an error, not a wait
+    if phase == "replica-keep" and what == "agent":  # rank 1's copy thread, waiting for rank 3's answer, got an error
         assert f"copying snapshot {record['step']} to rank 3 failed" in job.out["node0"], job.out["node0"][-4000:]
-    if phase == "replica-keep" and nnodes == "2":  # node 1 back on its machine, the copy cut short in its memory
+    if what == "freeze":  # found by the copies' watch: no wait of FSDP's nor of a copy thread outlasts it
+        assert "stopped answering during the copies of memory snapshots between machines" in job.out["node0"], (
+            job.out["node0"][-4000:])
+    if phase == "replica-keep" and nnodes == "2" and what == "agent":  # node 1 back on its machine, the copy cut short
         kept = [found for name, text in job.out.items() if name.startswith("node1-")
                 for found in re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", text)]
         assert any(r == "1" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)

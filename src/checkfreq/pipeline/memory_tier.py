@@ -56,7 +56,7 @@ from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
-from checkfreq.ranks.collectives import Peers
+from checkfreq.ranks.collectives import GroupPeers, Peers
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.shares import SHARDED
@@ -79,8 +79,9 @@ log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
 
 REPLICA_GROUP_TIMEOUT = timedelta(days=1)
-"""The replica group's gloo timeout: a keeper waits for the next copy as long as the job runs (a
-sender that dies closes its connection, which ends the wait at once)."""
+"""The replica group's gloo timeout, a backstop only: a keeper waits for the next copy as long as the
+job runs. A sender that dies closes its connection, which ends the wait at once; one that freezes is
+found by its heartbeats within the failure timeout (the link's watch, :class:`ReplicaLink`)."""
 SEAL_AFTER_BYTES = 256 << 20
 """Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
 
@@ -173,7 +174,8 @@ class MemoryTier(Tier):
                 log.warning("memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
                             "other machines to copy to: %d copies are kept", replicas, stride,
                             len(members.sends_to), len(members.sends_to))
-            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from)
+            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from,
+                                    liveness=peers.liveness if isinstance(peers, GroupPeers) else None)
         return tier
 
     @property
