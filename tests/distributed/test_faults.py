@@ -15,10 +15,16 @@ compared with) two jobs run: a node of two ranks SIGKILLed for good in a commit,
 options, and a frozen node (the heartbeats find it); two spawned ranks test a ``with`` block left on
 an error, and three a rank gone before a gather to it is posted. ``CHECKFREQ_FAULT_MATRIX=ci`` (a
 step of .ci/run, after the suite) runs each phase once, the kinds of fault and the launch forms
-taken in turn, and a node lost in a restore's exchange: 7 jobs, under 3 minutes.
-``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with the three kinds of fault and both launch forms,
-and a fault in a restore's exchange: 39 jobs, about 20 minutes (docs/reliability.md has the table of
-measured times).
+taken in turn, a node lost in a restore's exchange, a node killed as it sends a memory copy
+(``replicas=1``, ``--nnodes 1:2``) and one frozen as it keeps one (``--nnodes 2``): 9 jobs and the
+FSDP job's uninterrupted run, about 4 minutes. ``CHECKFREQ_FAULT_MATRIX=1`` runs every phase with
+the three kinds of fault and both launch forms, a fault in a restore's exchange, and a node killed
+or frozen mid-copy as the sender and as the keeper, with both launch forms: 47 jobs, about 26
+minutes (docs/reliability.md has the table of measured times).
+
+The replica cases run ``scripts/fsdp_memory.py`` instead (FSDP2, a memory snapshot at every step,
+each copied to the other node, each agent its own ``CHECKFREQ_SHM_DIR``): the state no other rank
+holds, so a copy is always in flight to be cut.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.liveness import Liveness
-from helpers import SCRIPTS, free_port, kill_tree, spawn_ranks
+from checkfreq.storage.shm import SHM_DIR_ENV
+from helpers import SCRIPTS, assert_state_equal, free_port, kill_tree, spawn_ranks
 
 SAMPLES, GLOBAL_BATCH, EPOCHS, EVERY = 96, 16, 2, 2
 STEPS = SAMPLES // GLOBAL_BATCH * EPOCHS  # 12: checkpoints at 2, 4, ... (a step later where the vote delays them)
@@ -84,18 +91,24 @@ class Job:
 
 
 def agent(work: Path, node: int, port: int, nnodes: str, name: str, *args: str,
-          directory: str | None = None) -> subprocess.Popen[str]:
+          directory: str | None = None, fsdp: bool = False) -> subprocess.Popen[str]:
     """A torchrun agent of two ranks on 127.0.0.<node+1> (node 0 hosts the rendezvous: it must outlive
-    node 1), its local directory ``work/directory`` (``node<node>`` if None)."""
+    node 1), its local directory ``work/directory`` (``node<node>`` if None); with ``fsdp``, of
+    ``fsdp_memory.py`` (:data:`FSDP_ARGS`), the shared memory of its own ``work/shm-<directory>``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    local = work / (directory or f"node{node}")
+    if fsdp:
+        script = [str(SCRIPTS / "fsdp_memory.py"), "--final", str(work / "final"), *FSDP_ARGS]
+        env[SHM_DIR_ENV] = str(work / f"shm-{local.name}")
+        Path(env[SHM_DIR_ENV]).mkdir(exist_ok=True)
+    else:
+        script = [str(SCRIPTS / "fault_train.py"), "--final", str(work / "final.pt"), "--samples", str(SAMPLES),
+                  "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), "--every", str(EVERY)]
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
                "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
-               "--monitor-interval", "0.1", str(SCRIPTS / "fault_train.py"),
-               "--ckpt-dir", str(work / (directory or f"node{node}")), "--remote", str(work / "remote"),
-               "--final", str(work / "final.pt"), "--step-log", str(work / "steps.log"), "--markers", str(work),
-               "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS),
-               "--every", str(EVERY), *args]
+               "--monitor-interval", "0.1", *script, "--ckpt-dir", str(local), "--remote", str(work / "remote"),
+               "--step-log", str(work / "steps.log"), "--markers", str(work), *args]
     log = (work / f"{name}.out").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
 
@@ -128,15 +141,17 @@ def alive(pids: set[int]) -> set[int]:
     return living
 
 
-def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False) -> Job:
-    """One job with ``faults`` (fault_train.py's ``--faults``), watched; node 1's agent is started
-    again after it is lost when ``replace_lost_agent`` (on a new machine, with an empty directory,
-    when the node is frozen: the frozen one still holds its directory's lock)."""
+def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False,
+            fsdp: bool = False, new_machine: bool = False) -> Job:
+    """One job with ``faults`` (fault_train.py's ``--faults``; with ``fsdp``, of ``fsdp_memory.py``),
+    watched; node 1's agent is started again after it is lost when ``replace_lost_agent``: on a new
+    machine, with an empty directory and empty shared memory, when the node is frozen (it still
+    holds its directory's lock) or ``new_machine``, else on the same one."""
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     first = min((int(f.split(":")[2]) for f in faults.split(",") if int(f.split(":")[2])), default=0)
     args = ("--faults", faults, "--wait-remote-before", str(first), *extra)
-    agents = [agent(work, node, port, nnodes, f"node{node}", *args) for node in (0, 1)]
+    agents = [agent(work, node, port, nnodes, f"node{node}", *args, fsdp=fsdp) for node in (0, 1)]
     names = ["node0", "node1"]
     seen: list[Fault] = []
     watched: list[tuple[Fault, set[int]]] = []
@@ -151,8 +166,9 @@ def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agen
                 lost |= set(fault.record["pids"])
                 watched.append((fault, workers(agents, fault.record["time"]) - set(fault.record["pids"])))
                 if fault.record["what"] != "rank" and replace_lost_agent:  # a frozen node is replaced by a new machine
-                    fresh = "node1-new" if fault.record["what"] == "freeze" else None
-                    agents.append(agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh))
+                    fresh = "node1-new" if fault.record["what"] == "freeze" or new_machine else None
+                    agents.append(agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh,
+                                        fsdp=fsdp))
                     names.append(f"node1-{len(agents) - 1}")
             for fault, pids in list(watched):
                 if not alive(pids):
@@ -205,17 +221,19 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return uninterrupted(tmp_path_factory.mktemp("four-ranks"), 4)
 
 
-def assert_survived(job: Job, failure_timeout: float, count: int = 1) -> None:
+def assert_survived(job: Job, failure_timeout: float, count: int = 1, *, named: bool = True) -> None:
     """Every fault made, no worker outlived it by more than the failure timeout plus the margin, and
-    a survivor named a lost rank, with its host and pid. A rank killed under a living agent may be
-    named by that agent alone: when the survivors' DDP all-reduce fails before any wait of
-    checkfreq's on it (always between checkpoints; in a commit's phase when training runs ahead of
+    (``named``) a survivor named a lost rank, with its host and pid. A rank killed under a living
+    agent may be named by that agent alone: when the survivors' DDP all-reduce fails before any wait
+    of checkfreq's on it (always between checkpoints; in a commit's phase when training runs ahead of
     the writer), their agents stop them within a second, before a heartbeat could fall silent."""
     assert len(job.faults) == count, job.text[-6000:]
     for fault in job.faults:
         record = fault.record
         assert fault.exited_s is not None and fault.exited_s < failure_timeout + MARGIN_S, (record, job.text[-6000:])
         assert fault.restarted_s is not None, (record, job.text[-6000:])
+        if not named:
+            continue
         host = socket.gethostname()
         named = [f"rank {rank} ({host}, pid " for rank in record["ranks"]]
         if record["what"] == "rank":
@@ -308,6 +326,92 @@ def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
     assert_survived(job, FAILURE_TIMEOUT_S, count=2)
     assert_replays_identical(tmp_path)
     assert_bit_identical(tmp_path, four_ranks)
+
+
+FSDP_ARGS = ("--epochs", "3", "--every", "4", "--memory", "1", "--replicas", "1")
+"""fsdp_memory.py's job: 12 steps, a memory snapshot at each, copied to the other node, durable every 4."""
+FSDP_STEPS = 12
+REPLICA_CASES = [(phase, nnodes, what) for what in ("agent", "freeze") for nnodes in ("1:2", "2")
+                 for phase in ("replica-send", "replica-keep")]
+"""Node 1 killed or frozen mid-copy, as the sender or as the keeper, with both launch forms."""
+ROTATING_REPLICA_CASES = [("replica-send", "1:2", "agent"), ("replica-keep", "2", "freeze")]
+
+
+@pytest.fixture(scope="module")
+def fsdp_four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fsdp_memory.py's job uninterrupted at 4 ranks under one agent."""
+    work = tmp_path_factory.mktemp("fsdp-four-ranks")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+               "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"),
+               "--final", str(work / "final"), "--step-log", str(work / "steps.log"), *FSDP_ARGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SHM_DIR_ENV: str(work)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return work
+
+
+def fsdp_losses(log: Path) -> dict[int, float]:
+    """fsdp_memory.py's step log: step → the global batch's loss (a step run again replaces the earlier)."""
+    losses = {}
+    for line in log.read_text().splitlines():
+        _, step, rank, _, loss = line.split()
+        if rank == "0":
+            losses[int(step)] = float(loss)
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (FULL or ROTATION), reason="CHECKFREQ_FAULT_MATRIX=1 or ci runs it")
+@pytest.mark.parametrize(("phase", "nnodes", "what"), REPLICA_CASES if FULL else ROTATING_REPLICA_CASES)
+def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usable_partial_copy(
+        fsdp_four_ranks: Path, tmp_path: Path, phase: str, nnodes: str, what: str) -> None:
+    """FSDP2, a memory snapshot at every step, each copied to the other node (``replicas=1``). Node 1
+    (its agent and workers) is SIGKILLed (``agent``) or SIGSTOPped (``freeze``: its connections stay
+    open) while a copy of step 6 or later is in flight: as rank 3 sends its own (the data sent, the
+    manifest not: ``replica-send``), or as rank 3 has received all of rank 1's and not committed it
+    (``replica-keep``). No worker outlives the loss by more than the failure timeout plus the
+    margin, whatever its copy threads and FSDP's collectives were waiting on (a frozen node: the
+    copy threads' watch finds its silent heartbeats, and the survivors name it); the job resumes
+    (``--nnodes 1:2``: at 2 ranks, on course; ``--nnodes 2``: bit-identical, node 1 started again
+    on a new machine, empty memory and disk, after ``replica-send`` or a freeze, on its own
+    machine, its memory kept, after ``replica-keep``). The copy cut short is never used: the
+    keeper's machine never lists it as a valid copy (node 0, or node 1 back on its machine), and,
+    rank 3's own copy cut short, no restore after the loss is at its step or later."""
+    job = run_job(tmp_path, nnodes, f"{phase}:3:6:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
+                  replace_lost_agent=nnodes == "2", fsdp=True, new_machine=phase == "replica-send")
+    # a killed node: FSDP's own collectives fail first, and gloo names no rank; a frozen one: its heartbeats do
+    assert_survived(job, FAILURE_TIMEOUT_S, named=what == "freeze")
+    record = job.faults[0].record
+    assert record["phase"] == phase and record["step"] >= 6, record
+    kept = re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", job.out["node0"])
+    if phase == "replica-send":  # rank 3's copy of record["step"] was cut short on rank 1, which lives on
+        assert any(r == "3" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)
+        assert all(step != str(record["step"]) for rank, step, _ in kept if rank == "3"), (record, kept)
+        after = [int(step) for step, at in re.findall(r"restored step=(\d+) at=([\d.]+)", job.text)
+                 if float(at) > record["time"]]
+        assert after and max(after) < record["step"], (record, after)
+    if phase == "replica-keep" and what == "agent":  # rank 1's copy thread, waiting for rank 3's answer, got an error
+        assert f"copying snapshot {record['step']} to rank 3 failed" in job.out["node0"], job.out["node0"][-4000:]
+    if what == "freeze":  # found by the copies' watch: no wait of FSDP's nor of a copy thread outlasts it
+        assert "stopped answering during the copies of memory snapshots between machines" in job.out["node0"], (
+            job.out["node0"][-4000:])
+    if phase == "replica-keep" and nnodes == "2" and what == "agent":  # node 1 back on its machine, the copy cut short
+        kept = [found for name, text in job.out.items() if name.startswith("node1-")
+                for found in re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", text)]
+        assert any(r == "1" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)
+        assert all(step != str(record["step"]) for rank, step, _ in kept if rank == "1"), (record, kept)
+    if nnodes == "2":
+        for rank in range(4):
+            assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
+                               torch.load(fsdp_four_ranks / f"final.rank{rank}.pt"))
+    else:
+        losses, expected = fsdp_losses(tmp_path / "steps.log"), fsdp_losses(fsdp_four_ranks / "steps.log")
+        assert sorted(losses) == list(range(1, FSDP_STEPS + 1))
+        torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+                                   torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),
+                                   **TOLERANCE)
+        final, uninterrupted = torch.load(tmp_path / "final.full.pt"), torch.load(fsdp_four_ranks / "final.full.pt")
+        torch.testing.assert_close(final, uninterrupted, **TOLERANCE)
 
 
 def _leave_on_an_error(rank: int, store_path: str, out: str) -> None:

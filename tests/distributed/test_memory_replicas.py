@@ -5,11 +5,14 @@ with ``replicas=2``, and a damaged copy that gives way to the next keeper's.
 
 With replicas the survivors resume at world size 2 from the newest memory step, putting each
 parameter's new blocks together from their own shards and the copies of the lost node's, and
-finish on course; without, from the newest durable checkpoint."""
+finish on course; without, from the newest durable checkpoint. A copy with one byte changed is
+found at the restore, named in the log with its keeper and what is read instead."""
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -259,12 +262,78 @@ def test_a_damaged_copy_gives_way_to_the_next_keepers(three_reference: Path, tmp
         for agent in agents:
             kill_tree(agent.pid)
     assert info.step == KILL
-    out = (tmp_path / "node2.out").read_text()
-    assert f"rank 0 cannot send its copy of memory snapshot {KILL}" in out and "trying the copy rank 1 keeps" in out, (
-        out[-3000:])
+    out = (tmp_path / "node2.out").read_text()  # one line: the snapshot, its keeper and host, the next keeper
+    named = (re.escape(f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({socket.gethostname()}) "
+                       f"cannot be used (the copy of rank 2's memory snapshot {KILL} kept here cannot be read: ")
+             + r".*fails its checksum.*\); trying the copy rank 1 keeps$")
+    assert re.search(named, out, re.MULTILINE) and out.count("the copy kept by rank") == 1, out[-3000:]
     restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1, 2) for e in read_events(tmp_path / f"node{node}")
                 if e["event"] == "restore"}
     assert restores == {(rank, KILL, "memory") for rank in range(3)}, restores
     for rank in range(3):
         assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
                            torch.load(three_reference / f"final.rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("nnodes", ["2", "1:2"] if os.environ.get("CHECKFREQ_FAULT_MATRIX") == "1" else ["2"])
+def test_a_copy_with_a_flipped_byte_is_passed_over_for_the_next_source(
+    reference: Path, tmp_path: Path, nnodes: str
+) -> None:
+    """Node 1 lost after step 6 as in the tests above, but one byte of the copy of rank 2's snapshot 6
+    that rank 0 keeps was changed first. The restore finds it (its checksum), logs the snapshot (rank
+    2's, step 6), its keeper (rank 0, on this host) and what it reads instead: step 5, the newest
+    step every shard can be read at, from the memory tier (rank 2's older copy). With a replacement
+    node (``--nnodes 2``) every rank resumes at 5 and the job ends bit-identical to the
+    uninterrupted one; with the node lost for good (``--nnodes 1:2``, ``CHECKFREQ_FAULT_MATRIX=1``),
+    on course."""
+    port = free_port()
+    extra = ("--replicas", "1", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL), "--flip-copy")
+    agents = [_agent(tmp_path, node, port, *extra, nnodes=nnodes) for node in (0, 1)]
+    try:
+        assert agents[1].wait(timeout=200) == -9, (tmp_path / "node1.out").read_text()[-3000:]
+        for gone in (tmp_path / "shm1", tmp_path / "node1"):
+            subprocess.run(["rm", "-rf", str(gone)], check=True)
+        if nnodes == "2":
+            agents.append(_agent(tmp_path, 1, port, *extra, nnodes="2"))  # the replacement
+        codes = [agent.wait(timeout=200) for agent in agents[::2]]
+        assert codes == [0] * len(codes), [(tmp_path / f"node{n}.out").read_text()[-3000:] for n in (0, 1)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    out = [(tmp_path / f"node{n}.out").read_text() for n in (0, 1)]
+    assert f"flipped a byte of the copy of rank 2's snapshot {KILL}" in out[0], out[0][-3000:]
+    host = socket.gethostname()
+    if nnodes == "2":  # rank 2 (the new node) is sent the damaged copy by rank 0, and takes the next source
+        named = (re.escape(f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({host}) cannot be used "
+                           f"(the copy of rank 2's memory snapshot {KILL} kept here cannot be read: slot ") + r"\d "
+                 + re.escape(f"(step {KILL}) fails its checksum: torn or damaged); ")
+                 + r"(taking snapshot (\d+) over from the copies|restoring memory snapshot (\d+), which|no copy left)")
+        found = re.search(named, out[1])
+        assert found and out[1].count("the copy kept by rank") == 1, out[1][-4000:]  # its machine's one copy, once
+        restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1)
+                    for e in read_events(tmp_path / f"node{node}") if e["event"] == "restore"}
+        step = int(found[2] or found[3] or 0)  # the step the log says is restored instead (0: from disk)
+        steps, tiers = {s for _, s, _ in restores}, {t for _, _, t in restores}
+        if step:
+            assert steps == {step} and tiers == {"memory"}, restores
+        else:
+            assert len(steps) == 1 and max(steps) < KILL and "memory" not in tiers, restores
+        for rank in range(4):
+            assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
+                               torch.load(reference / f"final.rank{rank}.pt"))
+        return
+    named = (re.escape(f"memory tier: snapshot {KILL} cannot be put together (rank 0: rank 2's share of memory "
+                       f"snapshot {KILL} is on no region of this machine ({host}) (the copy kept here, ") + ".*"
+             + re.escape("fails its checksum: torn or damaged)); restoring ") + r"(snapshot (\d+)|from disk) instead")
+    found = re.search(named, out[0])
+    assert found, out[0][-4000:]
+    tiers = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
+             if e["event"] == "restore" and e["world_size"] == 2}
+    if found[2]:  # the newest step every shard can be read at: an older memory snapshot (rank 2's older copy)
+        assert tiers == {(0, int(found[2]), "memory"), (1, int(found[2]), "memory")}, tiers
+    else:
+        assert all(step < KILL and tier != "memory" for _, step, tier in tiers), tiers
+    losses, expected = _steps(tmp_path / "steps.log"), _steps(reference / "steps.log")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+                               torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)

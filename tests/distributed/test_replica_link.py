@@ -1,11 +1,17 @@
 """The copies of memory snapshots between two real gloo ranks (checkfreq.pipeline.replicas): a copy
 is kept only once its bytes match the sender's checksum; one damaged on the way, or cut short by
-the sender's death, is never committed, and the keeper's newest good copy stays."""
+the sender's death, is never committed, and the keeper's newest good copy stays. A sender that
+freezes mid-copy is found by its heartbeats, and the keeper's process ends."""
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
+import signal
+import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +20,8 @@ import torch.distributed as dist
 
 from checkfreq.pipeline import replicas
 from checkfreq.pipeline.replicas import ReplicaLink, encode_header
+from checkfreq.ranks.compat import default_store
+from checkfreq.ranks.liveness import Liveness
 from checkfreq.storage.format import Manifest
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
 from checkfreq.tools.catalog import memory_snapshots
@@ -81,3 +89,60 @@ def test_a_keeper_without_room_refuses_the_copies_and_both_ranks_go_on(tmp_path:
         spawn_ranks(_ranks, (tmp_path, "good"), nprocs=2)
     assert json.loads((tmp_path / "sent.json").read_text()) == []
     assert json.loads((tmp_path / "kept.json").read_text()) == []
+
+
+FROZEN_TIMEOUT_S = 2.0
+"""The failure timeout of the frozen-sender case: the keeper must be gone well within 2 of them + a beat."""
+
+
+def _frozen(rank: int, work: Path) -> None:
+    """Rank 0 sends one copy, then the header of the next, and freezes (SIGSTOP: its connections stay
+    open); rank 1, the keeper, watched by the job's heartbeats, blocks its main thread for a minute."""
+    logging.basicConfig(filename=work / f"rank{rank}.log", level=logging.INFO)
+    os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
+    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    liveness = Liveness(dist.PrefixStore("liveness", default_store()), rank, 2, FROZEN_TIMEOUT_S)
+    directory = work / "ckpt"
+    if rank == 0:
+        region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
+        link = ReplicaLink(dist.group.WORLD, directory, sends_to=1, receives_from=[], liveness=liveness)
+        assert link.offer(region, _commit(region, 3, 7)) and link.wait_sent(30)
+        dist.send(encode_header(_commit(region, 4, 9)), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG)
+        (work / "frozen").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        ReplicaLink(dist.group.WORLD, directory, sends_to=None, receives_from=[0], liveness=liveness)
+        time.sleep(60)  # a training thread blocked in a collective of its own with the frozen rank
+    os._exit(0)
+
+
+def test_a_sender_frozen_mid_copy_is_found_by_its_heartbeats_and_the_keeper_ends(tmp_path: Path) -> None:
+    """The sender freezes after the header of a copy: its connections stay open, so the keeper's
+    receive of the rest would wait for the group's timeout (a day). The link's watch reads the
+    sender's heartbeat instead: silent for the failure timeout, the sender is named lost and the
+    keeper's process ends itself (status 1) a failure timeout later, long before its main thread
+    would return, so that torchrun can restart the job."""
+    for rank in (0, 1):
+        (tmp_path / f"shm{rank}").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_frozen, args=(rank, tmp_path)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        ranks[1].join(60)
+        assert (tmp_path / "frozen").exists(), (tmp_path / "rank1.log").read_text()
+        frozen = json.loads((tmp_path / "frozen").read_text())
+        gone = time.time() - frozen["time"]
+        assert ranks[1].exitcode == 1, (ranks[1].exitcode, (tmp_path / "rank1.log").read_text())
+        assert gone < 2 * FROZEN_TIMEOUT_S + 10, gone  # found after the timeout (+ a beat), ended one later
+        log = (tmp_path / "rank1.log").read_text()
+        assert (f"rank 0 ({socket.gethostname()}, pid {frozen['pid']}) stopped answering during the copies of "
+                "memory snapshots between machines") in log, log
+        assert "ending this process now" in log, log
+    finally:
+        for process in ranks:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGKILL)
+            process.join(10)

@@ -26,7 +26,11 @@ STEP, it reaches PHASE:
 * ``broadcast``: as it waits for rank 0's verdict in a commit (the commit's second broadcast; RANK > 0);
 * ``upload``: as it copies its data file to the remote tier;
 * ``restore``: as it exchanges data in the restore (a message, or the replicated rows) — STEP is ignored;
-* ``vote``: as its vote thread exchanges a vote on when to checkpoint.
+* ``vote``: as its vote thread exchanges a vote on when to checkpoint;
+* ``replica-send``: as its thread copying a memory snapshot of step STEP or later to another
+  machine (``replicas=1``, :func:`inject_replicas`) has sent the header and the data, before the manifest;
+* ``replica-keep``: as its thread keeping the copies another rank sends has received all of that
+  copy's bytes, before it commits them.
 
 The faults are injected by wrapping checkfreq's own functions from this script: the library has no test hooks.
 Each rank appends one line per step to ``--step-log`` (``elastic_train.py``'s format) and prints
@@ -54,11 +58,13 @@ from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
+from checkfreq.pipeline import replicas
 from checkfreq.pipeline.snapshot import Snapshotter
 from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.storage.format import checkpoint_name
+from checkfreq.storage.shm import MemoryRegion
 
 step_now = 0  # the optimizer step the training loop is at (read by the writer and vote threads)
 
@@ -178,6 +184,37 @@ def inject(faults: Faults) -> None:
     GroupPeers.send, GroupPeers.receive = send_hooked, receive_hooked  # type: ignore[method-assign]
     GroupPeers.all_gather_rows = rows_hooked  # type: ignore[method-assign]
     RemoteTier._copy = copy_hooked  # type: ignore[method-assign]
+
+
+def inject_replicas(faults: Faults) -> None:
+    """Wrap what the replica threads call (``checkfreq.pipeline.replicas``) so that a copy in flight
+    calls ``faults.hit`` at the ``replica-send`` and ``replica-keep`` phases (scripts/fsdp_memory.py)."""
+    real, commit = replicas.dist, MemoryRegion.commit
+    copy = threading.local()  # the sender thread's copy in flight: its step, and its messages sent so far
+
+    class Wire:
+        """torch.distributed as the replica module sees it: the sender's messages counted."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def send(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if threading.current_thread().name == "checkfreq-replica-send":
+                if tensor.dtype == torch.int64 and tensor.numel() == replicas.HEADER:  # a copy begins
+                    copy.step, copy.sent = int(tensor[1]), 0
+                else:
+                    copy.sent += 1
+                    if copy.sent == 2:  # the data is out; the manifest would go next
+                        faults.hit("replica-send", copy.step)
+            real.send(tensor, *args, **kwargs)
+
+    def commit_hooked(self: MemoryRegion, target: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("expect") is not None and threading.current_thread().name.startswith("checkfreq-replica-keep"):
+            faults.hit("replica-keep", step)
+        return commit(self, target, step, *args, **kwargs)
+
+    replicas.dist = Wire()  # type: ignore[assignment]
+    MemoryRegion.commit = commit_hooked  # type: ignore[method-assign]
 
 
 def parse() -> argparse.Namespace:

@@ -11,11 +11,18 @@ values) to ``<final>.rank<r>.pt``.
 * ``--memory N``: a memory snapshot every N steps; ``--every K``: a persist every K steps.
 * ``--die LIFE:RANK:STEP``: in incarnation LIFE, rank RANK waits for what is in flight, then
   SIGKILLs itself after optimizer step STEP (torchrun then restarts every rank).
-* ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier.
+* ``--replicas 1``, ``--remote PATH``: copies of each memory snapshot on the next node, a remote tier;
+  ``--failure-timeout S``: the Checkpointer's.
 * ``--kill-node STEP``: once (``--kill-marker`` is left behind: a replacement node's workers start
   at incarnation 0 again), after step STEP, every rank waits for what is in flight (the remote
   tier's copy and the replicas included); then every rank of the last node (the last ``--lost-nodes``
   nodes) SIGKILLs itself, each node's last one its torchrun agent first: the node is gone.
+* ``--flip-copy``: with ``--kill-node``, once every rank waited, rank 0 changes one byte of the
+  newest copy it keeps of the first lost rank's snapshots (a copy damaged in memory) before the node goes.
+* ``--faults`` and ``--markers``: the fault matrix's faults (``fault_train.py``; here the phases
+  ``replica-send`` and ``replica-keep``); then each restore prints ``... restored step=S at=T``, after
+  a line for each memory copy this machine keeps (``keeps copy of rank R step=S valid=V``), and the
+  checkpoints before ``--wait-remote-before`` are in the remote tier before training goes on.
 * ``--step-log PATH``: each rank appends ``life step rank world loss`` after each step, the loss being
   the global batch's (averaged over the ranks); rank 0 writes every parameter, gathered, to
   ``<final>.full.pt`` at the end.
@@ -26,10 +33,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fault_train import Faults, inject_replicas  # beside this script
 from noisy_points import NoisyPoints  # beside this script
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -37,6 +47,8 @@ from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
+from checkfreq.storage.shm import MemoryRegion, device_and_inode, replica_path
+from checkfreq.tools.catalog import memory_snapshots
 
 
 def local(value: Any) -> Any:
@@ -46,6 +58,16 @@ def local(value: Any) -> Any:
     if isinstance(value, list):
         return [local(v) for v in value]
     return value.to_local().clone() if hasattr(value, "to_local") else value
+
+
+def flip(directory: str, sender: int) -> None:
+    """Change one byte of the data of the newest copy of rank ``sender``'s snapshots kept on this machine."""
+    region = MemoryRegion(replica_path(directory, sender), device_and_inode(directory), tidy=False)
+    info = region.snapshots()[0]
+    data, _ = region.slot_bytes(info)
+    data[data.numel() // 2] ^= 1
+    region.release(remove=False)
+    print(f"flipped a byte of the copy of rank {sender}'s snapshot {info.step}", flush=True)
 
 
 def main() -> None:
@@ -65,6 +87,11 @@ def main() -> None:
     parser.add_argument("--lost-nodes", type=int, default=1)
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--flip-copy", action="store_true")
+    parser.add_argument("--faults", default="")
+    parser.add_argument("--markers", default=None)
+    parser.add_argument("--wait-remote-before", type=int, default=0)
+    parser.add_argument("--failure-timeout", type=float, default=30.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(args.samples), global_batch_size=args.global_batch, shuffle=True, seed=5)
@@ -72,6 +99,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.markers:
+        inject_replicas(Faults(args.faults, Path(args.markers), rank))
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -86,10 +115,17 @@ def main() -> None:
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
-                        replicas=args.replicas, remote=args.remote, model=model, optimizer=optimizer, loader=loader)
+                        replicas=args.replicas, remote=args.remote, failure_timeout=args.failure_timeout,
+                        model=model, optimizer=optimizer, loader=loader)
     ckpt["seen"] = torch.zeros(())
+    if args.markers:  # what this machine keeps of other machines' snapshots, before the restore takes any
+        for held in memory_snapshots(args.ckpt_dir):
+            if held.name.startswith("memory copy of rank "):
+                print(f"life={life} rank={rank} keeps copy of rank {held.name.split()[4]} step={held.step} "
+                      f"valid={held.valid}", flush=True)
     step = ckpt.restore()
-    print(f"life={life} rank={rank} world={world} restored step={step}", flush=True)
+    at = f" at={time.time()!r}" if args.markers else ""
+    print(f"life={life} rank={rank} world={world} restored step={step}{at}", flush=True)
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
             loss = nn.functional.cross_entropy(net(x), y)
@@ -97,7 +133,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             ckpt["seen"] += len(y)
-            ckpt.step()
+            if ckpt.step() and ckpt.global_step < args.wait_remote_before:
+                ckpt.wait(remote=True)  # collective: the checkpoints before the faults are in the remote tier
             if args.step_log:
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)
@@ -109,6 +146,8 @@ def main() -> None:
             if args.kill_node == ckpt.global_step and not os.path.exists(args.kill_marker):
                 ckpt.wait(remote=bool(args.remote))  # collective: every rank
                 dist.barrier()  # every rank has looked at the marker
+                if args.flip_copy and rank == 0:
+                    flip(args.ckpt_dir, world - per_node * args.lost_nodes)
                 if rank >= world - per_node * args.lost_nodes:  # the last nodes' ranks
                     open(args.kill_marker, "a").close()
                     if rank % per_node == per_node - 1:

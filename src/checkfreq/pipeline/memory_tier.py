@@ -56,7 +56,7 @@ from checkfreq.pipeline.snapshot import PendingSnapshot
 from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
-from checkfreq.ranks.collectives import Peers
+from checkfreq.ranks.collectives import GroupPeers, Peers
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.shares import SHARDED
@@ -79,8 +79,9 @@ log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
 
 REPLICA_GROUP_TIMEOUT = timedelta(days=1)
-"""The replica group's gloo timeout: a keeper waits for the next copy as long as the job runs (a
-sender that dies closes its connection, which ends the wait at once)."""
+"""The replica group's gloo timeout, a backstop only: a keeper waits for the next copy as long as the
+job runs. A sender that dies closes its connection, which ends the wait at once; one that freezes is
+found by its heartbeats within the failure timeout (the link's watch, :class:`ReplicaLink`)."""
 SEAL_AFTER_BYTES = 256 << 20
 """Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
 
@@ -173,7 +174,8 @@ class MemoryTier(Tier):
                 log.warning("memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
                             "other machines to copy to: %d copies are kept", replicas, stride,
                             len(members.sends_to), len(members.sends_to))
-            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from)
+            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from,
+                                    liveness=peers.liveness if isinstance(peers, GroupPeers) else None)
         return tier
 
     @property
@@ -402,9 +404,10 @@ class MemoryTier(Tier):
         return self.link is not None
 
     def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
-        """The steps of this rank's snapshots, and of the copies of other ranks' its machine keeps."""
+        """The steps of this rank's snapshots and of the copies its machine keeps (its first rank reports those)."""
         copies: dict[int, list[int]] = {}
-        for rank, region in listed_regions(self.directory, "replica"):
+        for rank, region in listed_regions(self.directory, "replica") if self.group is None or self.rank == min(
+                self.group.ranks) else ():
             try:  # those this machine can make whole (a copy may leave replicated pieces out)
                 copies[rank] = usable_steps(self.directory, region)
             finally:
@@ -434,7 +437,8 @@ class MemoryTier(Tier):
         """Rank ``rank``'s share of memory snapshot ``step``, from its region on this machine, else
         from the replica this machine keeps of it."""
         reasons = []
-        for path in (region_path(self.directory, rank), replica_path(self.directory, rank)):
+        for what, path in (("its region", region_path(self.directory, rank)),
+                           ("the copy kept here,", replica_path(self.directory, rank))):
             if not path.exists():
                 continue
             region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
@@ -444,18 +448,16 @@ class MemoryTier(Tier):
                     copy = whole(self.directory, HeldCopy(rank, step, found[1], found[2], found[0].checksum, b""))
                     manifest = Manifest.from_json(copy.meta)
                     return manifest, {name: entry_view(copy.data, entry) for name, entry in manifest.tensors.items()}
-                why = "; ".join(reason for _, reason in region.skipped) or "no snapshot of that step"
-                reasons.append(f"{path.name}: {why}")
+                reasons.append(f"{what} {path.name}: {'; '.join(r for _, r in region.skipped) or 'not of that step'}")
             finally:
                 region.release(remove=False)
-        raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} is on no region of this machine"
-                             + (f" ({'; '.join(reasons)})" if reasons else ""))
+        raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} is on no region of this machine "
+                             f"({os.uname().nodename})" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
         self.wait_sealed()  # a seal in flight never writes a header back after the clear
-        newest = self.newest_step()
-        if newest is not None and newest > step:
+        if (newest := self.newest_step()) is not None and newest > step:
             log.info("memory tier: dropping snapshots after step %d (restored an older step)", step)
             self.region.clear()
 

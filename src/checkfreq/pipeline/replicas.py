@@ -15,6 +15,14 @@ manifest (the slot's, or an envelope around it saying what was left out), and th
 with the step it kept (or -1); once every keeper answered, the sender's slot is free again and
 :meth:`ReplicaLink.wait_sent` returns. A keeper that fails is sent no more copies; the others still
 are. A header of kind :data:`STOP` ends the copies at a clean close.
+
+A rank that dies closes its connections, which ends the copy threads' waits on it at once; a rank
+that freezes (its machine stalled, its connections open) does not. So, given the job's
+:class:`~checkfreq.ranks.liveness.Liveness`, a watch thread looks at the heartbeats of every rank a
+copy thread waits on while the link is open: the senders whose copies this rank keeps (between
+copies too) and the keeper a copy is being sent to. One silent for the failure timeout is lost: the
+liveness publishes the job's failure and ends this process (and every rank that reads it) so that
+torchrun restarts the job, whatever the copy threads and the training thread are blocked in.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkfreq.errors import CheckfreqError
+from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.pipeline.replica_parts import Outgoing, outgoing, pieces_of
+from checkfreq.ranks.liveness import Liveness
 from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo, device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
@@ -43,6 +52,10 @@ SNAPSHOT, STOP = 1, 0
 COPY_TAG, ACK_TAG = 1, 2
 """gloo tags: a sender's copies, and the keeper's answer (the step kept, or -1), which may travel
 between the same two ranks at once the other way."""
+WATCH_S = 0.1
+"""How often the watch thread looks at the awaited ranks' liveness (it reads each heartbeat less often)."""
+WATCHED = "the copies of memory snapshots between machines (replicas=)"
+"""What the ranks are doing, as a lost rank's error names it."""
 _SIGNED = struct.Struct("<q")
 _UNSIGNED = struct.Struct("<Q")
 
@@ -87,10 +100,13 @@ class ReplicaLink:
         directory: the checkpoint directory the replica regions are named after.
         sends_to: the ranks this one copies its snapshots to, in turn (one rank, or None: none).
         receives_from: the ranks whose snapshots this one keeps.
+        liveness: the job's heartbeats, watched for every rank a copy thread waits on (None: no
+            watch; a frozen peer is then found only by the group's gloo timeout).
     """
 
     def __init__(self, group: dist.ProcessGroup, directory: str | os.PathLike[str], *,
-                 sends_to: int | Sequence[int] | None, receives_from: list[int]) -> None:
+                 sends_to: int | Sequence[int] | None, receives_from: list[int],
+                 liveness: Liveness | None = None) -> None:
         self.group, self.directory = group, directory
         self.sends_to = [] if sends_to is None else [sends_to] if isinstance(sends_to, int) else list(sends_to)
         self.receives_from = list(receives_from)
@@ -107,12 +123,19 @@ class ReplicaLink:
         """The slot being copied (it must not be overwritten until the copy is done)."""
         self._broken: dict[int, BaseException] = {}
         """Keeper → why copying to it failed (it is sent no more copies this session)."""
+        self._sending_to: int | None = None
+        """The keeper a copy is being sent to (the send thread waits on it)."""
+        self._closing = threading.Event()
         self._threads = []
         if self.sends_to:
             self._threads.append(threading.Thread(target=self._send_loop, name="checkfreq-replica-send", daemon=True))
-        for sender in self.receives_from:
-            self._threads.append(threading.Thread(target=self._keep_loop, args=(sender,),
-                                                  name=f"checkfreq-replica-keep-{sender}", daemon=True))
+        self._keepers = {sender: threading.Thread(target=self._keep_loop, args=(sender,),
+                                                  name=f"checkfreq-replica-keep-{sender}", daemon=True)
+                         for sender in self.receives_from}
+        self._threads += self._keepers.values()
+        if liveness is not None and self._threads:
+            self._threads.append(threading.Thread(target=self._watch, args=(liveness,), name="checkfreq-replica-watch",
+                                                  daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -164,6 +187,7 @@ class ReplicaLink:
         """Send ``copy`` (of the slot ``info``) to keeper ``to`` and wait for its answer; a keeper that
         fails (it died, or left) is sent no more copies."""
         start = time.perf_counter()
+        self._sending_to = to
         try:
             dist.send(encode_header(copy.info), group=self.group, group_dst=to, tag=COPY_TAG)
             for piece in copy.pieces():
@@ -177,6 +201,8 @@ class ReplicaLink:
             log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent to it",
                         info.step, to, e)
             return
+        finally:
+            self._sending_to = None
         seconds, nbytes = time.perf_counter() - start, copy.info.data_bytes + copy.info.meta_bytes
         if int(answer) == info.step:
             self.sent.append(Sent(info.step, nbytes, seconds, to))
@@ -228,11 +254,28 @@ class ReplicaLink:
         self.kept[sender] = info.step
         return True
 
+    # ------------------------------------------------------------------ watching
+
+    def _watch(self, liveness: Liveness) -> None:
+        """Until the link closes: the liveness of the senders whose keeper threads still wait for
+        their copies, and of the keeper a copy is being sent to. A rank found lost ends the watch (the
+        liveness has published the job's failure and will end this process)."""
+        while not self._closing.wait(WATCH_S):
+            awaited = {sender for sender, thread in self._keepers.items() if thread.is_alive()}
+            if (to := self._sending_to) is not None:
+                awaited.add(to)
+            try:
+                liveness.check(sorted(awaited), WATCHED)
+            except PeerLostError:  # logged by the liveness, which ends this process
+                return
+
     # ------------------------------------------------------------------ end
 
     def close(self, timeout: float) -> None:
         """End the copies: the sender finishes the one in flight and tells its keepers; the keepers
-        end at their senders' word (each waited for at most ``timeout`` seconds)."""
+        end at their senders' word (each waited for at most ``timeout`` seconds); the watch ends at once
+        (the job's heartbeats stop after the close)."""
+        self._closing.set()
         self._offers.put(None)
         deadline = time.monotonic() + timeout
         for thread in self._threads:

@@ -146,6 +146,11 @@ class GroupPeers:
             self._calls = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(self._calls,), name="checkfreq-messages", daemon=True).start()
 
+    @property
+    def liveness(self) -> Liveness | None:
+        """The heartbeats that bound its waits (None: gloo's timeout alone)."""
+        return self._liveness
+
     def all_gather(self, value: Any) -> list[Any]:
         return self._call(lambda: all_gather_json(value, self.group), None)
 

@@ -121,6 +121,7 @@ def test_a_share_whose_region_is_gone_is_read_from_its_replica_unless_damaged(sh
     data[3] ^= 0xFF
     copy.release(remove=False)
     with pytest.raises(CheckfreqError, match=r"rank 1's share of memory snapshot 5 is on no region of this machine "
-                                             r"\(checkfreq-\w+-replica00001: slot \d \(step 5\) fails its checksum"):
+                                             r"\(.+\) \(the copy kept here, checkfreq-\w+-replica00001: slot \d "
+                                             r"\(step 5\) fails its checksum"):
         tier.complete(state)
     tier.close(remove=False)

@@ -135,7 +135,8 @@ def test_a_copy_no_region_here_can_make_whole_is_not_reported_nor_used(
 
     replica_path(tmp_path, 0).unlink(missing_ok=True)
     region_path(tmp_path, 0).unlink()  # rank 0's region gone: its pieces are listed nowhere
-    assert tiers[1].holdings()[1] == {2: []}
+    assert tiers[0].holdings()[1] == {2: []}  # the machine's first rank reports the copies kept there
+    assert tiers[1].holdings()[1] == {}
     for tier in tiers:
         tier.close(remove=False)
 

@@ -134,3 +134,19 @@ def test_a_rank_whose_copy_several_ranks_keep_is_given_every_keeper_in_turn() ->
     assert fetch_plan([*survivors, MemoryReport([], None)]) == FetchPlan(6, [(2, 0)])
     lost_two = [MemoryReport([6, 4], None, {1: [6, 4], 2: [6]}), MemoryReport([], None), MemoryReport([], None)]
     assert fetch_plan(lost_two) == FetchPlan(6, [(1, 0), (2, 0)])  # two machines replaced: one keeper of both
+
+
+def test_a_copy_found_damaged_is_passed_over_for_another_keeper_else_an_older_step() -> None:
+    """A copy no keeper could give (rank, step, keeper) is left out of the next plan: the other
+    machine's copy of that step if there is one, else the newest older step every rank can have,
+    else nothing (the restore reads disk)."""
+    from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+    from checkfreq.pipeline.restore.plan import fetch_plan
+
+    survivors = [MemoryReport([6, 5], 4, {2: [6, 5]}), MemoryReport([6, 5], 4, {3: [6, 5]})]
+    replaced = [MemoryReport([], None), MemoryReport([], None)]
+    assert fetch_plan(survivors + replaced, frozenset({(2, 6, 0)})) == FetchPlan(5, [(2, 0), (3, 1)])
+    twice = [MemoryReport([6, 5], 4, {2: [6, 5]}), MemoryReport([6, 5], 4, {2: [6], 3: [6, 5]})]
+    assert fetch_plan(twice + replaced) == FetchPlan(6, [(2, 0), (2, 1), (3, 1)])  # both keepers, in turn
+    assert fetch_plan(twice + replaced, frozenset({(2, 6, 0)})) == FetchPlan(6, [(2, 1), (3, 1)])  # its other copy
+    assert fetch_plan(survivors + replaced, frozenset({(2, 6, 0), (2, 5, 0)})) == FetchPlan(None, [])  # disk then

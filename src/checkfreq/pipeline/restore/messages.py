@@ -40,19 +40,21 @@ class MemoryReport:
 @dataclass
 class FetchPlan:
     """0 → every rank: the memory snapshot (None: none) that the ranks which lost theirs take from the
-    copies other ranks keep, as (rank, the rank sending it its copy) pairs, in the order every rank
-    goes through them."""
+    copies other ranks keep, as (rank, a rank keeping its copy) pairs, each rank's keepers in the order
+    they are tried; after a copy no keeper could give, what the restore does ``instead`` (for the log)."""
 
     step: int | None
     pairs: list[tuple[int, int]]
+    instead: str = ""
 
     def to_wire(self) -> JSON:
-        return {"step": self.step, "pairs": [list(p) for p in self.pairs]}
+        return {"step": self.step, "pairs": [list(p) for p in self.pairs], "instead": self.instead}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> FetchPlan:
         step = wire["step"]
-        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]])
+        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]],
+                   str(wire.get("instead", "")))
 
 
 @dataclass

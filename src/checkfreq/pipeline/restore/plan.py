@@ -34,18 +34,19 @@ def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
     return MemoryChoice(best, bool(common))
 
 
-def fetch_plan(reports: list[MemoryReport]) -> FetchPlan:
+def fetch_plan(reports: list[MemoryReport], unusable: frozenset[tuple[int, int, int]] = frozenset()) -> FetchPlan:
     """The newest memory step every rank holds itself or can take from a copy another rank keeps
     (not older than the newest step on disk), when some rank must take it from a copy: each such
     rank with every rank keeping its copy, in rank order (the first tried first, the next if it
     fails). Nothing to take (``step`` None) when every rank holds that step itself, or no step can
-    be had by all."""
+    be had by all. A copy in ``unusable`` (rank, step, keeper: one that could not be taken over) is
+    passed over: the other keepers of that copy, else an older step."""
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
     keepers: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the other ranks keeping its copy: one pass
     for keeper, report in enumerate(reports):
         for rank, held in report.copies.items():
             for step in held:
-                if rank != keeper:
+                if rank != keeper and (rank, step, keeper) not in unusable:
                     keepers.setdefault((rank, step), []).append(keeper)
     steps = {s for r in reports for s in r.steps} | {step for _, step in keepers}
     for step in sorted(steps, reverse=True):

@@ -221,26 +221,26 @@ class Restorer:
         if self.tiers.keeps_copies and step is None:  # a rank that lost its snapshots takes them from copies
             fetch_copies(self.tiers, self.peers, listed[0] if listed else None)
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
-        by_step = {state.manifest.step: state for state in states}
+        by_step, failed = {state.manifest.step: state for state in states}, ""  # failed: logged with what follows
         while True:
             reports = gather_messages(self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None),
                                       MemoryReport.from_wire)
             choice = None if reports is None else memory_choice(reports)
-            chosen = broadcast_message(self.peers, choice, MemoryChoice.from_wire)
-            best, common = chosen.best, chosen.common
+            best, common = (chosen := broadcast_message(self.peers, choice, MemoryChoice.from_wire)).best, chosen.common
+            if failed:  # the shard, where its copy is kept, and the next source every rank goes to
+                log.warning("%s; restoring %s instead", failed, "from disk" if best is None else f"snapshot {best}")
             if best is None:
                 if by_step and not common:
                     log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
                 return None
-            problem = None
             try:  # the shares other ranks keep (a rank that keeps its whole state needs none)
-                state = self.tiers.complete(by_step[best])
+                state, problem = self.tiers.complete(by_step[best]), None
             except CheckfreqError as e:
                 problem = f"rank {self.peers.rank}: {e}"
             problems = collect_errors(self.peers, problem)
             if not problems:
                 return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
-            log.warning("memory tier: snapshot %d cannot be put together (%s)", best, "; ".join(problems))
+            failed = f"memory tier: snapshot {best} cannot be put together ({'; '.join(problems)})"
             skipped.append((f"memory snapshot {best}", "; ".join(problems)))
             del by_step[best]  # the same on every rank: the next round tries an older step, or disk
 
