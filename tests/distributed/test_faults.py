@@ -46,6 +46,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from elastic_train import read_steps, step_samples
+from fsdp_memory import read_losses
 from worker_exit import exit_without_teardown
 
 import checkfreq as cf
@@ -350,16 +351,6 @@ def fsdp_four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work
 
 
-def fsdp_losses(log: Path) -> dict[int, float]:
-    """fsdp_memory.py's step log: step → the global batch's loss (a step run again replaces the earlier)."""
-    losses = {}
-    for line in log.read_text().splitlines():
-        _, step, rank, _, loss = line.split()
-        if rank == "0":
-            losses[int(step)] = float(loss)
-    return losses
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not (FULL or ROTATION), reason="CHECKFREQ_FAULT_MATRIX=1 or ci runs it")
 @pytest.mark.parametrize(("phase", "nnodes", "what"), REPLICA_CASES if FULL else ROTATING_REPLICA_CASES)
@@ -405,7 +396,7 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
             assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
                                torch.load(fsdp_four_ranks / f"final.rank{rank}.pt"))
     else:
-        losses, expected = fsdp_losses(tmp_path / "steps.log"), fsdp_losses(fsdp_four_ranks / "steps.log")
+        losses, expected = read_losses(tmp_path / "steps.log"), read_losses(fsdp_four_ranks / "steps.log")
         assert sorted(losses) == list(range(1, FSDP_STEPS + 1))
         torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
                                    torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),

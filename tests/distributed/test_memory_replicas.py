@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp_memory import read_losses
 
 from checkfreq.run.events import read_events
 from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
@@ -33,16 +34,6 @@ THREE = ("--samples", "48", "--global-batch", "12")
 """Three nodes of one rank: 48 samples in global batches of 12 (at 3 ranks and at 1), 12 steps again."""
 PRIVATE = 4 + 624 * 4 + 5056
 """A DDP rank's private tensors: ``seen`` (float32), numpy's RNG key (624 uint32) and torch's CPU RNG state."""
-
-
-def _steps(log: Path) -> dict[int, float]:
-    """Step → the global batch's loss; a step run again after a restart replaces the earlier one."""
-    losses = {}
-    for line in log.read_text().splitlines():
-        _, step, rank, _, loss = line.split()
-        if rank == "0":
-            losses[int(step)] = float(loss)
-    return losses
 
 
 def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2",
@@ -118,7 +109,7 @@ def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
         assert f"memory copies on another machine: {kept} kept there" in text, text
     else:
         assert not copies
-    losses, expected = _steps(tmp_path / "steps.log"), _steps(reference / "steps.log")
+    losses, expected = read_losses(tmp_path / "steps.log"), read_losses(reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)
@@ -189,7 +180,7 @@ def test_ddp_copies_carry_no_replicated_bytes_and_a_lost_node_resumes_from_memor
         restores = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
                     if e["event"] == "restore" and e["world_size"] == 2}
         assert restores == {(0, KILL, "memory"), (1, KILL, "memory")}, restores
-        losses, expected = _steps(tmp_path / "steps.log"), _steps(ddp_reference / "steps.log")
+        losses, expected = read_losses(tmp_path / "steps.log"), read_losses(ddp_reference / "steps.log")
         assert sorted(losses) == list(range(1, STEPS + 1))
         torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
                                    **TOLERANCE)
@@ -229,7 +220,7 @@ def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivo
     assert {(1, KILL), (2, KILL)} <= copies, copies  # rank 0's own snapshots went to both other nodes
     restores = [(e["step"], e["tier"]) for e in events if e["event"] == "restore" and e["world_size"] == 1]
     assert restores == [(KILL, "memory")], restores
-    losses, expected = _steps(tmp_path / "steps.log"), _steps(three_reference / "steps.log")
+    losses, expected = read_losses(tmp_path / "steps.log"), read_losses(three_reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
     torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
                                **TOLERANCE)
@@ -333,7 +324,7 @@ def test_a_copy_with_a_flipped_byte_is_passed_over_for_the_next_source(
         assert tiers == {(0, int(found[2]), "memory"), (1, int(found[2]), "memory")}, tiers
     else:
         assert all(step < KILL and tier != "memory" for _, step, tier in tiers), tiers
-    losses, expected = _steps(tmp_path / "steps.log"), _steps(reference / "steps.log")
+    losses, expected = read_losses(tmp_path / "steps.log"), read_losses(reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
                                torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)

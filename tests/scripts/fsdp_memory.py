@@ -70,6 +70,17 @@ def flip(directory: str, sender: int) -> None:
     print(f"flipped a byte of the copy of rank {sender}'s snapshot {info.step}", flush=True)
 
 
+def read_losses(log: Path) -> dict[int, float]:
+    """The ``--step-log``: step → the global batch's loss (rank 0's line; a step run again after a
+    restart replaces the earlier one)."""
+    losses = {}
+    for line in log.read_text().splitlines():
+        _, step, rank, _, loss = line.split()
+        if rank == "0":
+            losses[int(step)] = float(loss)
+    return losses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt-dir", required=True)
