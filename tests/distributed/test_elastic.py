@@ -12,6 +12,7 @@ Face Trainer run resumed on one process must take the same global batches, or be
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -178,7 +179,7 @@ def test_a_node_lost_for_good_resumes_from_the_survivors_memory(reference: Path,
             kill_tree(agent.pid)
     outs = {node: (tmp_path / f"node{node}.out").read_text() for node in (0, 1)}
     assert codes == [0, -9], outs
-    restores = sorted(line.split(" accumulation")[0] for line in outs[0].splitlines() if "restored step=" in line)
+    restores = sorted(re.findall(r"life=\d+ rank=\d+ world=\d+ restored step=\d+", outs[0]))
     assert restores == ["life=0 rank=0 world=4 restored step=0", "life=0 rank=1 world=4 restored step=0",
                         "life=1 rank=0 world=2 restored step=5", "life=1 rank=1 world=2 restored step=5"], outs
     tiers = {(e["rank"], e["tier"], e["saved_world_size"]) for e in read_events(tmp_path / "node0")

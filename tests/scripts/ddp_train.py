@@ -199,8 +199,8 @@ def main() -> None:
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
     step = ckpt.restore()
     state = loader.state_dict()
-    print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}",
-          flush=True)
+    print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}\n",
+          end="", flush=True)  # one write, newline included: the ranks share the agent's stdout
     if args.dump:
         torch.save(per_rank_state(model, ckpt), f"{args.dump}/restored-w{world}-r{rank}.pt")
 

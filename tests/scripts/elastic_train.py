@@ -120,8 +120,9 @@ def main() -> None:
                         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
     step = ckpt.restore()
     accumulation = loader.accumulation_steps
+    # one write, newline included: the ranks share the agent's stdout, and print() writes its end apart
     print(f"life={life} rank={rank} world={world} restored step={step} accumulation={accumulation} "
-          f"batch={loader.batch_size}", flush=True)
+          f"batch={loader.batch_size}\n", end="", flush=True)
 
     with open(args.step_log, "a") as log:
         for _ in range(loader.epoch, args.epochs):

@@ -257,7 +257,8 @@ def main() -> None:
     ckpt = Checkpointer(args.ckpt_dir, policy=VotedEvery(args.every), keep=2, remote=args.remote,
                         model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, **options)
     step_now = ckpt.restore()
-    print(f"life={life} rank={rank} world={world} restored step={step_now} at={time.time()!r}", flush=True)
+    print(f"life={life} rank={rank} world={world} restored step={step_now} at={time.time()!r}\n", end="",
+          flush=True)  # one write, newline included: the ranks share the agent's stdout
 
     with open(args.step_log, "a") as log:
         for _ in range(loader.epoch, args.epochs):

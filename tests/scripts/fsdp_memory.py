@@ -136,7 +136,8 @@ def main() -> None:
                       f"valid={held.valid}", flush=True)
     step = ckpt.restore()
     at = f" at={time.time()!r}" if args.markers else ""
-    print(f"life={life} rank={rank} world={world} restored step={step}{at}", flush=True)
+    print(f"life={life} rank={rank} world={world} restored step={step}{at}\n", end="",
+          flush=True)  # one write, newline included: the ranks share the agent's stdout
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
             loss = nn.functional.cross_entropy(net(x), y)
