@@ -7,6 +7,7 @@ the saver with its snapshot, writer and commit, the restore).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -27,7 +28,7 @@ from checkfreq.errors import (
     UsageError,
 )
 from checkfreq.pipeline.commit import Committer
-from checkfreq.pipeline.epoch_boundary import BoundaryListener, EpochBoundary
+from checkfreq.pipeline.consistent_point import ConsistentPoint, Pending, PointListener
 from checkfreq.pipeline.registered import Captured, Registered
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.restore.apply import restored_state, source_of
@@ -35,7 +36,7 @@ from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.saver import Saver
 from checkfreq.pipeline.shutdown import shutdown
 from checkfreq.pipeline.staging import check_gpu_staging
-from checkfreq.pipeline.tier import Tier, TierName
+from checkfreq.pipeline.tier import TierName
 from checkfreq.pipeline.tiers import choose_tiers
 from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
@@ -58,6 +59,15 @@ from checkfreq.storage import Store, open_stores
 log = logging.getLogger("checkfreq")
 
 RESERVED_NAMES = frozenset({"rng", "checkfreq"})
+
+LOADER_POINTS = ("the loader's next batch", "the loader's next pass")
+"""The consistent points where a registered loader tells that the loop's next step begins."""
+
+CALLS = ("save()", "wait()", "close()")
+"""The consistent points that are the loop's own calls: they hold the state as it is when called."""
+
+REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()"}
+"""The events' reason of a checkpoint decided by these alone (else ``"policy"``)."""
 
 
 class Checkpointer:
@@ -195,7 +205,8 @@ class Checkpointer:
                               for opt in self._optimizers.values()]
         self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()],
                                      list(self._objects.values()))
-        self._boundary = EpochBoundary(self._objects.values(), BoundaryListener(self))
+        self._point = ConsistentPoint(self._objects.values(), PointListener(self))
+        self._dropped_warned = False
 
     # ------------------------------------------------------------------ user API
 
@@ -231,9 +242,11 @@ class Checkpointer:
         self._values[name] = value
 
     def step(self, loss: float | None = None) -> bool:
-        """Call once after each optimizer step; returns True if a checkpoint was started (or, at an
-        epoch's last batch, is taken at the epoch boundary: docs/exactness.md, "Epochs").
+        """Call once after each optimizer step; returns True if a checkpoint of this step was decided.
 
+        It is captured at the step's consistent point: when the loop asks a registered loader for its
+        next batch, a registered module runs its next training forward, or at ``save()``/``wait()``/
+        ``close()``, whatever the loop did after the optimizer step included (docs/exactness.md).
         ``loss`` (optional) feeds convergence-aware policies. Re-raises a background persist
         failure (unless ``on_error="warn"``).
         """
@@ -244,7 +257,7 @@ class Checkpointer:
         saver.collect()
         saver.record_gpu_waits()
         self._registered.scores.stepped(saver.timeline.step + 1, loss)
-        overdue = self._boundary.take()  # deferred to an epoch boundary that never came: taken at this step
+        overdue = self._point.take()  # no point came before this step's update: taken at this step
         measured = saver.timeline.advance(
             now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
         )
@@ -255,10 +268,10 @@ class Checkpointer:
         )
         checkpoint = self._cluster.decide(ctx) or (overdue is not None and overdue.checkpoint)
         due = [] if checkpoint else self._tiers.due(ctx.step, ctx.iteration_time)
-        if self._boundary.at_last_batch:  # the epoch's own work comes before it
-            self._boundary.defer(ctx.step, checkpoint, due)
-            return checkpoint
-        self._act(checkpoint, due)
+        if checkpoint or due:
+            self._check_not_foreign()  # refused now, not at the step's consistent point
+        if checkpoint or due or (self._trap is not None and self._trap.received is not None):
+            self._point.hold(ctx.step, checkpoint=checkpoint, tiers=due, reason="policy")
         return checkpoint
 
     def save(self, blocking: bool = False) -> None:
@@ -270,7 +283,7 @@ class Checkpointer:
         """
         self._check_open("save()")
         self._saver.collect()
-        self._at_boundary()
+        self._at_point("save()")
         if blocking:
             self._ensure_durable("save()")
         elif not self._holds_current_state():
@@ -278,14 +291,19 @@ class Checkpointer:
 
     def log(self, **metrics: float) -> None:
         """Record metrics of the current step (``ckpt.log(val_loss=0.41)`` after an evaluation): the one
-        ``Retention(best=...)`` ranks by scores a checkpoint of this step, taken now if none holds it
-        (docs/storage.md, "Keeping the best")."""
+        ``Retention(best=...)`` ranks by scores a checkpoint of this step, decided now if none was, and
+        captured, like every checkpoint, at the step's consistent point (docs/storage.md, "Keeping the best")."""
         self._check_open("log()")
-        if self._registered.scores.log(self._timeline.step, metrics):
-            self._saver.collect()
-            self._at_boundary()  # a checkpoint due at the epoch's end, after the evaluation: it takes the value
-            if not self._registered.scores.holds_log(self._timeline.step):
-                self._checkpoint(blocking=False, reason="log()")
+        step = self._timeline.step
+        if not self._registered.scores.log(step, metrics):
+            return
+        pending = self._point.pending
+        if pending is not None and pending.step == step and pending.checkpoint:
+            return  # its capture takes the score
+        if self._registered.scores.captured_step == step:
+            self._registered.warn_logged_after_capture(step, metrics)
+            return
+        self._point.hold(step, checkpoint=True, reason="log()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight
@@ -293,10 +311,11 @@ class Checkpointer:
 
         With ``remote=True`` (and a remote tier), also until the newest checkpoint committed is
         in the remote tier, copying it now if a busy uploader skipped it. Under torch.distributed
-        every rank must then call it at the same step. A checkpoint due at an epoch's last batch is
-        not in flight before the epoch boundary (docs/exactness.md, "Epochs"); ``save()`` takes it.
+        every rank must then call it at the same step. A checkpoint decided at this step and not yet
+        captured (docs/exactness.md) is captured first: ``wait()`` is a consistent point.
         """
         timeout = self._timeout if timeout is None else timeout
+        self._at_point("wait()")
         self._saver.wait(timeout)
         if remote:
             self._tiers.flush(self._saver.newest_committed, timeout)
@@ -309,7 +328,7 @@ class Checkpointer:
         has a score), raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
         self._check_open("restore()")
-        self._boundary.take()  # what this run decided is not for the state restored
+        self._point.take()  # what this run decided is not for the state restored
         self._saver.wait(self._timeout)
         start = time.perf_counter()
         found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects),
@@ -355,8 +374,8 @@ class Checkpointer:
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
-        """Take a checkpoint waiting for its epoch boundary, wait for the one in flight, stop (idempotent)."""
-        self._at_boundary()
+        """Take a checkpoint waiting for its consistent point, wait for the one in flight, stop (idempotent)."""
+        self._at_point("close()")
         self._closed = True
         if self._trap is not None and self._trap.received is not None:
             try:
@@ -380,7 +399,7 @@ class Checkpointer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc is not None:
-            self._boundary.take()  # a checkpoint waiting for its boundary: the epoch's work may be half done
+            self._drop_pending(exc)  # the step's work may be half done
         if exc is not None and self._cluster.others_wait:  # leave within failure_timeout: no rank waits for it
             self._closed = True
             self._detach()
@@ -393,7 +412,7 @@ class Checkpointer:
 
     def _begin_session(self, step: int) -> None:
         """The registered state is now that of ``step`` (restored, or loaded from elsewhere)."""
-        self._boundary.take()  # what this run decided is not for that state
+        self._point.take()  # what this run decided is not for that state
         self._saver.timeline = Timeline.restored(step)
         self._step_order.begin_session()
         self._registered.forget()
@@ -405,7 +424,7 @@ class Checkpointer:
             handle.remove()
         self._hook_handles = []
         self._step_order.close()
-        self._boundary.close()
+        self._point.close()
         self._saver.fence.clear()
 
     def _check_open(self, call: str) -> None:
@@ -422,33 +441,66 @@ class Checkpointer:
                 "resume_from_checkpoint=True for CheckFreqTrainer), or give this run a directory of its own."
             )
 
-    def _checkpoint(self, *, blocking: bool, reason: str) -> None:
+    def _checkpoint(self, *, blocking: bool, reason: str, at: str | None = None) -> None:
+        """Capture and persist the state at the current step; ``at``: the consistent point (else ``reason``'s call)."""
         self._check_not_foreign()
+        self._registered.sealed_at = reason if at is None else at
         self._saver.checkpoint(self._capture, epoch=self._registered.epoch, reason=reason, blocking=blocking)
 
-    def _act(self, checkpoint: bool, tiers: Iterable[Tier]) -> None:
-        """Do what ``step()`` decided: the signal's checkpoint, the policy's, or the tiers' own snapshots."""
+    def _act(self, pending: Pending, where: str) -> None:
+        """Capture what was decided: the signal's checkpoint, the policy's (or ``log()``'s), or the tiers' own
+        snapshots; ``where``: the consistent point that came."""
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
-        if checkpoint:
-            self._checkpoint(blocking=False, reason="policy")
+        if pending.checkpoint:
+            reason = REASONS.get(tuple(pending.reasons), "policy")
+            self._checkpoint(blocking=False, reason=reason, at=where)
             return
         capture = functools.partial(self._capture, persisted=False)
-        for tier in tiers:  # a snapshot into that tier alone
+        for tier in pending.tiers:  # a snapshot into that tier alone
             self._check_not_foreign()
             self._saver.snapshot_for(tier, capture, epoch=self._registered.epoch)
 
-    def _at_boundary(self) -> None:
-        """An epoch boundary (a registered loader's new pass, or save/close): take what ``step()``
-        deferred to it."""
-        deferred = None if self._closed else self._boundary.take()
-        if deferred is not None:
-            self._act(deferred.checkpoint, deferred.tiers)
+    def _at_point(self, where: str) -> None:
+        """A consistent point (see :mod:`~checkfreq.pipeline.consistent_point`): capture what waits for it.
+        Reached by a training forward, a loader's batch handed out since the previous one is the next step's."""
+        if self._closed:
+            return
+        pending = self._point.take()
+        if pending is None and where in LOADER_POINTS:  # the loop's next step begins here
+            pending = self._retake_after_early_capture(where)
+        if pending is None:
+            return
+        if where == "optimizer.step()":
+            self._point.reached_late(pending)
+        with contextlib.ExitStack() as held_back:
+            if where == "a training forward":
+                for loader in self._point.in_flight_loaders():
+                    held_back.enter_context(loader.hold_back_handed_out())
+            marked = where in LOADER_POINTS or where in CALLS  # else the generators as at the decision
+            held_back.enter_context(self._registered.generators_as(None if marked else pending.rng))
+            self._act(pending, where)
 
-    def _before_batch(self) -> None:
-        """A registered loader hands out its next batch: the newest snapshot must still hold its step."""
-        if not self._closed:
-            self._registered.check_before_batch(self._timeline.step)
+    def _retake_after_early_capture(self, where: str) -> Pending | None:
+        """A checkpoint of this step that ``save()``/``wait()`` captured before its consistent point, and
+        registered state changed since (on any rank): taken again here, as ``save()`` takes a step again."""
+        step = self._timeline.step
+        changed = self._registered.changed_since_early_capture(step, self._control)
+        if changed is None:
+            return None
+        log.info("%s changed after the checkpoint of step %d was captured and before %s: taking step %d again",
+                 ", ".join(changed) or "another rank's state", step, where, step)
+        return Pending(step, checkpoint=True, reasons=["retake"])
+
+    def _drop_pending(self, exc: BaseException) -> None:
+        """The loop left on ``exc`` before the step's consistent point: what was decided is not taken (logged once)."""
+        pending = self._point.take()
+        if pending is None or not (pending.checkpoint or pending.tiers) or self._dropped_warned:
+            return
+        self._dropped_warned = True
+        log.warning("the checkpoint decided at step %d was not taken: the loop left on %s before the step's "
+                    "consistent point, so the step's work may be half done (the newest checkpoint stands)",
+                    pending.step, type(exc).__name__)
 
     def _capture(self, step: int, *, persisted: bool = True) -> Captured:
         """The registered state at ``step``, sealed (``persisted``: for a checkpoint, not a tier's own snapshot)."""
@@ -487,8 +539,10 @@ class Checkpointer:
 
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
+    """Before a registered optimizer's update: the last consistent point of the step before it, then the fence."""
     checkpointer = ref()
     if checkpointer is not None:
+        checkpointer._at_point("optimizer.step()")
         checkpointer._saver.finish_fence()
 
 

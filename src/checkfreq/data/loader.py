@@ -106,9 +106,9 @@ class ResumableLoader:
     and so is that of a loader restored from a checkpoint taken right after an epoch's last batch.
     So ``for epoch in range(loader.epoch, n): for batch in loader:`` continues correctly after any
     restore, and a peek at the next batch (below) always finds one. A ``Checkpointer`` it is
-    registered with listens to it (:meth:`add_listener`): a checkpoint due at an epoch's last batch
-    is taken when the loop next iterates the loader or moves it to an epoch, after the epoch's own
-    work, and the newest checkpoint is compared with the state before each next batch.
+    registered with listens to it (:meth:`add_listener`): the loop asking for a batch or a new pass,
+    or moving it to an epoch, is a step's consistent point, where a checkpoint decided at the step
+    is captured (docs/exactness.md).
 
     **State.** :meth:`state_dict` holds the epoch, the samples consumed *by the training loop*
     (batches handed out, not those prefetched by workers) and a fingerprint (dataset length, seed,
@@ -178,6 +178,7 @@ class ResumableLoader:
         self._step = _StepProgress()
         self._last_of_epoch = False
         self._listeners: list[LoaderListener] = []
+        self._holding_back = False
 
     def add_listener(self, listener: LoaderListener) -> Callable[[], None]:
         """Tell ``listener`` of each new pass and each batch asked for; returns what removes it."""
@@ -316,7 +317,8 @@ class ResumableLoader:
             UsageError: the loop is between the micro-batches of one optimizer step (the gradients
                 accumulated so far are in no checkpoint).
         """
-        self._consume_handed_out()
+        if not self._holding_back:
+            self._consume_handed_out()
         if self._step.taken:
             raise UsageError(
                 f"a checkpoint was asked for after {self._step.taken} of the {self._step.batches} "
@@ -324,6 +326,17 @@ class ResumableLoader:
                 "checkpoint. Call ckpt.step() once per optimizer step, after optimizer.step()."
             )
         return self.sampler.state_dict()
+
+    @contextmanager
+    def hold_back_handed_out(self) -> Iterator[None]:
+        """While open, :meth:`state_dict` does not count the batch handed out last as taken: a loop that
+        fetched it before the optimizer step a checkpoint follows (a prefetching loop) trains the next
+        step on it, so a run resumed from that checkpoint must be handed it again."""
+        self._holding_back = True
+        try:
+            yield
+        finally:
+            self._holding_back = False
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at the saved position; see :meth:`ResumableSampler.load_state_dict`.

@@ -1,22 +1,23 @@
 """The registered state: what a checkpoint captures, and whether the newest one still holds it.
 
 Every checkpoint's capture seals a :mod:`~checkfreq.run.fingerprint` of what it took (a tier's
-own snapshot, as often as every step, is not sealed: its cost stays flat). Two later moments compare
-it with the live state:
+own snapshot, as often as every step, is not sealed: its cost stays flat): the small state (every
+registered object but models and optimizers, the values, the generators), the optimizers'
+hyperparameters (``param_groups``: a learning rate set by hand) and which tensors the modules'
+buffers are. Two later moments compare it with the live state:
 
-* before the loop's next batch (a :class:`~checkfreq.data.ResumableLoader` says when): the small
-  state (every registered object but models and optimizers, the values, the generators) must be
-  as the checkpoint took it. Work the loop did after ``ckpt.step()`` that changed it (a scheduler
-  stepped after it, random numbers drawn, a value set) is in no checkpoint, and a run resumed from
-  that one would not be exact: one warning names what changed and what to do.
-* at ``save()``: the whole state, the tensors' version counters included, tells whether the
-  checkpoint of the current step still is the state to keep, or ``save()`` must take it again.
+* at ``save()``: that and the tensors' version counters tell whether the checkpoint of the current
+  step still is the state to keep, or ``save()`` must take it again.
+* at the step's consistent point, after a checkpoint that ``save()`` or ``wait()`` captured before
+  it: work the loop did in between (a scheduler stepped, random numbers drawn, a value set) makes
+  the Checkpointer take the step again there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ from checkfreq.run.scores import SCORE_KEY, Scores
 from checkfreq.run.state import Stateful, flatten, optimizer_owned
 
 log = logging.getLogger("checkfreq")
+
+RNG = "rng"
+"""The registered name of the random generators' state."""
 
 RUN_STATE = "checkfreq"
 """The entry of a checkpoint that holds checkfreq's own state (the step, the profile)."""
@@ -47,6 +51,8 @@ class Seal:
     step: int
     small: Fingerprint
     versions: str
+    at: str = "ckpt.step()"
+    """The consistent point (or call) that captured it."""
     checked: bool = False
 
 
@@ -67,7 +73,11 @@ class Registered:
         self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
         self.scalers = [n for n, o in objects.items() if scaler_state.is_grad_scaler(o)]
         self._epoch_source = next((o for o in objects.values() if _has_int_epoch(o)), None)
+        self.modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
         self.seal: Seal | None = None
+        self._generators: dict[str, Any] | None = None
+        self.sealed_at = "ckpt.step()"
+        """Where the next capture happens: the consistent point that came, or the call."""
         self._warned: set[str] = set()
 
     @property
@@ -93,39 +103,68 @@ class Registered:
         """The state at ``step`` with ``run_state()`` as its ``checkfreq`` entry, sealed if ``persisted`` (a
         checkpoint, not a tier's snapshot of its own)."""
         state = self.state_of(self.names)
-        small = fingerprint({n: state[n] for n in self.small}) if persisted else {}
+        if self._generators is not None and RNG in state:
+            state[RNG] = self._generators
+        small = fingerprint({**{n: state[n] for n in self.small}, **self._identities()}) if persisted else {}
         state[RUN_STATE] = run_state()
         if (score := self.scores.entry(step, self.values, checkpoint=persisted)) is not None:
             state[RUN_STATE][SCORE_KEY] = score
         skeleton, tensors = flatten(state, allow_pickle=self.allow_pickle)
         if persisted:  # a tier's own snapshot (as often as every step) is not compared: its cost stays flat
-            self.seal = Seal(step, small, _versions(tensors))
+            self.seal = Seal(step, small, _versions(tensors), self.sealed_at)
         frozen = scaler_state.freeze(tensors, self.scalers)  # copied behind the fence, like the optimizer state
         return skeleton, tensors, optimizer_owned(tensors, self.optimizers) | frozen
+
+    @contextlib.contextmanager
+    def generators_as(self, states: dict[str, Any] | None) -> Iterator[None]:
+        """While open, captures take the generators' ``states`` (None: as they are) instead of the live ones."""
+        self._generators = states
+        try:
+            yield
+        finally:
+            self._generators = None
 
     def forget(self) -> None:
         """A restore or ``start_at``: the state is another run's."""
         self.seal = None
         self.scores.forget()
 
-    def check_before_batch(self, step: int) -> None:
-        """Once per checkpoint, before the next batch: warn if the small state changed since it was sealed."""
+    def changed_since_early_capture(self, step: int, peers: Peers) -> list[str] | None:
+        """At the consistent point of ``step``, once per checkpoint that a call (``save()``, ``wait()``)
+        captured before it: None if the state is as that call took it on every rank of ``peers``
+        (collective then), else what changed on this rank (maybe nothing: another rank's state changed)."""
         seal = self.seal
-        if seal is None or seal.checked or seal.step != step:
-            return
+        if seal is None or seal.checked or seal.step != step or seal.at not in EARLY_CALLS:
+            return None
         seal.checked = True
-        now = fingerprint(self.state_of(self.small))
-        names = [n for n in changed(seal.small, now) if n not in self._warned]
-        if not names:
+        if self.holds(step, peers):
+            return None
+        return changed(seal.small, fingerprint({**self.state_of(self.small), **self._identities()}))
+
+    def warn_logged_after_capture(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """``log()`` of the ranked metric at ``step`` came after the checkpoint of ``step`` was captured."""
+        if "log()" in self._warned:
             return
-        self._warned.update(names)
+        self._warned.add("log()")
+        at = "its capture" if self.seal is None else self.seal.at
         log.warning(
-            "%s changed after the checkpoint at step %d was taken and before the next batch: that checkpoint does "
-            "not hold the change, so a run resumed from it would not be exact. Change registered state before "
-            "ckpt.step() (call it after scheduler.step() and after setting values), and draw random numbers for "
-            "other work only after the next batch is taken (docs/exactness.md, \"The step boundary\").",
-            _describe(names), seal.step,
+            "log(%s) at step %d came after the checkpoint of step %d was captured (at %s), so that checkpoint has "
+            "no score and is never kept as the best. Evaluate and log() before the loop asks for its next batch or "
+            "runs its next training forward; an evaluation under torch.no_grad() or model.eval() is not the next "
+            "step (docs/exactness.md, \"The consistent point\").",
+            ", ".join(f"{k}={v}" for k, v in metrics.items()), step, step, at,
         )
+
+    def _identities(self) -> dict[str, Any]:
+        """What the state dicts of models and optimizers do not tell cheaply: each optimizer's hyperparameters
+        (``param_groups`` less the parameters) and which tensor each module buffer is."""
+        identities: dict[str, Any] = {}
+        for name, optimizer in self.optimizers.items():
+            identities[f"{name}.param_groups"] = [
+                {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for name, module in self.modules.items():
+            identities[f"{name}.buffers"] = [(n, id(b), _address(b), b._version) for n, b in module.named_buffers()]
+        return identities
 
     def holds(self, step: int, peers: Peers) -> bool:
         """Whether the newest checkpoint is of ``step`` and the live state is what it took, on every rank
@@ -135,8 +174,8 @@ class Registered:
         if seal is not None and held:
             state = self.state_of(self.names)
             tensors = flatten(state, allow_pickle=self.allow_pickle)[1]
-            held = not changed(seal.small, fingerprint({n: state[n] for n in self.small})) and (
-                _versions(tensors) == seal.versions)
+            now = fingerprint({**{n: state[n] for n in self.small}, **self._identities()})
+            held = not changed(seal.small, now) and _versions(tensors) == seal.versions
         return not int(tree_max(peers, torch.tensor([0 if held else 1]))[0])
 
 
@@ -152,6 +191,15 @@ def _versions(tensors: Mapping[str, torch.Tensor]) -> str:
             continue
         h.update(f"{name}:{getattr(tensors[name], '_version', 0)};".encode())
     return h.hexdigest()
+
+
+EARLY_CALLS = ("save()", "wait()")
+"""Calls that capture a checkpoint decided at a step before the step's consistent point."""
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """Where a plain tensor's data lies (0 for a DTensor or a tensor without storage)."""
+    return tensor.data_ptr() if type(tensor) is torch.Tensor and tensor.device.type != "meta" else 0
 
 
 def _describe(names: list[str]) -> str:

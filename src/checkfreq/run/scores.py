@@ -16,6 +16,7 @@ makes sure a checkpoint of that step holds it (the Checkpointer takes one, or ta
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ import torch
 
 from checkfreq.errors import InvalidArgumentError
 from checkfreq.policies.retention import Retention
+
+log = logging.getLogger("checkfreq")
 
 SCORE_KEY = "score"
 """The key of a checkpoint's ``checkfreq`` entry (and of its manifest) that holds its score."""
@@ -53,6 +56,7 @@ class Scores:
         self._loss: tuple[int, float] | None = None
         self._logs = 0  # log() calls of the retention's metric, to tell whether a capture came after the last
         self._captured: tuple[int, int] | None = None  # (step, self._logs) at the newest capture
+        self._warned_non_finite = False
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> bool:
         """Record ``metrics`` (name → number) as the values at ``step``; True if the retention's metric
@@ -64,6 +68,10 @@ class Scores:
                 raise InvalidArgumentError(
                     f"log(): {name}={value!r} is not a number (an int, a float or a one-element tensor)")
             numbers_[name] = number
+            if not math.isfinite(number) and name == self.retention.metric and not self._warned_non_finite:
+                self._warned_non_finite = True
+                log.warning("log(): %s=%s at step %d is not a finite number: the checkpoint of that step is never "
+                            "kept as the best by it", name, number, step)
         if step != self._logged_step:
             self._logged, self._logged_step = {}, step
         self._logged.update(numbers_)
@@ -81,6 +89,11 @@ class Scores:
         """Whether the newest capture is of ``step`` and came after the last ``log()`` of the metric."""
         return self._captured == (step, self._logs)
 
+    @property
+    def captured_step(self) -> int | None:
+        """The step of the newest checkpoint's capture (None before the first, or after a restore)."""
+        return None if self._captured is None else self._captured[0]
+
     def entry(self, step: int, values: Mapping[str, Any], *, checkpoint: bool = True) -> dict[str, Any] | None:
         """The score a capture at ``step`` takes (None when the retention keeps no best):
         ``{"metric", "mode", "top", "value"}``, the value None when the metric has none at ``step``.
@@ -92,7 +105,7 @@ class Scores:
             self._captured = (step, self._logs)
         value = self.value_at(step, values)
         return {"metric": best[0], "mode": best[1], "top": self.retention.top,
-                "value": None if value is None or math.isnan(value) else value}
+                "value": None if value is None or not math.isfinite(value) else value}
 
     def value_at(self, step: int, values: Mapping[str, Any]) -> float | None:
         """The retention's metric at ``step`` (see the module docstring for where it comes from)."""

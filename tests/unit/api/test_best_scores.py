@@ -1,9 +1,10 @@
 """Where a checkpoint's score comes from (docs/storage.md, "Keeping the best"): ``ckpt.log()`` at its
-step, ``step(loss=...)`` for the metric "loss", or a registered value as it is at the capture; a log
-after the step's checkpoint was taken takes it again, holding the value."""
+step, ``step(loss=...)`` for the metric "loss", or a registered value as it is at the capture; a log decides
+the step's checkpoint captures it at the step's consistent point, with whatever else the step did."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -53,22 +54,38 @@ def test_a_registered_value_scores_every_checkpoint_that_captures_it(tmp_path: P
     assert _scores(tmp_path) == {4: pytest.approx(0.9), 6: pytest.approx(0.4)}
 
 
-def test_a_log_after_the_steps_checkpoint_takes_it_again_with_the_value(tmp_path: Path) -> None:
+def test_a_log_of_the_ranked_metric_is_captured_with_its_steps_checkpoint(tmp_path: Path) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     keep = cf.Retention(5, best=("val_loss", "min"))
     with cf.Checkpointer(tmp_path, policy=3, keep=keep, model=model, optimizer=opt) as ckpt:
         for step in range(1, 8):
-            train_step(model, opt)
-            ckpt.step()  # the policy's checkpoints at 3 and (3 steps after the one log() took at 4) 7, without a value
+            train_step(model, opt)  # its forward: the point of the step before
+            ckpt.step()  # the policy's checkpoints at 3 and (3 steps after the one log() decided at 4) 7
             if step in (3, 4):
-                ckpt.log(val_loss=1.0 / step, accuracy=0.5)  # at 3 taken again; at 4 taken now
-                ckpt.log(accuracy=0.6)  # not the retention's metric: nothing taken
+                ckpt.log(val_loss=1.0 / step, accuracy=0.5)  # at 3 the policy's checkpoint takes it; at 4 one decided
+                ckpt.log(accuracy=0.6)  # not the retention's metric: nothing decided
         with pytest.raises(cf.errors.InvalidArgumentError, match="val_loss='low' is not a number"):
             ckpt.log(val_loss="low")
     assert _scores(tmp_path) == {3: pytest.approx(1 / 3), 4: 0.25, 7: None}
     snapshots = [e["step"] for e in read_events(tmp_path) if e["event"] == "snapshot"]
-    assert snapshots == [3, 3, 4, 7]
+    assert snapshots == [3, 4, 7]  # each once
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_a_metric_that_is_not_finite_is_warned_once_and_never_the_best(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, value: float) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keep = cf.Retention(1, best=("val_loss", "min"), top=1)
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
+            cf.Checkpointer(tmp_path, policy=100, keep=keep, model=model, optimizer=opt) as ckpt:
+        for loss in [0.5, value, value, 0.7]:
+            train_step(model, opt)
+            ckpt.step()
+            ckpt.log(val_loss=loss)
+    assert sum("not a finite number" in r.getMessage() for r in caplog.records) == 1
+    assert _scores(tmp_path) == {1: 0.5, 4: 0.7}  # the best (1) and the newest (4): neither non-finite one
 
 
 def test_log_without_a_best_to_keep_takes_nothing(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
-"""The checkpoint due at an epoch's last batch waits for the epoch boundary; save() holds the state
-at the moment it is called; work done after ckpt.step() that no checkpoint holds is named once."""
+"""Every checkpoint is captured at its step's consistent point (docs/exactness.md): the loop's next
+batch, pass or training forward, or save()/wait()/close(); whatever the loop did after ckpt.step()
+is in it. save() holds the state at the moment it is called, and is taken again at the next point
+when the state changed since; what is decided and dropped, or logged too late, is said once."""
 
 from __future__ import annotations
 
@@ -64,34 +66,44 @@ def test_the_checkpoint_due_at_an_epochs_last_batch_is_taken_at_the_next_pass(tm
     assert listed[0]["epoch"] == 1  # the label agrees with the loader's state
 
 
-def test_a_step_before_any_boundary_takes_the_deferred_checkpoint_at_its_own_step(tmp_path: Path) -> None:
-    """A loop that never iterates the loader again after an epoch's last batch."""
-    model, opt, sched, loader = _objects()
-    with cf.Checkpointer(tmp_path, policy=100, model=model, optimizer=opt, loader=loader) as ckpt:
-        batches = list(loader)  # the whole epoch taken at once: the pass is over, nothing is deferred
-        for x, y in batches[:-1]:
-            _train(model, opt, x, y)
+def test_a_decision_no_point_reaches_before_the_next_update_is_taken_at_that_step(tmp_path: Path) -> None:
+    """No registered loader, no forward of the registered module, no registered optimizer: the next step() is
+    the first point, and the checkpoint holds that step's state, labelled with it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    with cf.Checkpointer(tmp_path, policy=2, model=model) as ckpt:
+        for _ in range(3):
+            loss = model[0](torch.randn(3, 4)).square().mean()  # the inner layer: the top module's hook never runs
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            decided = ckpt.step()
+            assert decided == (ckpt.global_step in (2, 3))  # 2's, taken at 3
+            assert _snapshots(tmp_path) == []
+    assert _snapshots(tmp_path) == [3]  # at the close, the point of step 3
+
+
+def test_a_training_forward_is_the_point_of_a_loop_without_a_registered_loader(tmp_path: Path) -> None:
+    """A get_batch() loop: the scheduler stepped after ckpt.step() is in the checkpoint, the generators are
+    as they were at ckpt.step() (the next batch drawn before the forward is the next step's)."""
+    model, opt, sched, _ = _objects()
+    with cf.Checkpointer(tmp_path, policy=2, model=model, optimizer=opt, scheduler=sched) as ckpt:
+        for _ in range(3):
+            x = torch.randn(2, 4)  # drawn from the global generator before the forward
+            _train(model, opt, x, torch.tensor([0, 1]))
             ckpt.step()
-        it = iter(loader)
-        for _ in range(BATCHES):  # the epoch once more, ending on its last batch
-            x, y = next(it)
-        _train(model, opt, x, y)
-        assert loader.last_of_epoch
-        ckpt.save()  # save() is a boundary as well
-        assert _snapshots(tmp_path) == [ckpt.global_step]
-    # a policy checkpoint deferred, then a step() with no boundary in between: taken at the new step
-    model, opt, _, loader = _objects()
-    with cf.Checkpointer(tmp_path / "b", policy=BATCHES, model=model, optimizer=opt, loader=loader) as ckpt:
-        it = iter(loader)
-        for _ in range(BATCHES):
-            x, y = next(it)
-            _train(model, opt, x, y)
-            ckpt.step()
-        assert _snapshots(tmp_path / "b") == []
-        assert next(it, None) is None  # the pass is over, and the loop never asks for another
-        _train(model, opt, x, y)
-        ckpt.step()
-        assert _snapshots(tmp_path / "b") == [BATCHES + 1]
+            if ckpt.global_step == 2:
+                generators = torch.get_rng_state()
+                expected_lr = sched.get_last_lr()
+                assert _snapshots(tmp_path) == []
+            sched.step()  # after ckpt.step()
+        assert _snapshots(tmp_path) == [2]
+    model2, opt2, sched2, _ = _objects(seed=1)
+    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) as again:
+        assert again.restore() == 2
+    assert torch.equal(torch.get_rng_state(), generators)
+    assert sched2.get_last_lr() == [expected_lr[0] * 0.5]
 
 
 def test_save_takes_the_step_again_when_registered_state_changed_since(tmp_path: Path) -> None:
@@ -140,12 +152,13 @@ def test_save_with_a_remote_tier_copies_the_step_taken_again(tmp_path: Path) -> 
     assert sched2.get_last_lr() == [0.05]
 
 
-@pytest.mark.parametrize("change", ["scheduler", "best", "rng"])
-def test_state_changed_between_a_checkpoint_and_the_next_batch_is_named_once(
+@pytest.mark.parametrize("change", ["scheduler", "best", "rng", "lr"])
+def test_work_after_ckpt_step_and_before_the_next_batch_is_in_the_steps_checkpoint(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str) -> None:
     model, opt, sched, loader = _objects()
+    seen: dict[int, tuple] = {}
     with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=1, model=model, optimizer=opt, scheduler=sched, loader=loader,
+            cf.Checkpointer(tmp_path, policy=3, model=model, optimizer=opt, scheduler=sched, loader=loader,
                             values={"best": 0.0}) as ckpt:
         for epoch in range(2):
             for x, y in loader:
@@ -155,11 +168,83 @@ def test_state_changed_between_a_checkpoint_and_the_next_batch_is_named_once(
                     sched.step()  # per iteration, after ckpt.step()
                 elif change == "best":
                     ckpt["best"] = float(epoch + ckpt.global_step)
+                elif change == "lr":
+                    opt.param_groups[0]["lr"] = 0.01 * ckpt.global_step  # set by hand
                 else:
-                    torch.rand(1)  # random numbers drawn for other work after the checkpoint
-    warnings = [r.getMessage() for r in caplog.records if "changed after the checkpoint" in r.getMessage()]
-    named = {"scheduler": "'scheduler'", "best": "'best'", "rng": "the random generators (rng)"}[change]
-    assert len(warnings) == 1 and named in warnings[0] and "at step 1 " in warnings[0], warnings
+                    torch.rand(1)  # random numbers drawn for other work after ckpt.step()
+                seen[ckpt.global_step] = (sched.get_last_lr(), ckpt["best"], torch.get_rng_state(),
+                                          opt.param_groups[0]["lr"])
+    assert _snapshots(tmp_path) == [3, 6]
+    assert "changed after" not in caplog.text
+    model2, opt2, sched2, loader2 = _objects(seed=1)
+    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2,
+                         values={"best": 0.0}) as again:
+        assert again.restore(step=6) == 6
+        lr, best, rng, group_lr = seen[6]
+        assert (sched2.get_last_lr(), again["best"], opt2.param_groups[0]["lr"]) == (lr, best, group_lr)
+        assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_second_loader_left_at_its_last_batch_never_holds_checkpoints_back(tmp_path: Path) -> None:
+    model, opt, sched, loader = _objects()
+    validation = ResumableLoader(Points(), batch_size=BATCHES * 2)  # one batch
+    with cf.Checkpointer(tmp_path, policy=2, model=model, optimizer=opt, loader=loader, validation=validation) as ckpt:
+        next(iter(validation))  # a peek: the validation loader sits at its epoch's last batch
+        for x, y in loader:
+            _train(model, opt, x, y)
+            ckpt.step()
+    assert _snapshots(tmp_path) == [2, 4]  # 4 at the close's point
+
+
+def test_a_prefetching_loop_hands_the_batch_fetched_before_the_update_to_the_resumed_run(tmp_path: Path) -> None:
+    model, opt, _, loader = _objects()
+    taken = []
+    with cf.Checkpointer(tmp_path, policy=2, model=model, optimizer=opt, loader=loader) as ckpt:
+        batches = iter(loader)
+        x, y = next(batches)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)  # the point of the step before: a training forward
+            taken.append(x[:, 0].tolist())
+            x, y = next(batches)  # the next batch, fetched before this step's update
+            loss.backward()
+            opt.step()
+            ckpt.step()
+    model2, opt2, _, loader2 = _objects(seed=1)
+    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, loader=loader2) as again:
+        assert again.restore(step=2) == 2
+        assert next(iter(loader2))[0][:, 0].tolist() == taken[2]  # the third batch: neither skipped nor repeated
+
+
+def test_a_learning_rate_set_by_hand_or_a_buffer_replaced_makes_save_take_the_step_again(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(tmp_path, policy=100, model=model, optimizer=opt) as ckpt:
+        _train(model, opt, torch.randn(3, 4), torch.tensor([0, 1, 2]))
+        ckpt.step()
+        ckpt.save(blocking=True)
+        opt.param_groups[0]["lr"] = 0.5
+        ckpt.save(blocking=True)
+        model[1].running_mean = torch.zeros(4)  # a new tensor, version 0
+        ckpt.save(blocking=True)
+        ckpt.save(blocking=True)  # nothing changed
+        assert _snapshots(tmp_path) == [1, 1, 1]
+
+
+def test_log_after_the_steps_checkpoint_was_captured_is_named_once(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                   ) -> None:
+    model, opt, _, loader = _objects()
+    keep = cf.Retention(3, best=("val_loss", "min"))
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
+            cf.Checkpointer(tmp_path, policy=2, keep=keep, model=model, optimizer=opt, loader=loader) as ckpt:
+        for x, y in loader:
+            if ckpt.global_step == 2:
+                ckpt.log(val_loss=0.5)  # after the loader handed out this step's batch: step 2's point has passed
+            _train(model, opt, x, y)
+            ckpt.step()
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("log(val_loss=0.5) at step 2")]
+    assert len(warnings) == 1 and "captured (at the loader's next batch)" in warnings[0]
 
 
 def test_the_loop_with_its_work_before_ckpt_step_and_after_the_epoch_warns_nothing(
@@ -206,13 +291,16 @@ def test_a_signal_at_an_epochs_last_batch_is_acted_on_at_the_boundary(tmp_path: 
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_an_error_in_the_epochs_work_drops_the_checkpoint_waiting_for_the_boundary(tmp_path: Path) -> None:
+def test_an_error_in_the_epochs_work_drops_the_checkpoint_waiting_for_its_point_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model, opt, sched, loader = _objects()
-    with pytest.raises(RuntimeError, match="evaluation failed"), \
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), pytest.raises(RuntimeError, match="evaluation failed"), \
             cf.Checkpointer(tmp_path, policy=BATCHES, model=model, optimizer=opt, scheduler=sched,
                             loader=loader) as ckpt:
         for x, y in loader:
             _train(model, opt, x, y)
-            ckpt.step()
+            assert ckpt.step() == (ckpt.global_step == BATCHES)
         raise RuntimeError("evaluation failed")  # before the scheduler's step: no checkpoint holds half the work
     assert _snapshots(tmp_path) == []
+    dropped = [r.getMessage() for r in caplog.records if "was not taken" in r.getMessage()]
+    assert len(dropped) == 1 and f"decided at step {BATCHES}" in dropped[0] and "RuntimeError" in dropped[0]

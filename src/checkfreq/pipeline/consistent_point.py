@@ -1,0 +1,171 @@
+"""Every checkpoint is captured at one kind of moment: its step's consistent point.
+
+``ckpt.step()`` right after ``optimizer.step()`` only *decides* (the policy, a tier's cadence, a
+trapped signal; ``log()`` of the ranked metric decides too). What the loop does next may still
+belong to that step: a scheduler stepped after ``ckpt.step()``, an evaluation and its ``log()``, an
+epoch-level scheduler, a value set. So the capture waits for the first moment at which the loop can
+no longer change the step's state without starting the next step:
+
+* the loop asks a registered :class:`~checkfreq.data.ResumableLoader` for a batch, a new pass, or
+  moves it to an epoch (with gradients enabled: an evaluation under ``torch.no_grad()`` is not the
+  next step);
+* a registered module runs a training forward (gradients enabled, the module in training mode),
+  before any of it runs: the forward of the next step draws dropout's random numbers and updates
+  BatchNorm's buffers;
+* a registered optimizer is about to step (before its update: the last resort of a loop whose
+  forward and batches checkfreq does not see);
+* ``save()``, ``wait()``, ``close()`` or the next ``ckpt.step()``, whichever comes first.
+
+No optimizer step happens before the point, so the checkpoint carries the step's label. At a point
+that no loader marks (a training forward, the next update), nothing tells where the next step's own
+random draws began (a ``get_batch()`` drawing from the global generator before the forward, an
+evaluation at the top of the loop): the generators are then taken as they were at the decision, and
+everything else at the point. A loader
+asked for its next batch *before* the optimizer step (a prefetching loop) hands that batch to the
+next step: at a point reached by the next forward, a batch handed out since the previous training
+forward is not counted as taken (:meth:`ResumableLoader.hold_back_handed_out`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from checkfreq.data.loader import ResumableLoader
+from checkfreq.pipeline.tier import Tier
+from checkfreq.run.rng import RNGState
+
+log = logging.getLogger("checkfreq")
+
+
+@dataclass
+class Pending:
+    """What was decided at ``step`` and waits for the step's consistent point."""
+
+    step: int
+    checkpoint: bool
+    """A checkpoint (else only ``tiers``' own snapshots, or a trapped signal's)."""
+    tiers: tuple[Tier, ...] = ()
+    reasons: list[str] = field(default_factory=list)
+    """Who decided: ``"policy"``, ``"log()"``, a tier's cadence."""
+    rng: dict[str, Any] | None = None
+    """The generators' states at the decision (the registered ``rng``'s), for a point no loader marks."""
+
+
+class PointListener:
+    """Passes what a loader, a module or an optimizer tells on to ``owner._at_point`` while ``owner``
+    lives (no registered object keeps a Checkpointer alive)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = weakref.ref(owner)
+
+    def reached(self, where: str) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._at_point(where)
+
+    def before_new_pass(self) -> None:
+        if torch.is_grad_enabled():
+            self.reached("the loader's next pass")
+
+    def before_batch(self) -> None:
+        if torch.is_grad_enabled():
+            self.reached("the loader's next batch")
+
+
+class ConsistentPoint:
+    """Holds what ``step()`` decided until the step's consistent point (see the module docstring).
+
+    Args:
+        objects: the registered objects: their loaders and modules are watched.
+        listener: told when a watched object reaches a point.
+    """
+
+    def __init__(self, objects: Iterable[Any], listener: PointListener) -> None:
+        objects = list(objects)
+        self._loaders = [o for o in objects if isinstance(o, ResumableLoader)]
+        self._rng = next((o for o in objects if isinstance(o, RNGState)), None)
+        self._listener = listener
+        self._forwards = 0  # training forwards of the registered modules so far
+        self._handed_out_at: dict[int, int] = {}  # id(loader) -> self._forwards when it last handed out a batch
+        self._removers: list[Callable[[], None]] = []
+        for loader in self._loaders:
+            watcher = _LoaderWatcher(self, loader, listener)
+            self._removers.append(loader.add_listener(watcher))
+        for module in (o for o in objects if isinstance(o, torch.nn.Module)):
+            handle = module.register_forward_pre_hook(self._before_forward, prepend=True)
+            self._removers.append(handle.remove)
+        self.pending: Pending | None = None
+        self._warned_late = False
+
+    def hold(self, step: int, *, checkpoint: bool, tiers: Iterable[Tier] = (), reason: str) -> None:
+        """Add what was decided at ``step`` to what waits for its point."""
+        pending = self.pending
+        if pending is None or pending.step != step:
+            rng = None if self._rng is None else self._rng.state_dict()
+            pending = self.pending = Pending(step, checkpoint=False, rng=rng)
+        pending.checkpoint = pending.checkpoint or checkpoint
+        pending.tiers = (*pending.tiers, *(t for t in tiers if t not in pending.tiers))
+        pending.reasons.append(reason)
+
+    def take(self) -> Pending | None:
+        """What waits for the point, once."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def reached_late(self, pending: Pending) -> None:
+        """Warn once that ``pending`` was captured only at the next ``optimizer.step()``, after that step's forward."""
+        if self._warned_late or not (pending.checkpoint or pending.tiers):
+            return
+        self._warned_late = True
+        log.warning(
+            "the checkpoint decided at step %d was captured at the next optimizer.step(), after that step's forward "
+            "and backward: no registered ResumableLoader was asked for a batch and no registered module ran a "
+            "training forward in between. Dropout's random numbers and BatchNorm's buffers of that forward are in "
+            "it. Register the module the loop calls (model=...) or the loader it takes batches from "
+            "(docs/exactness.md, \"The consistent point\").", pending.step)
+
+    def in_flight_loaders(self) -> list[ResumableLoader]:
+        """The loaders that handed out a batch since the last training forward: at a point reached by a
+        training forward, that batch is this forward's, of the next step (a prefetching loop)."""
+        return [loader for loader in self._loaders if self._handed_out_at.get(id(loader)) == self._forwards]
+
+    def close(self) -> None:
+        """Stop watching."""
+        for remove in self._removers:
+            remove()
+        self._removers = []
+        self.pending = None
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return None  # an evaluation: not the next step
+        if self.pending is not None:
+            self._listener.reached("a training forward")
+        self._forwards += 1
+        return None
+
+    def _handing_out(self, loader: ResumableLoader) -> None:
+        self._handed_out_at[id(loader)] = self._forwards
+
+
+class _LoaderWatcher:
+    """One loader's listener: a point when it moves, and when it handed out its batch."""
+
+    def __init__(self, point: ConsistentPoint, loader: ResumableLoader, listener: PointListener) -> None:
+        self._point, self._loader, self._listener = point, loader, listener
+
+    def before_new_pass(self) -> None:
+        self._listener.before_new_pass()
+
+    def before_batch(self) -> None:
+        self._listener.before_batch()
+        self._point._handing_out(self._loader)
+
+
+__all__ = ["ConsistentPoint", "Pending", "PointListener"]
