@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from epoch_loops import BATCHES, EPOCHS, MAX_STEPS, Run, train
+from epoch_loops import BATCHES, EPOCHS, MAX_STEPS, SHAPES_AFTER, Run, train
 
 STEPS = EPOCHS * BATCHES
 
@@ -44,6 +44,7 @@ def _assert_same(ended: dict, reference: dict, what: str) -> None:
     assert ended["lr"] == reference["lr"], f"{what}: learning rate {ended['lr']} != {reference['lr']}"
     assert torch.equal(ended["rng"], reference["rng"]), f"{what}: torch generator differs"
     assert (ended["best"], ended["step"], ended["epoch"]) == (reference["best"], reference["step"], reference["epoch"])
+    assert ended["seen"] == reference["seen"], what
 
 
 def _kill_and_resume(ctx, tmp_path: Path, shape: str, policy: int, kill: str) -> dict:
@@ -69,12 +70,12 @@ def test_the_classic_loop_killed_at_every_step_ends_bit_identical(context, tmp_p
         _assert_same(_kill_and_resume(context, tmp_path, "classic", policy, kill), reference, f"killed at {kill}")
 
 
-@pytest.mark.parametrize("shape", ["peek", "max_steps", "while_true", "accumulate"])
+@pytest.mark.parametrize("shape", ["peek", "max_steps", "while_true", "accumulate", *SHAPES_AFTER])
 def test_other_loop_shapes_killed_around_epoch_ends_end_bit_identical(context, tmp_path: Path, shape: str) -> None:
     policy = 4
     reference = _reference(context, tmp_path, shape, policy)
-    last = MAX_STEPS if shape == "max_steps" else STEPS // (2 if shape == "accumulate" else 1)
-    per_epoch = BATCHES // (2 if shape == "accumulate" else 1)
+    last = MAX_STEPS if shape.startswith("max_steps") else STEPS // (2 if shape.startswith("accumulate") else 1)
+    per_epoch = BATCHES // (2 if shape.startswith("accumulate") else 1)
     ends = [per_epoch * e for e in range(1, EPOCHS) if per_epoch * e < last]
     kills = sorted({f"step:{n}" for end in ends[:3] for n in (end - 1, end, end + 1)} | {"work:1", f"step:{last - 1}"})
     for kill in kills:
@@ -90,8 +91,8 @@ def test_the_final_checkpoint_holds_the_state_the_run_ended_with(context, tmp_pa
     try:
         run = Run(str(tmp_path / f"{shape}-4-reference"), 4, "none", shape)  # restores the final checkpoint
         restored = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": torch.get_rng_state(),
-                    "lr": run.opt.param_groups[0]["lr"], "best": run.ckpt["best"], "step": run.ckpt.global_step,
-                    "epoch": run.loader.epoch}
+                    "lr": run.opt.param_groups[0]["lr"], "best": run.ckpt["best"], "seen": run.ckpt["seen"],
+                    "step": run.ckpt.global_step, "epoch": run.loader.epoch}
         run.ckpt.close()
     finally:
         torch.set_rng_state(before)

@@ -21,6 +21,10 @@ Shapes:
         then saves.
     ``while_true``: ``while True`` over ``iter(loader)``, the epoch's work on ``StopIteration``.
     ``accumulate``: two micro-batches per optimizer step (``ckpt.step()`` after each optimizer step).
+
+A shape named ``SHAPE+after`` does, right after each ``ckpt.step()``, what loops also do there: a
+per-step scheduler's ``step()`` (a ``MultiplicativeLR``), a value set (``ckpt["seen"]``) and a
+random draw for other work.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from checkfreq.data import ResumableLoader
 EPOCHS, BATCHES, BATCH = 6, 8, 4
 MAX_STEPS = 29
 SHAPES = ("classic", "peek", "max_steps", "while_true", "accumulate")
+SHAPES_AFTER = tuple(f"{shape}+after" for shape in SHAPES)
 
 
 class Points(torch.utils.data.Dataset):
@@ -63,6 +68,8 @@ class Run:
         self.net = nn.parallel.DistributedDataParallel(self.model) if dist.is_initialized() else self.model
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.7)
+        self.per_step = torch.optim.lr_scheduler.MultiplicativeLR(self.opt, lambda _: 0.99)
+        self.after = shape.endswith("+after")
         micro = 2 if shape == "accumulate" else 1
         self.micro = micro
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -71,7 +78,8 @@ class Run:
         killer = not dist.is_initialized() or (dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0")
         self.kill = kill if killer else "none"
         self.ckpt = cf.Checkpointer(directory, policy=policy, model=self.model, optimizer=self.opt,
-                                    scheduler=self.sched, loader=self.loader, values={"best": 0.0})
+                                    scheduler=self.sched, per_step=self.per_step, loader=self.loader,
+                                    values={"best": 0.0, "seen": 0})
         self.ckpt.restore()
         self.evaluations: list[int] = []
 
@@ -84,6 +92,10 @@ class Run:
             self.ckpt.step(loss=loss.item())
             if self.kill == f"step:{self.ckpt.global_step}":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.after:  # the step's own work, after ckpt.step()
+                self.per_step.step()
+                self.ckpt["seen"] += 1
+                torch.rand(1)
 
     def epoch_work(self, epoch: int) -> None:
         self.model.eval()
@@ -101,13 +113,15 @@ class Run:
         self.ckpt.close()
         torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                     "lr": self.opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
-                    "best": self.ckpt["best"], "step": self.ckpt.global_step, "epoch": self.loader.epoch,
+                    "best": self.ckpt["best"], "seen": self.ckpt["seen"], "step": self.ckpt.global_step,
+                    "epoch": self.loader.epoch,
                     "evaluations": self.evaluations}, out)
 
 
 def train(shape: str, directory: str, policy: int, kill: str, out: str) -> None:
     run = Run(directory, policy, kill, shape)
     loader = run.loader
+    shape = shape.removesuffix("+after")
     if shape in ("classic", "max_steps"):
         for epoch in range(loader.epoch, EPOCHS):
             for x, y in loader:
