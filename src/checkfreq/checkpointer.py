@@ -7,7 +7,6 @@ the saver with its snapshot, writer and commit, the restore).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -17,8 +16,6 @@ import weakref
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
-
-import torch
 
 from checkfreq.errors import (
     CheckfreqError,
@@ -43,12 +40,12 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
-from checkfreq.ranks.ddp_order import warn_if_buckets_reorder
+from checkfreq.ranks.ddp_buckets import BucketLayouts
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
 from checkfreq.run.scores import Scores
-from checkfreq.run.session import run_state, seed_session
+from checkfreq.run.session import run_state, saved_buckets, seed_session
 from checkfreq.run.signals import SignalTrap
 from checkfreq.run.state import Stateful, apply_state, flatten, unclaimed, unclaimed_message
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
@@ -60,14 +57,6 @@ log = logging.getLogger("checkfreq")
 
 RESERVED_NAMES = frozenset({"rng", "checkfreq"})
 
-LOADER_POINTS = ("the loader's next batch", "the loader's next pass")
-"""The consistent points where a registered loader tells that the loop's next step begins."""
-
-CALLS = ("save()", "wait()", "close()")
-"""The consistent points that are the loop's own calls: they hold the state as it is when called."""
-
-REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()"}
-"""The events' reason of a checkpoint decided by these alone (else ``"policy"``)."""
 
 
 class Checkpointer:
@@ -206,6 +195,7 @@ class Checkpointer:
         self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()],
                                      list(self._objects.values()))
         self._point = ConsistentPoint(self._objects.values(), PointListener(self))
+        self._buckets = BucketLayouts(self._objects, cluster.world_size)
         self._dropped_warned = False
 
     # ------------------------------------------------------------------ user API
@@ -258,14 +248,7 @@ class Checkpointer:
         saver.record_gpu_waits()
         self._registered.scores.stepped(saver.timeline.step + 1, loss)
         overdue = self._point.take()  # no point came before this step's update: taken at this step
-        measured = saver.timeline.advance(
-            now, writer_busy=saver.writer.busy, writer_transitions=saver.writer.transitions
-        )
-        if measured is not None:
-            saver.timeline.set_aside(saver.profiler.record_iteration(measured[0], persisting=measured[1]))
-        ctx = saver.timeline.context(
-            now, saver.profiler, persist_in_flight=saver.writer.busy, epoch=self._registered.epoch(), loss=loss
-        )
+        ctx = saver.advance(now, epoch=self._registered.epoch(), loss=loss)
         checkpoint = self._cluster.decide(ctx) or (overdue is not None and overdue.checkpoint)
         due = [] if checkpoint else self._tiers.due(ctx.step, ctx.iteration_time)
         if checkpoint or due:
@@ -297,13 +280,7 @@ class Checkpointer:
         step = self._timeline.step
         if not self._registered.scores.log(step, metrics):
             return
-        pending = self._point.pending
-        if pending is not None and pending.step == step and pending.checkpoint:
-            return  # its capture takes the score
-        if self._registered.scores.captured_step == step:
-            self._registered.warn_logged_after_capture(step, metrics)
-            return
-        self._point.hold(step, checkpoint=True, reason="log()")
+        self._point.logged(step, metrics, self._registered)
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight
@@ -343,8 +320,7 @@ class Checkpointer:
         self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
         if self._unclaimed:
             log.warning("%s", unclaimed_message(source, self._unclaimed))
-        warn_if_buckets_reorder((o for o in self._objects.values() if isinstance(o, torch.nn.Module)),
-                                self._cluster.world_size)
+        self._buckets.replay(saved_buckets(state.get("checkfreq")))  # its first iteration reduces as the run's did
         self._begin_session(manifest.step)
         from_memory = found.tier == TierName.MEMORY
         self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
@@ -399,7 +375,7 @@ class Checkpointer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc is not None:
-            self._drop_pending(exc)  # the step's work may be half done
+            self._point.drop(exc)  # the step's work may be half done
         if exc is not None and self._cluster.others_wait:  # leave within failure_timeout: no rank waits for it
             self._closed = True
             self._detach()
@@ -453,8 +429,7 @@ class Checkpointer:
         if self._trap is not None and self._trap.received is not None:
             self._save_for_signal()
         if pending.checkpoint:
-            reason = REASONS.get(tuple(pending.reasons), "policy")
-            self._checkpoint(blocking=False, reason=reason, at=where)
+            self._checkpoint(blocking=False, reason=pending.reason, at=where)
             return
         capture = functools.partial(self._capture, persisted=False)
         for tier in pending.tiers:  # a snapshot into that tier alone
@@ -462,49 +437,17 @@ class Checkpointer:
             self._saver.snapshot_for(tier, capture, epoch=self._registered.epoch)
 
     def _at_point(self, where: str) -> None:
-        """A consistent point (see :mod:`~checkfreq.pipeline.consistent_point`): capture what waits for it.
-        Reached by a training forward, a loader's batch handed out since the previous one is the next step's."""
+        """A consistent point (:mod:`~checkfreq.pipeline.consistent_point`): capture what waits for it."""
         if self._closed:
             return
-        pending = self._point.take()
-        if pending is None and where in LOADER_POINTS:  # the loop's next step begins here
-            pending = self._retake_after_early_capture(where)
-        if pending is None:
-            return
-        if where == "optimizer.step()":
-            self._point.reached_late(pending)
-        with contextlib.ExitStack() as held_back:
-            if where == "a training forward":
-                for loader in self._point.in_flight_loaders():
-                    held_back.enter_context(loader.hold_back_handed_out())
-            marked = where in LOADER_POINTS or where in CALLS  # else the generators as at the decision
-            held_back.enter_context(self._registered.generators_as(None if marked else pending.rng))
-            self._act(pending, where)
-
-    def _retake_after_early_capture(self, where: str) -> Pending | None:
-        """A checkpoint of this step that ``save()``/``wait()`` captured before its consistent point, and
-        registered state changed since (on any rank): taken again here, as ``save()`` takes a step again."""
-        step = self._timeline.step
-        changed = self._registered.changed_since_early_capture(step, self._control)
-        if changed is None:
-            return None
-        log.info("%s changed after the checkpoint of step %d was captured and before %s: taking step %d again",
-                 ", ".join(changed) or "another rank's state", step, where, step)
-        return Pending(step, checkpoint=True, reasons=["retake"])
-
-    def _drop_pending(self, exc: BaseException) -> None:
-        """The loop left on ``exc`` before the step's consistent point: what was decided is not taken (logged once)."""
-        pending = self._point.take()
-        if pending is None or not (pending.checkpoint or pending.tiers) or self._dropped_warned:
-            return
-        self._dropped_warned = True
-        log.warning("the checkpoint decided at step %d was not taken: the loop left on %s before the step's "
-                    "consistent point, so the step's work may be half done (the newest checkpoint stands)",
-                    pending.step, type(exc).__name__)
+        with self._point.reached(where, self._registered, self._control, self._timeline.step) as pending:
+            if pending is not None:
+                self._act(pending, where)
 
     def _capture(self, step: int, *, persisted: bool = True) -> Captured:
         """The registered state at ``step``, sealed (``persisted``: for a checkpoint, not a tier's own snapshot)."""
-        run = functools.partial(run_state, step, self._optimizers, self._saver.profiler, self._policy)
+        run = functools.partial(run_state, step, self._optimizers, self._saver.profiler, self._policy,
+                                ddp_buckets=self._buckets.record())
         return self._registered.capture(step, run, persisted=persisted)
 
     def _holds_current_state(self) -> bool:

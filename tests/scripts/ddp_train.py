@@ -8,8 +8,6 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
 
 * ``--broadcast-buffers 0``: DDP with ``forward_sync_buffers=False`` (every rank keeps its own
   BatchNorm statistics); by default rank 0's buffers are broadcast at each forward.
-* ``--find-unused``: DDP with ``find_unused_parameters=True``, which never rebuilds its gradient
-  buckets: a resume is bit-identical at three ranks or more (docs/exactness.md).
 * ``--diverge``: rank 1 changes a weight after DDP synchronised them (the first checkpoint must fail).
 * ``--on-error raise|warn``: the Checkpointer's ``on_error``.
 * ``--dump DIR``: write each rank's model state and values right after the restore to
@@ -81,7 +79,6 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--die", default="", help="LIFE:RANK:STEP:MODE,... (MODE: step or persist)")
     parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--broadcast-buffers", type=int, default=1)
-    parser.add_argument("--find-unused", action="store_true")
     parser.add_argument("--dump", default=None)
     parser.add_argument("--diverge", action="store_true")
     parser.add_argument("--on-error", default="raise")
@@ -175,9 +172,7 @@ def main() -> None:
 
     model = build_model()
     world = dist.get_world_size() if distributed else 1
-    sync = ({} if args.broadcast_buffers else {"forward_sync_buffers": False}) | {
-        "find_unused_parameters": args.find_unused
-    }
+    sync = {} if args.broadcast_buffers else {"forward_sync_buffers": False}
     net = nn.parallel.DistributedDataParallel(model, **sync) if distributed else model
     if args.diverge and rank == 1:  # a parameter DDP no longer keeps in step: checkfreq must refuse it
         with torch.no_grad():

@@ -249,8 +249,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
-    # a resume is bit-identical at 3 ranks or more where DDP never rebuilds its gradient buckets (docs/exactness.md)
-    net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if distributed else model
+    net = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}

@@ -117,8 +117,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
     net: nn.Module = model
     if args.ddp:
-        net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)  # never rebuilds its buckets:
-        # a resumed run adds the ranks' gradients in the uninterrupted run's order (checkfreq.ranks.ddp_order)
+        net = nn.parallel.DistributedDataParallel(model)
     else:
         for layer in model:
             if isinstance(layer, nn.Linear):

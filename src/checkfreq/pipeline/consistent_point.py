@@ -28,16 +28,19 @@ forward is not counted as taken (:meth:`ResumableLoader.hold_back_handed_out`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from checkfreq.data.loader import ResumableLoader
+from checkfreq.pipeline.registered import Registered
 from checkfreq.pipeline.tier import Tier
+from checkfreq.ranks.collectives import Peers
 from checkfreq.run.rng import RNGState
 
 log = logging.getLogger("checkfreq")
@@ -52,9 +55,25 @@ class Pending:
     """A checkpoint (else only ``tiers``' own snapshots, or a trapped signal's)."""
     tiers: tuple[Tier, ...] = ()
     reasons: list[str] = field(default_factory=list)
-    """Who decided: ``"policy"``, ``"log()"``, a tier's cadence."""
+    """Who decided a checkpoint: ``"policy"``, ``"log()"``, ``"retake"`` (a ``save()`` the state moved on from)."""
     rng: dict[str, Any] | None = None
     """The generators' states at the decision (the registered ``rng``'s), for a point no loader marks."""
+
+
+    @property
+    def reason(self) -> str:
+        """The events' reason of its checkpoint."""
+        return REASONS.get(tuple(self.reasons), "policy")
+
+
+LOADER_POINTS = ("the loader's next batch", "the loader's next pass")
+"""The consistent points where a registered loader tells that the loop's next step begins."""
+
+CALLS = ("save()", "wait()", "close()")
+"""The consistent points that are the loop's own calls: they hold the state as it is when called."""
+
+REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()"}
+"""The events' reason of a checkpoint decided by these alone (else ``"policy"``)."""
 
 
 class PointListener:
@@ -102,6 +121,7 @@ class ConsistentPoint:
             self._removers.append(handle.remove)
         self.pending: Pending | None = None
         self._warned_late = False
+        self._warned_dropped = False
 
     def hold(self, step: int, *, checkpoint: bool, tiers: Iterable[Tier] = (), reason: str) -> None:
         """Add what was decided at ``step`` to what waits for its point."""
@@ -118,7 +138,52 @@ class ConsistentPoint:
         pending, self.pending = self.pending, None
         return pending
 
-    def reached_late(self, pending: Pending) -> None:
+    @contextlib.contextmanager
+    def reached(self, where: str, registered: Registered, peers: Peers, step: int) -> Iterator[Pending | None]:
+        """The point ``where`` came at ``step``: what waits for it (None: nothing), while it is captured.
+
+        At a loader's point, a checkpoint that ``save()``/``wait()`` captured earlier in the step and the
+        state moved on from (on any rank: collective then) is taken again. At a training forward, a batch a
+        loader handed out since the previous one is the next step's; at a point no loader marks, the
+        generators are taken as they were at the decision."""
+        pending = self.take()
+        if pending is None and where in LOADER_POINTS:  # the loop's next step begins here
+            pending = _retake(registered, peers, step, where)
+        if pending is None:
+            yield None
+            return
+        if where == "optimizer.step()":
+            self._reached_late(pending)
+        with contextlib.ExitStack() as stack:
+            if where == "a training forward":
+                for loader in self.in_flight_loaders():
+                    stack.enter_context(loader.hold_back_handed_out())
+            marked = where in LOADER_POINTS or where in CALLS
+            stack.enter_context(registered.generators_as(None if marked else pending.rng))
+            yield pending
+
+    def logged(self, step: int, metrics: Mapping[str, Any], registered: Registered) -> None:
+        """``log()`` of the ranked metric at ``step``: a checkpoint of that step takes the score at its capture
+        (one is decided if none was); one captured already cannot (said once)."""
+        pending = self.pending
+        if pending is not None and pending.step == step and pending.checkpoint:
+            return
+        if registered.scores.captured_step == step:
+            registered.warn_logged_after_capture(step, metrics)
+            return
+        self.hold(step, checkpoint=True, reason="log()")
+
+    def drop(self, error: BaseException) -> None:
+        """The loop left on ``error`` before the point: what was decided is not taken (said once)."""
+        pending = self.take()
+        if pending is None or not (pending.checkpoint or pending.tiers) or self._warned_dropped:
+            return
+        self._warned_dropped = True
+        log.warning("the checkpoint decided at step %d was not taken: the loop left on %s before the step's "
+                    "consistent point, so the step's work may be half done (the newest checkpoint stands)",
+                    pending.step, type(error).__name__)
+
+    def _reached_late(self, pending: Pending) -> None:
         """Warn once that ``pending`` was captured only at the next ``optimizer.step()``, after that step's forward."""
         if self._warned_late or not (pending.checkpoint or pending.tiers):
             return
@@ -152,6 +217,17 @@ class ConsistentPoint:
 
     def _handing_out(self, loader: ResumableLoader) -> None:
         self._handed_out_at[id(loader)] = self._forwards
+
+
+def _retake(registered: Registered, peers: Peers, step: int, where: str) -> Pending | None:
+    """A checkpoint of ``step`` that ``save()``/``wait()`` captured before ``where``, and registered state changed
+    since (on any rank): to be taken again, as ``save()`` takes a step again."""
+    changed = registered.changed_since_early_capture(step, peers)
+    if changed is None:
+        return None
+    log.info("%s changed after the checkpoint of step %d was captured and before %s: taking step %d again",
+             ", ".join(changed) or "another rank's state", step, where, step)
+    return Pending(step, checkpoint=True, reasons=["retake"])
 
 
 class _LoaderWatcher:

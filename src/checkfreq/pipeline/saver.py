@@ -23,6 +23,7 @@ from checkfreq.pipeline.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.tier import HeldSnapshot, SnapshotRequest, Tier
 from checkfreq.pipeline.tiers import Tiers
 from checkfreq.pipeline.writer import Writer
+from checkfreq.policies.base import DecisionContext
 from checkfreq.policies.profiler import Profiler
 from checkfreq.ranks.cluster import Cluster
 from checkfreq.run.busy import MEMORY, PERSIST, BusyStorage
@@ -78,6 +79,14 @@ class Saver:
         """The newest step this session committed."""
 
     # ------------------------------------------------------------------ checkpoints
+
+    def advance(self, now: float, *, epoch: int | None, loss: float | None) -> DecisionContext:
+        """Count an optimizer step that ended at ``now``: measure its iteration, and what a policy decides from."""
+        timeline = self.timeline
+        measured = timeline.advance(now, writer_busy=self.writer.busy, writer_transitions=self.writer.transitions)
+        if measured is not None:
+            timeline.set_aside(self.profiler.record_iteration(measured[0], persisting=measured[1]))
+        return timeline.context(now, self.profiler, persist_in_flight=self.writer.busy, epoch=epoch, loss=loss)
 
     def checkpoint(self, capture: Capture, *, epoch: Epoch, reason: str, blocking: bool) -> None:
         """Snapshot the state at the current step and persist it in the background (or, ``blocking``,

@@ -2,7 +2,8 @@
 
 checkfreq supports torch >= 2.6 (see pyproject.toml): the public ``torch.distributed.tensor``
 (DTensor) and ``torch.distributed.fsdp.fully_shard`` (FSDP2) exist from there on. The few
-private APIs used are reached only here, each with an error that names what is missing; where
+private APIs used are reached only here, each with an error that names what is missing (DDP's
+reducer: see :mod:`checkfreq.ranks.ddp_buckets`); where
 gloo cannot connect its pairs of ranks on demand (before torch 2.8), checkfreq's groups connect
 every pair at creation instead, as ``dist.new_group`` does (logged once).
 """
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from checkfreq.errors import UnsupportedTorchError
 
@@ -110,3 +113,52 @@ def _lazy_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> d
     options._threads = 2  # torch's default for one device
     options._devices = [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def ddp_logging_data(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]:
+    """What DDP's logger reports (``_get_ddp_logging_data``): its construction, and at its sampled
+    iterations (the first ten, then one in 100) the reducer's state, its rebuilt buckets among it."""
+    return ddp._get_ddp_logging_data()
+
+
+def ddp_without_reducer(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``ddp`` reduces its gradients without its C++ reducer's buckets (compiled autograd's
+    Python reducer, or every parameter's all-reduce delayed to hooks of its own)."""
+    return bool(getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False))
+
+
+def rebuild_ddp_reducer(ddp: nn.parallel.DistributedDataParallel, buckets: Sequence[Sequence[int]]) -> None:
+    """Give ``ddp`` a new reducer (and logger) whose buckets are ``buckets`` (parameter indices, in
+    the order they are reduced) from its first iteration on, and take the old reducer's autograd hooks away.
+
+    DDP's ``_ddp_init_helper`` builds the reducer, as at construction and in ``__setstate__``, with
+    this torch's arguments; only the bucket assignment it computes is replaced by ``buckets`` (it
+    reverses the list it gets). On an error (a bucket mixing dtypes or devices) ``ddp`` keeps its reducer.
+    """
+    asked: list[bool] = []
+
+    def given(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
+        asked.append(True)
+        return [list(bucket) for bucket in reversed(buckets)], [ddp.bucket_bytes_cap] * len(buckets)
+
+    try:
+        parameters, expect_sparse = ddp._build_params_for_reducer()
+        names = ddp._build_debug_param_to_name_mapping(parameters)
+    except AttributeError as e:
+        raise _missing("DistributedDataParallel's reducer parameters", e) from e
+    old_reducer, old_logger = ddp.reducer, ddp.logger
+    assign = dist._compute_bucket_assignment_by_size
+    dist._compute_bucket_assignment_by_size = given  # for the next line only
+    try:
+        ddp._ddp_init_helper(parameters, expect_sparse, names, False)
+    except Exception as e:
+        ddp.reducer, ddp.logger = old_reducer, old_logger
+        if isinstance(e, (AttributeError, TypeError)):  # another _ddp_init_helper
+            raise _missing("DistributedDataParallel._ddp_init_helper", e) from e
+        raise
+    finally:
+        dist._compute_bucket_assignment_by_size = assign
+    old_reducer._remove_autograd_hooks()
+    ddp._has_rebuilt_buckets = False
+    if not asked:  # the new reducer has DDP's initial buckets, as a new DDP would
+        raise _missing("a bucket assignment in DistributedDataParallel._ddp_init_helper", LookupError("not asked"))

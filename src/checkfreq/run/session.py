@@ -21,10 +21,15 @@ from checkfreq.run.state import type_name
 log = logging.getLogger("checkfreq")
 
 
+DDP_BUCKETS = "ddp_buckets"
+"""The entry of the ``checkfreq`` state that holds DDP's rebuilt buckets (:mod:`checkfreq.ranks.ddp_buckets`)."""
+
+
 def run_state(
-    step: int, optimizers: Mapping[str, torch.optim.Optimizer], profiler: Profiler, policy: Policy
+    step: int, optimizers: Mapping[str, torch.optim.Optimizer], profiler: Profiler, policy: Policy,
+    ddp_buckets: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The reserved ``checkfreq`` entry of a checkpoint taken at ``step``."""
+    """The reserved ``checkfreq`` entry of a checkpoint taken at ``step`` (with DDP's buckets, if any)."""
     state: dict[str, Any] = {
         "global_step": step,
         "optimizer_types": {name: type_name(opt) for name, opt in optimizers.items()},
@@ -32,7 +37,15 @@ def run_state(
     }
     if isinstance(policy, StatefulPolicy):
         state["policy"] = {"type": type(policy).__name__, "state": policy.state_dict()}
+    if ddp_buckets:
+        state[DDP_BUCKETS] = dict(ddp_buckets)
     return state
+
+
+def saved_buckets(saved: Any) -> Mapping[str, Any]:
+    """DDP's buckets in a restored ``checkfreq`` entry (none in one saved without them)."""
+    buckets = saved.get(DDP_BUCKETS) if isinstance(saved, dict) else None
+    return buckets if isinstance(buckets, dict) else {}
 
 
 def seed_session(saved: Any, policy: Policy) -> tuple[Profiler, list[str]]:
