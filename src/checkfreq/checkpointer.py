@@ -280,7 +280,14 @@ class Checkpointer:
         step = self._timeline.step
         if not self._registered.scores.log(step, metrics):
             return
-        self._point.logged(step, metrics, self._registered)
+        if self._point.logged(step, metrics, self._registered):
+            self._at_point("log()")
+
+    def consistent_point(self) -> None:
+        """Capture now what this step decided: for a framework's integration, which knows where its loop's step
+        ends (docs/exactness.md, "The consistent point"); a plain loop never needs it."""
+        self._check_open("consistent_point()")
+        self._at_point("consistent_point()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight

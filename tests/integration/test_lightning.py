@@ -35,14 +35,14 @@ SPENT_TIME = ("--max-time", "00:00:00:01")  # less than the 2 s every fit sleeps
 
 
 def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = False, fails: bool = False,
-        ckpt: str = "ckpt", log: str = "batches.log") -> str:
+        ckpt: str = "ckpt", log: str = "batches.log", devices: int = 2) -> str:
     """Run the fit with every callback (4 epochs at most, 2 s asleep in step 2, a day's max_time);
     under DDP a killed rank makes the others fail, and nothing of the job may outlive it."""
     command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / ckpt),
                "--out", str(workdir / f"{name}.pt"), "--log", str(workdir / log), "--epochs", "4",
                "--callbacks", str(workdir / "lightning"), "--sleep-at", "2", "--max-time", "01:00:00:00", *args]
     if ddp:
-        command += ["--devices", "2"]
+        command += ["--devices", str(devices)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -183,6 +183,21 @@ def test_ddp_fit_with_a_rank_killed_resumes_bit_identical(tmp_path: Path) -> Non
     for epoch in range(2):  # the ranks' shares make up the epoch, each sample once
         shares = [batches(run / f"batches.log.{rank}")[epoch] for rank in (0, 1)]
         assert sorted(shares[0] + shares[1]) == list(range(72))
+
+
+@pytest.mark.slow
+def test_ddp_fit_at_four_ranks_with_defaults_resumes_bit_identical(tmp_path: Path) -> None:
+    """Lightning's DDP with its defaults (it rebuilds its gradient buckets): a restore gives them back, so
+    every rank of a fit resumed after a rank is killed ends bit-identical (docs/exactness.md)."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    reference.mkdir()
+    run.mkdir()
+    fit(reference, "final", "--epochs", "2", ddp=True, devices=4)
+    fit(run, "killed", "--epochs", "2", "--die-at", "6", "--die-rank", "1", killed=True, ddp=True, devices=4)
+    out = fit(run, "final", "--epochs", "2", ddp=True, devices=4)
+    assert all(f"rank {rank} restored " in out for rank in range(4)), out[-3000:]
+    for name in ("final.pt", "final.pt.1", "final.pt.2", "final.pt.3"):
+        assert_same_end(reference, run, name)
 
 
 def _tiny_fit(directory: Path, epochs: int, callbacks: list, **trainer_options: object):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""The step-boundary rule of docs/exactness.md: a loop that prefetches resumes exactly when the
+"""docs/exactness.md, "Where no loader is registered": a loop that prefetches resumes exactly when the
 prefetched batch is registered, as the page's example does, and does not when it is drawn anew."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ READ_BACK = 'x, y = ckpt["batch"]'
 
 
 def example() -> str:
-    return docs_example(PAGE, "The step boundary")
+    return docs_example(PAGE, "Where no loader is registered")
 
 
 def run(workdir: Path, module: str, steps: int, out: str, *, killed: bool = False) -> None:

@@ -176,7 +176,6 @@ class ResumableLoader:
         self._handed_out = 0
         """Samples of the batch last handed out: consumed once the next batch or a state_dict() is asked for."""
         self._step = _StepProgress()
-        self._last_of_epoch = False
         self._listeners: list[LoaderListener] = []
         self._holding_back = False
 
@@ -189,16 +188,6 @@ class ResumableLoader:
     def epoch(self) -> int:
         """The epoch the next batch belongs to."""
         return self.sampler.epoch
-
-    @property
-    def last_of_epoch(self) -> bool:
-        """Whether the batch the current iterator handed out last is the last of its epoch.
-
-        A ``Checkpointer`` this loader is registered with reads it: a checkpoint due at that batch
-        is taken at the epoch boundary, after the work the loop does after the epoch's batches
-        (docs/exactness.md, "Epochs"). Loops need it for nothing else.
-        """
-        return self._last_of_epoch
 
     @property
     def global_batch_size(self) -> int:
@@ -268,7 +257,6 @@ class ResumableLoader:
         self._handed_out = 0
         self._step = _StepProgress()
         self._generation += 1
-        self._last_of_epoch = False
 
     def _iterate(self, generation: int) -> Iterator[Any]:
         self._plan.epoch, self._plan.indices = self.sampler.epoch, self.sampler.rank_indices()
@@ -281,10 +269,8 @@ class ResumableLoader:
             batch = next(batches)
             self._consume_handed_out()  # asking for this batch means the previous one was used
             self._handed_out = self._plan.size_of(number)
-            self._last_of_epoch = number == len(self._plan) - 1
             yield batch
         self._check_current(generation)
-        self._last_of_epoch = False
         self._consume_handed_out()
         if self.sampler.epoch == self._plan.epoch:  # an epoch with no batch (one that had any moved on above)
             self.sampler.set_epoch(self.sampler.epoch + 1)

@@ -207,6 +207,7 @@ class CheckFreqCallback(pl.Callback):
             _place(trainer, self, first=True)  # the next epoch's start is checkpointed before the others see it
             return
         self.checkpointer.step(loss=self._loss.take())
+        self.checkpointer.consistent_point()  # Lightning's step ends here (its validation logs after it)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._epoch_ending:
@@ -230,6 +231,7 @@ class CheckFreqCallback(pl.Callback):
             if self._validated is not None:
                 self.checkpointer.log(**{str(self._best): self._validated})
                 self._validated = None
+            self.checkpointer.consistent_point()  # the epoch's work is done
             _place(trainer, self, first=False)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

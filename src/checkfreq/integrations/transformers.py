@@ -354,6 +354,7 @@ class CheckFreqTrainer(Trainer):
         if self._evaluated is not None:  # the evaluation of the step counted scores its checkpoint (keep the best)
             self._checkpointer.log(**{str(self._best): self._evaluated})
             self._evaluated = None
+        self._checkpointer.consistent_point()  # the Trainer's step, its logging and evaluation included, ends here
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         metrics: dict[str, float] = super()._evaluate(*args, **kwargs)

@@ -69,8 +69,8 @@ class Pending:
 LOADER_POINTS = ("the loader's next batch", "the loader's next pass")
 """The consistent points where a registered loader tells that the loop's next step begins."""
 
-CALLS = ("save()", "wait()", "close()")
-"""The consistent points that are the loop's own calls: they hold the state as it is when called."""
+CALLS = ("save()", "wait()", "close()", "consistent_point()", "log()")
+"""The consistent points that are calls (the loop's, an integration's): they hold the state as it is when called."""
 
 REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()"}
 """The events' reason of a checkpoint decided by these alone (else ``"policy"``)."""
@@ -162,16 +162,18 @@ class ConsistentPoint:
             stack.enter_context(registered.generators_as(None if marked else pending.rng))
             yield pending
 
-    def logged(self, step: int, metrics: Mapping[str, Any], registered: Registered) -> None:
+    def logged(self, step: int, metrics: Mapping[str, Any], registered: Registered) -> bool:
         """``log()`` of the ranked metric at ``step``: a checkpoint of that step takes the score at its capture
-        (one is decided if none was); one captured already cannot (said once)."""
+        (one is decided if none was). One that a call captured (``save()``, an integration's point) is taken
+        again: True, capture it now. One captured at a point the loop's next step marked cannot (said once)."""
         pending = self.pending
         if pending is not None and pending.step == step and pending.checkpoint:
-            return
-        if registered.scores.captured_step == step:
+            return False
+        if registered.scores.captured_step == step and (registered.seal is None or registered.seal.at not in CALLS):
             registered.warn_logged_after_capture(step, metrics)
-            return
+            return False
         self.hold(step, checkpoint=True, reason="log()")
+        return registered.scores.captured_step == step
 
     def drop(self, error: BaseException) -> None:
         """The loop left on ``error`` before the point: what was decided is not taken (said once)."""

@@ -193,7 +193,7 @@ def _versions(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-EARLY_CALLS = ("save()", "wait()")
+EARLY_CALLS = ("save()", "wait()", "consistent_point()", "log()")
 """Calls that capture a checkpoint decided at a step before the step's consistent point."""
 
 

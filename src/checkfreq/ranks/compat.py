@@ -117,8 +117,16 @@ def _lazy_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> d
 
 def ddp_logging_data(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]:
     """What DDP's logger reports (``_get_ddp_logging_data``): its construction, and at its sampled
-    iterations (the first ten, then one in 100) the reducer's state, its rebuilt buckets among it."""
-    return ddp._get_ddp_logging_data()
+    iterations (the first ten, then one in 100) the reducer's state, its rebuilt buckets among it.
+
+    A DDP that has rebuilt its buckets (at its second forward) but whose logger has not reported it
+    yet (it does one iteration later) is asked to report now (``set_runtime_stats_and_log``), so a
+    checkpoint of its second step holds its buckets too."""
+    data = ddp._get_ddp_logging_data()
+    if getattr(ddp, "_has_rebuilt_buckets", False) and "rebuilt_per_bucket_param_indices" not in data:
+        ddp.logger.set_runtime_stats_and_log()
+        data = ddp._get_ddp_logging_data()
+    return data
 
 
 def ddp_without_reducer(ddp: nn.parallel.DistributedDataParallel) -> bool:

@@ -56,9 +56,9 @@ class BucketLayouts:
     def record(self) -> dict[str, Layout]:
         """For each registered name whose DDP has rebuilt its buckets, those buckets (JSON-able).
 
-        The same on every rank: DDP's logger reports the buckets rank 0 chose and broadcast, one
-        iteration after the rebuild; until it does, a DDP that :meth:`replay` gave buckets records
-        those, and one that rebuilt by itself (its first two iterations) records nothing.
+        The same on every rank: DDP's logger reports the buckets rank 0 chose and broadcast (asked to
+        as soon as DDP rebuilt them, at its second forward); a DDP that :meth:`replay` gave buckets
+        records those until its logger reports, and one that has not rebuilt yet (its first step) nothing.
         """
         recorded: dict[str, Layout] = {}
         for name, ddp in self._ddps().items():
@@ -86,8 +86,8 @@ class BucketLayouts:
             if reason is not None:
                 log.info("DDP of %r has %s: its gradient buckets are left as they are", names[key][0], reason)
             elif chosen is None:
-                log.info("no gradient buckets were recorded for the DDP of %r (a checkpoint of its first two "
-                         "iterations, or of an older checkfreq): it starts with its initial buckets", names[key][0])
+                log.info("no gradient buckets were recorded for the DDP of %r (a checkpoint of its first "
+                         "iteration, or of an older checkfreq): it starts with its initial buckets", names[key][0])
             else:
                 self._replay(chosen, ddp, recorded[chosen])
 

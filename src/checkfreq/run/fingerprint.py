@@ -1,8 +1,8 @@
 """A cheap fingerprint of registered state: did it change since a checkpoint took it?
 
-Taken with every snapshot and compared later (before the next batch, at ``save()``), it tells a
-checkpoint that no longer holds the state of its step: an epoch-level scheduler stepped, an
-evaluation drew random numbers, a value set after the checkpoint. The non-tensor part of each
+Taken with every checkpoint and compared later (at ``save()``, at the consistent point after a
+``save()``), it tells a checkpoint that no longer holds the state of its step: an epoch-level
+scheduler stepped, an evaluation drew random numbers, a value set after the checkpoint. The non-tensor part of each
 object's state and its small CPU tensors (generator states, counters) are hashed; a large tensor
 is represented by its version counter, which every in-place change (an optimizer step, ``copy_``
 under ``no_grad``) moves, so nothing large is read.

@@ -223,18 +223,6 @@ def test_a_peek_after_an_epoch_boundary_restore_costs_nothing(defaulted):
     assert one_epoch(restored) == _epoch(2)
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_last_of_epoch_marks_the_epochs_last_batch(drop_last):
-    source = loader(drop_last=drop_last)
-    marks = [source.last_of_epoch for _ in source]
-    assert marks == [False] * (len(source) - 1) + [True]
-    assert not source.last_of_epoch  # the pass is over
-    it = iter(source)
-    take(it, len(source))
-    assert source.last_of_epoch
-    iter(source)  # a new pass starts over
-    assert not source.last_of_epoch
-
 
 def test_moving_back_to_an_epoch_already_trained_is_logged(caplog):
     source = loader()
