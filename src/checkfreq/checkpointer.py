@@ -417,12 +417,7 @@ class Checkpointer:
     def _check_not_foreign(self) -> None:
         """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
         if self._foreign_step is not None:
-            raise ExistingCheckpointsError(
-                f"{self.directory} already holds checkpoints (the newest at step {self._foreign_step}) and this run "
-                "did not restore them: its checkpoints would be written beside and over them. Call restore() "
-                "before training to resume from them (resume=True for CheckFreqCallback, "
-                "resume_from_checkpoint=True for CheckFreqTrainer), or give this run a directory of its own."
-            )
+            raise ExistingCheckpointsError(self.directory, self._foreign_step)
 
     def _checkpoint(self, *, blocking: bool, reason: str, at: str | None = None) -> None:
         """Capture and persist the state at the current step; ``at``: the consistent point (else ``reason``'s call)."""

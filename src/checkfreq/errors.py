@@ -42,7 +42,21 @@ class DirectoryLockedError(CheckfreqError):
 
 
 class ExistingCheckpointsError(CheckfreqError):
-    """A run would checkpoint into a directory holding another run's checkpoints without restoring them."""
+    """A run would checkpoint into a directory holding another run's checkpoints without restoring them.
+
+    Args:
+        directory: the directory.
+        newest_step: the newest of the checkpoints (or memory snapshots) it holds.
+    """
+
+    def __init__(self, directory: str, newest_step: int) -> None:
+        super().__init__(
+            f"{directory} already holds checkpoints (the newest at step {newest_step}) and this run did not restore "
+            "them: its checkpoints would be written beside and over them. Call restore() before training to resume "
+            "from them (resume=True for CheckFreqCallback, resume_from_checkpoint=True for CheckFreqTrainer), or "
+            "give this run a directory of its own."
+        )
+        self.directory, self.newest_step = directory, newest_step
 
 
 class ReplicaMismatchError(CheckfreqError):

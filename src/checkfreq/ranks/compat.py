@@ -123,8 +123,10 @@ def ddp_logging_data(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]
     yet (it does one iteration later) is asked to report now (``set_runtime_stats_and_log``), so a
     checkpoint of its second step holds its buckets too."""
     data = ddp._get_ddp_logging_data()
-    if getattr(ddp, "_has_rebuilt_buckets", False) and "rebuilt_per_bucket_param_indices" not in data:
-        ddp.logger.set_runtime_stats_and_log()
+    logger = getattr(ddp, "logger", None)
+    if getattr(ddp, "_has_rebuilt_buckets", False) and logger is not None and "rebuilt_per_bucket_param_indices" \
+            not in data:
+        logger.set_runtime_stats_and_log()
         data = ddp._get_ddp_logging_data()
     return data
 
