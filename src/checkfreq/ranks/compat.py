@@ -124,8 +124,8 @@ def ddp_logging_data(ddp: nn.parallel.DistributedDataParallel) -> dict[str, Any]
     checkpoint of its second step holds its buckets too."""
     data = ddp._get_ddp_logging_data()
     logger = getattr(ddp, "logger", None)
-    if getattr(ddp, "_has_rebuilt_buckets", False) and logger is not None and "rebuilt_per_bucket_param_indices" \
-            not in data:
+    reported = "rebuilt_per_bucket_param_indices" in data
+    if getattr(ddp, "_has_rebuilt_buckets", False) and logger is not None and not reported:
         logger.set_runtime_stats_and_log()
         data = ddp._get_ddp_logging_data()
     return data
