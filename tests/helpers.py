@@ -6,6 +6,7 @@ pytest fixtures live in ``conftest.py``.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import signal
@@ -211,6 +212,17 @@ def hf_fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: in
 def sample_reads(log: Path) -> list[int]:
     """The sample indices a run of hf_train.py logged with ``--read-log``, in the order it read them."""
     return [int(line) for line in log.read_text().split()]
+
+
+def run_forked(ctx: multiprocessing.context.BaseContext, target: Any, args: tuple[Any, ...],
+               timeout: float = 300) -> int | None:
+    """``target(*args)`` in a process of ``ctx`` (a forkserver that imported torch once: fast, and a real
+    SIGKILL at any point); its exit code, failing the test if it is still running after ``timeout`` s."""
+    process = ctx.Process(target=target, args=args)
+    process.start()
+    process.join(timeout)
+    assert not process.is_alive(), f"{args} still running after {timeout} s"
+    return process.exitcode
 
 
 def spawn_ranks(fn: Any, args: tuple[Any, ...], nprocs: int) -> None:

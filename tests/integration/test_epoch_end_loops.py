@@ -17,6 +17,8 @@ import pytest
 import torch
 from epoch_loops import BATCHES, EPOCHS, MAX_STEPS, SHAPES_AFTER, Run, train
 
+from helpers import run_forked
+
 STEPS = EPOCHS * BATCHES
 
 
@@ -29,11 +31,7 @@ def context() -> Iterator[multiprocessing.context.BaseContext]:
 
 def _run(ctx: multiprocessing.context.BaseContext, shape: str, directory: Path, policy: int, kill: str,
          out: Path) -> int | None:
-    process = ctx.Process(target=train, args=(shape, str(directory), policy, kill, str(out)))
-    process.start()
-    process.join(300)
-    assert not process.is_alive(), f"{shape} {kill} still running after 300 s"
-    return process.exitcode
+    return run_forked(ctx, train, (shape, str(directory), policy, kill, str(out)))
 
 
 def _assert_same(ended: dict, reference: dict, what: str) -> None:

@@ -19,6 +19,7 @@ import torch
 from user_loops import BATCHES, EPOCHS, NANO_EVAL, NANO_STEPS, Net, train
 
 import checkfreq as cf
+from helpers import run_forked
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,7 @@ def context() -> Iterator[multiprocessing.context.BaseContext]:
 
 
 def _run(ctx, loop: str, directory: Path, policy: int, kill: str, out: Path) -> int | None:
-    process = ctx.Process(target=train, args=(loop, str(directory), policy, kill, str(out)))
-    process.start()
-    process.join(300)
-    assert not process.is_alive(), f"{loop} {kill} still running after 300 s"
-    return process.exitcode
+    return run_forked(ctx, train, (loop, str(directory), policy, kill, str(out)))
 
 
 def _assert_same(ended: dict, reference: dict, what: str) -> None:
