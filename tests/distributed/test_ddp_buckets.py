@@ -97,7 +97,7 @@ def _ranks_run(rank: int, world: int, workdir: str) -> None:
     model, ddp, optimizer = _build(seed=0)
     layouts = BucketLayouts({"model": model}, world)
     _train(ddp, optimizer, rank, range(2))
-    out["recorded_at_2"] = layouts.record()  # rebuilt at the second forward, reported at the third
+    out["recorded_at_2"] = layouts.record()  # rebuilt at the second forward: its logger is asked to report it
     _train(ddp, optimizer, rank, range(2, 3))
     recorded = layouts.record()
     out["recorded"], out["initial"] = recorded, _buckets(ddp)
@@ -165,7 +165,7 @@ def test_replayed_buckets_make_a_resumed_ddp_bit_identical(tmp_path: Path, world
     assert list(recorded) == ["model"] and len(recorded["model"]) > 1
     for out in results:
         assert out["recorded"] == recorded  # DDP broadcast rank 0's buckets
-        assert out["recorded_at_2"] == {}  # not reported yet, and not replayed: nothing
+        assert out["recorded_at_2"] == recorded  # asked of the logger before its own report
         assert out["without_replay_equal"] is False  # the control: DDP's initial buckets round otherwise
         assert out["replayed_buckets"] != out["initial"]  # the new reducer's buckets are the recorded ones
         assert out["recorded_at_4"] == recorded == out["recorded_at_6"]
