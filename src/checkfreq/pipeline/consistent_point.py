@@ -116,8 +116,9 @@ class ConsistentPoint:
         for loader in self._loaders:
             watcher = _LoaderWatcher(self, loader, listener)
             self._removers.append(loader.add_listener(watcher))
+        hook = torch.compiler.disable(self._before_forward)  # run as it is, never traced into a compiled graph
         for module in (o for o in objects if isinstance(o, torch.nn.Module)):
-            handle = module.register_forward_pre_hook(self._before_forward, prepend=True)
+            handle = module.register_forward_pre_hook(hook, prepend=True)
             self._removers.append(handle.remove)
         self.pending: Pending | None = None
         self._warned_late = False

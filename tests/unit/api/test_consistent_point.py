@@ -304,3 +304,23 @@ def test_an_error_in_the_epochs_work_drops_the_checkpoint_waiting_for_its_point_
     assert _snapshots(tmp_path) == []
     dropped = [r.getMessage() for r in caplog.records if "was not taken" in r.getMessage()]
     assert len(dropped) == 1 and f"decided at step {BATCHES}" in dropped[0] and "RuntimeError" in dropped[0]
+
+
+def test_a_compiled_modules_forward_is_the_point_and_the_capture_stays_out_of_its_graph(tmp_path: Path) -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, opt, sched, loader = _objects()
+    with cf.Checkpointer(tmp_path, policy=2, model=model, optimizer=opt, scheduler=sched) as ckpt:
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(5):
+            opt.zero_grad()
+            F.cross_entropy(compiled(torch.randn(2, 4)), torch.tensor([0, 1])).backward()
+            opt.step()
+            ckpt.step()
+            sched.step()  # after ckpt.step(): in the step's checkpoint, captured at the compiled forward
+        assert _snapshots(tmp_path) == [2, 4]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the capture traced into no graph
+    model2, opt2, sched2, _ = _objects(seed=1)
+    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2) as again:
+        assert again.restore(step=4) == 4
+    assert sched2.get_last_lr() == [0.1 * 0.5**4]
