@@ -93,6 +93,7 @@ class Saver:
         before returning, raising if it failed)."""
         start = time.perf_counter()
         timeline, busy, profiler = self.timeline, self.busy, self.profiler
+        timeline.reached_point(start, profiler)
         step = timeline.step
         # the host buffer is reused: one checkpoint in flight
         busy.wait(PERSIST, step, self.writer.busy, lambda: self.writer.wait(self.timeout), profiler,
@@ -139,6 +140,7 @@ class Saver:
     def snapshot_for(self, tier: Tier, capture: Capture, *, epoch: Epoch) -> None:
         """Snapshot the state at the current step into ``tier`` alone (its own cadence said so; no persist)."""
         start = time.perf_counter()
+        self.timeline.reached_point(start, self.profiler)
         step = self.timeline.step
         self.busy.wait(MEMORY, step, tier.busy, self.wait_tiers, self.profiler)
         self.finish_fence()

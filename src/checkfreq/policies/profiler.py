@@ -143,6 +143,15 @@ class Profiler:
         (self.iteration_while_persisting if persisting else self.iteration).add(seconds)
         return self.away - away_before
 
+    def record_between(self, seconds: float) -> float:
+        """The loop's own work between a ``step()`` and the consistent point where a checkpoint is captured
+        (a scheduler, an evaluation): no iteration's time. Returns what of it was other work (added to
+        :attr:`away`): all of it when it took longer than an iteration would, else nothing."""
+        if self.iteration.value > 0 and seconds > AWAY_FACTOR * self.iteration.value:
+            self.away += seconds
+            return seconds
+        return 0.0
+
     def record_stall(self, seconds: float) -> None:
         """Time the training thread was blocked by one checkpoint (snapshot plus fence wait)."""
         self.stall.add(seconds)

@@ -65,6 +65,14 @@ class Timeline:
         if self._last_clean:
             self.clean_seconds -= seconds
 
+    def reached_point(self, now: float, profiler: Profiler) -> None:
+        """The consistent point of the current step came at ``now``, where a capture begins: the loop's work
+        since ``step()`` is not the next iteration's (the profiler tells whether it was other work)."""
+        if self._last_step_time is None:
+            return
+        between, self._last_step_time = max(now - self._last_step_time, 0.0), now
+        self.away_seconds += profiler.record_between(between)
+
     def checkpointed(self, start: float) -> dict[str, Any]:
         """A checkpoint began at ``start`` at the current step: what the snapshot event says about
         the window it closes (interval, clean iterations, other work); the next window starts."""
