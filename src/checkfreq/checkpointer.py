@@ -250,7 +250,8 @@ class Checkpointer:
         overdue = self._point.take()  # no point came before this step's update: taken at this step
         ctx = saver.advance(now, epoch=self._registered.epoch(), loss=loss)
         checkpoint = self._cluster.decide(ctx) or (overdue is not None and overdue.checkpoint)
-        due = [] if checkpoint else self._tiers.due(ctx.step, ctx.iteration_time)
+        overdue_tiers = () if overdue is None else overdue.tiers
+        due = [] if checkpoint else [*overdue_tiers, *self._tiers.due(ctx.step, ctx.iteration_time)]
         if checkpoint or due:
             self._check_not_foreign()  # refused now, not at the step's consistent point
         if checkpoint or due or (self._trap is not None and self._trap.received is not None):

@@ -222,18 +222,20 @@ def test_memory_cadence_fixed_and_within_the_overhead_bound() -> None:
 
 
 def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not(shm_dir: Path, tmp_path: Path) -> None:
-    cheap = torch.nn.Linear(4, 4)
-    with cf.Checkpointer(tmp_path / "cheap", policy=1000, memory=True, model=cheap) as ckpt:
+    cheap, tick = torch.nn.Linear(4, 4), torch.nn.Linear(1, 1)  # tick's forward: each step's consistent point
+    with cf.Checkpointer(tmp_path / "cheap", policy=1000, memory=True, model=cheap, tick=tick) as ckpt:
         for _ in range(20):
+            tick(torch.ones(1))
+            time.sleep(0.25)  # "compute" after the point: far longer than copying 20 floats
             ckpt.step()
-            time.sleep(0.25)  # "compute": far longer than copying 20 floats
     cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
     # every step, but for a hiccup of a busy machine (step 2's too)
     assert cheap_steps[0] == 1 and len(cheap_steps) >= 16
 
     heavy = torch.nn.Linear(2048, 2048)  # 16 MiB to copy, nothing else per step
-    with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy) as ckpt:
+    with cf.Checkpointer(tmp_path / "heavy", policy=1000, memory=True, model=heavy, tick=tick) as ckpt:
         for _ in range(30):
+            tick(torch.ones(1))
             ckpt.step()
     heavy_steps = [e["step"] for e in read_events(tmp_path / "heavy") if e["event"] == "memory"]
     # no training at all: an iteration is the loop's microseconds (the snapshots' stalls, creating the region

@@ -104,8 +104,9 @@ def test_sigint_becomes_keyboard_interrupt_after_a_durable_checkpoint(tmp_path: 
         train_step(model, opt)
         expected = copy.deepcopy(model.state_dict())
         signal.raise_signal(signal.SIGINT)  # no KeyboardInterrupt here: the trap only records it
+        ckpt.step()  # the checkpoint, then the signal, come at the step's consistent point
         with pytest.raises(KeyboardInterrupt):
-            ckpt.step()
+            train_step(model, opt)  # its forward is that point
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         ckpt.close()
@@ -127,8 +128,9 @@ def test_ignored_signal_still_checkpoints_and_training_goes_on(tmp_path: Path) -
             train_step(model, opt)
             os.kill(os.getpid(), signal.SIGUSR2)
             ckpt.step()
+            assert not (tmp_path / "step_000000001").exists()  # at the step's consistent point
+            train_step(model, opt)  # its forward: the point, then training goes on
             assert (tmp_path / "step_000000001" / "manifest.json").exists()
-            train_step(model, opt)
             ckpt.step()
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
     finally:
