@@ -59,7 +59,6 @@ class Pending:
     rng: dict[str, Any] | None = None
     """The generators' states at the decision (the registered ``rng``'s), for a point no loader marks."""
 
-
     @property
     def reason(self) -> str:
         """The events' reason of its checkpoint."""
@@ -130,9 +129,10 @@ class ConsistentPoint:
         if pending is None or pending.step != step:
             rng = None if self._rng is None else self._rng.state_dict()
             pending = self.pending = Pending(step, checkpoint=False, rng=rng)
-        pending.checkpoint = pending.checkpoint or checkpoint
         pending.tiers = (*pending.tiers, *(t for t in tiers if t not in pending.tiers))
-        pending.reasons.append(reason)
+        if checkpoint:
+            pending.checkpoint = True
+            pending.reasons.append(reason)
 
     def take(self) -> Pending | None:
         """What waits for the point, once."""
