@@ -58,7 +58,6 @@ log = logging.getLogger("checkfreq")
 RESERVED_NAMES = frozenset({"rng", "checkfreq"})
 
 
-
 class Checkpointer:
     """Checkpoints the registered training state at iteration granularity and restores it exactly.
 
@@ -196,7 +195,6 @@ class Checkpointer:
                                      list(self._objects.values()))
         self._point = ConsistentPoint(self._objects.values(), PointListener(self))
         self._buckets = BucketLayouts(self._objects, cluster.world_size)
-        self._dropped_warned = False
 
     # ------------------------------------------------------------------ user API
 

@@ -54,8 +54,7 @@ class Scores:
         self._logged: dict[str, float] = {}
         self._logged_step: int | None = None
         self._loss: tuple[int, float] | None = None
-        self._logs = 0  # log() calls of the retention's metric, to tell whether a capture came after the last
-        self._captured: tuple[int, int] | None = None  # (step, self._logs) at the newest capture
+        self._captured: int | None = None  # the step of the newest checkpoint's capture
         self._warned_non_finite = False
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> bool:
@@ -75,24 +74,17 @@ class Scores:
         if step != self._logged_step:
             self._logged, self._logged_step = {}, step
         self._logged.update(numbers_)
-        if self.retention.metric in numbers_:
-            self._logs += 1
-            return True
-        return False
+        return self.retention.metric in numbers_
 
     def stepped(self, step: int, loss: Any) -> None:
         """``step(loss=…)`` at ``step``: the loss scores a checkpoint of that step for the metric ``"loss"``."""
         number = None if loss is None else as_number(loss)
         self._loss = None if number is None else (step, number)
 
-    def holds_log(self, step: int) -> bool:
-        """Whether the newest capture is of ``step`` and came after the last ``log()`` of the metric."""
-        return self._captured == (step, self._logs)
-
     @property
     def captured_step(self) -> int | None:
         """The step of the newest checkpoint's capture (None before the first, or after a restore)."""
-        return None if self._captured is None else self._captured[0]
+        return self._captured
 
     def entry(self, step: int, values: Mapping[str, Any], *, checkpoint: bool = True) -> dict[str, Any] | None:
         """The score a capture at ``step`` takes (None when the retention keeps no best):
@@ -102,7 +94,7 @@ class Scores:
         if best is None:
             return None
         if checkpoint:
-            self._captured = (step, self._logs)
+            self._captured = step
         value = self.value_at(step, values)
         return {"metric": best[0], "mode": best[1], "top": self.retention.top,
                 "value": None if value is None or not math.isfinite(value) else value}
