@@ -15,7 +15,7 @@ Besides the model, each rank registers per-rank plain values: a tensor (``runnin
 
 * ``--die LIFE:RANK:STEP:MODE,...``: in incarnation LIFE (torchrun's ``TORCHELASTIC_RESTART_COUNT``),
   rank RANK SIGKILLs itself after optimizer step STEP: MODE ``step`` once the checkpoint in flight
-  is durable, MODE ``persist`` right after the step started a checkpoint, while it is being written.
+  is durable, MODE ``persist`` right after the checkpoint that step decided is captured, while it is written.
 * ``--stop-at K``: take a blocking checkpoint at step K and exit cleanly (to resume elsewhere).
 * ``--attempt-store``: initialise the default process group on keys of its own for each restart attempt,
   as docs/distributed.md shows for torchrun's static launch form.
@@ -222,6 +222,7 @@ def main() -> None:
                         ckpt.wait()
                     else:
                         assert started, "MODE persist needs a checkpoint step"
+                        ckpt.consistent_point()  # captured now (after the previous persist): its write begins
                     os.kill(os.getpid(), signal.SIGKILL)
                 if ckpt.global_step == args.stop_at:
                     ckpt.save(blocking=True)
