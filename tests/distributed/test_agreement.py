@@ -7,6 +7,7 @@ import json
 import math
 import os
 import queue
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -17,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from checkfreq.errors import CheckfreqError
+from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext
-from checkfreq.ranks.agreement import MAX_VOTE_STEPS, VOTE_SECONDS, AgreedPolicy, vote_steps
+from checkfreq.ranks.agreement import MAX_VOTE_STEPS, VOTE_ACTIVITY, VOTE_SECONDS, AgreedPolicy, vote_steps
 from checkfreq.ranks.collectives import TREE_ARITY, GroupPeers, tree_max
+from checkfreq.ranks.liveness import Liveness
 from helpers import spawn_ranks
 
 STEPS = 120
@@ -194,6 +196,41 @@ def test_a_vote_whose_peer_dies_or_is_silent_is_a_clear_error_on_the_training_th
         process.kill()
     failure = json.loads((tmp_path / "error.json").read_text())
     assert failure["step"] in (4, 5) and "rank 0: the ranks' vote on when to checkpoint" in failure["error"], failure
+
+
+def _frozen_rank(rank: int, store_path: str, out: str) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    liveness = Liveness(dist.PrefixStore("alive", store), rank, 2, timeout=2.0)
+    vote = GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(minutes=5)), liveness, VOTE_ACTIVITY)
+    agreed = AgreedPolicy(Scripted([], 0), vote, timeout=2.0, liveness=liveness)
+    for step in range(1, STEPS + 1):
+        if rank == 1 and step == 4:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a node that vanished: its connections stay open, its heart stops
+        try:
+            agreed.should_save(_ctx(step, math.nan))
+        except CheckfreqError as e:
+            Path(out, "error.tmp").write_text(json.dumps({"step": step, "type": type(e).__name__, "error": str(e)}))
+            Path(out, "error.tmp").rename(Path(out, "error.json"))
+            time.sleep(60)  # a training thread stuck elsewhere: the process must end by itself
+
+
+def test_a_vote_whose_peer_freezes_names_it_on_the_training_thread_and_the_process_ends_by_itself(
+        tmp_path: Path) -> None:
+    """Rank 1 stops (SIGSTOP) before its vote of step 4: rank 0's training thread, waiting for that
+    vote's answer, names rank 1 as lost (not a rank that calls step() less often), and rank 0's
+    process ends with status 1 a failure timeout later, although its training thread sleeps."""
+    context = mp.spawn(_frozen_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False)
+    try:
+        survivor = context.processes[0]
+        survivor.join(timeout=90)
+        assert survivor.exitcode == 1
+    finally:
+        for process in context.processes:
+            process.kill()
+    failure = json.loads((tmp_path / "error.json").read_text())
+    assert failure["type"] == PeerLostError.__name__ and failure["step"] in (4, 5), failure
+    assert "rank 1" in failure["error"] and f"stopped answering during {VOTE_ACTIVITY}" in failure["error"], failure
 
 
 class _Silent(_ThreadPeers):

@@ -46,6 +46,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from elastic_train import read_steps, step_samples
+from fault_train import STACKS_SIGNAL
 from fsdp_memory import read_losses
 from worker_exit import exit_without_teardown
 
@@ -89,6 +90,11 @@ class Job:
     @property
     def text(self) -> str:
         return "".join(f"---- {name}\n{text}" for name, text in self.out.items())
+
+    @property
+    def tails(self) -> str:
+        """The end of every agent's output (a failed assertion's message)."""
+        return "".join(f"---- {name}\n{text[-3000:]}" for name, text in self.out.items())
 
 
 def agent(work: Path, node: int, port: int, nnodes: str, name: str, *args: str,
@@ -142,6 +148,16 @@ def alive(pids: set[int]) -> set[int]:
     return living
 
 
+def print_stacks(pids: set[int]) -> None:
+    """Have hung workers print every thread's stack into their agent's output (fault_train.py)."""
+    for pid in pids:
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)
+
+
 def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False,
             fsdp: bool = False, new_machine: bool = False) -> Job:
     """One job with ``faults`` (fault_train.py's ``--faults``; with ``fsdp``, of ``fsdp_memory.py``),
@@ -177,6 +193,7 @@ def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agen
                     watched.remove((fault, pids))
                 elif time.time() - fault.record["time"] > FAILURE_TIMEOUT_S + 3 * MARGIN_S:
                     watched.remove((fault, pids))  # hung: exited_s stays None
+                    print_stacks(alive(pids))
             time.sleep(0.1)
     finally:
         for proc in agents:  # the workers of a torchrun agent run in sessions of their own
@@ -228,11 +245,11 @@ def assert_survived(job: Job, failure_timeout: float, count: int = 1, *, named: 
     agent may be named by that agent alone: when the survivors' DDP all-reduce fails before any wait
     of checkfreq's on it (always between checkpoints; in a commit's phase when training runs ahead of
     the writer), their agents stop them within a second, before a heartbeat could fall silent."""
-    assert len(job.faults) == count, job.text[-6000:]
+    assert len(job.faults) == count, job.tails
     for fault in job.faults:
         record = fault.record
-        assert fault.exited_s is not None and fault.exited_s < failure_timeout + MARGIN_S, (record, job.text[-6000:])
-        assert fault.restarted_s is not None, (record, job.text[-6000:])
+        assert fault.exited_s is not None and fault.exited_s < failure_timeout + MARGIN_S, (record, job.tails)
+        assert fault.restarted_s is not None, (record, job.tails)
         if not named:
             continue
         host = socket.gethostname()
@@ -242,7 +259,7 @@ def assert_survived(job: Job, failure_timeout: float, count: int = 1, *, named: 
                       for rank, pid in zip(record["ranks"], record["pids"], strict=True)]
         assert any(name in job.text for name in named), (record, job.text[-8000:])
     lost = [1] if any(f.record["what"] != "rank" for f in job.faults) else []  # node 1's first agent
-    assert all(code == 0 for number, code in enumerate(job.codes) if number not in lost), (job.codes, job.text[-6000:])
+    assert all(code == 0 for number, code in enumerate(job.codes) if number not in lost), (job.codes, job.tails)
 
 
 def assert_bit_identical(work: Path, reference: Path) -> None:

@@ -40,6 +40,7 @@ Each rank appends one line per step to ``--step-log`` (``elastic_train.py``'s fo
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import re
@@ -62,10 +63,13 @@ from checkfreq.pipeline import replicas
 from checkfreq.pipeline.snapshot import Snapshotter
 from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies import DecisionContext, Policy
+from checkfreq.ranks.agreement import VOTE_ACTIVITY
 from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.storage.format import checkpoint_name
 from checkfreq.storage.shm import MemoryRegion
 
+STACKS_SIGNAL = signal.SIGUSR1
+"""A worker prints every thread's stack to its output on this signal (tests/distributed/test_faults.py, a hang)."""
 step_now = 0  # the optimizer step the training loop is at (read by the writer and vote threads)
 
 
@@ -158,7 +162,7 @@ def inject(faults: Faults) -> None:
     def exchange(self: GroupPeers) -> None:
         if self.activity == "the restore":
             faults.hit("restore")
-        elif self.activity == "the vote on when to checkpoint":
+        elif self.activity == VOTE_ACTIVITY:
             faults.hit("vote", step_now)
 
     def send_hooked(self: GroupPeers, payload: torch.Tensor, to: int) -> None:
@@ -237,6 +241,7 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     global step_now
     args = parse()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the harness asks a hung worker where it is
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(args.samples), shuffle=True, seed=5, global_batch_size=args.global_batch)
     distributed = "RANK" in os.environ

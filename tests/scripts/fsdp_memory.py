@@ -31,6 +31,7 @@ values) to ``<final>.rank<r>.pt``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import time
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fault_train import Faults, inject_replicas  # beside this script
+from fault_train import STACKS_SIGNAL, Faults, inject_replicas  # beside this script
 from noisy_points import NoisyPoints  # beside this script
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--wait-remote-before", type=int, default=0)
     parser.add_argument("--failure-timeout", type=float, default=30.0)
     args = parser.parse_args()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the harness asks a hung worker where it is
     torch.set_num_threads(1)
     loader = ResumableLoader(NoisyPoints(args.samples), global_batch_size=args.global_batch, shuffle=True, seed=5)
     dist.init_process_group("gloo")

@@ -16,6 +16,7 @@ import concurrent.futures
 import math
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,10 +25,13 @@ import torch
 
 from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Every, Policy
-from checkfreq.ranks.collectives import Peers, tree_max
+from checkfreq.ranks.collectives import POLL_S, Peers, tree_max
+from checkfreq.ranks.liveness import Liveness
 
 VOTE_SECONDS = 0.25
 """Training time between two exchanges of the ranks' answers: how late a checkpoint may come."""
+VOTE_ACTIVITY = "the vote on when to checkpoint"
+"""What the ranks do when they vote, as a lost rank's error says."""
 MAX_VOTE_STEPS = 1000
 """No more steps than this between two exchanges, however short the iterations."""
 
@@ -87,13 +91,17 @@ class AgreedPolicy:
     checkpoints (it could not know that its wish is being granted). A checkpoint thus comes at
     most one exchange period plus one step after a policy asked for it, and never at a step no
     rank asked for. A vote that fails, or brings no answer within ``timeout`` seconds, raises
-    :class:`CheckfreqError` at that step and at every later one.
+    :class:`CheckfreqError` at that step and at every later one. With the ranks' ``liveness``, the
+    training thread watches their heartbeats as it waits for the answer: a rank lost is named
+    (:class:`PeerLostError`, and this process ends a failure timeout later, as after any wait on a
+    lost rank), never mistaken for a rank that calls ``step()`` less often than the others.
     """
 
-    def __init__(self, policy: Policy, peers: Peers, timeout: float) -> None:
+    def __init__(self, policy: Policy, peers: Peers, timeout: float, liveness: Liveness | None = None) -> None:
         self.policy = policy
         self._peers = peers
         self._timeout = timeout
+        self._liveness = liveness
         self._calls = 0
         self._next_vote = 1
         self._wanted = False
@@ -125,7 +133,7 @@ class AgreedPolicy:
             return False
         pending, self._pending = self._pending, None
         try:
-            agreed = Vote.from_tensor(pending.result(timeout=self._timeout))
+            agreed = Vote.from_tensor(self._answer(pending))
         except concurrent.futures.TimeoutError:
             self._failure = CheckfreqError(
                 f"rank {self._peers.rank}: the ranks' vote on when to checkpoint brought no answer within "
@@ -143,6 +151,22 @@ class AgreedPolicy:
             raise self._failure from e
         self._next_vote = self._calls - 1 + agreed.steps
         return agreed.wanted
+
+    def _answer(self, pending: Future[torch.Tensor]) -> torch.Tensor:
+        """The vote's answer, waited for ``timeout`` seconds; with a liveness, until a rank is found
+        lost (:class:`PeerLostError`), or two heartbeats longer if none is: a rank silent for the
+        timeout is then named before the wait ends."""
+        liveness = self._liveness
+        if liveness is None:
+            return pending.result(timeout=self._timeout)
+        deadline = time.monotonic() + self._timeout + 2 * liveness.interval
+        while True:
+            try:
+                return pending.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                liveness.check(range(liveness.size), VOTE_ACTIVITY)
+                if time.monotonic() > deadline:
+                    raise
 
     def close(self) -> None:
         """Finish the vote in flight (every rank has started the same ones) and stop the vote thread."""

@@ -40,7 +40,7 @@ import xxhash
 from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks import replicas
-from checkfreq.ranks.agreement import AgreedPolicy, needs_agreement
+from checkfreq.ranks.agreement import VOTE_ACTIVITY, AgreedPolicy, needs_agreement
 from checkfreq.ranks.collectives import GroupPeers, Peers, broadcast_message, collect_errors
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
@@ -78,7 +78,7 @@ _JOIN_WARNING_S = 30.0
 ACTIVITIES = {
     "control": "the start-up or a restore",
     "commit": "a commit",
-    "vote": "the vote on when to checkpoint",
+    "vote": VOTE_ACTIVITY,
     "upload": "an upload to the remote tier",
 }
 """What the ranks do on each of checkfreq's groups, as a lost rank's error says (a commit and an upload
@@ -171,7 +171,7 @@ class GroupCluster:
         """Every rank writes a share (even alone): its data file holds per-rank names and an index."""
         self.others_wait = self.world_size > 1
         """Other ranks wait on this one (a 1-rank job has none to tell when it leaves)."""
-        self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout)
+        self._decider = None if self.vote is None else AgreedPolicy(policy, self.vote, timeout, self.liveness)
         self.decide: Callable[[DecisionContext], bool] = (
             policy.should_save if self._decider is None else self._decider.should_save
         )
