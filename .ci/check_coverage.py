@@ -43,8 +43,11 @@ def is_test_file(name: str) -> bool:
 def linted_files(paths: list[str]) -> set[str]:
     """The files ``ruff check PATH...`` checks, relative to the root (ruff prints absolute paths)."""
     out = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--show-files", *paths], cwd=ROOT, check=True,
-        capture_output=True, text=True,
+        [sys.executable, "-m", "ruff", "check", "--show-files", *paths],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return {Path(line).resolve().relative_to(ROOT).as_posix() for line in out.splitlines() if line.strip()}
 
@@ -83,19 +86,25 @@ def main(lint_paths: list[str]) -> int:
     tracked = tracked_python_files()
     problems = []
     if unlinted := sorted(tracked - linted_files(lint_paths)):
-        problems.append(f"ruff check {' '.join(lint_paths)} does not check these tracked files (an excluded "
-                        f"folder name such as dist or build?): {', '.join(unlinted)}")
+        problems.append(
+            f"ruff check {' '.join(lint_paths)} does not check these tracked files (an excluded "
+            f"folder name such as dist or build?): {', '.join(unlinted)}"
+        )
     modules, errors = collected_modules()
     if errors:
         problems.append("pytest cannot collect the tests:\n" + "\n".join(errors))
     if uncollected := sorted(name for name in tracked if is_test_file(name) and name not in modules):
-        problems.append(f"pytest does not collect these tracked test files (a folder name in norecursedirs such "
-                        f"as dist or build?): {', '.join(uncollected)}")
+        problems.append(
+            f"pytest does not collect these tracked test files (a folder name in norecursedirs such "
+            f"as dist or build?): {', '.join(uncollected)}"
+        )
     for problem in problems:
         print(f"check_coverage: {problem}", file=sys.stderr)
     if not problems:
-        print(f"check_coverage: ruff checks all {len(tracked)} tracked Python files; pytest collects all "
-              f"{sum(map(is_test_file, tracked))} tracked test files")
+        print(
+            f"check_coverage: ruff checks all {len(tracked)} tracked Python files; pytest collects all "
+            f"{sum(map(is_test_file, tracked))} tracked test files"
+        )
     return 1 if problems else 0
 
 

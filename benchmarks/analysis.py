@@ -69,27 +69,43 @@ def state_targets(result: dict[str, Any], memory: dict[str, float] | None) -> li
     stall = field(result, CHECKFREQ, "stall")
     targets = [
         Target("stall / raw copy_", per_round(stall, field(result, RAW_COPY, "stall")), 1.3, False),
-        Target("torch.save+fsync stall / checkfreq stall",
-               per_round(field(result, TORCH_SAVE, "stall"), stall), 10, True),
+        Target(
+            "torch.save+fsync stall / checkfreq stall", per_round(field(result, TORCH_SAVE, "stall"), stall), 10, True
+        ),
     ]
     best = dcp_async_best(result)
     if best:
-        targets.append(Target(f"{best} stall / checkfreq stall",
-                              per_round(field(result, best, "stall"), stall), 2, True))
-    targets.append(Target("write bandwidth / raw write+fsync",
-                          per_round(bandwidth(result, CHECKFREQ), bandwidth(result, RAW_WRITE)), 0.9, True))
+        targets.append(
+            Target(f"{best} stall / checkfreq stall", per_round(field(result, best, "stall"), stall), 2, True)
+        )
+    targets.append(
+        Target(
+            "write bandwidth / raw write+fsync",
+            per_round(bandwidth(result, CHECKFREQ), bandwidth(result, RAW_WRITE)),
+            0.9,
+            True,
+        )
+    )
     for cache in ("hot", "cold"):
         if RESTORE[cache] not in result["samples"]:
             continue
-        targets.append(Target(f"restore / raw read ({cache} cache), bandwidth",
-                              per_round(field(result, RAW_READ[cache], "stall"),
-                                        field(result, RESTORE[cache], "stall")),
-                              0.8, True))
+        targets.append(
+            Target(
+                f"restore / raw read ({cache} cache), bandwidth",
+                per_round(field(result, RAW_READ[cache], "stall"), field(result, RESTORE[cache], "stall")),
+                0.8,
+                True,
+            )
+        )
     if memory:
-        targets.append(Target("peak extra RSS (save) / state size",
-                              [memory["save_peak_extra"] / memory["nbytes"]], 1.1, False))
-        targets.append(Target("peak extra RSS (restore) / state size",
-                              [memory["restore_peak_extra"] / memory["nbytes"]], 1.1, False))
+        targets.append(
+            Target("peak extra RSS (save) / state size", [memory["save_peak_extra"] / memory["nbytes"]], 1.1, False)
+        )
+        targets.append(
+            Target(
+                "peak extra RSS (restore) / state size", [memory["restore_peak_extra"] / memory["nbytes"]], 1.1, False
+            )
+        )
     return targets
 
 

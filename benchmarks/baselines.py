@@ -144,8 +144,11 @@ class DcpAsyncThread(_Dcp):
 
 def dcp_stager(cuda: bool, async_staging: bool) -> DefaultStager:
     """A ``DefaultStager`` as DCP's docs set it up for ``async_save``: pinned, non-blocking copies on CUDA."""
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=async_staging, use_non_blocking_copy=cuda))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=async_staging, use_non_blocking_copy=cuda
+        )
+    )
 
 
 class DcpAsyncProcess(_Dcp):

@@ -112,8 +112,21 @@ def main() -> None:
     if args.worker:
         _worker(args.steps, args.pairs, args.policy)
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-               __file__, "--worker", "--steps", str(args.steps), "--pairs", str(args.pairs), "--policy", args.policy]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        __file__,
+        "--worker",
+        "--steps",
+        str(args.steps),
+        "--pairs",
+        str(args.pairs),
+        "--policy",
+        args.policy,
+    ]
     subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 

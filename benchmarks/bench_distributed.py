@@ -74,9 +74,18 @@ def worker(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values())
     ckpt = Checkpointer(root / "checkfreq", policy=10**9, keep=1, rng=False, model=model, optimizer=optimizer)
-    tiered = None if args.remote is None else Checkpointer(
-        root / "checkfreq-local" / f"rank{rank}", remote=Path(args.remote), policy=10**9, keep=1, rng=False,
-        model=model, optimizer=optimizer,
+    tiered = (
+        None
+        if args.remote is None
+        else Checkpointer(
+            root / "checkfreq-local" / f"rank{rank}",
+            remote=Path(args.remote),
+            policy=10**9,
+            keep=1,
+            rng=False,
+            model=model,
+            optimizer=optimizer,
+        )
     )
     methods = METHODS if tiered is None else (*METHODS, REMOTE)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -127,7 +136,9 @@ def worker(args: argparse.Namespace) -> None:
                 shutil.rmtree(path)
 
     restore: dict[str, list[float]] = {
-        "read every file": [], "read own file + gloo broadcast": [], "whole restore()": []
+        "read every file": [],
+        "read own file + gloo broadcast": [],
+        "whole restore()": [],
     }
     newest = max((root / "checkfreq").glob("step_*"))
     group = dist.new_group(backend="gloo")
@@ -158,22 +169,36 @@ def worker(args: argparse.Namespace) -> None:
     per_rank = [None] * world
     dist.all_gather_object(per_rank, {"rank": rank, "results": results})
     if rank == 0:
-        print("RESULT " + json.dumps({"world": world, "bytes": nbytes, "ranks": per_rank, "restore": restore}),
-              flush=True)
+        print(
+            "RESULT " + json.dumps({"world": world, "bytes": nbytes, "ranks": per_rank, "restore": restore}), flush=True
+        )
     dist.destroy_process_group()
 
 
 def launch(world: int, mb: int, rounds: int, directory: Path, remote: Path | None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, "--worker", "--mb", str(mb), "--rounds", str(rounds), "--dir", str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        __file__,
+        "--worker",
+        "--mb",
+        str(mb),
+        "--rounds",
+        str(rounds),
+        "--dir",
+        str(directory),
+    ]
     if remote is not None:
         command += ["--remote", str(remote)]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"world size {world} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[0][len("RESULT "):])
+    return json.loads(lines[0][len("RESULT ") :])
 
 
 def summary(values: list[float]) -> str:
@@ -194,8 +219,10 @@ def report(runs: list[dict]) -> None:
             print(f"  {method:16} {summary(stalls):36} {summary(durable):30} {gb / statistics.median(durable):6.2f}")
         if REMOTE in methods:
             remote = run["ranks"][0]["results"][REMOTE]["remote"]
-            print(f"  {'  remote tier':16} {'(wait(remote=True), slowest rank)':36} {summary(remote):30} "
-                  f"{gb / statistics.median(remote):6.2f}")
+            print(
+                f"  {'  remote tier':16} {'(wait(remote=True), slowest rank)':36} {summary(remote):30} "
+                f"{gb / statistics.median(remote):6.2f}"
+            )
         for way, values in run["restore"].items():
             print(f"  restore, {way:32} {summary(values)}")
     print("\nratios (median / checkfreq median, same world size):")
@@ -203,8 +230,9 @@ def report(runs: list[dict]) -> None:
         base_stall, base_durable = medians[(world, "checkfreq")]
         for method in [m for m in (*METHODS[1:], REMOTE) if (world, m) in medians]:
             stall, durable = medians[(world, method)]
-            print(f"  world {world} {method:16} stall x{stall / base_stall:5.1f}   "
-                  f"durable x{durable / base_durable:5.2f}")
+            print(
+                f"  world {world} {method:16} stall x{stall / base_stall:5.1f}   durable x{durable / base_durable:5.2f}"
+            )
     if {(1, "checkfreq"), (2, "checkfreq")} <= medians.keys():
         for method in METHODS:
             print(f"  {method:16} durable world 2 / world 1: x{medians[(2, method)][1] / medians[(1, method)][1]:.2f}")

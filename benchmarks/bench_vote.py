@@ -36,8 +36,9 @@ def _rank(rank: int, world: int, store_path: str, repeats: int, out: str) -> Non
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     ring = dist.new_group(backend="gloo")
-    tree = GroupPeers(gloo_group_on_store(dist.PrefixStore("bench_vote", default_store()), timedelta(seconds=60),
-                                          "bench:vote"))
+    tree = GroupPeers(
+        gloo_group_on_store(dist.PrefixStore("bench_vote", default_store()), timedelta(seconds=60), "bench:vote")
+    )
     value = torch.tensor([rank % 2, -rank - 1], dtype=torch.int64)
     exchanges = {
         "ring": lambda: dist.all_reduce(value.clone(), op=dist.ReduceOp.MAX, group=ring, async_op=True).wait(),
@@ -45,7 +46,7 @@ def _rank(rank: int, world: int, store_path: str, repeats: int, out: str) -> Non
     }
     times: dict[str, list[float]] = {name: [] for name in exchanges}
     for i in range(repeats + 5):  # the first 5 of each connect and warm up
-        for name, exchange in (exchanges.items() if i % 2 else reversed(exchanges.items())):
+        for name, exchange in exchanges.items() if i % 2 else reversed(exchanges.items()):
             dist.barrier()
             start = time.perf_counter()
             exchange()

@@ -219,8 +219,17 @@ def draw(deck: list[str], rng: random.Random, memory: bool) -> str:
     return deck.pop()
 
 
-def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, results: Results, rng: random.Random,
-            deck: list[str], kills_per_run: int, compute_span: float) -> None:
+def one_run(
+    workdir: Path,
+    index: int,
+    base: list[str],
+    reference: Attempt,
+    results: Results,
+    rng: random.Random,
+    deck: list[str],
+    kills_per_run: int,
+    compute_span: float,
+) -> None:
     """Train one run to the end through up to ``kills_per_run`` kills."""
     directory, log = workdir / f"run{index:03d}", workdir / f"run{index:03d}.log"
     args = [*base, "--dir", str(directory)]
@@ -258,8 +267,10 @@ def one_run(workdir: Path, index: int, base: list[str], reference: Attempt, resu
             results.restores_from_memory += _restored_from_memory(directory)
             if a.restored != newest_complete:
                 results.restores_not_newest += 1
-                results.problems.append(f"run {index}: restored step {a.restored}, the newest complete state was "
-                                        f"step {newest_complete}; see {log}")
+                results.problems.append(
+                    f"run {index}: restored step {a.restored}, the newest complete state was "
+                    f"step {newest_complete}; see {log}"
+                )
         if a.killed:
             kills += 1
             results.kills += 1
@@ -291,8 +302,9 @@ def _restored_from_memory(directory: Path) -> bool:
 def warm_up(base: list[str], workdir: Path) -> None:
     """Train once in this process, so that every forked job starts with torch's lazy setup done."""
     with open(os.devnull, "wb") as sink:
-        chaos_train.run(chaos_train.parse([*base, "--dir", str(workdir / "warm-up"),
-                                           "--progress-fd", str(sink.fileno())]))
+        chaos_train.run(
+            chaos_train.parse([*base, "--dir", str(workdir / "warm-up"), "--progress-fd", str(sink.fileno())])
+        )
     threads = len(os.listdir("/proc/self/task")) if Path("/proc/self/task").exists() else 1
     if threads != 1:
         print(f"warning: {threads} threads before forking; forked jobs may inherit a held lock", file=sys.stderr)
@@ -324,24 +336,42 @@ def table(doc: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v}" for k, v in doc["kills_by_phase"].items())
     rows = [
         ("SIGKILLs", f"{doc['kills']} ({phases})", "≥ 200"),
-        ("restarts that resumed", f"{doc['restores_from_checkpoint']} from a checkpoint + "
-         f"{doc['fresh_starts_after_kill']} from scratch (killed before the first commit); "
-         f"{doc['kills_during_startup']} of the restarts were themselves killed while cleaning up", "all"),
+        (
+            "restarts that resumed",
+            f"{doc['restores_from_checkpoint']} from a checkpoint + "
+            f"{doc['fresh_starts_after_kill']} from scratch (killed before the first commit); "
+            f"{doc['kills_during_startup']} of the restarts were themselves killed while cleaning up",
+            "all",
+        ),
         ("unrestorable states", str(doc["unrestorable"]), "0"),
-        ("broken checkpoints visible after a kill", f"{doc['visible_checkpoints_corrupt']} of "
-         f"{doc['visible_checkpoints_verified'] + doc['visible_checkpoints_corrupt']} read back", "0"),
+        (
+            "broken checkpoints visible after a kill",
+            f"{doc['visible_checkpoints_corrupt']} of "
+            f"{doc['visible_checkpoints_verified'] + doc['visible_checkpoints_corrupt']} read back",
+            "0",
+        ),
         ("runs bit-identical to the uninterrupted run", f"{doc['runs_bit_identical']} of {doc['runs']}", "all"),
         ("hung processes", str(doc["hangs"]), "0"),
-        ("work lost per kill (optimizer steps)", f"max {doc['max_lost_steps']}, mean {doc['mean_lost_steps']:.1f}",
-         f"≤ {doc['lost_bound_steps']} (one interval + one checkpoint in flight)"),
-        ("campaign", f"{doc['runs']} runs of {doc['steps_per_run']} steps, checkpoint every "
-         f"{doc['interval']} steps, {doc['seconds']:.0f} s", ""),
+        (
+            "work lost per kill (optimizer steps)",
+            f"max {doc['max_lost_steps']}, mean {doc['mean_lost_steps']:.1f}",
+            f"≤ {doc['lost_bound_steps']} (one interval + one checkpoint in flight)",
+        ),
+        (
+            "campaign",
+            f"{doc['runs']} runs of {doc['steps_per_run']} steps, checkpoint every "
+            f"{doc['interval']} steps, {doc['seconds']:.0f} s",
+            "",
+        ),
     ]
     if doc["memory"]:
         rows[-1:-1] = [
-            ("restarts that restored the newest complete state of any tier",
-             f"{doc['restarts'] - doc['restores_not_newest']} of {doc['restarts']} "
-             f"({doc['restores_from_memory']} from the memory tier)", "all"),
+            (
+                "restarts that restored the newest complete state of any tier",
+                f"{doc['restarts'] - doc['restores_not_newest']} of {doc['restarts']} "
+                f"({doc['restores_from_memory']} from the memory tier)",
+                "all",
+            ),
         ]
         rows[-1] = (rows[-1][0], rows[-1][1] + f", memory snapshot every {doc['memory']} step(s)", "")
     lines = ["| measure | result | goal |", "| --- | --- | --- |"]
@@ -390,8 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_report:
         command = " ".join(["python benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])])
         write_report(doc, args.report, command)
-    ok = not (results.unrestorable or results.visible_checkpoints_corrupt or results.runs_different or results.hangs
-              or results.runs_failed or results.max_lost > 2 * results.interval or results.restores_not_newest)
+    ok = not (
+        results.unrestorable
+        or results.visible_checkpoints_corrupt
+        or results.runs_different
+        or results.hangs
+        or results.runs_failed
+        or results.max_lost > 2 * results.interval
+        or results.restores_not_newest
+    )
     return 0 if ok else 1
 
 

@@ -17,8 +17,9 @@ def shared_checkpointer(state: State, workdir: Path) -> cf.Checkpointer:
     """One Checkpointer (and one host buffer) per state, shared by the save and restore methods."""
     ckpt = getattr(state, "_checkpointer", None)
     if ckpt is None:
-        ckpt = cf.Checkpointer(workdir / "checkfreq", model=state.model, optimizer=state.optimizer,
-                               policy=NEVER, keep=10**9)
+        ckpt = cf.Checkpointer(
+            workdir / "checkfreq", model=state.model, optimizer=state.optimizer, policy=NEVER, keep=10**9
+        )
         state._checkpointer = ckpt  # type: ignore[attr-defined]
     return ckpt
 

@@ -33,11 +33,29 @@ DIE, SHRUNK_UNTIL = 45, 90  # killed after step 45 (restored at 40); at 2 ranks 
 
 
 def run(work: Path, nproc: int, log: str, *extra: str, check: bool = True) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT / "src")]))}
-    args = ["--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"), "--step-log", str(work / log),
-            "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS),
-            "--every", str(EVERY), *extra]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT / "src")])),
+    }
+    args = [
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--final",
+        str(work / "final.pt"),
+        "--step-log",
+        str(work / log),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--every",
+        str(EVERY),
+        *extra,
+    ]
     done = subprocess.run(command(nproc, *args), env=env, capture_output=True, text=True, timeout=600)
     if check and done.returncode:
         raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
@@ -59,9 +77,11 @@ def main() -> None:
         for name in ("uninterrupted", "global", "per_rank"):
             (base / name).mkdir()
         run(base / "uninterrupted", 4, "a.log")
-        curves = {"uninterrupted": read_steps(base / "uninterrupted" / "a.log"),
-                  "global": resized(base / "global", micro=("--micro", "8")),
-                  "per_rank": resized(base / "per_rank", "--batch-size", "8")}
+        curves = {
+            "uninterrupted": read_steps(base / "uninterrupted" / "a.log"),
+            "global": resized(base / "global", micro=("--micro", "8")),
+            "per_rank": resized(base / "per_rank", "--batch-size", "8"),
+        }
     reference = curves["uninterrupted"]
     same = step_samples(curves["global"]) == step_samples(reference)
     print(f"global_batch_size: the same samples at every one of {len(reference)} steps: {same}")
@@ -79,14 +99,23 @@ def plot(curves: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"uninterrupted": ("uninterrupted, 4 ranks", "black", "-", 3.0),
-              "global": ("resized, global_batch_size=32", "tab:orange", "--", 1.5),
-              "per_rank": ("resized, batch_size=8 per rank", "tab:blue", ":", 1.2)}
+    styles = {
+        "uninterrupted": ("uninterrupted, 4 ranks", "black", "-", 3.0),
+        "global": ("resized, global_batch_size=32", "tab:orange", "--", 1.5),
+        "per_rank": ("resized, batch_size=8 per rank", "tab:blue", ":", 1.2),
+    }
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(3, 2))
     for ax in (top, bottom):
         ax.axvspan(DIE - DIE % EVERY, SHRUNK_UNTIL, color="0.92")
-    top.text((DIE - DIE % EVERY + SHRUNK_UNTIL) / 2, 0.97, "2 ranks", ha="center", va="top",
-             transform=top.get_xaxis_transform(), fontsize=9)
+    top.text(
+        (DIE - DIE % EVERY + SHRUNK_UNTIL) / 2,
+        0.97,
+        "2 ranks",
+        ha="center",
+        va="top",
+        transform=top.get_xaxis_transform(),
+        fontsize=9,
+    )
     reference = curves["uninterrupted"]
     for name, steps in curves.items():
         label, color, style, width = styles[name]

@@ -147,6 +147,7 @@ def checkfreq_mode(**options: Any) -> Callable[[Trainer, Path], tuple[Hooks, cf.
     def start(trainer: Trainer, directory: Path) -> tuple[Hooks, cf.Checkpointer]:
         ckpt = cf.Checkpointer(directory, model=trainer.model, optimizer=trainer.optimizer, keep=1, **options)
         return (lambda: ckpt.step(), ckpt.wait), ckpt
+
     return start
 
 
@@ -187,8 +188,9 @@ class DcpEvery:
         state = {"model": self.trainer.model.state_dict(), "optimizer": self.trainer.optimizer.state_dict()}
         self._stager = dcp_stager(self.trainer.device.type == "cuda", async_staging=False)
         self._path = self.directory / f"step_{self.steps}"
-        self._pending = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(self._path),
-                                       async_stager=self._stager, no_dist=True)
+        self._pending = dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(self._path), async_stager=self._stager, no_dist=True
+        )
         self.stalls.append(time.perf_counter() - start)
 
     def _finish(self) -> None:
@@ -239,8 +241,11 @@ def run_mode(name: str, trainer: Trainer, workdir: Path, steps: int, warmup: int
         times.end(timed=i >= warmup)
     start = time.perf_counter()
     end()
-    result: dict[str, Any] = {"step_s": times.seconds(), "end_s": time.perf_counter() - start,
-                              "steps_total": warmup + steps}
+    result: dict[str, Any] = {
+        "step_s": times.seconds(),
+        "end_s": time.perf_counter() - start,
+        "steps_total": warmup + steps,
+    }
     if dcp_mode is not None:
         result.update(stall_s=dcp_mode.stalls, wait_previous_s=dcp_mode.waits, failed=dcp_mode.failed)
     if ckpt is not None:
@@ -305,16 +310,28 @@ def restores(ckpt: cf.Checkpointer, directory: Path, disk: bool) -> dict[str, fl
 
 def summarise(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts and mean seconds of the events that say what checkpointing cost."""
+
     def mean(kind: str, key: str, **match: Any) -> dict[str, float]:
-        values = [e[key] for e in events if e["event"] == kind and all(e.get(k) == v for k, v in match.items())
-                  and e.get(key) is not None]
-        return {"n": len(values), "mean": statistics.fmean(values) if values else math.nan,
-                "max": max(values, default=math.nan)}
+        values = [
+            e[key]
+            for e in events
+            if e["event"] == kind and all(e.get(k) == v for k, v in match.items()) and e.get(key) is not None
+        ]
+        return {
+            "n": len(values),
+            "mean": statistics.fmean(values) if values else math.nan,
+            "max": max(values, default=math.nan),
+        }
+
     return {
-        "snapshot stall_s": mean("snapshot", "stall_s"), "fence wait_s": mean("fence", "wait_s"),
-        "memory stall_s": mean("memory", "stall_s"), "gpu_wait s": mean("gpu_wait", "wait_s"),
-        "busy wait_s": mean("busy", "wait_s"), "persist_s": mean("commit", "persist_s"),
-        "bandwidth GB/s": mean("commit", "bandwidth_gbps"), "restore_s": mean("restore", "restore_s"),
+        "snapshot stall_s": mean("snapshot", "stall_s"),
+        "fence wait_s": mean("fence", "wait_s"),
+        "memory stall_s": mean("memory", "stall_s"),
+        "gpu_wait s": mean("gpu_wait", "wait_s"),
+        "busy wait_s": mean("busy", "wait_s"),
+        "persist_s": mean("commit", "persist_s"),
+        "bandwidth GB/s": mean("commit", "bandwidth_gbps"),
+        "restore_s": mean("restore", "restore_s"),
         "stall total_s": sum(e.get(key) or 0.0 for e in events for kind, key in STALLS if e["event"] == kind),
     }
 
@@ -376,8 +393,11 @@ def shm_limits(n: int, src: torch.Tensor, timed: Callable[[str, Callable[[], Non
     shm = Path(os.environ.get("CHECKFREQ_SHM_DIR") or "/dev/shm") / f"checkfreq-bench-{os.getpid()}"
     stats = os.statvfs(shm.parent)
     if stats.f_bavail * stats.f_frsize < 2 * n:
-        print(f"skipping the /dev/shm limits: {stats.f_bavail * stats.f_frsize / 1e9:.1f} GB free there, "
-              f"{2 * n / 1e9:.1f} GB wanted", flush=True)
+        print(
+            f"skipping the /dev/shm limits: {stats.f_bavail * stats.f_frsize / 1e9:.1f} GB free there, "
+            f"{2 * n / 1e9:.1f} GB wanted",
+            flush=True,
+        )
         return
     try:
         with open(shm, "w+b") as f:
@@ -431,26 +451,40 @@ def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- report
 
+
 def report(doc: dict[str, Any]) -> str:
     """The modes as a Markdown table (step times relative to ``none``), then the limits."""
     none = statistics.fmean(doc["modes"]["none"]["step_s"])
-    lines = [f"{doc['device']}, {doc['parameters'] / 1e6:.1f}M parameters, {doc['state_bytes'] / 1e9:.2f} GB of state, "
-             f"{doc['optimizer']} AdamW, {doc['steps']} steps a mode after {doc['warmup']} warm-up steps; a step is "
-             "timed on the training stream", "",
-             "| mode | mean step | vs none | stall the events saw per step | snapshot stall | fence wait | GPU wait | "
-             "busy wait | persist | restore from memory | restore from disk |", "|" + " --- |" * 11]
+    lines = [
+        f"{doc['device']}, {doc['parameters'] / 1e6:.1f}M parameters, {doc['state_bytes'] / 1e9:.2f} GB of state, "
+        f"{doc['optimizer']} AdamW, {doc['steps']} steps a mode after {doc['warmup']} warm-up steps; a step is "
+        "timed on the training stream",
+        "",
+        "| mode | mean step | vs none | stall the events saw per step | snapshot stall | fence wait | GPU wait | "
+        "busy wait | persist | restore from memory | restore from disk |",
+        "|" + " --- |" * 11,
+    ]
     for name, mode in doc["modes"].items():
         if "error" in mode:
             lines.append(f"| {name} | failed: {mode['error']} |" + " |" * 9)
             continue
         step = statistics.fmean(mode["step_s"])
         ev = mode.get("events", {})
-        cells = [_ms(ev, "snapshot stall_s") if "memory" not in name else _ms(ev, "memory stall_s"),
-                 _ms(ev, "fence wait_s"), _ms(ev, "gpu_wait s"), _ms(ev, "busy wait_s"), _s(ev, "persist_s")]
+        cells = [
+            _ms(ev, "snapshot stall_s") if "memory" not in name else _ms(ev, "memory stall_s"),
+            _ms(ev, "fence wait_s"),
+            _ms(ev, "gpu_wait s"),
+            _ms(ev, "busy wait_s"),
+            _s(ev, "persist_s"),
+        ]
         if name.startswith("DCP"):
-            cells = [f"{statistics.fmean(mode['stall_s']) * 1e3:.0f} ms" if mode["stall_s"] else "–",
-                     "–", "–", f"{statistics.fmean(mode['wait_previous_s']):.2f} s" if mode["wait_previous_s"] else "–",
-                     "–"]
+            cells = [
+                f"{statistics.fmean(mode['stall_s']) * 1e3:.0f} ms" if mode["stall_s"] else "–",
+                "–",
+                "–",
+                f"{statistics.fmean(mode['wait_previous_s']):.2f} s" if mode["wait_previous_s"] else "–",
+                "–",
+            ]
         restore = mode.get("restore", {})
         cells += [_sec(restore.get("memory_s")), _sec(restore.get("disk_s"))]
         ratio = "failed: " + mode["failed"] if mode.get("failed") else f"{step / none:.3f}×"
@@ -462,9 +496,12 @@ def report(doc: dict[str, Any]) -> str:
     lines += ["", f"| limit ({doc['limit_bytes'] / 1e9:.2f} GB copied) | GB/s |", "| --- | --- |"]
     lines += [f"| {k[:-5]} | {v:.2f} |" for k, v in doc["limits"].items()]
     tier, pinned = doc["tier"]["memory tier copy GB/s"], doc["limits"]["D2H pinned copy_ GB/s"]
-    lines += ["", f"memory tier copy of the whole state: {tier:.2f} GB/s, {tier / pinned:.2f}× the pinned "
-                  f"device→host copy (target ≥ 0.8); its first snapshot (region created and pinned): "
-                  f"{doc['tier']['memory tier first snapshot s']:.2f} s"]
+    lines += [
+        "",
+        f"memory tier copy of the whole state: {tier:.2f} GB/s, {tier / pinned:.2f}× the pinned "
+        f"device→host copy (target ≥ 0.8); its first snapshot (region created and pinned): "
+        f"{doc['tier']['memory tier first snapshot s']:.2f} s",
+    ]
     return "\n".join(lines)
 
 
@@ -486,8 +523,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a toy model (seconds, for CI and a CPU): --size tiny")
     p.add_argument("--size", choices=list(SIZES), default="full", help="full: 1.04B parameters; small: 4 layers")
-    p.add_argument("--optimizer", choices=["fused", "adamw"], default="fused",
-                   help="fused AdamW, or torch's default AdamW (its step counters are CPU tensors)")
+    p.add_argument(
+        "--optimizer",
+        choices=["fused", "adamw"],
+        default="fused",
+        help="fused AdamW, or torch's default AdamW (its step counters are CPU tensors)",
+    )
     p.add_argument("--no-limits", action="store_true", help="skip the hardware limits and the tier copy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=40, help="timed steps per mode")
@@ -508,8 +549,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         workdir = Path(tmp)
         doc: dict[str, Any] = {
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-            "torch": torch.__version__, "parameters": trainer.parameters, "state_bytes": trainer.state_bytes(),
-            "steps": args.steps, "warmup": args.warmup, "modes": {},
+            "torch": torch.__version__,
+            "parameters": trainer.parameters,
+            "state_bytes": trainer.state_bytes(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "modes": {},
             "optimizer": "fused" if args.optimizer == "fused" and device.type == "cuda" else "non-fused",
         }
         if not args.no_limits:
@@ -525,9 +570,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             mode = doc["modes"][name]
             if "step_s" in mode:
                 seen = events_stall_per_step(mode)
-                print(f"{name}: mean step on the training stream {statistics.fmean(mode['step_s']) * 1e3:.1f} ms; "
-                      f"stall the events saw per step "
-                      f"{'–' if seen is None else f'{seen * 1e3:.1f} ms'}", flush=True)
+                print(
+                    f"{name}: mean step on the training stream {statistics.fmean(mode['step_s']) * 1e3:.1f} ms; "
+                    f"stall the events saw per step "
+                    f"{'–' if seen is None else f'{seen * 1e3:.1f} ms'}",
+                    flush=True,
+                )
             if args.json is not None:  # after every mode: a run cut short keeps what it measured
                 args.json.write_text(json.dumps(doc, indent=1, default=str))
     text = report(doc)

@@ -51,8 +51,9 @@ class CheckfreqGpuSave(Method):
 
     def setup(self, state: State, workdir: Path) -> None:
         self._state = state
-        self._ckpt = cf.Checkpointer(workdir / "gpu", model=state.model, optimizer=state.optimizer,
-                                     policy=NEVER, keep=10**9)
+        self._ckpt = cf.Checkpointer(
+            workdir / "gpu", model=state.model, optimizer=state.optimizer, policy=NEVER, keep=10**9
+        )
 
     def run(self) -> Sample:
         self._state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
@@ -80,15 +81,20 @@ def bench_gpu(megabytes: float, repeats: int) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device in this environment"}
     state = build_state(megabytes, device="cuda")
-    methods: list[Method] = [PinnedCopy(), CheckfreqGpuSave(), TorchSave(),
-                             DcpAsyncThread(async_staging=False, fresh_stager=True),
-                             DcpAsyncThread(async_staging=True, fresh_stager=True)]
+    methods: list[Method] = [
+        PinnedCopy(),
+        CheckfreqGpuSave(),
+        TorchSave(),
+        DcpAsyncThread(async_staging=False, fresh_stager=True),
+        DcpAsyncThread(async_staging=True, fresh_stager=True),
+    ]
     result = {"nbytes": state.nbytes, "device": torch.cuda.get_device_name(), **interleave(methods, state, repeats)}
     pinned = an.field(result, PINNED, "stall")
     stall = an.field(result, SNAPSHOT, "stall")
     ratios = {
-        "snapshot D2H bandwidth ÷ pinned copy_ bandwidth (target ≥ 0.8)":
-            an.per_round(pinned, an.field(result, SNAPSHOT, "write")),
+        "snapshot D2H bandwidth ÷ pinned copy_ bandwidth (target ≥ 0.8)": an.per_round(
+            pinned, an.field(result, SNAPSHOT, "write")
+        ),
         "torch.save+fsync stall ÷ checkfreq stall": an.per_round(an.field(result, TorchSave.name, "stall"), stall),
     }
     best = an.dcp_async_best(result)
@@ -97,5 +103,10 @@ def bench_gpu(megabytes: float, repeats: int) -> dict[str, Any]:
     times = {f"{name}: stall": an.field(result, name, "stall") for name in result["samples"]}
     times[f"{SNAPSHOT}: device→host copy done"] = an.field(result, SNAPSHOT, "write")
     times[f"{SNAPSHOT}: durable"] = an.field(result, SNAPSHOT, "durable")
-    return {"device": result["device"], "nbytes": state.nbytes, "seconds": times, "ratios": ratios,
-            "errors": result["errors"]}
+    return {
+        "device": result["device"],
+        "nbytes": state.nbytes,
+        "seconds": times,
+        "ratios": ratios,
+        "errors": result["errors"],
+    }

@@ -53,8 +53,9 @@ def worker(directory: str, mb: float, steps: int, restore: bool, replicas: int) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.ones_like(p) * 1e-3
-    ckpt = cf.Checkpointer(directory, policy=cf.Every(n=10**9), memory=1, replicas=replicas, model=model,
-                           optimizer=optimizer)
+    ckpt = cf.Checkpointer(
+        directory, policy=cf.Every(n=10**9), memory=1, replicas=replicas, model=model, optimizer=optimizer
+    )
     if restore:
         ckpt.restore()
         os._exit(0)
@@ -73,11 +74,33 @@ def _torchrun(ranks: int, nodes: int, shm: list[str], work: list[str], *args: st
     port.close()
     agents = []
     for node in range(nodes):
-        launch = (["--standalone"] if nodes == 1 else
-                  ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", address,
-                   "--local-addr", f"127.0.0.{node + 1}"])
-        command = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={ranks // nodes}",
-                   "-m", "benchmarks.memory_group", "--worker", "--dir", work[node], *args]
+        launch = (
+            ["--standalone"]
+            if nodes == 1
+            else [
+                "--nnodes",
+                str(nodes),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                address,
+                "--local-addr",
+                f"127.0.0.{node + 1}",
+            ]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launch,
+            f"--nproc-per-node={ranks // nodes}",
+            "-m",
+            "benchmarks.memory_group",
+            "--worker",
+            "--dir",
+            work[node],
+            *args,
+        ]
         env = {**os.environ, SHM_DIR_ENV: shm[node], "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         agents.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     for agent in agents:
@@ -101,10 +124,14 @@ def measure(ranks: int, mb: float, steps: int, nodes: int = 1, replicas: int = 0
     taken = [e for e in events if e["event"] == "memory"]
     copies = [e for e in events if e["event"] == "replica" and e["kept"]]
     return {
-        "ranks": ranks, "nodes": nodes, "replicas": replicas, "regions_bytes": regions,
+        "ranks": ranks,
+        "nodes": nodes,
+        "replicas": replicas,
+        "regions_bytes": regions,
         "snapshot_bytes": sorted({e["rank"]: e["bytes"] for e in taken}.values()),
         "stall_ms": 1e3 * statistics.median(e["stall_s"] for e in taken[ranks:]),  # the first creates the region
-        "copies": len(copies), "copy_ms": 1e3 * statistics.median(e["seconds"] for e in copies) if copies else None,
+        "copies": len(copies),
+        "copy_ms": 1e3 * statistics.median(e["seconds"] for e in copies) if copies else None,
         "copy_bytes": sorted({e["rank"]: e["bytes"] for e in copies}.values()),  # what one snapshot's copy sent
         "restore_s": max(e["restore_s"] for e in events if e["event"] == "restore"),
     }

@@ -56,7 +56,7 @@ def bench_loop(workload: Workload, rounds: int) -> dict[str, Any]:
 
         before = run(NoSave())
         for round_ in range(rounds):
-            names = list(VARIANTS)[round_ % len(VARIANTS):] + list(VARIANTS)[: round_ % len(VARIANTS)]
+            names = list(VARIANTS)[round_ % len(VARIANTS) :] + list(VARIANTS)[: round_ % len(VARIANTS)]
             for name in names:
                 seconds = run(VARIANTS[name]())
                 after = run(NoSave())
@@ -70,8 +70,9 @@ def bench_restore(megabytes: float, repeats: int) -> dict[str, list[float]]:
     state = build_state(megabytes)
     times: dict[str, list[float]] = {"memory": [], "disk, cold cache": [], "disk, hot cache": []}
     with tempfile.TemporaryDirectory(prefix="cf-memory-") as tmp:
-        with cf.Checkpointer(Path(tmp) / "run", policy=NEVER, memory=1,
-                             model=state.model, optimizer=state.optimizer) as ckpt:
+        with cf.Checkpointer(
+            Path(tmp) / "run", policy=NEVER, memory=1, model=state.model, optimizer=state.optimizer
+        ) as ckpt:
             state.optimizer.step()  # no gradients: changes nothing; step() follows an optimizer step, as in training
             ckpt.step()
             ckpt.save(blocking=True)  # step 1 on disk (and in memory)
@@ -97,14 +98,18 @@ def bench_restore(megabytes: float, repeats: int) -> dict[str, list[float]]:
 def table(doc: dict[str, Any]) -> str:
     lines = ["| measure | result |", "| --- | --- |"]
     for name, values in doc["loop"]["ratios"].items():
-        lines.append(f"| training loop, {name}: wall time / no checkpoints | "
-                     f"{statistics.median(values):.3f} (runs: {', '.join(f'{v:.3f}' for v in values)}) |")
+        lines.append(
+            f"| training loop, {name}: wall time / no checkpoints | "
+            f"{statistics.median(values):.3f} (runs: {', '.join(f'{v:.3f}' for v in values)}) |"
+        )
     for size, result in doc["restore"].items():
         memory = statistics.median(result["memory"])
         for name in ("memory", "disk, cold cache", "disk, hot cache"):
             median = statistics.median(result[name])
-            lines.append(f"| restore {size} MB state ({result['nbytes'] / 1e6:.0f} MB), {name} | "
-                         f"{median:.3f} s ({median / memory:.1f}× memory) |")
+            lines.append(
+                f"| restore {size} MB state ({result['nbytes'] / 1e6:.0f} MB), {name} | "
+                f"{median:.3f} s ({median / memory:.1f}× memory) |"
+            )
     return "\n".join(lines)
 
 
@@ -117,9 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    doc = {"torch": torch.__version__,
-           "loop": bench_loop(Workload(FULL.widths, FULL.batch, args.steps), args.rounds),
-           "restore": {size: bench_restore(float(size), args.repeats) for size in args.sizes.split(",")}}
+    doc = {
+        "torch": torch.__version__,
+        "loop": bench_loop(Workload(FULL.widths, FULL.batch, args.steps), args.rounds),
+        "restore": {size: bench_restore(float(size), args.repeats) for size in args.sizes.split(",")},
+    }
     print(table(doc))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))

@@ -179,9 +179,14 @@ class Job:
             own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE, "parts": [stored]}
         shared = dict(self.plan.shared)
         for name, (offset, shape) in self.blocks(rank).items():
-            stored, entry = private_name(name, rank), {"dtype": DTYPE_CODES[self.sharded[name].dtype],
-                                                       "shape": list(self.sharded[name].shape),
-                                                       "kind": SHARDED}
+            stored, entry = (
+                private_name(name, rank),
+                {
+                    "dtype": DTYPE_CODES[self.sharded[name].dtype],
+                    "shape": list(self.sharded[name].shape),
+                    "kind": SHARDED,
+                },
+            )
             arrays[stored] = (self.sharded[name].dtype, shape)
             own[name] = {**entry, "parts": [[stored, list(offset)]]}
             shared[name] = {**entry, "parts": [], "chunked": 0}  # as GroupCluster.select records FSDP2's layout
@@ -227,8 +232,19 @@ class Outcome:
     """Copies this rank took over in it."""
 
 
-def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
-          start: threading.Event, restore: bool, loss: Loss, outcomes: list[Any]) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    root: Path,
+    fabric: Fabric,
+    kv: MemoryStore,
+    ledger: Ledger,
+    checkpoint: Job,
+    start: threading.Event,
+    restore: bool,
+    loss: Loss,
+    outcomes: list[Any],
+) -> None:
     try:
         with fabric.baton.held():
             _run_rank(rank, world, root, fabric, kv, ledger, checkpoint, start, restore, loss, outcomes)
@@ -236,8 +252,19 @@ def _rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, le
         outcomes[rank] = e
 
 
-def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore, ledger: Ledger, checkpoint: Job,
-              start: threading.Event, restore: bool, loss: Loss, outcomes: list[Any]) -> None:
+def _run_rank(
+    rank: int,
+    world: int,
+    root: Path,
+    fabric: Fabric,
+    kv: MemoryStore,
+    ledger: Ledger,
+    checkpoint: Job,
+    start: threading.Event,
+    restore: bool,
+    loss: Loss,
+    outcomes: list[Any],
+) -> None:
     job = checkpoint.commit_job(rank)
     peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
     store = StoreView(kv, ledger)
@@ -251,8 +278,14 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
         members = memory_group(peers, f"machine {rank // RANKS_PER_MACHINE}", loss.replicas, STRIDE)
     leader = directory == rank
     with ledger.phase("commit"):
-        committer = Committer(local, peers, leader=leader, token=token, directory_leader=directory,
-                              retainer=Retainer(local, Retention(3), leader=leader))
+        committer = Committer(
+            local,
+            peers,
+            leader=leader,
+            token=token,
+            directory_leader=directory,
+            retainer=Retainer(local, Retention(3), leader=leader),
+        )
         result = committer.run(job)
     with ledger.phase("vote"):
         vote(peers)
@@ -267,8 +300,15 @@ def _run_rank(rank: int, world: int, root: Path, fabric: Fabric, kv: MemoryStore
             found = Restorer(Tiers([LocalTier(local)]), peers, directory_leader=directory).find(blocks=blocks)
     if leader:
         local.unlock()
-    outcomes[rank] = Outcome(token, directory, result, "" if found is None else found.name,
-                             0 if found is None else len(found.manifest.files), fetched, len(kept.adopted))
+    outcomes[rank] = Outcome(
+        token,
+        directory,
+        result,
+        "" if found is None else found.name,
+        0 if found is None else len(found.manifest.files),
+        fetched,
+        len(kept.adopted),
+    )
 
 
 @dataclass
@@ -315,8 +355,16 @@ class Run:
         return [ledger.phases.get(phase, Counts()) for ledger in self.ledgers]
 
 
-def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, directory: str | None = None,
-             state: str = "ddp", own_bytes: int = OWN_BYTES, replicas: int = REPLICAS) -> Run:
+def simulate(
+    world: int,
+    *,
+    layers: int = LAYERS,
+    restore_up_to: int = 64,
+    directory: str | None = None,
+    state: str = "ddp",
+    own_bytes: int = OWN_BYTES,
+    replicas: int = REPLICAS,
+) -> Run:
     """Run start-up, one commit, the fetch round after a machine's loss and (up to ``restore_up_to``
     ranks) the restore on ``world`` rank threads, checkpointing a DDP or an FSDP2 ``state``
     (:meth:`Job.of`); count one snapshot's copies to ``replicas`` keepers each, with ``own_bytes``
@@ -337,8 +385,15 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         gc.disable()  # else a collection of every rank's objects lands in the CPU time of whatever triggers it
         began = time.perf_counter()
         try:
-            threads = [threading.Thread(target=_rank, name=f"sim-rank-{r}", daemon=True, args=(
-                r, world, root, fabric, kv, ledgers[r], job, start, restore, loss, outcomes)) for r in range(world)]
+            threads = [
+                threading.Thread(
+                    target=_rank,
+                    name=f"sim-rank-{r}",
+                    daemon=True,
+                    args=(r, world, root, fabric, kv, ledgers[r], job, start, restore, loss, outcomes),
+                )
+                for r in range(world)
+            ]
             for thread in threads:
                 thread.start()
         finally:
@@ -353,11 +408,13 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
             if failed:
                 rank, error = failed[0]
                 raise RuntimeError(f"{len(failed)} simulated ranks failed; rank {rank}: {error!r}") from (
-                    error if isinstance(error, BaseException) else None)
+                    error if isinstance(error, BaseException) else None
+                )
             first = outcomes[0]
             ended = {(o.token, o.directory, o.commit.step, o.restored, o.restored_files, o.fetched) for o in outcomes}
-            if ended != {(first.token, first.directory, first.commit.step, first.restored, first.restored_files,
-                          first.fetched)}:
+            if ended != {
+                (first.token, first.directory, first.commit.step, first.restored, first.restored_files, first.fetched)
+            }:
                 raise RuntimeError(f"the ranks ended differently: {sorted(ended, key=str)[:4]}")
             reader = LocalStore(root, create=False)
             ((_, location),) = reader.checkpoints()
@@ -399,24 +456,56 @@ def simulate(world: int, *, layers: int = LAYERS, restore_up_to: int = 64, direc
         slot_bytes, copy_sent_bytes = data_bytes + len(meta), sum(sent(world, 0, RANKS_PER_MACHINE, layers, own_bytes))
     reports = loss.reports()
     fetch_plan_s, fetch_decode_s = plan_seconds(reports)
-    return Run(world, replicas, wall_s, threads_s, ledgers, outcomes, manifest_bytes, statistics.median(parse), restore,
-               plan_cpu_s, stream_cpu_s, stream_bytes, readers, file_bytes, kept, slot_bytes, copy_sent_bytes,
-               [message_bytes(report.to_wire()) for report in reports], message_bytes(fetch_plan(reports).to_wire()),
-               fetch_plan_s, fetch_decode_s)
+    return Run(
+        world,
+        replicas,
+        wall_s,
+        threads_s,
+        ledgers,
+        outcomes,
+        manifest_bytes,
+        statistics.median(parse),
+        restore,
+        plan_cpu_s,
+        stream_cpu_s,
+        stream_bytes,
+        readers,
+        file_bytes,
+        kept,
+        slot_bytes,
+        copy_sent_bytes,
+        [message_bytes(report.to_wire()) for report in reports],
+        message_bytes(fetch_plan(reports).to_wire()),
+        fetch_plan_s,
+        fetch_decode_s,
+    )
 
 
-def _count_copies(world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None,
-                  replicas: int = REPLICAS) -> int:
+def _count_copies(
+    world: int, layers: int, own_bytes: int, ledgers: list[Ledger], directory: str | None, replicas: int = REPLICAS
+) -> int:
     """Each rank's counts for one snapshot's copies (:data:`COPY_PHASE`), from real copies of the
     first and the last machine's snapshots (``benchmarks/replica_sim.py``); how many were kept (none
     counted on one machine, which copies nowhere, or with a last machine smaller than the others)."""
     if world < 2 * RANKS_PER_MACHINE or world % RANKS_PER_MACHINE:
         return 0
-    copied = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
-                         layers=layers, own_bytes=own_bytes, directory=directory, replicas=replicas)
+    copied = copy_counts(
+        world,
+        measured_senders(world, RANKS_PER_MACHINE),
+        per_machine=RANKS_PER_MACHINE,
+        layers=layers,
+        own_bytes=own_bytes,
+        directory=directory,
+        replicas=replicas,
+    )
     for ledger, link in zip(ledgers, per_snapshot(world, RANKS_PER_MACHINE, copied, replicas), strict=True):
-        ledger.phases[COPY_PHASE] = Counts(messages_out=link.messages_out, messages_in=link.messages_in,
-                                           bytes_out=link.bytes_out, bytes_in=link.bytes_in, peers=link.peers)
+        ledger.phases[COPY_PHASE] = Counts(
+            messages_out=link.messages_out,
+            messages_in=link.messages_in,
+            bytes_out=link.bytes_out,
+            bytes_in=link.bytes_in,
+            peers=link.peers,
+        )
     return len(copied.kept)
 
 
@@ -438,24 +527,46 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--worlds", default=WORLDS, help="comma-separated numbers of ranks")
     parser.add_argument("--layers", type=int, default=LAYERS, help="linear layers of the DDP model (8 tensors each)")
     parser.add_argument("--restore-up-to", type=int, default=64, help="run the restore on every rank up to this N")
-    parser.add_argument("--state", choices=("ddp", "fsdp2"), default="ddp",
-                        help="what the ranks checkpoint and restore")
-    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                        help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)")
-    parser.add_argument("--own-bytes", type=int, default=OWN_BYTES,
-                        help="each rank's own (not replicated) state in a memory snapshot, copied to another machine")
-    parser.add_argument("--replicas", type=int, default=REPLICAS,
-                        help="the copies of each memory snapshot, each on another machine (replicas=k)")
+    parser.add_argument(
+        "--state", choices=("ddp", "fsdp2"), default="ddp", help="what the ranks checkpoint and restore"
+    )
+    parser.add_argument(
+        "--dir",
+        default="/dev/shm" if Path("/dev/shm").is_dir() else None,
+        help="where the checkpoint directory is made (a tmpfs keeps 16k files' writes cheap)",
+    )
+    parser.add_argument(
+        "--own-bytes",
+        type=int,
+        default=OWN_BYTES,
+        help="each rank's own (not replicated) state in a memory snapshot, copied to another machine",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=REPLICAS,
+        help="the copies of each memory snapshot, each on another machine (replicas=k)",
+    )
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     sums = []
     print("| N | phase | count | rank 0 | other ranks: median | max |\n| --- | --- | --- | --- | --- | --- |")
     for world in worlds:
-        run = simulate(world, layers=args.layers, restore_up_to=args.restore_up_to, directory=args.dir,
-                       state=args.state, own_bytes=args.own_bytes, replicas=args.replicas)
+        run = simulate(
+            world,
+            layers=args.layers,
+            restore_up_to=args.restore_up_to,
+            directory=args.dir,
+            state=args.state,
+            own_bytes=args.own_bytes,
+            replicas=args.replicas,
+        )
         for row in rows(run):
-            print(f"| {row['world']:,} | {row['phase']} | {row['count']} | {figure(row['rank0'])} | "
-                  f"{figure(row['median'])} | {figure(row['max'])} |", flush=True)
+            print(
+                f"| {row['world']:,} | {row['phase']} | {row['count']} | {figure(row['rank0'])} | "
+                f"{figure(row['median'])} | {figure(row['max'])} |",
+                flush=True,
+            )
         sums.append(summary(run))
         print(json.dumps(sums[-1]), flush=True)
     fsdp2 = {world: costs(world, "fsdp2", args.layers)["manifest_bytes"] for world in worlds}

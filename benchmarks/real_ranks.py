@@ -35,11 +35,15 @@ def measure(world: int, tmp: Path) -> dict[str, float]:
     commit = test_scale._commit_bytes(tmp, world, False)
     path = test_scale._save(tmp, world)
     manifest = json.loads((path / MANIFEST_NAME).read_bytes())
-    replicated = sum(math.prod(e["shape"]) * DTYPES_BY_CODE[e["dtype"]].itemsize
-                     for e in manifest["distributed"]["tensors"].values() if e["kind"] == "replicated")
+    replicated = sum(
+        math.prod(e["shape"]) * DTYPES_BY_CODE[e["dtype"]].itemsize
+        for e in manifest["distributed"]["tensors"].values()
+        if e["kind"] == "replicated"
+    )
     directory = str(tmp / f"ckpt{world}")
-    mp.spawn(test_scale._restore_counted, args=(world, str(tmp / "store-restore"), directory, True),
-             nprocs=world, join=True)
+    mp.spawn(
+        test_scale._restore_counted, args=(world, str(tmp / "store-restore"), directory, True), nprocs=world, join=True
+    )
     restored = [torch.load(f"{directory}.restored{rank}.pt") for rank in range(world)]
     others = range(1, world)
     return {
@@ -63,8 +67,11 @@ def main(worlds: list[int]) -> None:
     print("| " + " | ".join(rows[0]) + " |")
     print("|" + " --- |" * len(rows[0]))
     for row in rows:
-        print("| " + " | ".join(f"{v:.3f}" if name.startswith("gathered") else f"{v:,.0f}" for name, v in row.items())
-              + " |")
+        print(
+            "| "
+            + " | ".join(f"{v:.3f}" if name.startswith("gathered") else f"{v:,.0f}" for name, v in row.items())
+            + " |"
+        )
 
 
 if __name__ == "__main__":

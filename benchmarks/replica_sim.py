@@ -71,8 +71,9 @@ def machines(world: int, per_machine: int) -> list[str]:
     return [f"machine {rank // per_machine}" for rank in range(world)]
 
 
-def ring(world: int, per_machine: int, replicas: int = REPLICAS, stride: int = STRIDE
-         ) -> list[tuple[list[int], list[int]]]:
+def ring(
+    world: int, per_machine: int, replicas: int = REPLICAS, stride: int = STRIDE
+) -> list[tuple[list[int], list[int]]]:
     """Each rank's (keepers, senders), as the start-up computes them."""
     return replica_ring(groups_of(machines(world, per_machine)), replicas, stride)
 
@@ -85,17 +86,26 @@ def slot(world: int, rank: int, per_machine: int, layers: int, own_bytes: int = 
     ``layers`` linear layers and AdamW (``benchmarks/scale_costs.py``), its machine keeping one copy
     of the replicated state, plus ``own_bytes`` of the rank's own state."""
     tensors = replicated_state(layers)
-    own: dict[str, torch.Tensor] = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in
-                                    PRIVATE_TENSORS.items()}
+    own: dict[str, torch.Tensor] = {
+        name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in PRIVATE_TENSORS.items()
+    }
     own["own"] = torch.zeros(own_bytes, dtype=torch.uint8)
     first = rank - rank % per_machine
     group = Group(tuple(range(first, min(first + per_machine, world))), rank, world)
     arrays, _, index = GroupSharer(group).select({**tensors, **own}, set(), set(tensors), skeleton(tensors))
     layout = plan_layout({name: (array.dtype, tuple(array.shape)) for name, array in arrays.items()})
     name = data_file_name(rank)
-    manifest = Manifest(step=STEPS[-1], epoch=0, world_size=world, files={name: {"size": layout.nbytes, "xxh3_64": ""}},
-                        tensors=tensor_entries(layout, name), state=index["ranks"][0], versions={"checkfreq": "sim"},
-                        created=0.0, distributed=dict(index))
+    manifest = Manifest(
+        step=STEPS[-1],
+        epoch=0,
+        world_size=world,
+        files={name: {"size": layout.nbytes, "xxh3_64": ""}},
+        tensors=tensor_entries(layout, name),
+        state=index["ranks"][0],
+        versions={"checkfreq": "sim"},
+        created=0.0,
+        distributed=dict(index),
+    )
     return layout.nbytes, manifest.to_json()
 
 
@@ -171,8 +181,9 @@ class Wire:
             raise RuntimeError(f"rank {group.rank} waited {TIMEOUT_S:.0f} s for rank {group_src}") from None
         target = tensor.view(torch.uint8).reshape(-1)
         if len(payload) != target.numel():
-            raise RuntimeError(f"rank {group.rank} expected {target.numel()} bytes from rank {group_src}, "
-                               f"got {len(payload)}")
+            raise RuntimeError(
+                f"rank {group.rank} expected {target.numel()} bytes from rank {group_src}, got {len(payload)}"
+            )
         target.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         copy = (group_src, group.rank) if tag == replicas.COPY_TAG else (group.rank, group_src)
         counts = self._counts(group.rank, copy)
@@ -209,15 +220,22 @@ class Copied:
     """(sender, keeper) → the step that keeper kept of that sender's copy."""
 
 
-def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers: int, own_bytes: int = OWN_BYTES,
-                directory: str | None = None, replicas: int = REPLICAS) -> Copied:
+def copy_counts(
+    world: int,
+    senders: Sequence[int],
+    *,
+    per_machine: int,
+    layers: int,
+    own_bytes: int = OWN_BYTES,
+    directory: str | None = None,
+    replicas: int = REPLICAS,
+) -> Copied:
     """Each rank of ``senders`` copies one snapshot to its keepers by the ring at ``world`` ranks (``replicas``
     of them, in turn), through real :class:`ReplicaLink` links (the keepers' too) over a :class:`Wire`;
     every rank's counts of that one snapshot (the copies' end, a header sent at close, is not counted)."""
     partners = ring(world, per_machine, replicas)
     wire = Wire()
-    with tempfile.TemporaryDirectory(prefix="checkfreq-replica-sim-", dir=directory) as tmp, \
-            _on_wire(wire, Path(tmp)):
+    with tempfile.TemporaryDirectory(prefix="checkfreq-replica-sim-", dir=directory) as tmp, _on_wire(wire, Path(tmp)):
         ckpt = Path(tmp) / "ckpt"
         ckpt.mkdir()
         keepers: dict[int, list[int]] = {}
@@ -225,8 +243,10 @@ def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers:
             assert partners[sender][0], f"rank {sender} has no keeper at {world} ranks"
             for to in partners[sender][0]:
                 keepers.setdefault(to, []).append(sender)
-        keeping = [ReplicaLink(WireGroup(wire, rank), ckpt, sends_to=None, receives_from=from_)  # type: ignore[arg-type]
-                   for rank, from_ in keepers.items()]
+        keeping = [
+            ReplicaLink(WireGroup(wire, rank), ckpt, sends_to=None, receives_from=from_)  # type: ignore[arg-type]
+            for rank, from_ in keepers.items()
+        ]
         sending: list[ReplicaLink] = []
         regions = []
         try:
@@ -236,15 +256,24 @@ def copy_counts(world: int, senders: Sequence[int], *, per_machine: int, layers:
                 regions.append(region)
                 region.reserve(data_bytes, len(meta))
                 info = region.commit(region.begin(), STEPS[-1], data_bytes, meta, layout_signature("sim"))
-                link = ReplicaLink(WireGroup(wire, sender), ckpt, sends_to=partners[sender][0],  # type: ignore[arg-type]
-                                   receives_from=[])
+                link = ReplicaLink(
+                    WireGroup(wire, sender),
+                    ckpt,
+                    sends_to=partners[sender][0],  # type: ignore[arg-type]
+                    receives_from=[],
+                )
                 if not (link.offer(region, info) and link.wait_sent(TIMEOUT_S)):
                     raise RuntimeError(f"rank {sender}'s copies did not go within {TIMEOUT_S:.0f} s")
                 sending.append(link)
-            counts = {key: LinkCounts(c.messages_out, c.messages_in, c.bytes_out, c.bytes_in, set(c.peers))
-                      for key, c in wire.counts.items()}  # before the ends of the copies
-            kept = {(sender, link.group.rank): step for link in keeping  # type: ignore[attr-defined]
-                    for sender, step in link.kept.items()}
+            counts = {
+                key: LinkCounts(c.messages_out, c.messages_in, c.bytes_out, c.bytes_in, set(c.peers))
+                for key, c in wire.counts.items()
+            }  # before the ends of the copies
+            kept = {
+                (sender, link.group.rank): step
+                for link in keeping  # type: ignore[attr-defined]
+                for sender, step in link.kept.items()
+            }
         finally:
             for link in sending + keeping:  # the senders end their keepers' loops
                 link.close(TIMEOUT_S)
@@ -347,4 +376,3 @@ def plan_seconds(reports: Sequence[MemoryReport], repeats: int = 5) -> tuple[flo
         fetch_plan(decoded)
         plans.append(time.thread_time() - began)
     return statistics.median(plans), statistics.median(decodes)
-

@@ -94,8 +94,12 @@ def memory_line(memory: dict[str, float]) -> str:
 def gpu_lines(gpu: dict[str, Any]) -> list[str]:
     if "skipped" in gpu:
         return [f"GPU mode skipped: {gpu['skipped']}."]
-    lines = [f"Device: {gpu['device']}; state {gpu['nbytes'] / 1e9:.2f} GB on the GPU.", "",
-             "| measurement | median (min–max) |", "| --- | --- |"]
+    lines = [
+        f"Device: {gpu['device']}; state {gpu['nbytes'] / 1e9:.2f} GB on the GPU.",
+        "",
+        "| measurement | median (min–max) |",
+        "| --- | --- |",
+    ]
     for name, values in gpu["seconds"].items():
         lines.append(f"| {name} | {fmt_with_spread(values)} |")
     for name, values in gpu["ratios"].items():

@@ -50,9 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda", action="store_true", help="add the GPU mode (skipped cleanly without CUDA)")
     p.add_argument("--gpu-size", type=float, default=4000, help="GPU state size in MB")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's; quick: 1)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="where performance.md/.png/.json go (default: a new temporary directory; "
-                        "--out docs updates the published page)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where performance.md/.png/.json go (default: a new temporary directory; "
+        "--out docs updates the published page)",
+    )
     p.add_argument("--worker", choices=["state", "memory", "train", "gpu"], help=argparse.SUPPRESS)
     p.add_argument("--size", type=float, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -93,9 +97,21 @@ def run_worker(args: argparse.Namespace) -> Any:
 def spawn(args: argparse.Namespace, worker: str, tmp: Path, size: float | None = None) -> Any:
     """Run one worker in a fresh process with the suite's environment; its JSON result."""
     result = tmp / f"{worker}-{size}.json"
-    cmd = [sys.executable, "-m", "benchmarks.run", "--worker", worker, "--result", str(result),
-           "--repeats", str(args.repeats), "--intervals", args.intervals,
-           "--train-repeats", str(args.train_repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--worker",
+        worker,
+        "--result",
+        str(result),
+        "--repeats",
+        str(args.repeats),
+        "--intervals",
+        args.intervals,
+        "--train-repeats",
+        str(args.train_repeats),
+    ]
     if size is not None:
         cmd += ["--size", str(size)]
     if args.quick:
@@ -104,8 +120,11 @@ def spawn(args: argparse.Namespace, worker: str, tmp: Path, size: float | None =
         cmd += ["--train-steps", str(args.train_steps)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, **MALLOC_ENV,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        **MALLOC_ENV,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     log.info("running %s%s", worker, f" ({size:g} MB)" if size is not None else "")
     done = subprocess.run(cmd, env=env, cwd=ROOT)
     if done.returncode:
@@ -115,8 +134,10 @@ def spawn(args: argparse.Namespace, worker: str, tmp: Path, size: float | None =
 
 
 def environment() -> str:
-    return (f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
-            f"Python {platform.python_version()}, {platform.machine()}, malloc env {MALLOC_ENV}")
+    return (
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} torch threads, "
+        f"Python {platform.python_version()}, {platform.machine()}, malloc env {MALLOC_ENV}"
+    )
 
 
 def bench_size(args: argparse.Namespace, size: float, tmp: Path, results: dict[str, Any]) -> None:
@@ -131,8 +152,12 @@ def bench_size(args: argparse.Namespace, size: float, tmp: Path, results: dict[s
 
 def orchestrate(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [float(s) for s in args.sizes.split(",") if s]
-    results: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="minutes"),
-                               "environment": environment(), "states": {}, "memory": {}}
+    results: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "environment": environment(),
+        "states": {},
+        "memory": {},
+    }
     with tempfile.TemporaryDirectory(prefix="cf-bench-run-") as tmp:
         small, large = [s for s in sizes if s < 1000], [s for s in sizes if s >= 1000]
         for size in small:

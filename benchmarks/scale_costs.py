@@ -33,8 +33,12 @@ from checkfreq.ranks.sharing import directory_key
 from checkfreq.storage.format import DTYPE_CODES, data_file_name, encode_header, plan_layout
 
 LAYERS = 18
-PRIVATE_TENSORS = {"rng/torch": (torch.uint8, (5056,)), "rng/numpy": (torch.uint32, (624,)),
-                   "rng/python": (torch.int64, (625,)), "rng/cuda": (torch.uint8, (0,))}
+PRIVATE_TENSORS = {
+    "rng/torch": (torch.uint8, (5056,)),
+    "rng/numpy": (torch.uint32, (624,)),
+    "rng/python": (torch.int64, (625,)),
+    "rng/cuda": (torch.uint8, (0,)),
+}
 
 
 def replicated_state(layers: int = LAYERS) -> dict[str, torch.Tensor]:
@@ -54,8 +58,16 @@ def replicated_state(layers: int = LAYERS) -> dict[str, torch.Tensor]:
 def skeleton(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A skeleton of the size :func:`checkfreq.run.state.flatten` gives this state (a reference per tensor)."""
     refs = {name: {"__tensor__": name} for name in [*tensors, *PRIVATE_TENSORS]}
-    groups = [{"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
-               "params": list(range(len(tensors) // 4))}]
+    groups = [
+        {
+            "lr": 0.001,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.01,
+            "amsgrad": False,
+            "params": list(range(len(tensors) // 4)),
+        }
+    ]
     return {"refs": refs, "optimizer": {"param_groups": groups}, "checkfreq": {"profile": {"iteration_s": 0.01}}}
 
 
@@ -80,22 +92,43 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
             arrays[private_name(name, 0)] = (t.dtype, (min(rows, t.shape[0]), *t.shape[1:]) if t.dim() else ())
         claim = replicas.report(layout, {})
     for name, (dtype, shape) in PRIVATE_TENSORS.items():
-        own[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "kind": PRIVATE,
-                     "parts": [private_name(name, 0)]}
+        own[name] = {
+            "dtype": DTYPE_CODES[dtype],
+            "shape": list(shape),
+            "kind": PRIVATE,
+            "parts": [private_name(name, 0)],
+        }
         arrays[private_name(name, 0)] = (dtype, shape)
-    share = {"rank": own, "shared": shared, "replicas": claim, "plan": None if plan is None else plan.digest,
-             "later": {}}
-    reports = [CommitReport(rank=r, created=1.8e9, ok=True, file=data_file_name(r), size=2**40,
-                            xxh3_64="0123456789abcdef", upload_idle=True, agree=agreement_digest(share),
-                            directory_leader=r, leader=False)
-               for r in range(world)]
+    share = {
+        "rank": own,
+        "shared": shared,
+        "replicas": claim,
+        "plan": None if plan is None else plan.digest,
+        "later": {},
+    }
+    reports = [
+        CommitReport(
+            rank=r,
+            created=1.8e9,
+            ok=True,
+            file=data_file_name(r),
+            size=2**40,
+            xxh3_64="0123456789abcdef",
+            upload_idle=True,
+            agree=agreement_digest(share),
+            directory_leader=r,
+            leader=False,
+        )
+        for r in range(world)
+    ]
     report = reports[-1].to_wire()
     manifest = merge(reports, 10**8, 10**4, {"checkfreq": "0.0.0", "torch": "2.13.0", "python": "3.12.0"}, share)
     header = encode_header(plan_layout(arrays), {"state": skeleton(tensors), "tensors": own})
     identity = directory_key(Path("."))
     restore_note = {"steps": {str(10**8): {"held": [data_file_name(world - 1)], "remote": True}}, "listed": 3}
     return {
-        "state": state, "world": world,
+        "state": state,
+        "world": world,
         "report_bytes": len(json.dumps(report)),
         **commit_messages(world, report),
         "manifest_bytes": len(manifest.to_json()),
@@ -110,12 +143,18 @@ def commit_messages(world: int, report: dict[str, Any]) -> dict[str, int]:
     """Bytes one rank other than 0 sends and receives per checkpoint, and rank 0 receives, in the
     three rounds of :class:`checkfreq.pipeline.commit.Committer` (each message: an 8-byte length, then its
     JSON); and, for comparison, what each rank received when every round was an all-gather."""
+
     def size(value: Any) -> int:
         return 8 + len(json.dumps(value))
+
     sent = size(None) + size(report) + size(None)  # prepare, report, outcome: gathered on rank 0
     received = size([]) + size({"upload": True}) + size([])  # the verdicts rank 0 broadcasts
-    return {"rank_sends": sent, "rank_receives": received, "rank0_receives": (world - 1) * sent,
-            "all_gather_receives": world * (size({"ok": True}) + size(report) + size({"rank": world - 1, "ok": True}))}
+    return {
+        "rank_sends": sent,
+        "rank_receives": received,
+        "rank0_receives": (world - 1) * sent,
+        "all_gather_receives": world * (size({"ok": True}) + size(report) + size({"rank": world - 1, "ok": True})),
+    }
 
 
 def main() -> None:
@@ -125,14 +164,18 @@ def main() -> None:
     rows = [costs(world, state) for state in ("ddp", "fsdp2") for world in map(int, args.worlds.split(","))]
     for row in rows:
         print(json.dumps(row))
-    print("\n| state | N | report | a rank sends / receives | rank 0 receives | (all-gathers) | manifest.json "
-          "| data file header | identity | restore note |")
+    print(
+        "\n| state | N | report | a rank sends / receives | rank 0 receives | (all-gathers) | manifest.json "
+        "| data file header | identity | restore note |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['rank_sends']} B / {r['rank_receives']} B | "
-              f"{r['rank0_receives']:,} B | {r['all_gather_receives']:,} B | "
-              f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | "
-              f"{r['restore_note_bytes']} B |")
+        print(
+            f"| {r['state']} | {r['world']} | {r['report_bytes']} B | {r['rank_sends']} B / {r['rank_receives']} B | "
+            f"{r['rank0_receives']:,} B | {r['all_gather_receives']:,} B | "
+            f"{r['manifest_bytes']:,} B | {r['header_bytes']:,} B | {r['identity_bytes']} B | "
+            f"{r['restore_note_bytes']} B |"
+        )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,6 @@ class Ledger:
             self.now.cpu_s, self.now.wall_s = self._cpu() - started, time.perf_counter() - began
 
 
-
-
 class CountingPeers:
     """Any :class:`~checkfreq.ranks.collectives.Peers`, counting the messages this rank sends and receives
     through it into ``ledger`` (see the module docstring); the messages still go through ``inner``."""
@@ -152,7 +150,6 @@ class CountingPeers:
         counts.bytes_in += size
         counts.peers.add(sender)
         return payload
-
 
 
 class CountedLocalStore(LocalStore):

@@ -29,7 +29,6 @@ class Gathered(list):
     nbytes: int
 
 
-
 REAL_SLEEP = time.sleep
 
 
@@ -259,8 +258,9 @@ class MemoryPeers:
             condition, queue = self.fabric.channel(sender, self.rank)
             with self.fabric.baton.passed(), condition:
                 if not condition.wait_for(lambda: queue, self.fabric.timeout):
-                    raise RuntimeError(f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s "
-                                       f"for rank {sender}")
+                    raise RuntimeError(
+                        f"simulated rank {self.rank} waited more than {self.fabric.timeout:.0f} s for rank {sender}"
+                    )
                 data = queue.popleft()
             if len(data) != size:
                 raise RuntimeError(f"rank {self.rank} expected {size} bytes from rank {sender}, got {len(data)}")
@@ -354,4 +354,3 @@ class StoreView:
         store = self._op()
         with store.lock:
             return store.data.pop(key, None) is not None
-

@@ -23,8 +23,13 @@ def all_methods(quick: bool) -> list[Method]:
     """Every method, limits first. ``quick`` drops the cold-cache reads and DCP's process executor."""
     caches = (False,) if quick else (False, True)
     methods: list[Method] = [RawCopy(), RawWrite(), *[RawRead(cold=c) for c in caches]]
-    methods += [TorchSave(), SafetensorsSave(), DcpSave(), DcpAsyncThread(async_staging=False),
-                DcpAsyncThread(async_staging=True)]
+    methods += [
+        TorchSave(),
+        SafetensorsSave(),
+        DcpSave(),
+        DcpAsyncThread(async_staging=False),
+        DcpAsyncThread(async_staging=True),
+    ]
     if not quick:
         methods.append(DcpAsyncProcess())
     return methods + [CheckfreqSave(), *[CheckfreqRestore(cold=c) for c in caches]]
@@ -33,8 +38,12 @@ def all_methods(quick: bool) -> list[Method]:
 def bench_state(megabytes: float, repeats: int, quick: bool) -> dict[str, Any]:
     """Measure every method on a state of about ``megabytes`` MB; samples per method name."""
     state = build_state(megabytes)
-    return {"megabytes": megabytes, "nbytes": state.nbytes, "tensors": len(state.tensors),
-            **interleave(all_methods(quick), state, repeats)}
+    return {
+        "megabytes": megabytes,
+        "nbytes": state.nbytes,
+        "tensors": len(state.tensors),
+        **interleave(all_methods(quick), state, repeats),
+    }
 
 
 def interleave(methods: list[Method], state: State, repeats: int) -> dict[str, Any]:

@@ -37,19 +37,25 @@ def measure(calls: int, repeats: int) -> dict[str, list[float]]:
     loader = ResumableLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
     x = torch.randn(4, 16)
     samples: dict[str, list[float]] = {"step()": [], "forward, registered": [], "forward, plain": []}
-    with tempfile.TemporaryDirectory() as directory, \
-            cf.Checkpointer(directory, policy=cf.Every(10**9), model=registered, optimizer=optimizer,
-                            loader=loader) as ckpt:
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        cf.Checkpointer(
+            directory, policy=cf.Every(10**9), model=registered, optimizer=optimizer, loader=loader
+        ) as ckpt,
+    ):
         registered(x).sum().backward()
         optimizer.step()
         ckpt.step()  # the session's first step, after an optimizer step
-        variants = {"step()": ckpt.step, "forward, registered": lambda: registered(x),
-                    "forward, plain": lambda: plain(x)}
+        variants = {
+            "step()": ckpt.step,
+            "forward, registered": lambda: registered(x),
+            "forward, plain": lambda: plain(x),
+        }
         for fn in variants.values():
             _per_call(fn, calls // 10)  # warm up
         for round_ in range(repeats):
             names = list(variants)
-            names = names[round_ % len(names):] + names[:round_ % len(names)]  # rotate the order
+            names = names[round_ % len(names) :] + names[: round_ % len(names)]  # rotate the order
             for name in names:
                 samples[name].append(_per_call(variants[name], calls))
     return samples
@@ -65,8 +71,10 @@ def main() -> None:
     for name, values in samples.items():
         median = statistics.median(values)
         ratio = f"  {median / plain:.2f}x the plain forward" if name.startswith("forward") else ""
-        print(f"{name:22s} {median * 1e6:8.2f} µs per call (rounds {min(values) * 1e6:.2f}-{max(values) * 1e6:.2f})"
-              f"{ratio}")
+        print(
+            f"{name:22s} {median * 1e6:8.2f} µs per call (rounds {min(values) * 1e6:.2f}-{max(values) * 1e6:.2f})"
+            f"{ratio}"
+        )
 
 
 if __name__ == "__main__":

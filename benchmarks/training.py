@@ -112,8 +112,9 @@ class CheckfreqSaver(Saver):
 
     def start(self, model: nn.Module, opt: torch.optim.Optimizer, run: Run, workdir: Path) -> None:
         super().start(model, opt, run, workdir)
-        self.ckpt = cf.Checkpointer(workdir / "checkfreq", model=model, optimizer=opt, policy=self.policy, keep=2,
-                                    memory=self.memory)
+        self.ckpt = cf.Checkpointer(
+            workdir / "checkfreq", model=model, optimizer=opt, policy=self.policy, keep=2, memory=self.memory
+        )
         self.pending: float | None = None
 
     def after_step(self, i: int, opt_seconds: list[float]) -> None:
@@ -186,8 +187,9 @@ class DcpAsyncSaver(Saver):
             self.future.result()
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         path = self.workdir / f"dcp{i % 3}"
-        self.future = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path), async_stager=self.stager,
-                                     no_dist=True)
+        self.future = dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(path), async_stager=self.stager, no_dist=True
+        )
         self.run.stalls.append(time.perf_counter() - t0)
         self.run.checkpoint_steps.append(i)
 
@@ -249,5 +251,11 @@ def bench_training(workload: Workload, repeats: int, intervals: tuple[int, ...])
                 results[name].append({"round": round_, "ref": [before, after], **run.__dict__})
                 before = after
     params = sum(p.numel() for p in make_model(workload.widths).parameters())
-    return {"params": params, "state_bytes": params * 12, "batch": workload.batch, "steps": workload.steps,
-            "intervals": list(intervals), "runs": results}
+    return {
+        "params": params,
+        "state_bytes": params * 12,
+        "batch": workload.batch,
+        "steps": workload.steps,
+        "intervals": list(intervals),
+        "runs": results,
+    }

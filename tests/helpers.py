@@ -99,8 +99,9 @@ def run_example(workdir: Path, module: str, steps: int, then: str, *, killed: bo
 
 def run_job(command: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
     """Run a job in a session of its own and return (exit status, output); nothing of it outlives it."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -129,12 +130,28 @@ def launch_job(workdir: Path, script: str, *args: str, nproc: int = 2, restarts:
     # (pytorch/pytorch#135712): give the workers their own store, as docs/distributed.md advises.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if nproc:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   f"--max-restarts={restarts}", "--monitor-interval=0.1", str(SCRIPTS / script), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}",
+            "--monitor-interval=0.1",
+            str(SCRIPTS / script),
+            *args,
+        ]
     else:  # one plain process, no process group
         command = [sys.executable, str(SCRIPTS / script), *args]
-    return subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def finish_job(proc: subprocess.Popen[str], expect_success: bool = True) -> str:
@@ -161,9 +178,23 @@ def kill_tree(pid: int) -> None:
 
 
 def ddp_train_args(workdir: Path, *extra: str) -> list[str]:
-    return ["--ckpt-dir", str(workdir / "ckpt"), "--final", str(workdir / "final"),
-            "--batch-log", str(workdir / "batches.log"), "--samples", str(SAMPLES), "--batch-size", str(BATCH),
-            "--epochs", str(EPOCHS), "--every", str(EVERY), *extra]
+    return [
+        "--ckpt-dir",
+        str(workdir / "ckpt"),
+        "--final",
+        str(workdir / "final"),
+        "--batch-log",
+        str(workdir / "batches.log"),
+        "--samples",
+        str(SAMPLES),
+        "--batch-size",
+        str(BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--every",
+        str(EVERY),
+        *extra,
+    ]
 
 
 def incarnations(out: str) -> list[tuple[int, int, int]]:
@@ -193,8 +224,17 @@ def hf_fit(workdir: Path, name: str, *args: str, killed: bool = False, ranks: in
     """Run scripts/hf_train.py (under torchrun with ``ranks`` > 1: the c10d form, or the static form with
     ``static_restarts``); nothing of the job may outlive it."""
     resume = [] if "--resume_from_checkpoint" in args else ["--resume_from_checkpoint", "true"]
-    script = [str(SCRIPTS / "hf_train.py"), "--dir", str(workdir), "--out", str(workdir / f"{name}.pt"),
-              "--read-log", str(workdir / f"{name}.log"), *resume, *args]
+    script = [
+        str(SCRIPTS / "hf_train.py"),
+        "--dir",
+        str(workdir),
+        "--out",
+        str(workdir / f"{name}.pt"),
+        "--read-log",
+        str(workdir / f"{name}.log"),
+        *resume,
+        *args,
+    ]
     if static_restarts:
         form = [f"--master-port={free_port()}", f"--max-restarts={static_restarts}", "--monitor-interval=0.1"]
     else:
@@ -214,8 +254,9 @@ def sample_reads(log: Path) -> list[int]:
     return [int(line) for line in log.read_text().split()]
 
 
-def run_forked(ctx: multiprocessing.context.BaseContext, target: Any, args: tuple[Any, ...],
-               timeout: float = 300) -> int | None:
+def run_forked(
+    ctx: multiprocessing.context.BaseContext, target: Any, args: tuple[Any, ...], timeout: float = 300
+) -> int | None:
     """``target(*args)`` in a process of ``ctx`` (a forkserver that imported torch once: fast, and a real
     SIGKILL at any point); its exit code, failing the test if it is still running after ``timeout`` s."""
     process = ctx.Process(target=target, args=args)

@@ -139,8 +139,14 @@ class Checkpointer:
         **objects: Stateful,
     ) -> None:
         check_objects("Checkpointer", objects, CHECKPOINTER_OPTIONS, option_types=(Policy,))
-        check_option_types(keep=keep, remote_keep=remote_keep, rng=rng, allow_pickle=allow_pickle,
-                           persist_timeout=persist_timeout, failure_timeout=failure_timeout)
+        check_option_types(
+            keep=keep,
+            remote_keep=remote_keep,
+            rng=rng,
+            allow_pickle=allow_pickle,
+            persist_timeout=persist_timeout,
+            failure_timeout=failure_timeout,
+        )
         if on_error not in ("raise", "warn"):
             raise InvalidArgumentError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         values = dict(values or {})
@@ -165,34 +171,77 @@ class Checkpointer:
         self.directory = local.root
         retainer = Retainer(local, retention, leader=cluster.leader)
         tiers = self._tiers = choose_tiers(
-            local, far, cluster, memory=memory_cadence, replicas=replicas, replica_stride=replica_stride,
-            failure_timeout=failure_timeout, retainer=retainer,
-            far_retention=retention if remote_keep is None else Retention.of(remote_keep))
-        self._restorer = Restorer(tiers, control, page_cache=cluster.page_cache,
-                                  directory_leader=cluster.directory_leader, retention=retention)
-        committer = Committer(local, cluster.commit, leader=retainer.leader, token=cluster.token, retainer=retainer,
-                              followers=tiers.followers, directory_leader=cluster.directory_leader)
+            local,
+            far,
+            cluster,
+            memory=memory_cadence,
+            replicas=replicas,
+            replica_stride=replica_stride,
+            failure_timeout=failure_timeout,
+            retainer=retainer,
+            far_retention=retention if remote_keep is None else Retention.of(remote_keep),
+        )
+        self._restorer = Restorer(
+            tiers,
+            control,
+            page_cache=cluster.page_cache,
+            directory_leader=cluster.directory_leader,
+            retention=retention,
+        )
+        committer = Committer(
+            local,
+            cluster.commit,
+            leader=retainer.leader,
+            token=cluster.token,
+            retainer=retainer,
+            followers=tiers.followers,
+            directory_leader=cluster.directory_leader,
+        )
         self._foreign_step = self._restorer.newest_on_any_rank()  # until restore() adopts them
         self._closed = False
         self._events = EventLog(local.events_directory, rank=control.rank)
-        self._events.write("start", pid=os.getpid(), policy=type(self._policy).__name__, keep=retention.keep,
-                           keep_every=retention.every)
-        self._saver = Saver(tiers, cluster, committer, self._events, self._objects, gpu_staging=gpu_staging,
-                            timeout=persist_timeout, on_error=on_error, policy_name=type(self._policy).__name__)
+        self._events.write(
+            "start",
+            pid=os.getpid(),
+            policy=type(self._policy).__name__,
+            keep=retention.keep,
+            keep_every=retention.every,
+        )
+        self._saver = Saver(
+            tiers,
+            cluster,
+            committer,
+            self._events,
+            self._objects,
+            gpu_staging=gpu_staging,
+            timeout=persist_timeout,
+            on_error=on_error,
+            policy_name=type(self._policy).__name__,
+        )
         self._leaving: list[BaseException] = []  # the error a ``with`` block ends on
         self._finalizer = weakref.finalize(
-            self, shutdown, self._saver.writer, tiers, timeout=persist_timeout, failure_timeout=failure_timeout,
-            trap=self._trap, cluster=self._cluster, leaving=self._leaving,
+            self,
+            shutdown,
+            self._saver.writer,
+            tiers,
+            timeout=persist_timeout,
+            failure_timeout=failure_timeout,
+            trap=self._trap,
+            cluster=self._cluster,
+            leaving=self._leaving,
         )
         if self._trap is not None:
             self._trap.install()
 
         self._optimizers = self._registered.optimizers
         self_ref = weakref.ref(self)
-        self._hook_handles = [stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
-                              for opt in self._optimizers.values()]
-        self._step_order = StepOrder([stepped_optimizer(opt) for opt in self._optimizers.values()],
-                                     list(self._objects.values()))
+        self._hook_handles = [
+            stepped_optimizer(opt).register_step_pre_hook(lambda *_: _fence_hook(self_ref))
+            for opt in self._optimizers.values()
+        ]
+        self._step_order = StepOrder(
+            [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
+        )
         self._point = ConsistentPoint(self._objects.values(), PointListener(self))
         self._buckets = BucketLayouts(self._objects, cluster.world_size)
 
@@ -224,8 +273,10 @@ class Checkpointer:
         if name in self._objects or name in RESERVED_NAMES:
             raise UnknownObjectError(f"{name!r} is a registered object, not a plain value")
         if name in self._unclaimed and name not in self._values:
-            raise UsageError(f"{name!r} is registered after restore(), which would lose its restored value: "
-                             + unclaimed_message("the restored checkpoint", [name]))
+            raise UsageError(
+                f"{name!r} is registered after restore(), which would lose its restored value: "
+                + unclaimed_message("the restored checkpoint", [name])
+            )
         flatten({name: value}, allow_pickle=self._allow_pickle)
         self._values[name] = value
 
@@ -314,8 +365,11 @@ class Checkpointer:
         self._point.take()  # what this run decided is not for the state restored
         self._saver.wait(self._timeout)
         start = time.perf_counter()
-        found = self._restorer.find(step, blocks=lambda manifest: self._cluster.blocks(manifest, self._objects),
-                                    device_copies=objects_on_cuda(self._objects.values()))
+        found = self._restorer.find(
+            step,
+            blocks=lambda manifest: self._cluster.blocks(manifest, self._objects),
+            device_copies=objects_on_cuda(self._objects.values()),
+        )
         if found is None:
             self._foreign_step = None
             return 0
@@ -334,9 +388,16 @@ class Checkpointer:
         self._tiers.forget_newer_than(manifest.step)
         self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         seconds = time.perf_counter() - start
-        self._events.write("restore", step=manifest.step, skipped=found.skipped, tier=found.tier, seeded=seeded,
-                           world_size=self._cluster.world_size, saved_world_size=manifest.world_size,
-                           restore_s=seconds)
+        self._events.write(
+            "restore",
+            step=manifest.step,
+            skipped=found.skipped,
+            tier=found.tier,
+            seeded=seeded,
+            world_size=self._cluster.world_size,
+            saved_world_size=manifest.world_size,
+            restore_s=seconds,
+        )
         log.info("restored %s (step %d, %s tier) in %.2f s", found.name, manifest.step, found.tier, seconds)
         return manifest.step
 
@@ -447,8 +508,9 @@ class Checkpointer:
 
     def _capture(self, step: int, *, persisted: bool = True) -> Captured:
         """The registered state at ``step``, sealed (``persisted``: for a checkpoint, not a tier's own snapshot)."""
-        run = functools.partial(run_state, step, self._optimizers, self._saver.profiler, self._policy,
-                                ddp_buckets=self._buckets.record())
+        run = functools.partial(
+            run_state, step, self._optimizers, self._saver.profiler, self._policy, ddp_buckets=self._buckets.record()
+        )
         return self._registered.capture(step, run, persisted=persisted)
 
     def _holds_current_state(self) -> bool:
@@ -490,8 +552,11 @@ def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
         checkpointer._saver.finish_fence()
 
 
-CHECKPOINTER_OPTIONS = tuple(name for name, p in inspect.signature(Checkpointer.__init__).parameters.items()
-                             if p.kind is inspect.Parameter.KEYWORD_ONLY)
+CHECKPOINTER_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(Checkpointer.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
 """The option keywords of :class:`Checkpointer` (every other keyword registers an object)."""
 
 

@@ -42,10 +42,19 @@ class Scripted:
 
 
 def _ctx(step: int, iteration_time: float) -> DecisionContext:
-    return DecisionContext(step=step, session_steps=step, steps_since_checkpoint=step, elapsed=0.0,
-                           seconds_since_checkpoint=0.0, iteration_time=iteration_time,
-                           iteration_time_while_persisting=math.nan, stall=math.nan, persist_time=math.nan,
-                           bytes_per_checkpoint=0, persist_in_flight=False)
+    return DecisionContext(
+        step=step,
+        session_steps=step,
+        steps_since_checkpoint=step,
+        elapsed=0.0,
+        seconds_since_checkpoint=0.0,
+        iteration_time=iteration_time,
+        iteration_time_while_persisting=math.nan,
+        stall=math.nan,
+        persist_time=math.nan,
+        bytes_per_checkpoint=0,
+        persist_in_flight=False,
+    )
 
 
 def _rank(rank: int, store_path: str, out: str, script: dict[str, list]) -> None:
@@ -58,8 +67,9 @@ def _rank(rank: int, store_path: str, out: str, script: dict[str, list]) -> None
     dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, yes_at: list[list[int]], iteration: list[float],
-         intervals: tuple[int, int] | list[int] = (0, 0)) -> list[dict[str, list[int]]]:
+def _run(
+    tmp_path: Path, yes_at: list[list[int]], iteration: list[float], intervals: tuple[int, int] | list[int] = (0, 0)
+) -> list[dict[str, list[int]]]:
     script = {"yes_at": yes_at, "iteration": iteration, "intervals": list(intervals)}
     spawn_ranks(_rank, (str(tmp_path / "store"), str(tmp_path), script), 2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -94,10 +104,20 @@ def test_until_the_iteration_time_is_measured_the_ranks_exchange_at_every_step(t
     assert ranks[0]["taken"] == ranks[1]["taken"] == [6, 41]
 
 
-@pytest.mark.parametrize("iteration, interval, steps", [
-    (math.nan, 0, 1), (0.0, 0, 1), (1.0, 0, 1), (1e-3, 0, 250), (1e-9, 0, MAX_VOTE_STEPS),
-    (1e-3, 176, 88), (1e-3, 1000, 250), (1e-3, 1, 1), (math.nan, 100, 1),
-])
+@pytest.mark.parametrize(
+    "iteration, interval, steps",
+    [
+        (math.nan, 0, 1),
+        (0.0, 0, 1),
+        (1.0, 0, 1),
+        (1e-3, 0, 250),
+        (1e-9, 0, MAX_VOTE_STEPS),
+        (1e-3, 176, 88),
+        (1e-3, 1000, 250),
+        (1e-3, 1, 1),
+        (math.nan, 100, 1),
+    ],
+)
 def test_steps_between_exchanges(iteration: float, interval: int, steps: int) -> None:
     assert vote_steps(iteration, interval) == steps
 
@@ -168,8 +188,9 @@ def test_seventeen_ranks_voting_through_the_tree_checkpoint_at_the_same_steps() 
 
 def _failing_rank(rank: int, store_path: str, out: str, peer: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    agreed = AgreedPolicy(Scripted([], 0), GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(seconds=2))),
-                          timeout=2)
+    agreed = AgreedPolicy(
+        Scripted([], 0), GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(seconds=2))), timeout=2
+    )
     for step in range(1, STEPS + 1):  # votes at every step: the iteration time is unknown
         if rank == 1 and step == 4:
             if peer == "dies":
@@ -216,7 +237,8 @@ def _frozen_rank(rank: int, store_path: str, out: str) -> None:
 
 
 def test_a_vote_whose_peer_freezes_names_it_on_the_training_thread_and_the_process_ends_by_itself(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Rank 1 stops (SIGSTOP) before its vote of step 4: rank 0's training thread, waiting for that
     vote's answer, names rank 1 as lost (not a rank that calls step() less often), and rank 0's
     process ends with status 1 a failure timeout later, although its training thread sleeps."""
@@ -248,10 +270,13 @@ class _Broken(_ThreadPeers):
         raise RuntimeError("Connection reset by peer")
 
 
-@pytest.mark.parametrize("peers, error", [
-    (_Silent, "brought no answer within 0.2 s"),
-    (_Broken, r"failed \(RuntimeError: Connection reset by peer\); another rank may have died"),
-])
+@pytest.mark.parametrize(
+    "peers, error",
+    [
+        (_Silent, "brought no answer within 0.2 s"),
+        (_Broken, r"failed \(RuntimeError: Connection reset by peer\); another rank may have died"),
+    ],
+)
 def test_a_vote_that_fails_or_never_ends_is_a_clear_error_at_the_next_step_and_after(peers: type, error: str) -> None:
     agreed = AgreedPolicy(Scripted([], 0), peers(_Wires(2), 1), timeout=0.2)
     assert not agreed.should_save(_ctx(1, math.nan))  # starts the vote

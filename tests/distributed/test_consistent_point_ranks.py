@@ -31,8 +31,9 @@ def _train(rank: int, world: int, workdir: str) -> None:
     if rank == 0:
         extra["validation"] = ResumableLoader(data, batch_size=32)  # one batch per rank: at its last at once
         next(iter(extra["validation"]))
-    with cf.Checkpointer(f"{workdir}/run", policy=2, failure_timeout=20.0, model=model, optimizer=opt,
-                         loader=loader, **extra) as ckpt:
+    with cf.Checkpointer(
+        f"{workdir}/run", policy=2, failure_timeout=20.0, model=model, optimizer=opt, loader=loader, **extra
+    ) as ckpt:
         for x, y in loader:
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()

@@ -56,8 +56,9 @@ def _train(ddp: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: r
         optimizer.step()
 
 
-def _resume(model: nn.Module, optimizer: torch.optim.Optimizer, recorded: dict | None, world: int, *,
-            register_ddp: bool = False) -> tuple[_Net, DDP, torch.optim.Optimizer, BucketLayouts]:
+def _resume(
+    model: nn.Module, optimizer: torch.optim.Optimizer, recorded: dict | None, world: int, *, register_ddp: bool = False
+) -> tuple[_Net, DDP, torch.optim.Optimizer, BucketLayouts]:
     """A fresh model, DDP and optimizer loaded with ``model``'s and ``optimizer``'s state, as a new process
     would build them; the recorded buckets replayed (``recorded`` not None) into the module or the DDP
     registered as ``"model"``."""
@@ -125,8 +126,11 @@ def _ranks_run(rank: int, world: int, workdir: str) -> None:
     out["rebuilt_elsewhere"] = (layouts.record(), warnings[:])
 
     out["left_alone"] = {}
-    for case, options in {"static_graph": {"static_graph": True}, "find_unused": {"find_unused_parameters": True},
-                          "comm_hook": {}}.items():
+    for case, options in {
+        "static_graph": {"static_graph": True},
+        "find_unused": {"find_unused_parameters": True},
+        "comm_hook": {},
+    }.items():
         model, ddp, optimizer = _build(seed=0, **options)
         if case == "comm_hook":
             ddp.register_comm_hook(None, allreduce_hook)

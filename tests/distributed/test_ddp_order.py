@@ -17,8 +17,12 @@ from checkfreq.ranks.compat import ddp_logging_data
 from checkfreq.ranks.ddp_order import ddp_wrappers_by_name
 from helpers import spawn_ranks
 
-CASES = {"wrapped": (False, "module"), "ddp-registered": (False, "ddp"), "nested": (False, "nested"),
-         "find-unused": (True, "module")}
+CASES = {
+    "wrapped": (False, "module"),
+    "ddp-registered": (False, "ddp"),
+    "nested": (False, "nested"),
+    "find-unused": (True, "module"),
+}
 """name: (find_unused_parameters, what is registered: the module DDP wraps, the DDP itself, or a module
 that DDP wraps inside a framework's wrapper, as Lightning does)"""
 
@@ -43,8 +47,9 @@ class _FrameworkWrapper(torch.nn.Module):
         return self.inner(x)
 
 
-def _ddp(find_unused: bool, registered_kind: str) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel,
-                                                             torch.optim.Optimizer]:
+def _ddp(
+    find_unused: bool, registered_kind: str
+) -> tuple[torch.nn.Module, torch.nn.parallel.DistributedDataParallel, torch.optim.Optimizer]:
     model = _Reversed()
     wrapped = _FrameworkWrapper(model) if registered_kind == "nested" else model
     ddp = torch.nn.parallel.DistributedDataParallel(wrapped, find_unused_parameters=find_unused, bucket_cap_mb=0.0003)

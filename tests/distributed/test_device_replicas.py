@@ -26,8 +26,9 @@ def _ranks(rank: int, store: str, directory: str, out: str, diverge: bool) -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     result = "committed"
     try:
-        with cf.Checkpointer(directory, policy=1000, persist_timeout=60, failure_timeout=10, model=model,
-                             optimizer=opt) as ckpt:
+        with cf.Checkpointer(
+            directory, policy=1000, persist_timeout=60, failure_timeout=10, model=model, optimizer=opt
+        ) as ckpt:
             ckpt._saver.snapshotter = Snapshotter(ops=gpu)
             for _ in range(2):
                 model(torch.ones(4, 64)).sum().backward()

@@ -130,9 +130,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for name, (plan, broadcast) in plans.items():
         reference, killed = tmp_path_factory.mktemp(f"{name}-reference"), tmp_path_factory.mktemp(f"{name}-killed")
         extra = ("--broadcast-buffers", broadcast)
-        jobs[name] = {"reference": reference, "killed": killed, "plan": plan,
-                      "procs": [launch_job(reference, "ddp_train.py", *ddp_train_args(reference, *extra)),
-                                launch_job(killed, "ddp_train.py", *ddp_train_args(killed, *extra, "--die", plan))]}
+        jobs[name] = {
+            "reference": reference,
+            "killed": killed,
+            "plan": plan,
+            "procs": [
+                launch_job(reference, "ddp_train.py", *ddp_train_args(reference, *extra)),
+                launch_job(killed, "ddp_train.py", *ddp_train_args(killed, *extra, "--die", plan)),
+            ],
+        }
     for job in jobs.values():
         _, job["killed_out"] = [finish_job(p) for p in job.pop("procs")]
     after_first, after_second = (3 if first > 3 else 0), (6 if second > 6 else 3)
@@ -192,8 +198,9 @@ def test_world_size_changes_follow_the_per_rank_rule(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()
     args = ("--dump", str(dump))
-    out = finish_job(launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "6", *args),
-                                restarts=0))
+    out = finish_job(
+        launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "6", *args), restarts=0)
+    )
     assert "restored step=0" in out
     out = finish_job(launch_job(tmp_path, "ddp_train.py", *ddp_train_args(tmp_path, "--stop-at", "11", *args), nproc=0))
     assert "rank=0 restored step=6 epoch=1 consumed=32" in out  # 2 -> 1
@@ -223,14 +230,18 @@ def test_loader_built_before_the_process_group(tmp_path: Path) -> None:
     out = finish_job(launch_job(tmp_path, "loader_topology.py", restarts=0))
     indices = {int(r): set(map(int, i.split())) for r, i in re.findall(r"rank=(\d) indices=([\d ]+)", out)}
     assert indices[0] | indices[1] == set(range(12)) and not indices[0] & indices[1]
-    assert out.count("topology error: this loader partitions its samples for rank 0 of 1, "
-                     "but the job now has rank") == 2
+    assert (
+        out.count("topology error: this loader partitions its samples for rank 0 of 1, but the job now has rank") == 2
+    )
 
 
 @pytest.mark.slow
 def test_fsdp2_round_trip_and_reshard_to_one_process(tmp_path: Path) -> None:
-    out = finish_job(launch_job(tmp_path, "ddp_fsdp.py", "--ckpt-dir", str(tmp_path / "ckpt"),
-                                "--expect", str(tmp_path / "expect.pt")))
+    out = finish_job(
+        launch_job(
+            tmp_path, "ddp_fsdp.py", "--ckpt-dir", str(tmp_path / "ckpt"), "--expect", str(tmp_path / "expect.pt")
+        )
+    )
     assert "rank=0 fsdp round trip ok local_rows=17" in out and "rank=1 fsdp round trip ok local_rows=16" in out
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))

@@ -42,9 +42,26 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 def launch(work: Path, nproc: int, log: str, *extra: str, expect_success: bool = True) -> str:
     """One job of elastic_train.py on ``nproc`` ranks under torchrun (0: one plain process); its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    code, out = run_job(command(nproc, "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"),
-                                "--step-log", str(work / log), "--samples", str(SAMPLES),
-                                "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), *extra), env, timeout=240)
+    code, out = run_job(
+        command(
+            nproc,
+            "--ckpt-dir",
+            str(work / "ckpt"),
+            "--final",
+            str(work / "final.pt"),
+            "--step-log",
+            str(work / log),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--epochs",
+            str(EPOCHS),
+            *extra,
+        ),
+        env,
+        timeout=240,
+    )
     assert (code == 0) == expect_success, out[-4000:]
     return out
 
@@ -56,12 +73,14 @@ def assert_on_course(steps: dict, reference: Path, final: Path) -> None:
     assert step_samples(steps) == step_samples(expected)  # exact: the same samples at every step
     per_epoch = SAMPLES // GLOBAL_BATCH
     for epoch in range(EPOCHS):
-        seen = Counter(i for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
-                       for i in step_samples(steps)[step])
+        seen = Counter(
+            i for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1) for i in step_samples(steps)[step]
+        )
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
     losses = torch.tensor([steps[s][0][0] for s in sorted(steps)], dtype=torch.float64)
-    torch.testing.assert_close(losses, torch.tensor([expected[s][0][0] for s in sorted(steps)],
-                                                    dtype=torch.float64), **TOLERANCE)
+    torch.testing.assert_close(
+        losses, torch.tensor([expected[s][0][0] for s in sorted(steps)], dtype=torch.float64), **TOLERANCE
+    )
     final_state, uninterrupted = torch.load(final), torch.load(reference / "final.pt")
     assert final_state["scheduler"] == uninterrupted["scheduler"]  # the schedule counted the same optimizer steps
     torch.testing.assert_close(final_state["model"], uninterrupted["model"], **TOLERANCE)
@@ -102,22 +121,46 @@ def test_a_resized_job_takes_the_uninterrupted_runs_global_batches(reference: Pa
         assert f"restored step {restored_step} on {now} rank(s), saved by {saved} " in text, text
 
 
-def elastic_agent(work: Path, node: int, local_dir: str, port: int, *extra: str, nproc: int = 1,
-                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def elastic_agent(
+    work: Path, node: int, local_dir: str, port: int, *extra: str, nproc: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     """A torchrun agent of an elastic job (1 to 2 nodes of ``nproc`` ranks) on 127.0.0.<node+1>; by
     default, with ``--kill-node 5 --die 1:7 --pause-at 1:9``.
 
     Node 0 hosts the rendezvous store (``is_host``): the store must outlive the node that is lost.
     """
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
-    torchrun = command(nproc, "--ckpt-dir", str(work / local_dir), "--remote", str(work / "remote"),
-                       "--final", str(work / "final.pt"), "--step-log", str(work / "steps.log"),
-                       "--samples", str(SAMPLES), "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS),
-                       *(extra or ("--kill-node", "5", "--die", "1:7", "--pause-at", "1:9")))
+    torchrun = command(
+        nproc,
+        "--ckpt-dir",
+        str(work / local_dir),
+        "--remote",
+        str(work / "remote"),
+        "--final",
+        str(work / "final.pt"),
+        "--step-log",
+        str(work / "steps.log"),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--epochs",
+        str(EPOCHS),
+        *(extra or ("--kill-node", "5", "--die", "1:7", "--pause-at", "1:9")),
+    )
     at = torchrun.index("--standalone")
-    torchrun[at:at + 1] = ["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                           "--local-addr", f"127.0.0.{node + 1}",
-                           "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}"]
+    torchrun[at : at + 1] = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
+        f"127.0.0.{node + 1}",
+        "--rdzv-conf",
+        f"last_call_timeout=1,is_host={int(node == 0)}",
+    ]
     torchrun[torchrun.index("--max-restarts=0")] = "--max-restarts=3"
     log = (work / f"{local_dir}.out").open("w")
     return subprocess.Popen(torchrun, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -135,9 +178,9 @@ def test_torchrun_elastic_job_loses_a_node_and_gets_one_back_on_course(reference
         agents += [elastic_agent(tmp_path, node, f"node{node}", port) for node in (0, 1)]
         paused, deadline = tmp_path / "steps.log.paused", time.monotonic() + 150
         while not paused.exists():
-            assert time.monotonic() < deadline and agents[0].poll() is None, (
-                (tmp_path / "node0.out").read_text()[-4000:]
-            )
+            assert time.monotonic() < deadline and agents[0].poll() is None, (tmp_path / "node0.out").read_text()[
+                -4000:
+            ]
             time.sleep(0.2)
         agents.append(elastic_agent(tmp_path, 1, "node1-new", port))
         codes = [agent.wait(timeout=150) for agent in agents]
@@ -146,11 +189,17 @@ def test_torchrun_elastic_job_loses_a_node_and_gets_one_back_on_course(reference
             kill_tree(agent.pid)
     outs = {name: (tmp_path / f"{name}.out").read_text() for name in ("node0", "node1", "node1-new")}
     assert codes == [0, -9, 0], outs
-    restores = [line.split(" accumulation")[0] for out in outs.values() for line in out.splitlines()
-                if "restored step=" in line]
-    assert restores == ["life=0 rank=0 world=2 restored step=0", "life=1 rank=0 world=1 restored step=4",
-                        "life=2 rank=0 world=1 restored step=6", "life=2 rank=0 world=2 restored step=8",
-                        "life=0 rank=1 world=2 restored step=0", "life=0 rank=1 world=2 restored step=8"], outs
+    restores = [
+        line.split(" accumulation")[0] for out in outs.values() for line in out.splitlines() if "restored step=" in line
+    ]
+    assert restores == [
+        "life=0 rank=0 world=2 restored step=0",
+        "life=1 rank=0 world=1 restored step=4",
+        "life=2 rank=0 world=1 restored step=6",
+        "life=2 rank=0 world=2 restored step=8",
+        "life=0 rank=1 world=2 restored step=0",
+        "life=0 rank=1 world=2 restored step=8",
+    ], outs
 
     lines = [line.split() for line in (tmp_path / "steps.log").read_text().splitlines()]
     seventh = {line[0]: line[5:7] for line in lines if line[1] == "7"}
@@ -170,8 +219,21 @@ def test_a_node_lost_for_good_resumes_from_the_survivors_memory(reference: Path,
     port, shm = free_port(), [tmp_path / "shm0", tmp_path / "shm1"]
     for path in shm:
         path.mkdir()
-    agents = [elastic_agent(tmp_path, node, f"node{node}", port, "--memory", "1", "--kill-node", "5", nproc=2,
-                            env={SHM_DIR_ENV: str(shm[node])}) for node in (0, 1)]
+    agents = [
+        elastic_agent(
+            tmp_path,
+            node,
+            f"node{node}",
+            port,
+            "--memory",
+            "1",
+            "--kill-node",
+            "5",
+            nproc=2,
+            env={SHM_DIR_ENV: str(shm[node])},
+        )
+        for node in (0, 1)
+    ]
     try:
         codes = [agent.wait(timeout=200) for agent in agents]
     finally:
@@ -180,17 +242,35 @@ def test_a_node_lost_for_good_resumes_from_the_survivors_memory(reference: Path,
     outs = {node: (tmp_path / f"node{node}.out").read_text() for node in (0, 1)}
     assert codes == [0, -9], outs
     restores = sorted(re.findall(r"life=\d+ rank=\d+ world=\d+ restored step=\d+", outs[0]))
-    assert restores == ["life=0 rank=0 world=4 restored step=0", "life=0 rank=1 world=4 restored step=0",
-                        "life=1 rank=0 world=2 restored step=5", "life=1 rank=1 world=2 restored step=5"], outs
-    tiers = {(e["rank"], e["tier"], e["saved_world_size"]) for e in read_events(tmp_path / "node0")
-             if e["event"] == "restore"}
+    assert restores == [
+        "life=0 rank=0 world=4 restored step=0",
+        "life=0 rank=1 world=4 restored step=0",
+        "life=1 rank=0 world=2 restored step=5",
+        "life=1 rank=1 world=2 restored step=5",
+    ], outs
+    tiers = {
+        (e["rank"], e["tier"], e["saved_world_size"])
+        for e in read_events(tmp_path / "node0")
+        if e["event"] == "restore"
+    }
     assert tiers == {(0, "memory", 4), (1, "memory", 4)}, tiers  # the shares were taken at world size 4
     assert_on_course(read_steps(tmp_path / "steps.log"), reference, tmp_path / "final.pt")
 
 
 def fit_lightning(work: Path, log: str, *args: str, expect_success: bool = True) -> str:
-    code, out = run_job([sys.executable, str(SCRIPTS / "lightning_resize.py"), "--dir", str(work / "ckpt"),
-                         "--log", str(work / log), *args], {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
+    code, out = run_job(
+        [
+            sys.executable,
+            str(SCRIPTS / "lightning_resize.py"),
+            "--dir",
+            str(work / "ckpt"),
+            "--log",
+            str(work / log),
+            *args,
+        ],
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=240,
+    )
     assert (code == 0) == expect_success, out[-4000:]
     return out
 
@@ -241,15 +321,27 @@ def test_hf_trainer_resumed_on_one_process_keeps_the_global_batches(tmp_path: Pa
     hf_fit(reference, "final", "--grad-acc", "4")
     hf_fit(run, "killed", "--die-at", "4", killed=True, ranks=2)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    code, out = run_job([sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(run),
-                         "--out", str(run / "refused.pt"), "--read-log", str(run / "refused.log"),
-                         "--resume_from_checkpoint", "true"], env)
+    code, out = run_job(
+        [
+            sys.executable,
+            str(SCRIPTS / "hf_train.py"),
+            "--dir",
+            str(run),
+            "--out",
+            str(run / "refused.pt"),
+            "--read-log",
+            str(run / "refused.log"),
+            "--resume_from_checkpoint",
+            "true",
+        ],
+        env,
+    )
     assert code != 0 and "the checkpoint's optimizer steps took 16 samples each" in out and "this run's take 8" in out
     assert not (run / "refused.log").exists()  # refused before reading a sample
     assert "restored 3 final 6" in hf_fit(run, "final", "--grad-acc", "4")
 
     ranks = [sample_reads(run / f"killed.log.{rank}") for rank in (0, 1)]  # 8 reads per step on each rank
-    steps = [sorted(ranks[0][8 * s:8 * s + 8] + ranks[1][8 * s:8 * s + 8]) for s in range(3)]
+    steps = [sorted(ranks[0][8 * s : 8 * s + 8] + ranks[1][8 * s : 8 * s + 8]) for s in range(3)]
     resumed, expected = sample_reads(run / "final.log"), sample_reads(reference / "final.log")
-    steps += [sorted(resumed[16 * s:16 * s + 16]) for s in range(3)]
-    assert steps == [sorted(expected[16 * s:16 * s + 16]) for s in range(6)] and len(expected) == 96
+    steps += [sorted(resumed[16 * s : 16 * s + 16]) for s in range(3)]
+    assert steps == [sorted(expected[16 * s : 16 * s + 16]) for s in range(6)] and len(expected) == 96

@@ -24,9 +24,21 @@ POLICY = 4
 
 def _job(workdir: Path, name: str, kill: str, nproc: int) -> list[dict]:
     out = workdir / f"{name}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=1", "--monitor-interval=0.1", str(SCRIPTS / "epoch_loops.py"), "peek",
-               str(workdir / name), str(POLICY), kill, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        str(SCRIPTS / "epoch_loops.py"),
+        "peek",
+        str(workdir / name),
+        str(POLICY),
+        kill,
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     code, output = run_job(command, env, timeout=300)
     assert code == 0, output[-4000:]
@@ -43,13 +55,16 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], l
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "kill"), [(2, "step:9"), (2, "work:1"), (3, "work:1"), (4, "step:9")])
-def test_the_tutorial_loop_under_torchrun_resumes_bit_identical(tmp_path: Path,
-                                                                uninterrupted: Callable[[int], list[dict]],
-                                                                nproc: int, kill: str) -> None:
+def test_the_tutorial_loop_under_torchrun_resumes_bit_identical(
+    tmp_path: Path, uninterrupted: Callable[[int], list[dict]], nproc: int, kill: str
+) -> None:
     ended_job = _job(tmp_path, "run", kill, nproc)
     for rank, (ended, reference) in enumerate(zip(ended_job, uninterrupted(nproc), strict=True)):
         for name, tensor in reference["model"].items():
             assert torch.equal(ended["model"][name], tensor), f"rank {rank}: {name} differs"
         assert ended["lr"] == reference["lr"] and torch.equal(ended["rng"], reference["rng"]), rank
-        assert (ended["best"], ended["step"], ended["epoch"]) == (reference["best"], reference["step"],
-                                                                   reference["epoch"])
+        assert (ended["best"], ended["step"], ended["epoch"]) == (
+            reference["best"],
+            reference["step"],
+            reference["epoch"],
+        )

@@ -97,8 +97,16 @@ class Job:
         return "".join(f"---- {name}\n{text[-3000:]}" for name, text in self.out.items())
 
 
-def agent(work: Path, node: int, port: int, nnodes: str, name: str, *args: str,
-          directory: str | None = None, fsdp: bool = False) -> subprocess.Popen[str]:
+def agent(
+    work: Path,
+    node: int,
+    port: int,
+    nnodes: str,
+    name: str,
+    *args: str,
+    directory: str | None = None,
+    fsdp: bool = False,
+) -> subprocess.Popen[str]:
     """A torchrun agent of two ranks on 127.0.0.<node+1> (node 0 hosts the rendezvous: it must outlive
     node 1), its local directory ``work/directory`` (``node<node>`` if None); with ``fsdp``, of
     ``fsdp_memory.py`` (:data:`FSDP_ARGS`), the shared memory of its own ``work/shm-<directory>``."""
@@ -109,13 +117,50 @@ def agent(work: Path, node: int, port: int, nnodes: str, name: str, *args: str,
         env[SHM_DIR_ENV] = str(work / f"shm-{local.name}")
         Path(env[SHM_DIR_ENV]).mkdir(exist_ok=True)
     else:
-        script = [str(SCRIPTS / "fault_train.py"), "--final", str(work / "final.pt"), "--samples", str(SAMPLES),
-                  "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), "--every", str(EVERY)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
-               "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
-               "--monitor-interval", "0.1", *script, "--ckpt-dir", str(local), "--remote", str(work / "remote"),
-               "--step-log", str(work / "steps.log"), "--markers", str(work), *args]
+        script = [
+            str(SCRIPTS / "fault_train.py"),
+            "--final",
+            str(work / "final.pt"),
+            "--samples",
+            str(SAMPLES),
+            "--global-batch",
+            str(GLOBAL_BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--every",
+            str(EVERY),
+        ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
+        f"127.0.0.{node + 1}",
+        "--rdzv-conf",
+        f"last_call_timeout=1,is_host={int(node == 0)}",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+        *script,
+        "--ckpt-dir",
+        str(local),
+        "--remote",
+        str(work / "remote"),
+        "--step-log",
+        str(work / "steps.log"),
+        "--markers",
+        str(work),
+        *args,
+    ]
     log = (work / f"{name}.out").open("w")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
 
@@ -158,8 +203,15 @@ def print_stacks(pids: set[int]) -> None:
     time.sleep(1.0)
 
 
-def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agent: bool = False,
-            fsdp: bool = False, new_machine: bool = False) -> Job:
+def run_job(
+    work: Path,
+    nnodes: str,
+    faults: str,
+    *extra: str,
+    replace_lost_agent: bool = False,
+    fsdp: bool = False,
+    new_machine: bool = False,
+) -> Job:
     """One job with ``faults`` (fault_train.py's ``--faults``; with ``fsdp``, of ``fsdp_memory.py``),
     watched; node 1's agent is started again after it is lost when ``replace_lost_agent``: on a new
     machine, with an empty directory and empty shared memory, when the node is frozen (it still
@@ -184,8 +236,9 @@ def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agen
                 watched.append((fault, workers(agents, fault.record["time"]) - set(fault.record["pids"])))
                 if fault.record["what"] != "rank" and replace_lost_agent:  # a frozen node is replaced by a new machine
                     fresh = "node1-new" if fault.record["what"] == "freeze" or new_machine else None
-                    agents.append(agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh,
-                                        fsdp=fsdp))
+                    agents.append(
+                        agent(work, 1, port, nnodes, f"node1-{len(agents)}", *args, directory=fresh, fsdp=fsdp)
+                    )
                     names.append(f"node1-{len(agents) - 1}")
             for fault, pids in list(watched):
                 if not alive(pids):
@@ -207,22 +260,44 @@ def run_job(work: Path, nnodes: str, faults: str, *extra: str, replace_lost_agen
         fault.restarted_s = min(later, default=None)
         exited = "hung" if fault.exited_s is None else f"{fault.exited_s:.1f} s"
         restarted = "never" if fault.restarted_s is None else f"{fault.restarted_s:.1f} s"
-        print(f"--nnodes {nnodes}, {fault.record['what']} of rank {fault.record['rank']} lost at "
-              f"{fault.record['phase']} (step {fault.record['step']}): survivors gone after {exited}, "
-              f"restored after {restarted}")  # the table of docs/reliability.md (pytest -s)
+        print(
+            f"--nnodes {nnodes}, {fault.record['what']} of rank {fault.record['rank']} lost at "
+            f"{fault.record['phase']} (step {fault.record['step']}): survivors gone after {exited}, "
+            f"restored after {restarted}"
+        )  # the table of docs/reliability.md (pytest -s)
     return job
 
 
 def uninterrupted(work: Path, nproc: int) -> Path:
     """The job uninterrupted on ``nproc`` ranks under one agent (0: one plain process)."""
-    script = [str(SCRIPTS / "fault_train.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final.pt"),
-              "--step-log", str(work / "steps.log"), "--markers", str(work), "--samples", str(SAMPLES),
-              "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), "--every", str(EVERY)]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "--monitor-interval", "0.1"] if nproc else []
+    script = [
+        str(SCRIPTS / "fault_train.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--final",
+        str(work / "final.pt"),
+        "--step-log",
+        str(work / "steps.log"),
+        "--markers",
+        str(work),
+        "--samples",
+        str(SAMPLES),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--epochs",
+        str(EPOCHS),
+        "--every",
+        str(EVERY),
+    ]
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1"]
+        if nproc
+        else []
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run([sys.executable, *launcher, *script], capture_output=True, text=True, env=env,
-                          timeout=JOB_TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, *launcher, *script], capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_S
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return work
 
@@ -255,8 +330,10 @@ def assert_survived(job: Job, failure_timeout: float, count: int = 1, *, named: 
         host = socket.gethostname()
         named = [f"rank {rank} ({host}, pid " for rank in record["ranks"]]
         if record["what"] == "rank":
-            named += [f"failed (exitcode: -9) local_rank: {rank % 2} (pid: {pid})"
-                      for rank, pid in zip(record["ranks"], record["pids"], strict=True)]
+            named += [
+                f"failed (exitcode: -9) local_rank: {rank % 2} (pid: {pid})"
+                for rank, pid in zip(record["ranks"], record["pids"], strict=True)
+            ]
         assert any(name in job.text for name in named), (record, job.text[-8000:])
     lost = [1] if any(f.record["what"] != "rank" for f in job.faults) else []  # node 1's first agent
     assert all(code == 0 for number, code in enumerate(job.codes) if number not in lost), (job.codes, job.tails)
@@ -287,8 +364,9 @@ def assert_on_course(work: Path, reference: Path) -> None:
     assert step_samples(steps) == step_samples(expected)
     per_epoch = SAMPLES // GLOBAL_BATCH
     for epoch in range(EPOCHS):
-        seen = Counter(i for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
-                       for i in step_samples(steps)[step])
+        seen = Counter(
+            i for step in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1) for i in step_samples(steps)[step]
+        )
         assert sorted(seen) == list(range(SAMPLES)) and set(seen.values()) == {1}, epoch
     final, uninterrupted = torch.load(work / "final.pt"), torch.load(reference / "final.pt")
     torch.testing.assert_close(final["model"], uninterrupted["model"], **TOLERANCE)
@@ -296,7 +374,8 @@ def assert_on_course(work: Path, reference: Path) -> None:
 
 @pytest.mark.slow
 def test_a_lost_node_of_two_ranks_restarts_the_survivors_within_a_minute_with_the_defaults(
-        one_process: Path, tmp_path: Path) -> None:
+    one_process: Path, tmp_path: Path
+) -> None:
     """``--nnodes 1:2``, default options (failure_timeout 30 s): node 1 (ranks 2 and 3, and its agent)
     is lost for good in the commit of checkpoint 4, as rank 3 sends its report. The survivors leave
     and restart within 60 s of the loss, at 2 ranks, and finish on course."""
@@ -316,14 +395,21 @@ ONE_A_PHASE = [(phase, KINDS[i % 3], FORMS[i % 2]) for i, phase in enumerate(PHA
 @pytest.mark.slow
 @pytest.mark.parametrize(("phase", "what", "nnodes"), MATRIX if FULL else ONE_A_PHASE if ROTATION else CHEAP)
 def test_a_rank_or_node_lost_at_a_phase_never_hangs_the_job(
-        request: pytest.FixtureRequest, one_process: Path, tmp_path: Path, phase: str, what: str, nnodes: str) -> None:
+    request: pytest.FixtureRequest, one_process: Path, tmp_path: Path, phase: str, what: str, nnodes: str
+) -> None:
     """Rank 3 (or node 1: ranks 2 and 3) lost at ``phase`` of step 4's checkpoint (or after step 5,
     between checkpoints); a lost node comes back with ``--nnodes 2`` (the job resumes at 4 ranks,
     bit-identical) and stays lost with ``--nnodes 1:2`` (it resumes at 2 ranks, on course)."""
     rank = "2" if phase == "broadcast" and what == "rank" else "3"
     step = "5" if phase == "between" else "4"
-    job = run_job(tmp_path, nnodes, f"{phase}:{rank}:{step}:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
-                  replace_lost_agent=nnodes == "2" and what != "rank")
+    job = run_job(
+        tmp_path,
+        nnodes,
+        f"{phase}:{rank}:{step}:{what}",
+        "--failure-timeout",
+        str(FAILURE_TIMEOUT_S),
+        replace_lost_agent=nnodes == "2" and what != "rank",
+    )
     assert_survived(job, FAILURE_TIMEOUT_S)
     assert_replays_identical(tmp_path)
     if what != "rank" and nnodes == "1:2":
@@ -336,11 +422,18 @@ def test_a_rank_or_node_lost_at_a_phase_never_hangs_the_job(
 @pytest.mark.skipif(not (FULL or ROTATION), reason="CHECKFREQ_FAULT_MATRIX=1 or ci runs it")
 @pytest.mark.parametrize("what", ["rank", "agent"] if FULL else ["agent"])
 def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
-        four_ranks: Path, tmp_path: Path, what: str) -> None:
+    four_ranks: Path, tmp_path: Path, what: str
+) -> None:
     """A first fault makes the job restart (rank 3 lost between checkpoints); rank 3, or node 1, is then
     lost as the restore exchanges data; node 1 comes back (``--nnodes 2``): bit-identical."""
-    job = run_job(tmp_path, "2", f"between:3:5:rank,restore:3:0:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
-                  replace_lost_agent=True)
+    job = run_job(
+        tmp_path,
+        "2",
+        f"between:3:5:rank,restore:3:0:{what}",
+        "--failure-timeout",
+        str(FAILURE_TIMEOUT_S),
+        replace_lost_agent=True,
+    )
     assert_survived(job, FAILURE_TIMEOUT_S, count=2)
     assert_replays_identical(tmp_path)
     assert_bit_identical(tmp_path, four_ranks)
@@ -349,8 +442,12 @@ def test_a_rank_or_node_lost_in_a_restores_exchange_never_hangs_the_job(
 FSDP_ARGS = ("--epochs", "3", "--every", "4", "--memory", "1", "--replicas", "1")
 """fsdp_memory.py's job: 12 steps, a memory snapshot at each, copied to the other node, durable every 4."""
 FSDP_STEPS = 12
-REPLICA_CASES = [(phase, nnodes, what) for what in ("agent", "freeze") for nnodes in ("1:2", "2")
-                 for phase in ("replica-send", "replica-keep")]
+REPLICA_CASES = [
+    (phase, nnodes, what)
+    for what in ("agent", "freeze")
+    for nnodes in ("1:2", "2")
+    for phase in ("replica-send", "replica-keep")
+]
 """Node 1 killed or frozen mid-copy, as the sender or as the keeper, with both launch forms."""
 ROTATING_REPLICA_CASES = [("replica-send", "1:2", "agent"), ("replica-keep", "2", "freeze")]
 
@@ -359,9 +456,24 @@ ROTATING_REPLICA_CASES = [("replica-send", "1:2", "agent"), ("replica-keep", "2"
 def fsdp_four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """fsdp_memory.py's job uninterrupted at 4 ranks under one agent."""
     work = tmp_path_factory.mktemp("fsdp-four-ranks")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-               "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"),
-               "--final", str(work / "final"), "--step-log", str(work / "steps.log"), *FSDP_ARGS]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--monitor-interval",
+        "0.1",
+        str(SCRIPTS / "fsdp_memory.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--final",
+        str(work / "final"),
+        "--step-log",
+        str(work / "steps.log"),
+        *FSDP_ARGS,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SHM_DIR_ENV: str(work)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=JOB_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -372,7 +484,8 @@ def fsdp_four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(not (FULL or ROTATION), reason="CHECKFREQ_FAULT_MATRIX=1 or ci runs it")
 @pytest.mark.parametrize(("phase", "nnodes", "what"), REPLICA_CASES if FULL else ROTATING_REPLICA_CASES)
 def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usable_partial_copy(
-        fsdp_four_ranks: Path, tmp_path: Path, phase: str, nnodes: str, what: str) -> None:
+    fsdp_four_ranks: Path, tmp_path: Path, phase: str, nnodes: str, what: str
+) -> None:
     """FSDP2, a memory snapshot at every step, each copied to the other node (``replicas=1``). Node 1
     (its agent and workers) is SIGKILLed (``agent``) or SIGSTOPped (``freeze``: its connections stay
     open) while a copy of step 6 or later is in flight: as rank 3 sends its own (the data sent, the
@@ -385,8 +498,16 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
     machine, its memory kept, after ``replica-keep``). The copy cut short is never used: the
     keeper's machine never lists it as a valid copy (node 0, or node 1 back on its machine), and,
     rank 3's own copy cut short, no restore after the loss is at its step or later."""
-    job = run_job(tmp_path, nnodes, f"{phase}:3:6:{what}", "--failure-timeout", str(FAILURE_TIMEOUT_S),
-                  replace_lost_agent=nnodes == "2", fsdp=True, new_machine=phase == "replica-send")
+    job = run_job(
+        tmp_path,
+        nnodes,
+        f"{phase}:3:6:{what}",
+        "--failure-timeout",
+        str(FAILURE_TIMEOUT_S),
+        replace_lost_agent=nnodes == "2",
+        fsdp=True,
+        new_machine=phase == "replica-send",
+    )
     # a killed node: FSDP's own collectives fail first, and gloo names no rank; a frozen one: its heartbeats do
     assert_survived(job, FAILURE_TIMEOUT_S, named=what == "freeze")
     record = job.faults[0].record
@@ -395,29 +516,40 @@ def test_a_node_lost_mid_replica_transfer_never_hangs_the_job_nor_leaves_a_usabl
     if phase == "replica-send":  # rank 3's copy of record["step"] was cut short on rank 1, which lives on
         assert any(r == "3" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)
         assert all(step != str(record["step"]) for rank, step, _ in kept if rank == "3"), (record, kept)
-        after = [int(step) for step, at in re.findall(r"restored step=(\d+) at=([\d.]+)", job.text)
-                 if float(at) > record["time"]]
+        after = [
+            int(step)
+            for step, at in re.findall(r"restored step=(\d+) at=([\d.]+)", job.text)
+            if float(at) > record["time"]
+        ]
         assert after and max(after) < record["step"], (record, after)
     if phase == "replica-keep" and what == "agent":  # rank 1's copy thread, waiting for rank 3's answer, got an error
         assert f"copying snapshot {record['step']} to rank 3 failed" in job.out["node0"], job.out["node0"][-4000:]
     if what == "freeze":  # found by the copies' watch: no wait of FSDP's nor of a copy thread outlasts it
-        assert "stopped answering during the copies of memory snapshots between machines" in job.out["node0"], (
-            job.out["node0"][-4000:])
+        assert "stopped answering during the copies of memory snapshots between machines" in job.out["node0"], job.out[
+            "node0"
+        ][-4000:]
     if phase == "replica-keep" and nnodes == "2" and what == "agent":  # node 1 back on its machine, the copy cut short
-        kept = [found for name, text in job.out.items() if name.startswith("node1-")
-                for found in re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", text)]
+        kept = [
+            found
+            for name, text in job.out.items()
+            if name.startswith("node1-")
+            for found in re.findall(r"keeps copy of rank (\d+) step=(\d+) valid=(\w+)", text)
+        ]
         assert any(r == "1" and int(s) < record["step"] and v == "True" for r, s, v in kept), (record, kept)
         assert all(step != str(record["step"]) for rank, step, _ in kept if rank == "1"), (record, kept)
     if nnodes == "2":
         for rank in range(4):
-            assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
-                               torch.load(fsdp_four_ranks / f"final.rank{rank}.pt"))
+            assert_state_equal(
+                torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(fsdp_four_ranks / f"final.rank{rank}.pt")
+            )
     else:
         losses, expected = read_losses(tmp_path / "steps.log"), read_losses(fsdp_four_ranks / "steps.log")
         assert sorted(losses) == list(range(1, FSDP_STEPS + 1))
-        torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
-                                   torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),
-                                   **TOLERANCE)
+        torch.testing.assert_close(
+            torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+            torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),
+            **TOLERANCE,
+        )
         final, uninterrupted = torch.load(tmp_path / "final.full.pt"), torch.load(fsdp_four_ranks / "final.full.pt")
         torch.testing.assert_close(final, uninterrupted, **TOLERANCE)
 
@@ -429,8 +561,9 @@ def _leave_on_an_error(rank: int, store_path: str, out: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     result: dict = {}
     try:
-        with cf.Checkpointer(Path(out) / f"node{rank}", policy=1, failure_timeout=FAILURE_TIMEOUT_S,
-                             model=model, optimizer=optimizer) as ckpt:
+        with cf.Checkpointer(
+            Path(out) / f"node{rank}", policy=1, failure_timeout=FAILURE_TIMEOUT_S, model=model, optimizer=optimizer
+        ) as ckpt:
             for step in range(1, 1000):
                 model(torch.ones(8, 64)).sum().backward()
                 optimizer.step()
@@ -529,8 +662,9 @@ def test_a_second_survivor_names_the_lost_rank_not_the_survivor_that_gave_up_fir
     waiting on rank 0. Rank 0 leaves only once rank 1 has read why the job failed (or a heartbeat
     interval later), so rank 1's error names rank 2, with its host and pid, as rank 0's does, rather
     than rank 0, whose connection closed, with neither (its store gone with it)."""
-    spawn_ranks(_second_survivor_after_the_store_host_left, (str(tmp_path / "store"), str(tmp_path), free_port()),
-                nprocs=3)
+    spawn_ranks(
+        _second_survivor_after_the_store_host_left, (str(tmp_path / "store"), str(tmp_path), free_port()), nprocs=3
+    )
     lost = f"rank 2 ({socket.gethostname()}, pid {(tmp_path / 'pid2').read_text()}) closed its connection"
     first, second = ((tmp_path / f"error{rank}").read_text() for rank in (0, 1))
     assert lost in first and "(seen by rank 0)" in first, first

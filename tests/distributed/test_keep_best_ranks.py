@@ -23,8 +23,9 @@ def _ranks(rank: int, store: str, directory: str, out: str) -> None:
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     keep = cf.Retention(1, best=("val_loss", "min"), top=2)
-    with cf.Checkpointer(directory, policy=100, keep=keep, persist_timeout=60, failure_timeout=10, model=model,
-                         optimizer=opt) as ckpt:
+    with cf.Checkpointer(
+        directory, policy=100, keep=keep, persist_timeout=60, failure_timeout=10, model=model, optimizer=opt
+    ) as ckpt:
         for step in range(1, 13):
             train_step(model, opt)
             ckpt.step()

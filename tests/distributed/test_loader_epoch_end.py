@@ -54,8 +54,14 @@ def _train(rank: int, world: int, epoch_work: bool, directory: str, out: str, ki
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     loader = ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=5)
-    ckpt = Checkpointer(directory, policy=SAMPLES // BATCH // world, model=model, optimizer=optimizer,
-                        scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(
+        directory,
+        policy=SAMPLES // BATCH // world,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    )
     ckpt.restore()
     taken: dict[int, list[int]] = {}
 
@@ -80,8 +86,10 @@ def _train(rank: int, world: int, epoch_work: bool, directory: str, out: str, ki
             scheduler.step()
     ckpt.close()
     Path(f"{out}.{rank}.json").write_text(json.dumps({"taken": taken}))
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-               f"{out}.{rank}.pt")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+        f"{out}.{rank}.pt",
+    )
 
 
 def _die_together(where: Path, rank: int, world: int) -> None:
@@ -105,19 +113,32 @@ def _taken(out: Path, rank: int) -> dict[int, list[int]]:
     return {int(e): idx for e, idx in json.loads(Path(f"{out}.{rank}.json").read_text())["taken"].items()}
 
 
-@pytest.mark.parametrize(("world", "epoch_work"), [(1, False), (1, True), (2, True)],
-                         ids=["1-rank", "1-rank-epoch-scheduler", "2-ranks-epoch-scheduler"])
+@pytest.mark.parametrize(
+    ("world", "epoch_work"),
+    [(1, False), (1, True), (2, True)],
+    ids=["1-rank", "1-rank-epoch-scheduler", "2-ranks-epoch-scheduler"],
+)
 def test_the_tutorial_loop_resumed_at_an_epoch_end_takes_each_sample_once_in_order(
     tmp_path: Path, world: int, epoch_work: bool
 ) -> None:
     killed, resumed, uninterrupted = tmp_path / "killed", tmp_path / "resumed", tmp_path / "uninterrupted"
     with pytest.raises(ProcessExitedException, match="SIGKILL"):
-        spawn_ranks(_job, (world, epoch_work, str(tmp_path / "store1"), [(str(tmp_path / "run"), str(killed), 0)]),
-                    world)
-    spawn_ranks(_job, (world, epoch_work, str(tmp_path / "store2"), [
-        (str(tmp_path / "run"), str(resumed), None),  # resumed from the checkpoint that ended epoch 0
-        (str(tmp_path / "fresh"), str(uninterrupted), None),
-    ]), world)
+        spawn_ranks(
+            _job, (world, epoch_work, str(tmp_path / "store1"), [(str(tmp_path / "run"), str(killed), 0)]), world
+        )
+    spawn_ranks(
+        _job,
+        (
+            world,
+            epoch_work,
+            str(tmp_path / "store2"),
+            [
+                (str(tmp_path / "run"), str(resumed), None),  # resumed from the checkpoint that ended epoch 0
+                (str(tmp_path / "fresh"), str(uninterrupted), None),
+            ],
+        ),
+        world,
+    )
 
     for rank in range(world):
         before, after, whole = _taken(killed, rank), _taken(resumed, rank), _taken(uninterrupted, rank)

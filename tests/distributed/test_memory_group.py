@@ -43,10 +43,13 @@ def test_a_machine_keeps_one_copy_and_every_rank_resumes_from_it(
             path.mkdir()
         procs = [  # --every 100: nothing on disk but the closing checkpoint, every restore is from memory
             launch_job(alone, "ddp_train.py", *ddp_train_args(alone, "--every", "100", "--memory", "1"), nproc=0),
-            launch_job(reference, "ddp_train.py", *ddp_train_args(reference, "--every", "100"),
-                       nproc=ranks),
-            launch_job(killed, "ddp_train.py", *ddp_train_args(
-                killed, "--every", "100", "--memory", "1", "--die", f"0:{ranks - 1}:{die}:step"), nproc=ranks),
+            launch_job(reference, "ddp_train.py", *ddp_train_args(reference, "--every", "100"), nproc=ranks),
+            launch_job(
+                killed,
+                "ddp_train.py",
+                *ddp_train_args(killed, "--every", "100", "--memory", "1", "--die", f"0:{ranks - 1}:{die}:step"),
+                nproc=ranks,
+            ),
         ]
         outs = [finish_job(p) for p in procs]
         found = re.findall(r"life=(\d+) rank=\d+ restored step=(\d+)", outs[2])
@@ -85,8 +88,10 @@ def test_fsdp2_ranks_resume_from_their_shards_in_memory(tmp_path: Path, monkeypa
         for path in (reference, killed):
             path.mkdir()
         common = ("--ckpt-dir", "ckpt", "--final", "final")
-        procs = [launch_job(reference, "fsdp_memory.py", *common),
-                 launch_job(killed, "fsdp_memory.py", *common, "--memory", "1", "--die", "0:1:5")]
+        procs = [
+            launch_job(reference, "fsdp_memory.py", *common),
+            launch_job(killed, "fsdp_memory.py", *common, "--memory", "1", "--die", "0:1:5"),
+        ]
         out = [finish_job(p) for p in procs][1]
         found = re.findall(r"life=(\d+) rank=\d+ world=\d+ restored step=(\d+)", out)
         assert {int(step) for life, step in found if life == "1"} in ({4}, {5}), out[-3000:]

@@ -36,30 +36,80 @@ PRIVATE = 4 + 624 * 4 + 5056
 """A DDP rank's private tensors: ``seen`` (float32), numpy's RNG key (624 uint32) and torch's CPU RNG state."""
 
 
-def _agent(work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2",
-           nproc: int = 2) -> subprocess.Popen[bytes]:
+def _agent(
+    work: Path, node: int, port: int, *extra: str, nnodes: str = "1:2", nproc: int = 2
+) -> subprocess.Popen[bytes]:
     """A torchrun agent of ``nproc`` ranks of a job of ``nnodes`` nodes on 127.0.0.<node+1>; node 0 hosts
     the rendezvous store, which must outlive the nodes that are lost."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           SHM_DIR_ENV: str(work / f"shm{node}")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        SHM_DIR_ENV: str(work / f"shm{node}"),
+    }
     (work / f"shm{node}").mkdir(exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--local-addr", f"127.0.0.{node + 1}",
-               "--rdzv-conf", f"last_call_timeout=1,is_host={int(node == 0)}", "--max-restarts", "3",
-               "--monitor-interval", "0.1", str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / f"node{node}"),
-               "--final", str(work / "final"), "--step-log", str(work / "steps.log"),
-               "--kill-marker", str(work / "killed"), *ARGS, *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--local-addr",
+        f"127.0.0.{node + 1}",
+        "--rdzv-conf",
+        f"last_call_timeout=1,is_host={int(node == 0)}",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+        str(SCRIPTS / "fsdp_memory.py"),
+        "--ckpt-dir",
+        str(work / f"node{node}"),
+        "--final",
+        str(work / "final"),
+        "--step-log",
+        str(work / "steps.log"),
+        "--kill-marker",
+        str(work / "killed"),
+        *ARGS,
+        *extra,
+    ]
     log = (work / f"node{node}.out").open("a")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _uninterrupted(work: Path, *extra: str, nproc: int = 4) -> Path:
     """The uninterrupted job at world size ``nproc``."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(SCRIPTS / "fsdp_memory.py"), "--ckpt-dir", str(work / "ckpt"), "--final", str(work / "final"),
-               "--step-log", str(work / "steps.log"), *ARGS, *extra]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(work)})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPTS / "fsdp_memory.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--final",
+        str(work / "final"),
+        "--step-log",
+        str(work / "steps.log"),
+        *ARGS,
+        *extra,
+    ]
+    out = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", SHM_DIR_ENV: str(work)},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return work
 
@@ -96,10 +146,15 @@ def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
             kill_tree(agent.pid)
     out = (tmp_path / "node0.out").read_text()
     restores = sorted(line.split("] ")[-1] for line in out.splitlines() if "restored step=" in line)
-    assert restores[-2:] == [f"life=1 rank=0 world=2 restored step={resumed}",
-                             f"life=1 rank=1 world=2 restored step={resumed}"], out[-4000:]
-    tiers = {(e["rank"], e["tier"]) for e in read_events(tmp_path / "node0")
-             if e["event"] == "restore" and e["world_size"] == 2}
+    assert restores[-2:] == [
+        f"life=1 rank=0 world=2 restored step={resumed}",
+        f"life=1 rank=1 world=2 restored step={resumed}",
+    ], out[-4000:]
+    tiers = {
+        (e["rank"], e["tier"])
+        for e in read_events(tmp_path / "node0")
+        if e["event"] == "restore" and e["world_size"] == 2
+    }
     copies = [e for e in read_events(tmp_path / "node0") if e["event"] == "replica" and e["kept"]]
     if replicas:  # nothing read from disk or the remote tier; each survivor had copied its snapshots to node 1
         assert tiers == {(0, "memory"), (1, "memory")}, tiers
@@ -111,10 +166,14 @@ def test_a_node_lost_for_good_resumes_from_the_copies_of_its_shards(
         assert not copies
     losses, expected = read_losses(tmp_path / "steps.log"), read_losses(reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)
-    torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(reference / "final.full.pt"),
-                               **TOLERANCE)
+    torch.testing.assert_close(
+        torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),
+        **TOLERANCE,
+    )
+    torch.testing.assert_close(
+        torch.load(tmp_path / "final.full.pt"), torch.load(reference / "final.full.pt"), **TOLERANCE
+    )
 
 
 def test_a_replacement_node_takes_its_ranks_snapshots_from_the_copies(reference: Path, tmp_path: Path) -> None:
@@ -134,8 +193,12 @@ def test_a_replacement_node_takes_its_ranks_snapshots_from_the_copies(reference:
     finally:
         for agent in agents:
             kill_tree(agent.pid)
-    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1) for e in read_events(tmp_path / f"node{node}")
-                if e["event"] == "restore"}
+    restores = {
+        (e["rank"], e["step"], e["tier"])
+        for node in (0, 1)
+        for e in read_events(tmp_path / f"node{node}")
+        if e["event"] == "restore"
+    }
     assert restores == {(rank, KILL, "memory") for rank in range(4)}, restores
     for rank in range(4):
         expected = torch.load(reference / f"final.rank{rank}.pt")
@@ -177,22 +240,32 @@ def test_ddp_copies_carry_no_replicated_bytes_and_a_lost_node_resumes_from_memor
     assert {e["data_bytes"] for e in copies} == {PRIVATE}, copies  # no replicated byte
     assert all(e["slot_bytes"] - e["bytes"] > 4096 for e in copies), copies  # the slot's share was left out
     if nnodes == "1:2":
-        restores = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
-                    if e["event"] == "restore" and e["world_size"] == 2}
+        restores = {
+            (e["rank"], e["step"], e["tier"])
+            for e in read_events(tmp_path / "node0")
+            if e["event"] == "restore" and e["world_size"] == 2
+        }
         assert restores == {(0, KILL, "memory"), (1, KILL, "memory")}, restores
         losses, expected = read_losses(tmp_path / "steps.log"), read_losses(ddp_reference / "steps.log")
         assert sorted(losses) == list(range(1, STEPS + 1))
-        torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
-                                   **TOLERANCE)
-        torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(ddp_reference / "final.full.pt"),
-                                   **TOLERANCE)
+        torch.testing.assert_close(
+            [losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], **TOLERANCE
+        )
+        torch.testing.assert_close(
+            torch.load(tmp_path / "final.full.pt"), torch.load(ddp_reference / "final.full.pt"), **TOLERANCE
+        )
         return
-    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1) for e in read_events(tmp_path / f"node{node}")
-                if e["event"] == "restore"}
+    restores = {
+        (e["rank"], e["step"], e["tier"])
+        for node in (0, 1)
+        for e in read_events(tmp_path / f"node{node}")
+        if e["event"] == "restore"
+    }
     assert restores == {(rank, KILL, "memory") for rank in range(4)}, restores
     for rank in range(4):
-        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
-                           torch.load(ddp_reference / f"final.rank{rank}.pt"))
+        assert_state_equal(
+            torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(ddp_reference / f"final.rank{rank}.pt")
+        )
 
 
 def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivor_keeps(
@@ -204,8 +277,17 @@ def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivo
     ``replicas=1`` it would keep rank 2's only), reshards at world size 1 from step 6 in memory, and
     finishes on course."""
     port = free_port()
-    extra = (*THREE, "--replicas", "2", "--remote", str(tmp_path / "remote"), "--kill-node", str(KILL),
-             "--lost-nodes", "2")
+    extra = (
+        *THREE,
+        "--replicas",
+        "2",
+        "--remote",
+        str(tmp_path / "remote"),
+        "--kill-node",
+        str(KILL),
+        "--lost-nodes",
+        "2",
+    )
     agents = [_agent(tmp_path, node, port, *extra, nnodes="1:3", nproc=1) for node in (0, 1, 2)]
     try:
         assert [agents[n].wait(timeout=200) for n in (1, 2)] == [-9, -9], (tmp_path / "node1.out").read_text()[-3000:]
@@ -222,10 +304,10 @@ def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivo
     assert restores == [(KILL, "memory")], restores
     losses, expected = read_losses(tmp_path / "steps.log"), read_losses(three_reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
-    torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)],
-                               **TOLERANCE)
-    torch.testing.assert_close(torch.load(tmp_path / "final.full.pt"), torch.load(three_reference / "final.full.pt"),
-                               **TOLERANCE)
+    torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], **TOLERANCE)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "final.full.pt"), torch.load(three_reference / "final.full.pt"), **TOLERANCE
+    )
 
 
 def test_a_damaged_copy_gives_way_to_the_next_keepers(three_reference: Path, tmp_path: Path) -> None:
@@ -254,16 +336,25 @@ def test_a_damaged_copy_gives_way_to_the_next_keepers(three_reference: Path, tmp
             kill_tree(agent.pid)
     assert info.step == KILL
     out = (tmp_path / "node2.out").read_text()  # one line: the snapshot, its keeper and host, the next keeper
-    named = (re.escape(f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({socket.gethostname()}) "
-                       f"cannot be used (the copy of rank 2's memory snapshot {KILL} kept here cannot be read: ")
-             + r".*fails its checksum.*\); trying the copy rank 1 keeps$")
+    named = (
+        re.escape(
+            f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({socket.gethostname()}) "
+            f"cannot be used (the copy of rank 2's memory snapshot {KILL} kept here cannot be read: "
+        )
+        + r".*fails its checksum.*\); trying the copy rank 1 keeps$"
+    )
     assert re.search(named, out, re.MULTILINE) and out.count("the copy kept by rank") == 1, out[-3000:]
-    restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1, 2) for e in read_events(tmp_path / f"node{node}")
-                if e["event"] == "restore"}
+    restores = {
+        (e["rank"], e["step"], e["tier"])
+        for node in (0, 1, 2)
+        for e in read_events(tmp_path / f"node{node}")
+        if e["event"] == "restore"
+    }
     assert restores == {(rank, KILL, "memory") for rank in range(3)}, restores
     for rank in range(3):
-        assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
-                           torch.load(three_reference / f"final.rank{rank}.pt"))
+        assert_state_equal(
+            torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(three_reference / f"final.rank{rank}.pt")
+        )
 
 
 @pytest.mark.parametrize("nnodes", ["2", "1:2"] if os.environ.get("CHECKFREQ_FAULT_MATRIX") == "1" else ["2"])
@@ -295,14 +386,23 @@ def test_a_copy_with_a_flipped_byte_is_passed_over_for_the_next_source(
     assert f"flipped a byte of the copy of rank 2's snapshot {KILL}" in out[0], out[0][-3000:]
     host = socket.gethostname()
     if nnodes == "2":  # rank 2 (the new node) is sent the damaged copy by rank 0, and takes the next source
-        named = (re.escape(f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({host}) cannot be used "
-                           f"(the copy of rank 2's memory snapshot {KILL} kept here cannot be read: slot ") + r"\d "
-                 + re.escape(f"(step {KILL}) fails its checksum: torn or damaged); ")
-                 + r"(taking snapshot (\d+) over from the copies|restoring memory snapshot (\d+), which|no copy left)")
+        named = (
+            re.escape(
+                f"memory tier: rank 2's snapshot {KILL}: the copy kept by rank 0 ({host}) cannot be used "
+                f"(the copy of rank 2's memory snapshot {KILL} kept here cannot be read: slot "
+            )
+            + r"\d "
+            + re.escape(f"(step {KILL}) fails its checksum: torn or damaged); ")
+            + r"(taking snapshot (\d+) over from the copies|restoring memory snapshot (\d+), which|no copy left)"
+        )
         found = re.search(named, out[1])
         assert found and out[1].count("the copy kept by rank") == 1, out[1][-4000:]  # its machine's one copy, once
-        restores = {(e["rank"], e["step"], e["tier"]) for node in (0, 1)
-                    for e in read_events(tmp_path / f"node{node}") if e["event"] == "restore"}
+        restores = {
+            (e["rank"], e["step"], e["tier"])
+            for node in (0, 1)
+            for e in read_events(tmp_path / f"node{node}")
+            if e["event"] == "restore"
+        }
         step = int(found[2] or found[3] or 0)  # the step the log says is restored instead (0: from disk)
         steps, tiers = {s for _, s, _ in restores}, {t for _, _, t in restores}
         if step:
@@ -310,21 +410,34 @@ def test_a_copy_with_a_flipped_byte_is_passed_over_for_the_next_source(
         else:
             assert len(steps) == 1 and max(steps) < KILL and "memory" not in tiers, restores
         for rank in range(4):
-            assert_state_equal(torch.load(tmp_path / f"final.rank{rank}.pt"),
-                               torch.load(reference / f"final.rank{rank}.pt"))
+            assert_state_equal(
+                torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(reference / f"final.rank{rank}.pt")
+            )
         return
-    named = (re.escape(f"memory tier: snapshot {KILL} cannot be put together (rank 0: rank 2's share of memory "
-                       f"snapshot {KILL} is on no region of this machine ({host}) (the copy kept here, ") + ".*"
-             + re.escape("fails its checksum: torn or damaged)); restoring ") + r"(snapshot (\d+)|from disk) instead")
+    named = (
+        re.escape(
+            f"memory tier: snapshot {KILL} cannot be put together (rank 0: rank 2's share of memory "
+            f"snapshot {KILL} is on no region of this machine ({host}) (the copy kept here, "
+        )
+        + ".*"
+        + re.escape("fails its checksum: torn or damaged)); restoring ")
+        + r"(snapshot (\d+)|from disk) instead"
+    )
     found = re.search(named, out[0])
     assert found, out[0][-4000:]
-    tiers = {(e["rank"], e["step"], e["tier"]) for e in read_events(tmp_path / "node0")
-             if e["event"] == "restore" and e["world_size"] == 2}
+    tiers = {
+        (e["rank"], e["step"], e["tier"])
+        for e in read_events(tmp_path / "node0")
+        if e["event"] == "restore" and e["world_size"] == 2
+    }
     if found[2]:  # the newest step every shard can be read at: an older memory snapshot (rank 2's older copy)
         assert tiers == {(0, int(found[2]), "memory"), (1, int(found[2]), "memory")}, tiers
     else:
         assert all(step < KILL and tier != "memory" for _, step, tier in tiers), tiers
     losses, expected = read_losses(tmp_path / "steps.log"), read_losses(reference / "steps.log")
     assert sorted(losses) == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
-                               torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64), **TOLERANCE)
+    torch.testing.assert_close(
+        torch.tensor([losses[s] for s in sorted(losses)], dtype=torch.float64),
+        torch.tensor([expected[s] for s in sorted(losses)], dtype=torch.float64),
+        **TOLERANCE,
+    )

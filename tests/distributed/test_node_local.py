@@ -66,8 +66,9 @@ def _cli(*args: object) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged"])
-def test_ranks_restore_from_each_others_directories_without_the_remote_tier(nodes: Path, tmp_path: Path,
-                                                                           damaged: bool) -> None:
+def test_ranks_restore_from_each_others_directories_without_the_remote_tier(
+    nodes: Path, tmp_path: Path, damaged: bool
+) -> None:
     """The ranks come back on each other's node (as torchrun's c10d rendezvous may number them) and
     no remote tier is given: each rank reads the file its directory holds and receives the other's.
     With rank 0's file of the newest checkpoint damaged on the only node holding it, both ranks

@@ -26,8 +26,7 @@ from checkfreq.ranks.collectives import TREE_ARITY  # noqa: E402
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
     return {
-        world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}")))
-        for world in (8, 64)
+        world: simulate(world, layers=10, directory=str(tmp_path_factory.mktemp(f"sim{world}"))) for world in (8, 64)
     }
 
 
@@ -78,8 +77,9 @@ def test_rank_0s_commit_traffic_grows_linearly(runs: dict[int, Run]) -> None:
 
 
 def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--worlds", "8,16,24", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path),
-          "--own-bytes", "4096"])
+    main(
+        ["--worlds", "8,16,24", "--layers", "10", "--restore-up-to", "8", "--dir", str(tmp_path), "--own-bytes", "4096"]
+    )
     out = capsys.readouterr().out
     assert "| 8 | restore | files read | 1 | 1 | 1 |" in out and "| 16 | restore |" not in out
     assert "| 16 | snapshot copy | connections | 1 | 1 | 1 |" in out and "| 8 | snapshot copy |" not in out
@@ -105,9 +105,27 @@ def test_the_report_prints_every_criterion(tmp_path: Path, capsys: pytest.Captur
 def test_the_script_prints_its_report(tmp_path: Path) -> None:
     """``python benchmarks/protocol_sim.py`` runs its main (the documented command)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "protocol_sim.py"), "--worlds", "16",
-                           "--layers", "2", "--restore-up-to", "0", "--own-bytes", "4096", "--dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "protocol_sim.py"),
+            "--worlds",
+            "16",
+            "--layers",
+            "2",
+            "--restore-up-to",
+            "0",
+            "--own-bytes",
+            "4096",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
     # rank 0: 1 per rank and its 8 children in tree_max; a lost rank: the plan, 4 (its copy) and its parent in
     # tree_max; rank 1: the plan, its parent and its 7 children
     assert "| 16 | fetch round | messages in | 23 | 6 | 9 |" in done.stdout, done.stdout
@@ -160,8 +178,9 @@ OWN = 4096
 def copies(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
     """Three machines of 8 (each copies to the next, the last to the first), and sixteen."""
     return {
-        world: simulate(world, layers=4, restore_up_to=0, own_bytes=OWN,
-                        directory=str(tmp_path_factory.mktemp(f"copies{world}")))
+        world: simulate(
+            world, layers=4, restore_up_to=0, own_bytes=OWN, directory=str(tmp_path_factory.mktemp(f"copies{world}"))
+        )
         for world in (24, 128)
     }
 
@@ -179,8 +198,10 @@ def test_a_ranks_copy_of_a_snapshot_costs_the_same_at_any_size(copies: dict[int,
             assert c.store_ops == 0 and c.all_gathers == 0 and not c.everyone, (world, rank)
         data, meta = slot(world, 0, RANKS_PER_MACHINE, 4, OWN)
         copy_data, envelope = sent(world, 0, RANKS_PER_MACHINE, 4, OWN)
-        private = OWN + sum(t.numel() * t.element_size() for t in (
-            torch.zeros(shape, dtype=dtype) for dtype, shape in PRIVATE_TENSORS.values()))
+        private = OWN + sum(
+            t.numel() * t.element_size()
+            for t in (torch.zeros(shape, dtype=dtype) for dtype, shape in PRIVATE_TENSORS.values())
+        )
         assert copy_data == private < data and len(meta) < envelope < len(meta) + 1024, (copy_data, data, envelope)
         header, answer = 8 * 8, 8  # int64 values
         assert run.counts(COPY_PHASE)[0].bytes_out == header + copy_data + envelope + answer
@@ -196,10 +217,17 @@ def test_the_counts_per_rank_are_those_of_every_ranks_real_copy(tmp_path: Path) 
     local rank on the last machine: at 32 ranks, running every rank's real copy gives the same
     messages and partners, and bytes within the digits of rank numbers."""
     world = 32
-    every = copy_counts(world, list(range(world)), per_machine=RANKS_PER_MACHINE, layers=4, own_bytes=OWN,
-                        directory=str(tmp_path))
-    sampled = copy_counts(world, measured_senders(world, RANKS_PER_MACHINE), per_machine=RANKS_PER_MACHINE,
-                          layers=4, own_bytes=OWN, directory=str(tmp_path))
+    every = copy_counts(
+        world, list(range(world)), per_machine=RANKS_PER_MACHINE, layers=4, own_bytes=OWN, directory=str(tmp_path)
+    )
+    sampled = copy_counts(
+        world,
+        measured_senders(world, RANKS_PER_MACHINE),
+        per_machine=RANKS_PER_MACHINE,
+        layers=4,
+        own_bytes=OWN,
+        directory=str(tmp_path),
+    )
     assert sorted(sender for sender, _ in every.kept) == list(range(world)) and set(every.kept.values()) == {100}
     for rank, counted in enumerate(per_snapshot(world, RANKS_PER_MACHINE, sampled)):
         real = LinkCounts()
@@ -207,7 +235,10 @@ def test_the_counts_per_rank_are_those_of_every_ranks_real_copy(tmp_path: Path) 
             if who == rank:
                 real.add(c)
         assert (counted.messages_out, counted.messages_in, counted.peers) == (
-            real.messages_out, real.messages_in, real.peers), rank
+            real.messages_out,
+            real.messages_in,
+            real.peers,
+        ), rank
         assert abs(counted.bytes_out - real.bytes_out) <= 16 and abs(counted.bytes_in - real.bytes_in) <= 16, rank
 
 
@@ -247,8 +278,7 @@ def test_the_fetch_round_costs_a_rank_the_same_and_rank_0_linearly(copies: dict[
     assert max(large.report_bytes) <= max(small.report_bytes) + 8  # digits
 
 
-def test_with_two_replicas_each_rank_copies_to_two_machines_and_a_lost_rank_has_two_keepers(
-        tmp_path: Path) -> None:
+def test_with_two_replicas_each_rank_copies_to_two_machines_and_a_lost_rank_has_two_keepers(tmp_path: Path) -> None:
     """``replicas=2`` at 32 ranks (4 machines): each rank sends its copy to the ranks of its local index
     on the next two machines, one after the other, and keeps those of the two machines before: 8
     messages out, 8 in, the same bytes per copy as with one keeper; 3 connections, as on 4 machines the

@@ -40,8 +40,9 @@ def _commit(region: MemoryRegion, step: int, fill: int) -> object:
 
 def _ranks(rank: int, work: Path, case: str) -> None:
     os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
-    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     directory = work / "ckpt"
     if rank == 0:  # the sender: its own region, two snapshots
         region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
@@ -67,9 +68,14 @@ def _ranks(rank: int, work: Path, case: str) -> None:
         assert listed == [("memory copy of rank 0", step, True) for step, _ in found], listed  # checkfreq ls
 
 
-@pytest.mark.parametrize(("case", "kept", "sent"), [
-    ("good", [[4, 9], [3, 7]], [3, 4]), ("damaged", [[3, 7]], [3]), ("died", [[3, 7]], None),
-])
+@pytest.mark.parametrize(
+    ("case", "kept", "sent"),
+    [
+        ("good", [[4, 9], [3, 7]], [3, 4]),
+        ("damaged", [[3, 7]], [3]),
+        ("died", [[3, 7]], None),
+    ],
+)
 def test_only_a_copy_that_matches_its_checksum_is_kept(tmp_path: Path, case: str, kept: list, sent: list) -> None:
     for rank in (0, 1):
         (tmp_path / f"shm{rank}").mkdir()
@@ -100,8 +106,9 @@ def _frozen(rank: int, work: Path) -> None:
     open); rank 1, the keeper, watched by the job's heartbeats, blocks its main thread for a minute."""
     logging.basicConfig(filename=work / f"rank{rank}.log", level=logging.INFO)
     os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
-    dist.init_process_group("gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     liveness = Liveness(dist.PrefixStore("liveness", default_store()), rank, 2, FROZEN_TIMEOUT_S)
     directory = work / "ckpt"
     if rank == 0:
@@ -138,8 +145,10 @@ def test_a_sender_frozen_mid_copy_is_found_by_its_heartbeats_and_the_keeper_ends
         assert ranks[1].exitcode == 1, (ranks[1].exitcode, (tmp_path / "rank1.log").read_text())
         assert gone < 2 * FROZEN_TIMEOUT_S + 10, gone  # found after the timeout (+ a beat), ended one later
         log = (tmp_path / "rank1.log").read_text()
-        assert (f"rank 0 ({socket.gethostname()}, pid {frozen['pid']}) stopped answering during the copies of "
-                "memory snapshots between machines") in log, log
+        assert (
+            f"rank 0 ({socket.gethostname()}, pid {frozen['pid']}) stopped answering during the copies of "
+            "memory snapshots between machines"
+        ) in log, log
         assert "ending this process now" in log, log
     finally:
         for process in ranks:

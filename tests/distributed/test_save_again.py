@@ -19,8 +19,9 @@ def _ranks(rank: int, store: str, directory: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with cf.Checkpointer(directory, policy=2, persist_timeout=60, failure_timeout=10, model=model, optimizer=opt,
-                         values={"best": 0.0}) as ckpt:
+    with cf.Checkpointer(
+        directory, policy=2, persist_timeout=60, failure_timeout=10, model=model, optimizer=opt, values={"best": 0.0}
+    ) as ckpt:
         for _ in range(2):
             train_step(model, opt)
             ckpt.step()

@@ -78,8 +78,17 @@ def test_the_manifest_grows_by_a_file_entry_per_rank_and_each_rank_keeps_its_own
 
 
 def test_a_rank_file_without_its_record_is_refused() -> None:
-    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
-                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": {}})
+    manifest = Manifest(
+        step=1,
+        epoch=None,
+        world_size=1,
+        files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+        tensors={},
+        state=None,
+        versions={},
+        created=0.0,
+        distributed={"tensors": {}},
+    )
     with pytest.raises(CorruptCheckpointError, match=f"lacks its rank's record .__metadata__.{RANK_RECORD_KEY}"):
         complete(manifest, {"rank00000.safetensors": {}})
     with pytest.raises(CorruptCheckpointError, match="manifest of 2 ranks lists the files"):
@@ -121,8 +130,9 @@ def test_a_schema_version_1_checkpoint_is_still_restored(tmp_path: Path) -> None
 def _leaders(rank: int, root: str, directories: list[str], forged: bool, out: str) -> None:
     """Rank ``rank`` learns its directory's leader; with ``forged``, rank 1 names its (shared)
     directory by an identity of its own, as a file system seen differently by two machines would."""
-    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", len(directories)), rank=rank,
-                            world_size=len(directories))
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(f"{root}/store", len(directories)), rank=rank, world_size=len(directories)
+    )
     if forged and rank == 1:
         sharing.directory_key = lambda path: "nfs4:forged"  # type: ignore[assignment]
     try:
@@ -164,14 +174,28 @@ def test_sharded_tensors_the_ranks_disagree_on_are_named() -> None:
     )
 
 
-@pytest.mark.parametrize("record", [{"state": None, "tensors": {"x": "y"}},
-                                    {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
-                                    {"state": None, "tensors": {"x": {"kind": "private", "parts": [1, 2]}}}])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"state": None, "tensors": {"x": "y"}},
+        {"state": None, "tensors": {"x": {"kind": "sharded", "parts": [["a", [0]]]}}},
+        {"state": None, "tensors": {"x": {"kind": "private", "parts": [1, 2]}}},
+    ],
+)
 @pytest.mark.parametrize("shared", [{}, [], {"x": {"kind": "replicated", "parts": []}}])
 def test_malformed_rank_records_are_corrupt_checkpoints(record: dict, shared: object) -> None:
     header = {"__metadata__": {RANK_RECORD_KEY: json.dumps(record)}}
-    manifest = Manifest(step=1, epoch=None, world_size=1, files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
-                        tensors={}, state=None, versions={}, created=0.0, distributed={"tensors": shared})
+    manifest = Manifest(
+        step=1,
+        epoch=None,
+        world_size=1,
+        files={"rank00000.safetensors": {"size": 10, "xxh3_64": "0"}},
+        tensors={},
+        state=None,
+        versions={},
+        created=0.0,
+        distributed={"tensors": shared},
+    )
     with pytest.raises(CorruptCheckpointError):
         complete(manifest, {"rank00000.safetensors": header})
 
@@ -223,10 +247,14 @@ def test_a_commit_costs_each_rank_but_rank_0_the_same_bytes_at_any_world_size(tm
     for rank in range(4):
         assert simulated[rank].all_gathers == 0
         assert simulated[rank].bytes_in == pytest.approx(four[rank]["received"], abs=8 * 3), (
-            rank, simulated[rank], four[rank]
+            rank,
+            simulated[rank],
+            four[rank],
         )
         assert simulated[rank].bytes_out == pytest.approx(four[rank]["sent"], abs=8), (
-            rank, simulated[rank], four[rank]
+            rank,
+            simulated[rank],
+            four[rank],
         )
     assert all(c["all_gathers"] == 0 for c in two + four)
     for counts in (two[1], four[1], four[2], four[3]):
@@ -300,8 +328,11 @@ def test_each_rank_reads_its_share_of_a_shared_directory(tmp_path: Path, network
     path = _save(tmp_path, 4)
     manifest = json.loads((path / MANIFEST_NAME).read_bytes())
     sizes = manifest["files"]
-    replicated = sum(math.prod(e["shape"]) * DTYPES_BY_CODE[e["dtype"]].itemsize
-                     for e in manifest["distributed"]["tensors"].values() if e["kind"] == "replicated")
+    replicated = sum(
+        math.prod(e["shape"]) * DTYPES_BY_CODE[e["dtype"]].itemsize
+        for e in manifest["distributed"]["tensors"].values()
+        if e["kind"] == "replicated"
+    )
     directory = str(tmp_path / "ckpt4")
     spawn_ranks(_restore_counted, (4, str(tmp_path / "store-restore"), directory, network_fs), 4)
     saved = torch.load(f"{directory}.final0.pt")
@@ -344,9 +375,9 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 def _fsdp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Every tensor gathered to its global value, and the model's local shards."""
     state = {f"model/{k}": _full(v) for k, v in model.state_dict().items()}
-    state.update({
-        f"optimizer/{i}/{k}": _full(v) for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()
-    })
+    state.update(
+        {f"optimizer/{i}/{k}": _full(v) for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()}
+    )
     return {"state": state, "local": {k: v.to_local() for k, v in model.state_dict().items() if hasattr(v, "to_local")}}
 
 
@@ -410,10 +441,12 @@ def test_fsdp2_ranks_get_the_files_holding_their_blocks(tmp_path: Path) -> None:
     layouts = [e.get("chunked") for e in saved_tensors if e["kind"] == "sharded"]
     # 6 parameters and Adam's two moments: rows chunked over the ranks
     assert len(layouts) == 18 and set(layouts) == {0}
-    for rank, (reads, received) in enumerate([
-        (["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
-        (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors"),
-    ]):
+    for rank, (reads, received) in enumerate(
+        [
+            (["rank00000.safetensors", "rank00002.safetensors"], "rank00001.safetensors"),
+            (["rank00001.safetensors", "rank00003.safetensors"], "rank00002.safetensors"),
+        ]
+    ):
         resharded = torch.load(tmp_path / f"resharded{rank}.pt")
         assert [name for name, _ in resharded["reads"]] == reads, resharded["reads"]
         assert 0.9 * sizes[received]["size"] < resharded["received"] < 1.1 * sizes[received]["size"], (resharded, sizes)
@@ -470,7 +503,7 @@ def _established_connections() -> int:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            sockets.add(target[len("socket:["):-1])
+            sockets.add(target[len("socket:[") : -1])
     established = 0
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as rows:

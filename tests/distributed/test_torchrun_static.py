@@ -38,10 +38,25 @@ def _train_args(workdir: Path, *extra: str) -> list[str]:
 
 
 def _static(workdir: Path, *extra: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--master-port={free_port()}", "--nproc-per-node=2",
-               "--max-restarts=2", "--monitor-interval=0.1", *_train_args(workdir, "--attempt-store", *extra)]
-    return subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=ENV, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--master-port={free_port()}",
+        "--nproc-per-node=2",
+        "--max-restarts=2",
+        "--monitor-interval=0.1",
+        *_train_args(workdir, "--attempt-store", *extra),
+    ]
+    return subprocess.Popen(
+        command,
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen[str]) -> str:
@@ -74,11 +89,26 @@ def test_static_form_restarts_resume_exactly(reference: Path, tmp_path: Path) ->
 
 def _worker(workdir: Path, store_port: int, rank: int, attempt: int, *extra: str) -> subprocess.Popen[str]:
     """A worker as torchrun's static form starts it: a client of the agent's store (here the test's)."""
-    env = {**ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-    return subprocess.Popen([sys.executable, *_train_args(workdir, *extra)], cwd=workdir, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    env = {
+        **ENV,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+    }
+    return subprocess.Popen(
+        [sys.executable, *_train_args(workdir, *extra)],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _outcomes(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int | None, str]]:

@@ -73,8 +73,15 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Remote:
     return Remote(("--remote", str(path)), str(path), None)
 
 
-def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: int = 0,
-              expect_success: bool = True, per_node: int = 1, shm_dirs: tuple[Path, Path] | None = None) -> str:
+def run_nodes(
+    work: Path,
+    local_dirs: tuple[Path, Path],
+    *extra: str,
+    restarts: int = 0,
+    expect_success: bool = True,
+    per_node: int = 1,
+    shm_dirs: tuple[Path, Path] | None = None,
+) -> str:
     """One job of ``ddp_train.py`` on two torchrun agents of ``per_node`` ranks each, node ``i`` with
     ``local_dirs[i]`` (and, given ``shm_dirs``, its own shared memory ``shm_dirs[i]``: docs/reliability.md);
     its output."""
@@ -85,18 +92,50 @@ def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     procs, logs = [], [work / f"node{node}.log" for node in range(2)]
     for node, local_dir in enumerate(local_dirs):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                   "--local-addr", f"127.0.0.{node + 1}",
-                   "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPTS / "ddp_train.py"),
-                   "--ckpt-dir", str(local_dir), "--final", str(work / "final"),
-                   "--batch-log", str(work / "batches.log"),
-                   "--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
-                   "--every", str(EVERY), "--kill-marker", str(work / "killed"), *extra]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            str(per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--local-addr",
+            f"127.0.0.{node + 1}",
+            "--max-restarts",
+            str(restarts),
+            "--monitor-interval",
+            "0.1",
+            str(SCRIPTS / "ddp_train.py"),
+            "--ckpt-dir",
+            str(local_dir),
+            "--final",
+            str(work / "final"),
+            "--batch-log",
+            str(work / "batches.log"),
+            "--samples",
+            str(SAMPLES),
+            "--batch-size",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--every",
+            str(EVERY),
+            "--kill-marker",
+            str(work / "killed"),
+            *extra,
+        ]
         node_env = env if shm_dirs is None else {**env, SHM_DIR_ENV: str(shm_dirs[node])}
         with open(logs[node], "w") as log:
-            procs.append(subprocess.Popen(command, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=node_env,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
+                )
+            )
     deadline, hung = time.monotonic() + TIMEOUT_S, False
     try:
         for proc in procs:
@@ -113,8 +152,9 @@ def run_nodes(work: Path, local_dirs: tuple[Path, Path], *extra: str, restarts: 
     assert not hung, f"the job hung: killed after {TIMEOUT_S} s\n{out[-8000:]}"
     assert (codes == [0, 0]) == expect_success, f"exit codes {codes}\n{out[-6000:]}"
     for node, text in enumerate(outs):
-        assert set(restored(text)) <= set(range(node * per_node, (node + 1) * per_node)), \
+        assert set(restored(text)) <= set(range(node * per_node, (node + 1) * per_node)), (
             f"node {node} ran ranks {sorted(restored(text))}"
+        )
     return out
 
 
@@ -155,10 +195,15 @@ def node_dirs(work: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("remote", "shared_local"), [("s3", False), ("directory", True)], indirect=["remote"],
-                         ids=["s3-node-local", "directory-shared-local"])
-def test_rank_killed_mid_persist_restarts_from_local_tier(reference: Path, remote: Remote, tmp_path: Path,
-                                                          shared_local: bool) -> None:
+@pytest.mark.parametrize(
+    ("remote", "shared_local"),
+    [("s3", False), ("directory", True)],
+    indirect=["remote"],
+    ids=["s3-node-local", "directory-shared-local"],
+)
+def test_rank_killed_mid_persist_restarts_from_local_tier(
+    reference: Path, remote: Remote, tmp_path: Path, shared_local: bool
+) -> None:
     """Rank 1 dies half-way through writing its file of checkpoint 6; torchrun restarts both nodes,
     which resume from checkpoint 3 in their local tier (node-local directories, or one directory
     both nodes share)."""
@@ -196,14 +241,16 @@ def test_replaced_node_resumes_from_remote_tier(reference: Path, remote: Remote,
 
 @pytest.mark.slow
 def test_checkpoint_not_uploaded_by_every_rank_is_never_restored_from_remote(
-        reference: Path, remote: Remote, tmp_path: Path) -> None:
+    reference: Path, remote: Remote, tmp_path: Path
+) -> None:
     """Rank 1 dies after checkpoint 6 is committed in the local tiers, before it uploads its file:
     the remote tier never lists 6, and a replaced cluster (both local directories gone) resumes
     from the newest checkpoint every rank uploaded."""
     killed_step = 2 * EVERY
     local_dirs = node_dirs(tmp_path)
-    out = run_nodes(tmp_path, local_dirs, *remote.args, "--wait-remote", "--kill-upload", f"1:{killed_step}",
-                    expect_success=False)
+    out = run_nodes(
+        tmp_path, local_dirs, *remote.args, "--wait-remote", "--kill-upload", f"1:{killed_step}", expect_success=False
+    )
     assert (tmp_path / "killed").exists(), out[-4000:]
     for local_dir in local_dirs:  # the kill came after the local commit
         assert (local_dir / f"step_{killed_step:09d}" / MANIFEST_NAME).exists(), sorted(os.listdir(local_dir))
@@ -240,8 +287,13 @@ def test_healthy_restarts_read_nothing_from_remote_tier(tmp_path: Path) -> None:
         out = run_nodes(work, placement, "--remote", str(remote), *until, per_node=2)
         assert restored(out) == {rank: [resumed] for rank in ranks}, out[-4000:]
         if resumed:  # a node's events hold the restores of every rank that ran there
-            tiers = [(rank, entry) for node in (node0, node1) for rank, entries in restore_tiers(node).items()
-                     for entry in entries if entry[0] == resumed]
+            tiers = [
+                (rank, entry)
+                for node in (node0, node1)
+                for rank, entries in restore_tiers(node).items()
+                for entry in entries
+                if entry[0] == resumed
+            ]
             assert sorted(tiers) == [(rank, (resumed, "local+peer")) for rank in ranks], tiers
         if stop is not None:
             assert [step for step, _ in LocalStore(str(remote), create=False).checkpoints()][0] == stop
@@ -264,13 +316,26 @@ def test_each_node_keeps_one_copy_in_its_memory_and_every_rank_resumes_from_it(t
     reference.mkdir()
     run_nodes(reference, (reference / "ckpt",) * 2, per_node=2)
     work.mkdir()
-    shm_dirs = (Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-a",
-                Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-b")
+    shm_dirs = (
+        Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-a",
+        Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}-b",
+    )
     for path in shm_dirs:
         path.mkdir()
     try:
-        out = run_nodes(work, node_dirs(work), "--every", "100", "--memory", "1", "--die", "0:3:3:step",
-                        per_node=2, restarts=1, shm_dirs=shm_dirs)
+        out = run_nodes(
+            work,
+            node_dirs(work),
+            "--every",
+            "100",
+            "--memory",
+            "1",
+            "--die",
+            "0:3:3:step",
+            per_node=2,
+            restarts=1,
+            shm_dirs=shm_dirs,
+        )
         resumed = {steps[1] for steps in restored(out).values()}
         assert resumed <= {2, 3} and len(resumed) == 1, out[-4000:]
         for node, local in enumerate(node_dirs(work)):

@@ -24,8 +24,9 @@ def _session(directory: str, out: str, memory: bool) -> None:
     and save what was trained to ``out``."""
     model = make_model(seed=1)  # not the saved weights: restore must bring them
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with Checkpointer(directory, policy=1000, memory=memory, model=model, optimizer=optimizer,
-                      values={"sessions": 0}) as ckpt:
+    with Checkpointer(
+        directory, policy=1000, memory=memory, model=model, optimizer=optimizer, values={"sessions": 0}
+    ) as ckpt:
         start = ckpt.restore()
         if start == 0:
             torch.manual_seed(0)  # a fresh run: the data of the uninterrupted one
@@ -34,8 +35,15 @@ def _session(directory: str, out: str, memory: bool) -> None:
             ckpt.step()
         ckpt["sessions"] += 1
         ckpt.save(blocking=True)
-        torch.save({"step": ckpt.global_step, "sessions": ckpt["sessions"], "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict()}, out)
+        torch.save(
+            {
+                "step": ckpt.global_step,
+                "sessions": ckpt["sessions"],
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+            },
+            out,
+        )
 
 
 def _one_rank_session(rank: int, directory: str, out: str, memory: bool, store: str) -> None:
@@ -61,8 +69,9 @@ def _manifest(directory: Path, step: int) -> dict:
 
 
 @pytest.mark.parametrize("memory", [False, True], ids=["disk", "memory"])
-def test_one_process_and_a_one_rank_job_resume_each_other_bit_identically(tmp_path: Path, shm_dir: Path,
-                                                                          memory: bool) -> None:
+def test_one_process_and_a_one_rank_job_resume_each_other_bit_identically(
+    tmp_path: Path, shm_dir: Path, memory: bool
+) -> None:
     directory = tmp_path / "run"
     _session(str(directory), str(tmp_path / "first.pt"), memory)  # one process
     # torch.distributed, one rank: resumes the one process's checkpoint
@@ -71,11 +80,15 @@ def test_one_process_and_a_one_rank_job_resume_each_other_bit_identically(tmp_pa
 
     # each session wrote its own kind of checkpoint: the 1-rank job's indexes its rank's share
     assert [_manifest(directory, s).get("distributed") is not None for s in (LEG, 2 * LEG, 3 * LEG)] == [
-        False, True, False
+        False,
+        True,
+        False,
     ]
     events = read_events(directory)
     assert [(e["step"], e["tier"], e["world_size"]) for e in events if e["event"] == "restore"] == [
-        (LEG, "local", 1), (2 * LEG, "local", 1)]
+        (LEG, "local", 1),
+        (2 * LEG, "local", 1),
+    ]
     if memory:  # every session snapshotted to memory, the 1-rank job's at the cadence it measured
         assert {(e["step"] - 1) // LEG for e in events if e["event"] == "memory"} == {0, 1, 2}
     for session, name in enumerate(("first", "second", "third"), start=1):

@@ -23,13 +23,35 @@ pytestmark = pytest.mark.slow
 
 def launch(workdir: Path, *args: str, killed: bool = False) -> str:
     """``accelerate launch --multi_gpu --num_processes 2``: torchrun underneath, gloo on CPU."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(SCRIPTS / "accelerate_train.py"), "--dir", str(workdir / "ckpt"), "--out", str(workdir / "final.pt"),
-               "--batch-log", str(workdir / "batches.log"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(workdir / "hf"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(SCRIPTS / "accelerate_train.py"),
+        "--dir",
+        str(workdir / "ckpt"),
+        "--out",
+        str(workdir / "final.pt"),
+        "--batch-log",
+        str(workdir / "batches.log"),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HOME": str(workdir / "hf"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     returncode, out = run_job(command, env)
     assert (returncode != 0) == killed, f"exit {returncode}\n{out[-4000:]}"
     return out

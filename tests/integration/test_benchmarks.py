@@ -26,11 +26,19 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first command of docs/performance.md, made quick: without --out it writes into a new
     temporary directory, which it names, and leaves the checkout's docs/performance.* alone."""
     published = [path.read_bytes() if path.exists() else None for path in PUBLISHED]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "TMPDIR": str(tmp_path_factory.mktemp("scratch"))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "TMPDIR": str(tmp_path_factory.mktemp("scratch")),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--cuda", "--intervals", "1,10"],
-        cwd=ROOT, env=env, check=True, timeout=600, capture_output=True, text=True,
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=600,
+        capture_output=True,
+        text=True,
     )
     assert [path.read_bytes() if path.exists() else None for path in PUBLISHED] == published
     out = Path(done.stdout.rsplit("written into ", 1)[1].split(":")[0])
@@ -56,8 +64,12 @@ def test_quick_run_writes_every_row(quick_run: Path) -> None:
     for variant in variants((1, 10)):
         if variant != "no checkpoints":
             assert variant in rows, variant
-    for target in ("stall / raw copy_", "torch.save+fsync stall / checkfreq stall",
-                   "write bandwidth / raw write+fsync", "peak extra RSS (save) / state size"):
+    for target in (
+        "stall / raw copy_",
+        "torch.save+fsync stall / checkfreq stall",
+        "write bandwidth / raw write+fsync",
+        "peak extra RSS (save) / state size",
+    ):
         assert target in rows, target
     assert any(r.startswith("checkfreq auto") and r.endswith("whole-run overhead") for r in rows)
     assert "#### GPU mode" in section

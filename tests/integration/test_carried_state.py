@@ -28,8 +28,9 @@ def run(workdir: Path, module: str, steps: int, *, killed: bool = False) -> None
     """Train ``module``'s example until global step ``steps``, then SIGKILL it if ``killed``, else
     save its final weights."""
     final = str(workdir / "final.pt")
-    run_example(workdir, module, steps, "pass" if killed else f"torch.save(result.state_dict(), {final!r})",
-                killed=killed)
+    run_example(
+        workdir, module, steps, "pass" if killed else f"torch.save(result.state_dict(), {final!r})", killed=killed
+    )
 
 
 def newest(workdir: Path) -> Path:
@@ -44,7 +45,7 @@ def test_truncated_bptt_loop_resumes_exactly_when_its_carried_state_is_registere
         (tmp_path / name / "documented.py").write_text(code)
         (tmp_path / name / "forgotten.py").write_text(code.replace(CARRIED, 'ckpt["i"] = i + BPTT'))
 
-    run(tmp_path / "reference", "documented", TO_THE_END)   # 4 epochs of 10 steps
+    run(tmp_path / "reference", "documented", TO_THE_END)  # 4 epochs of 10 steps
     run(tmp_path / "resumed", "documented", 10, killed=True)  # right after the step that ends epoch 0
     run(tmp_path / "resumed", "documented", 23, killed=True)  # mid-epoch 2: the newest checkpoint holds step 20
     run(tmp_path / "resumed", "documented", TO_THE_END)
@@ -61,11 +62,15 @@ def test_truncated_bptt_loop_resumes_exactly_when_its_carried_state_is_registere
 
     manifest, _ = cf.read_checkpoint(newest(tmp_path / "reference"))
     assert manifest.step == 40 and manifest.state["epoch"] == 4 and manifest.state["lr"] < 3.0  # annealed
-    restored = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "ckpt" / "events.jsonl").open()
-                if '"restore"' in line]
+    restored = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "resumed" / "ckpt" / "events.jsonl").open()
+        if '"restore"' in line
+    ]
     assert restored == [10, 20]
-    result = CliRunner().invoke(app, ["diff", str(newest(tmp_path / "reference")),
-                                      str(newest(tmp_path / "resumed")), "--json"])
+    result = CliRunner().invoke(
+        app, ["diff", str(newest(tmp_path / "reference")), str(newest(tmp_path / "resumed")), "--json"]
+    )
     assert result.exit_code == 0, result.output
     values = {v["name"] for v in json.loads(result.output)["values"]}
     assert {"lr", "best", "epoch", "i", "hidden"} <= values

@@ -16,8 +16,9 @@ from checkfreq.tools.report import load_run, session_line
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "checkfreq.cli", "demo", *args],
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "checkfreq.cli", "demo", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path) -> None:
@@ -45,19 +46,24 @@ def test_demo_kills_resumes_and_matches_in_a_directory_it_creates(tmp_path: Path
     restored = resumed.restored_step
     why = next(line for line in lines if line.startswith("Why "))
     events = read_events(checkpoints)
-    killed_session = events[:next(i for i, e in enumerate(events) if e["event"] == "start" and i > 0)]
+    killed_session = events[: next(i for i, e in enumerate(events) if e["event"] == "start" and i > 0)]
     committed = {e["step"] for e in killed_session if e["event"] == "commit"}
     unfinished = [e["step"] for e in killed_session if e["event"] == "snapshot" and e["step"] not in committed]
     lost = f"Why {killed - restored} step{'s' if killed - restored != 1 else ''} lost: "
     if unfinished:
-        assert why == (f"{lost}the checkpoint of step {unfinished[-1]} was still being written when the kill came "
-                       f"at step {killed}, so the newest durable one was that of step {restored}, the one before it.")
+        assert why == (
+            f"{lost}the checkpoint of step {unfinished[-1]} was still being written when the kill came "
+            f"at step {killed}, so the newest durable one was that of step {restored}, the one before it."
+        )
     else:
-        interval = next(e["interval_steps"] for e in killed_session
-                        if e["event"] == "snapshot" and e["step"] == restored)
-        assert why == (f"{lost}the kill came {killed - restored} steps after the newest checkpoint, that of step "
-                       f"{restored} (which came {interval} steps after the one before it), before the policy's "
-                       "next one was due.")
+        interval = next(
+            e["interval_steps"] for e in killed_session if e["event"] == "snapshot" and e["step"] == restored
+        )
+        assert why == (
+            f"{lost}the kill came {killed - restored} steps after the newest checkpoint, that of step "
+            f"{restored} (which came {interval} steps after the one before it), before the policy's "
+            "next one was due."
+        )
     # what the resumed session took over from the checkpoint, in words
     assert "took over the step and checkpoint costs measured before" in lines[-2] and "carried:" not in result.stdout
     rate = first.checkpoints / killed

@@ -29,8 +29,9 @@ def context() -> Iterator[multiprocessing.context.BaseContext]:
     yield ctx
 
 
-def _run(ctx: multiprocessing.context.BaseContext, shape: str, directory: Path, policy: int, kill: str,
-         out: Path) -> int | None:
+def _run(
+    ctx: multiprocessing.context.BaseContext, shape: str, directory: Path, policy: int, kill: str, out: Path
+) -> int | None:
     return run_forked(ctx, train, (shape, str(directory), policy, kill, str(out)))
 
 
@@ -88,9 +89,16 @@ def test_the_final_checkpoint_holds_the_state_the_run_ended_with(context, tmp_pa
     before = torch.get_rng_state()
     try:
         run = Run(str(tmp_path / f"{shape}-4-reference"), 4, "none", shape)  # restores the final checkpoint
-        restored = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": torch.get_rng_state(),
-                    "lr": run.opt.param_groups[0]["lr"], "best": run.ckpt["best"], "seen": run.ckpt["seen"],
-                    "step": run.ckpt.global_step, "epoch": run.loader.epoch}
+        restored = {
+            "model": run.model.state_dict(),
+            "optimizer": run.opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "lr": run.opt.param_groups[0]["lr"],
+            "best": run.ckpt["best"],
+            "seen": run.ckpt["seen"],
+            "step": run.ckpt.global_step,
+            "epoch": run.loader.epoch,
+        }
         run.ckpt.close()
     finally:
         torch.set_rng_state(before)

@@ -38,15 +38,29 @@ class Trainer:
     def __init__(self) -> None:
         self.zygote = subprocess.Popen(
             [sys.executable, str(SCRIPTS / "train_exact.py"), "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
 
     def __call__(self, workdir: Path, name: str, *args: str, killed: bool = False) -> str:
         """Run (or resume) the training in ``workdir``; return what it printed."""
         argv = [
-            "--dir", str(workdir / "ckpt"), "--out", str(workdir / f"{name}.pt"),
-            "--log", str(workdir / "batches.log"), "--samples", str(SAMPLES),
-            "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--every", str(EVERY), *args,
+            "--dir",
+            str(workdir / "ckpt"),
+            "--out",
+            str(workdir / f"{name}.pt"),
+            "--log",
+            str(workdir / "batches.log"),
+            "--samples",
+            str(SAMPLES),
+            "--batch-size",
+            str(BATCH),
+            "--epochs",
+            str(EPOCHS),
+            "--every",
+            str(EVERY),
+            *args,
         ]
         output = workdir / "output.txt"
         output.write_text("")

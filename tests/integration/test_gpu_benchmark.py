@@ -22,8 +22,21 @@ def test_every_mode_runs_and_a_failing_dcp_baseline_is_reported(
         raise KeyError(type)  # what torch 2.11's DefaultStager raises when reused
 
     monkeypatch.setattr(baselines, "dcp_stager", broken_stager)
-    doc = gpu.main(["--tiny", "--device", "cpu", "--steps", "9", "--warmup", "1", "--dir", str(tmp_path),
-                    "--json", str(tmp_path / "out.json")])
+    doc = gpu.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "9",
+            "--warmup",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "out.json"),
+        ]
+    )
     assert list(doc["modes"]) == list(gpu.MODES)
     for name, mode in doc["modes"].items():
         assert "error" not in mode, (name, mode)
@@ -74,8 +87,24 @@ def test_a_baseline_failing_after_its_warm_up_is_reported_and_the_others_go_on()
 def test_a_run_without_limits_reports_each_mode_on_the_training_stream_beside_the_stall_its_events_saw(
     shm_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    doc = gpu.main(["--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1", "--modes", "memory=1",
-                    "--optimizer", "adamw", "--no-limits", "--dir", str(tmp_path)])
+    doc = gpu.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--modes",
+            "memory=1",
+            "--optimizer",
+            "adamw",
+            "--no-limits",
+            "--dir",
+            str(tmp_path),
+        ]
+    )
     assert "limits" not in doc and "tier" not in doc and doc["optimizer"] == "non-fused"
     mode = doc["modes"]["memory=1"]
     assert len(mode["step_s"]) == 3 and mode["steps_total"] == 4

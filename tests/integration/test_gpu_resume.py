@@ -20,15 +20,22 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def run(directory: Path, out: Path, device: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out),
-                           "--device", device, *extra], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--dir", str(directory), "--out", str(out), "--device", device, *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize(("device", "tier"), [
-    ("cpu", "memory"),
-    pytest.param("cuda", "disk", marks=[pytest.mark.cuda, cuda]),
-    pytest.param("cuda", "memory", marks=[pytest.mark.cuda, cuda]),
-])
+@pytest.mark.parametrize(
+    ("device", "tier"),
+    [
+        ("cpu", "memory"),
+        pytest.param("cuda", "disk", marks=[pytest.mark.cuda, cuda]),
+        pytest.param("cuda", "memory", marks=[pytest.mark.cuda, cuda]),
+    ],
+)
 def test_a_killed_run_resumes_bit_identical(shm_dir: Path, tmp_path: Path, device: str, tier: str) -> None:
     extra = ["--memory", "1", "--policy", "1000"] if tier == "memory" else ["--policy", "5"]
     reference = run(tmp_path / "reference", tmp_path / "reference.safetensors", device, *extra)

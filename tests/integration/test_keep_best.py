@@ -24,8 +24,13 @@ from helpers import DOCS, SCRIPTS, assert_state_equal, docs_example
 
 
 def _run(directory: Path, out: Path, kill_step: int = 0) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "best_loop.py"), str(directory), str(kill_step), str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "best_loop.py"), str(directory), str(kill_step), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == (-signal.SIGKILL if kill_step else 0), proc.stderr[-3000:]
 
 
@@ -131,6 +136,7 @@ def test_checkfreq_ls_marks_the_best_and_export_best_exports_it(runs: dict[str, 
     out = _cli("export", str(root / "straight"), "--best", "--to", str(target), "--only", "model")
     assert f"of step {ranked[0]}" in out
     from safetensors.torch import load_file
+
     exported = load_file(str(target))
     reference = torch.load(f"{root / 'straight.pt'}.models/{ranked[0]}.pt")
     assert_state_equal(exported, reference)
@@ -144,13 +150,17 @@ def test_restore_best_without_any_score_says_why(tmp_path: Path) -> None:
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             ckpt.step()
-    with cf.Checkpointer(tmp_path, model=_model()) as ckpt, pytest.raises(cf.errors.NoValidCheckpointError,
-                                                                          match="none of the 3 checkpoints"):
+    with (
+        cf.Checkpointer(tmp_path, model=_model()) as ckpt,
+        pytest.raises(cf.errors.NoValidCheckpointError, match="none of the 3 checkpoints"),
+    ):
         ckpt.restore(step="best")
     with cf.Checkpointer(tmp_path / "fresh", model=_model()) as ckpt:
         assert ckpt.restore(step="best") == 0  # nothing listed: a fresh run
-    with cf.Checkpointer(tmp_path / "fresh", model=_model()) as ckpt, pytest.raises(cf.errors.InvalidArgumentError,
-                                                                                    match="'newest'"):
+    with (
+        cf.Checkpointer(tmp_path / "fresh", model=_model()) as ckpt,
+        pytest.raises(cf.errors.InvalidArgumentError, match="'newest'"),
+    ):
         ckpt.restore(step="newest")
 
 

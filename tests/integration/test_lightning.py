@@ -34,17 +34,43 @@ pytestmark = pytest.mark.slow
 SPENT_TIME = ("--max-time", "00:00:00:01")  # less than the 2 s every fit sleeps in step 2
 
 
-def fit(workdir: Path, name: str, *args: str, killed: bool = False, ddp: bool = False, fails: bool = False,
-        ckpt: str = "ckpt", log: str = "batches.log", devices: int = 2) -> str:
+def fit(
+    workdir: Path,
+    name: str,
+    *args: str,
+    killed: bool = False,
+    ddp: bool = False,
+    fails: bool = False,
+    ckpt: str = "ckpt",
+    log: str = "batches.log",
+    devices: int = 2,
+) -> str:
     """Run the fit with every callback (4 epochs at most, 2 s asleep in step 2, a day's max_time);
     under DDP a killed rank makes the others fail, and nothing of the job may outlive it."""
-    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / ckpt),
-               "--out", str(workdir / f"{name}.pt"), "--log", str(workdir / log), "--epochs", "4",
-               "--callbacks", str(workdir / "lightning"), "--sleep-at", "2", "--max-time", "01:00:00:00", *args]
+    command = [
+        sys.executable,
+        str(SCRIPTS / "lightning_train.py"),
+        "--dir",
+        str(workdir / ckpt),
+        "--out",
+        str(workdir / f"{name}.pt"),
+        "--log",
+        str(workdir / log),
+        "--epochs",
+        "4",
+        "--callbacks",
+        str(workdir / "lightning"),
+        "--sleep-at",
+        "2",
+        "--max-time",
+        "01:00:00:00",
+        *args,
+    ]
     if ddp:
         command += ["--devices", str(devices)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -156,8 +182,13 @@ def test_killed_and_resumed_fit_is_bit_identical(tmp_path: Path) -> None:
     # Run 1 trains batches 0-4 of epoch 0; run 2 restores step 3, replays batches 3-4 and goes on to
     # batch 0 of epoch 1; run 3 restores step 9 (taken after epoch 0's validation) and replays that
     # batch, run 4 restores step 12 and trains the rest of epoch 1, where EarlyStopping ends the fit.
-    assert order == ([(0, i) for i in range(5)] + [(0, i) for i in range(3, 9)] + [(1, 0)]
-                     + [(1, i) for i in range(5)] + [(1, i) for i in range(3, 9)])
+    assert order == (
+        [(0, i) for i in range(5)]
+        + [(0, i) for i in range(3, 9)]
+        + [(1, 0)]
+        + [(1, i) for i in range(5)]
+        + [(1, i) for i in range(3, 9)]
+    )
     log = batches(run / "batches.log")
     assert log == batches(reference / "batches.log")
     for indices in log.values():
@@ -219,8 +250,16 @@ def _tiny_fit(directory: Path, epochs: int, callbacks: list, **trainer_options: 
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
     model = Model()
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **trainer_options)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **trainer_options,
+    )
     trainer.fit(model, train_dataloaders=data)
     return model, trainer
 
@@ -314,11 +353,25 @@ def test_a_checkpoint_at_the_end_of_an_epoch_sees_each_epoch_start_once(tmp_path
 def monitored_fit(workdir: Path, *args: str, killed: bool = False, ddp: bool = False) -> str:
     """A fit of at most 8 epochs that logs ``train_loss`` on step and epoch, with ``EarlyStopping`` and a
     top-1 ``ModelCheckpoint`` (in ``workdir/best``) monitoring its epoch mean ``train_loss_epoch``."""
-    command = [sys.executable, str(SCRIPTS / "lightning_train.py"), "--dir", str(workdir / "ckpt"),
-               "--out", str(workdir / "final.pt"), "--log", str(workdir / "batches.log"), "--epochs", "8",
-               "--monitor-epoch", str(workdir / "best"), *args, *(("--devices", "2") if ddp else ())]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    command = [
+        sys.executable,
+        str(SCRIPTS / "lightning_train.py"),
+        "--dir",
+        str(workdir / "ckpt"),
+        "--out",
+        str(workdir / "final.pt"),
+        "--log",
+        str(workdir / "batches.log"),
+        "--epochs",
+        "8",
+        "--monitor-epoch",
+        str(workdir / "best"),
+        *args,
+        *(("--devices", "2") if ddp else ()),
+    ]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     finally:

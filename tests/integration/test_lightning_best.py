@@ -29,9 +29,13 @@ pytestmark = pytest.mark.slow
 
 
 def _fit(directory: Path, out: Path, kill_step: int = 0, *extra: str) -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "lightning_best.py"), str(directory), str(out),
-                           str(kill_step), *extra], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "lightning_best.py"), str(directory), str(out), str(kill_step), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == (-signal.SIGKILL if kill_step else 0), proc.stderr[-3000:]
 
 

@@ -45,7 +45,7 @@ def test_whole_run_overhead_stays_within_the_bound(tmp_path: Path) -> None:
     bases.append(train(STEPS, None, model, opt, x, y, WARMUP))
     for i, p in enumerate(bounds):
         assert all(pol.interval > 0 for pol in policies[p]), "no checkpoint was planned"
-        overhead, noise = judge(timed[p], bases[i:-1:2], bases[i + 1::2])
+        overhead, noise = judge(timed[p], bases[i:-1:2], bases[i + 1 :: 2])
         assert overhead <= p + noise, (
             f"p={p}: median overhead {overhead:.1%} > bound + measurement noise {noise:.1%}; "
             f"times {timed[p]}, bases {bases}; {policies[p][-1].reason}"

@@ -61,7 +61,10 @@ def test_readme_example_runs_and_resumes(tmp_path: Path) -> None:
     assert "STEP 96" in first.stdout  # 3 epochs of ceil(1000 / 32) = 32 batches
     # a newcomer sees it work: a line per epoch, and no restore on a fresh run
     assert re.findall(r"^epoch (\d): step (\d+), loss \d+\.\d{3}$", first.stdout, re.M) == [
-        ("0", "32"), ("1", "64"), ("2", "96")], first.stdout
+        ("0", "32"),
+        ("1", "64"),
+        ("2", "96"),
+    ], first.stdout
     assert "restored" not in first.stdout
     assert (tmp_path / "runs" / "exp1" / "step_000000096" / "manifest.json").exists()
     second = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -89,8 +92,14 @@ def test_readme_example_killed_with_sigkill_and_rerun_ends_bit_identical(tmp_pat
     reference = _digest(script, tmp_path / "uninterrupted")
 
     env = {**os.environ, "STOP_AT": str(KILL_AT)}
-    with subprocess.Popen([sys.executable, str(script)], cwd=tmp_path / "killed", env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path / "killed",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as child:
         assert child.stdout is not None
         before_kill = []
         for line in child.stdout:  # the first epoch's line, then the stop (or the end, if it failed)

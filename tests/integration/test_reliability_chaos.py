@@ -22,9 +22,22 @@ pytestmark = pytest.mark.slow
 def test_thirty_kills_lose_nothing_and_resume_exactly(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "chaos.py"), "--kills", "30", "--seed", "1",
-         "--workdir", str(tmp_path / "runs"), "--json", str(out), "--no-report"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(BENCHMARKS / "chaos.py"),
+            "--kills",
+            "30",
+            "--seed",
+            "1",
+            "--workdir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+            "--no-report",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.exists(), proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -45,9 +58,25 @@ def test_thirty_kills_with_the_memory_tier_restore_the_newest_state_of_any_tier(
     shm = tmp_path / "shm"  # the regions on the ordinary filesystem: same protocol, isolated from /dev/shm
     shm.mkdir()
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "chaos.py"), "--kills", "30", "--seed", "2", "--memory", "1",
-         "--workdir", str(tmp_path / "runs"), "--json", str(out), "--no-report"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "CHECKFREQ_SHM_DIR": str(shm)},
+        [
+            sys.executable,
+            str(BENCHMARKS / "chaos.py"),
+            "--kills",
+            "30",
+            "--seed",
+            "2",
+            "--memory",
+            "1",
+            "--workdir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+            "--no-report",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CHECKFREQ_SHM_DIR": str(shm)},
     )
     assert out.exists(), proc.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -130,9 +130,11 @@ def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
     fresh = max(t / b for t, b in zip(runs.uninterrupted, runs.bases, strict=True)) - 1
     resumed = [len(c) for c in runs.resumed_checkpoints]
     uninterrupted = [len(c) for c in runs.uninterrupted_checkpoints]
-    detail = (f"killed run {killed_run}; restored {runs.restored_steps}; resumed {runs.resumed_checkpoints}; "
-              f"uninterrupted {runs.uninterrupted_checkpoints}; times {runs.resumed}, bases {runs.bases}; "
-              f"{runs.reasons[-1]}")
+    detail = (
+        f"killed run {killed_run}; restored {runs.restored_steps}; resumed {runs.resumed_checkpoints}; "
+        f"uninterrupted {runs.uninterrupted_checkpoints}; times {runs.resumed}, bases {runs.bases}; "
+        f"{runs.reasons[-1]}"
+    )
     assert all(step > 0 for step in runs.restored_steps), detail
     # the session's warmup
     assert all(c[0] - r >= 10 for c, r in zip(runs.resumed_checkpoints, runs.restored_steps, strict=True) if c), detail
@@ -146,8 +148,12 @@ def _assert_rate_and_bound(runs: Sessions, killed_run: list[int]) -> None:
 @pytest.mark.slow
 def test_resumed_session_after_sigkill_keeps_the_rate_and_the_bound(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "killed_session.py"), str(killed), "--kill-at", "120"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "killed_session.py"), str(killed), "--kill-at", "120"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
     torch.set_num_threads(1)
     model, opt, x, y = setup()
@@ -157,8 +163,9 @@ def test_resumed_session_after_sigkill_keeps_the_rate_and_the_bound(tmp_path: Pa
 
 @pytest.mark.slow
 def test_torchrun_restart_keeps_the_rate_and_the_bound_and_ranks_agree(tmp_path: Path) -> None:
-    out = finish_job(launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "3",
-                                "--steps", "200"))
+    out = finish_job(
+        launch_job(tmp_path, "ddp_sessions.py", str(tmp_path), "--kill-at", "120", "--reps", "3", "--steps", "200")
+    )
     records = [
         json.loads(line) for rank in (0, 1) for line in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
     ]

@@ -58,8 +58,17 @@ def restore_from(store: object, **kwargs: object) -> tuple[int, dict, dict]:
 
 
 def run_child(s3_endpoint: str, url: str, *args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, str(SCRIPTS / "s3_train.py"), "--url", url, "--endpoint", s3_endpoint,
-               "--steps", str(STEPS), *args]
+    command = [
+        sys.executable,
+        str(SCRIPTS / "s3_train.py"),
+        "--url",
+        url,
+        "--endpoint",
+        s3_endpoint,
+        "--steps",
+        str(STEPS),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -153,8 +162,9 @@ def test_two_tiers_kill_mid_upload(s3_endpoint: str, bucket_url: str, tmp_path: 
 def test_two_tiers_upload_and_keep_per_tier(s3_endpoint: str, bucket_url: str, tmp_path: Path) -> None:
     remote = FsspecStore(bucket_url, endpoint_url=s3_endpoint, **KEY)
     model, optimizer = _script().build()
-    with cf.Checkpointer(tmp_path, remote=remote, policy=1, keep=1, remote_keep=3,
-                         model=model, optimizer=optimizer) as ckpt:
+    with cf.Checkpointer(
+        tmp_path, remote=remote, policy=1, keep=1, remote_keep=3, model=model, optimizer=optimizer
+    ) as ckpt:
         for step in range(1, 6):
             _script().train_step(model, optimizer, step)
             ckpt.step()

@@ -117,8 +117,19 @@ def test_resumed_from_a_trainer_checkpoint_counts_from_its_step(tmp_path: Path) 
     note = json.loads((reference / "out" / "checkpoint-5" / "checkfreq.json").read_text())
     assert note == {"data_order": "checkfreq"}
     plain = shutil.copytree(reference / "out" / "checkpoint-5", run / "plain" / "checkpoint-5")
-    out = hf_fit(run, "killed", "--resume_from_checkpoint", str(plain), "--die-at", "11", "--save_strategy", "steps",
-                 "--save_steps", "5", killed=True)
+    out = hf_fit(
+        run,
+        "killed",
+        "--resume_from_checkpoint",
+        str(plain),
+        "--die-at",
+        "11",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "5",
+        killed=True,
+    )
     assert "restored 5 killed at 11" in out and "holds no checkfreq.json" not in out
     assert trainer_steps(run / "checkfreq") == {8: 8}  # every 3 steps from step 5
     out = hf_fit(run, "final")
@@ -145,11 +156,20 @@ def tiny_trainer(output_dir: Path, training: dict[str, Any] | None = None, **che
     data = [{"input_ids": row, "labels": row} for row in ids]
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
-    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             num_train_epochs=1, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             **{"save_strategy": "no", **(training or {})})
-    return CheckFreqTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator,
-                            **checkfreq)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_train_epochs=1,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        **{"save_strategy": "no", **(training or {})},
+    )
+    return CheckFreqTrainer(
+        model=model, args=args, train_dataset=data, data_collator=default_data_collator, **checkfreq
+    )
 
 
 def test_a_rerun_without_resume_is_refused_before_training(tmp_path: Path) -> None:
@@ -170,14 +190,26 @@ def test_a_rerun_without_resume_is_refused_before_training(tmp_path: Path) -> No
 def test_static_torchrun_form_restarts_the_trainer_with_a_group_per_attempt(tmp_path: Path) -> None:
     """``torchrun --master-port P --max-restarts 1``: rank 1 dies at step 3; the restarted workers create
     the default group on keys of their own (docs/huggingface.md) and resume from checkpoint 2."""
-    out = hf_fit(tmp_path, "final", "--every", "2", "--die-at", "3", "--die-rank", "1", "--attempt-store",
-              ranks=2, static_restarts=1)
+    out = hf_fit(
+        tmp_path,
+        "final",
+        "--every",
+        "2",
+        "--die-at",
+        "3",
+        "--die-rank",
+        "1",
+        "--attempt-store",
+        ranks=2,
+        static_restarts=1,
+    )
     assert "restored 0 killed at 3" in out  # the first attempt
     assert out.count("restored 2 final 6 epoch 2.0") == 2  # both ranks of the second
 
 
 def test_resume_true_without_checkfreq_checkpoints_takes_the_trainers_newest(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``resume_from_checkpoint=True`` with no checkfreq checkpoint but the Trainer's ``checkpoint-2/`` in
     output_dir resumes from it, as the plain Trainer would, says so, and ends as the uninterrupted run."""
     save = {"save_strategy": "steps", "save_steps": 2}
@@ -288,20 +320,24 @@ def test_a_run_begun_with_the_plain_trainer_goes_on_in_its_data_order(tmp_path: 
     hf_fit(plain, "final", "--plain", "--save_strategy", "steps", "--save_steps", "5", "--logging_steps", "1")
     for target in (own, run):
         shutil.copytree(plain / "out" / "checkpoint-5", target / "checkpoint-5")
-    assert "plain final 12" in hf_fit(own, "final", "--plain", "--resume_from_checkpoint", str(own / "checkpoint-5"),
-                                      "--logging_steps", "1")
+    assert "plain final 12" in hf_fit(
+        own, "final", "--plain", "--resume_from_checkpoint", str(own / "checkpoint-5"), "--logging_steps", "1"
+    )
     resume = ("--resume_from_checkpoint", str(run / "checkpoint-5"), "--logging_steps", "1", "--every", "1")
     out = hf_fit(run, "killed1", *resume, "--die-at", "7", killed=True)
     assert "restored 5 killed at 7" in out and "holds no checkfreq.json, so the plain Trainer saved it" in out
-    assert "restored 6 killed at 9" in hf_fit(run, "killed2", "--logging_steps", "1", "--every", "1",
-                                              "--die-at", "9", killed=True)
+    assert "restored 6 killed at 9" in hf_fit(
+        run, "killed2", "--logging_steps", "1", "--every", "1", "--die-at", "9", killed=True
+    )
     assert "restored 8 final 12 epoch 2.0" in hf_fit(run, "final", "--logging_steps", "1", "--every", "1")
 
     expected, actual = torch.load(own / "final.pt"), torch.load(run / "final.pt")
     assert_state_equal(actual["model"], expected["model"])
     assert_state_equal(actual["optimizer"], expected["optimizer"])
-    losses = [[(e["step"], e["loss"]) for e in history if "loss" in e]
-              for history in (actual["log_history"], expected["log_history"])]
+    losses = [
+        [(e["step"], e["loss"]) for e in history if "loss" in e]
+        for history in (actual["log_history"], expected["log_history"])
+    ]
     assert losses[0] == losses[1] and [step for step, _ in losses[0]] == list(range(1, 13))
     # The Trainer's own resume read steps 6-12 in its sampler's order; each run read on from its restored step
     # (a killed run's last read may be the batch accelerate's loader fetched ahead).

@@ -99,9 +99,19 @@ def test_train_resumes_from_a_checkfreq_step_folder_or_the_best(runs: Path, tmp_
         assert f"restored {best} final 12" in out
         assert_state_equal(torch.load(work / "final.pt")["model"], torch.load(runs / "reference" / "final.pt")["model"])
     elsewhere = runs / "reference" / "checkfreq" / f"step_{best:09d}"
-    command = [sys.executable, str(SCRIPTS / "hf_train.py"), "--dir", str(tmp_path / "other"), "--out",
-               str(tmp_path / "other.pt"), "--read-log", str(tmp_path / "other.log"), *BEST,
-               "--resume_from_checkpoint", str(elsewhere)]
+    command = [
+        sys.executable,
+        str(SCRIPTS / "hf_train.py"),
+        "--dir",
+        str(tmp_path / "other"),
+        "--out",
+        str(tmp_path / "other.pt"),
+        "--read-log",
+        str(tmp_path / "other.log"),
+        *BEST,
+        "--resume_from_checkpoint",
+        str(elsewhere),
+    ]
     returncode, out = run_job(command, {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert returncode == 1
     assert "is a checkfreq checkpoint of" in out and f"pass checkfreq_dir='{elsewhere.parent}'" in out

@@ -38,8 +38,9 @@ def _assert_same(ended: dict, reference: dict, what: str) -> None:
         assert torch.equal(ended["model"][name], tensor), f"{what}: {name} differs"
     for index, state in reference["optimizer"]["state"].items():
         for key, value in state.items():
-            assert torch.equal(torch.as_tensor(ended["optimizer"]["state"][index][key]), torch.as_tensor(value)), \
+            assert torch.equal(torch.as_tensor(ended["optimizer"]["state"][index][key]), torch.as_tensor(value)), (
                 f"{what}: optimizer {index}.{key} differs"
+            )
     assert ended["lr"] == reference["lr"], f"{what}: learning rate {ended['lr']} != {reference['lr']}"
     assert torch.equal(ended["torch"], reference["torch"]), f"{what}: torch generator differs"
     assert (ended["numpy"] == reference["numpy"]).all() and ended["python"] == reference["python"], what
@@ -71,8 +72,9 @@ def _assert_best_is_the_state_after_its_epochs_scheduler_step(directory: Path, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [10, 7])
-def test_the_mnist_example_with_keep_best_killed_anywhere_ends_bit_identical(context, tmp_path: Path,
-                                                                            policy: int) -> None:
+def test_the_mnist_example_with_keep_best_killed_anywhere_ends_bit_identical(
+    context, tmp_path: Path, policy: int
+) -> None:
     reference_dir = tmp_path / f"reference-{policy}"
     assert _run(context, "mnist", reference_dir, policy, "none", tmp_path / "reference.pt") == 0
     reference = torch.load(tmp_path / "reference.pt", weights_only=False)

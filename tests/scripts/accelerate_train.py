@@ -41,8 +41,15 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     loader = ResumableLoader(NoisyPoints(64), batch_size=4, shuffle=True, seed=5)
-    ckpt = Checkpointer(args.dir, policy=args.every, keep=2, model=accelerator.unwrap_model(model),
-                        optimizer=optimizer, scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(
+        args.dir,
+        policy=args.every,
+        keep=2,
+        model=accelerator.unwrap_model(model),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    )
     restored = ckpt.restore()
 
     rank = accelerator.process_index
@@ -63,8 +70,14 @@ def main() -> None:
     ckpt.close()
     print(f"rank {rank} restored {restored} final {ckpt.global_step}", flush=True)
     if rank == 0:
-        torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, args.out)
+        torch.save(
+            {
+                "model": accelerator.unwrap_model(model).state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+            },
+            args.out,
+        )
     accelerator.end_training()
 
 

@@ -131,6 +131,7 @@ def install_hook(phase: str, at: int, progress: Progress, root: str) -> None:
     elif phase == "header":
         MemoryRegion.commit = _before(MemoryRegion.commit, lambda *_, **__: reached())  # type: ignore[method-assign]
     elif phase == "slot":
+
         def quiet(region: MemoryRegion, *_: Any, **__: Any) -> None:
             if seen + 1 == at:  # a persist's slot may still be committing: wait until both slots are
                 while len(region.snapshots()) < 2:
@@ -203,9 +204,17 @@ def run(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loader = ResumableLoader(NoisySamples(args.samples), batch_size=args.batch_size, shuffle=True, seed=3)
     signals = tuple(signal.Signals(s) for s in args.save_on_signal)
-    with cf.Checkpointer(args.dir, policy=args.every, keep=args.keep, save_on_signal=signals,
-                         memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler,
-                         loader=loader) as ckpt:
+    with cf.Checkpointer(
+        args.dir,
+        policy=args.every,
+        keep=args.keep,
+        save_on_signal=signals,
+        memory=args.memory or False,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    ) as ckpt:
         progress("ready", ckpt.restore())
         for _ in range(loader.epoch, args.epochs):
             for x, y in loader:

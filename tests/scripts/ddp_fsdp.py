@@ -99,8 +99,11 @@ def main() -> None:
     assert sorted(os.listdir(agree_dir)) == [".checkfreq.lock", "events.jsonl", "step_000000003"]
 
     local_rows = model[0].weight.to_local().shape[0]
-    print(f"rank={rank} fsdp round trip ok local_rows={local_rows} "
-          f"files={sorted(os.listdir(ckpt.directory / 'step_000000003'))}", flush=True)
+    print(
+        f"rank={rank} fsdp round trip ok local_rows={local_rows} "
+        f"files={sorted(os.listdir(ckpt.directory / 'step_000000003'))}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

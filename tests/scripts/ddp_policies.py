@@ -36,8 +36,18 @@ STEP_S = 0.002
 machine: past the time policy's 0.2 s and the quarter second the ranks may take to agree on it."""
 
 
-def session(directory: Path, name: str, steps: int, net: torch.nn.Module, model: torch.nn.Module,
-            opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, restore: bool) -> dict[str, object]:
+def session(
+    directory: Path,
+    name: str,
+    steps: int,
+    net: torch.nn.Module,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    restore: bool,
+) -> dict[str, object]:
     ckpt = Checkpointer(directory, policy=POLICIES[name](), keep=2, model=model, optimizer=opt)
     restored = ckpt.restore() if restore else 0
     taken = []

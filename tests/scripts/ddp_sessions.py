@@ -56,8 +56,19 @@ def main() -> None:
                 say(checkpoint=ckpt.global_step)
             if ckpt.global_step >= args.kill_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-    runs = resumed_sessions(killed, args.directory, args.reps, args.steps, model, opt, x, y,
-                            forward=net, leader=rank == 0, barrier=dist.barrier)
+    runs = resumed_sessions(
+        killed,
+        args.directory,
+        args.reps,
+        args.steps,
+        model,
+        opt,
+        x,
+        y,
+        forward=net,
+        leader=rank == 0,
+        barrier=dist.barrier,
+    )
     say(sessions=runs.as_dict())
     dist.destroy_process_group()
 

@@ -62,8 +62,13 @@ def build_model() -> nn.Module:
     """Uneven layer sizes: the partition has to split tensors to balance the ranks."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.2),
-        nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 3),
+        nn.Linear(8, 512),
+        nn.BatchNorm1d(512),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(512, 64),
+        nn.ReLU(),
+        nn.Linear(64, 3),
     )
 
 
@@ -186,16 +191,28 @@ def main() -> None:
         kill_mid_local_write(args.ckpt_dir, int(args.kill_write.split(":")[1]), once)
     if once := first_kill(args, args.kill_upload, rank):
         kill_before_upload(remote, int(args.kill_upload.split(":")[1]), once)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=remote, on_error=args.on_error,
-                        memory=args.memory or False, model=model, optimizer=optimizer, scheduler=scheduler,
-                        loader=loader)
+    ckpt = Checkpointer(
+        args.ckpt_dir,
+        policy=args.every,
+        keep=2,
+        remote=remote,
+        on_error=args.on_error,
+        memory=args.memory or False,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    )
     ckpt["running"] = torch.full((8,), float(rank)) + torch.arange(8) / 10
     ckpt["seen"] = 0
     ckpt["mixed"] = torch.zeros(3) if rank == 0 else 0.5
     step = ckpt.restore()
     state = loader.state_dict()
-    print(f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}\n",
-          end="", flush=True)  # one write, newline included: the ranks share the agent's stdout
+    print(
+        f"life={life} rank={rank} restored step={step} epoch={state['epoch']} consumed={state['consumed']}\n",
+        end="",
+        flush=True,
+    )  # one write, newline included: the ranks share the agent's stdout
     if args.dump:
         torch.save(per_rank_state(model, ckpt), f"{args.dump}/restored-w{world}-r{rank}.pt")
 
@@ -231,23 +248,36 @@ def main() -> None:
                     finish(ckpt, distributed)
                     return
     finish(ckpt, distributed)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state(), **per_rank_state(model, ckpt)["values"]},
-               Path(args.final).with_suffix(f".rank{rank}.pt"))
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            **per_rank_state(model, ckpt)["values"],
+        },
+        Path(args.final).with_suffix(f".rank{rank}.pt"),
+    )
 
 
 def init_for_this_attempt() -> None:
     """The default process group, its rendezvous keys apart from any earlier attempt's (docs/distributed.md)."""
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", agent_store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"attempt-{attempt}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
 
 
 def per_rank_state(model: nn.Module, ckpt: Checkpointer) -> dict:
     """What may differ between ranks: the BatchNorm buffers and the plain values."""
-    return {"buffers": {k: v.clone() for k, v in model.named_buffers()},
-            "values": {k: ckpt[k] for k in ("running", "seen", "mixed")}}
+    return {
+        "buffers": {k: v.clone() for k, v in model.named_buffers()},
+        "values": {k: ckpt[k] for k in ("running", "seen", "mixed")},
+    }
 
 
 def finish(ckpt: Checkpointer, distributed: bool) -> None:

@@ -56,8 +56,16 @@ def command(nproc: int, *args: str) -> list[str]:
     script = [str(Path(__file__)), *args]
     if not nproc:
         return [sys.executable, *script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "--monitor-interval=0.1", *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        *script,
+    ]
 
 
 def read_steps(*logs: Path) -> StepLog:
@@ -102,8 +110,11 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
-    batches = ({"batch_size": args.batch_size} if args.batch_size
-               else {"global_batch_size": args.global_batch, "micro_batch_size": args.micro})
+    batches = (
+        {"batch_size": args.batch_size}
+        if args.batch_size
+        else {"global_batch_size": args.global_batch, "micro_batch_size": args.micro}
+    )
     loader = ResumableLoader(NoisyPoints(args.samples), shuffle=True, seed=5, **batches)
     distributed = "RANK" in os.environ
     if distributed:
@@ -116,13 +127,26 @@ def main() -> None:
     net = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, remote=args.remote, memory=args.memory or False,
-                        model=model, optimizer=optimizer, scheduler=scheduler, loader=loader)
+    ckpt = Checkpointer(
+        args.ckpt_dir,
+        policy=args.every,
+        keep=2,
+        remote=args.remote,
+        memory=args.memory or False,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+    )
     step = ckpt.restore()
     accumulation = loader.accumulation_steps
     # one write, newline included: the ranks share the agent's stdout, and print() writes its end apart
-    print(f"life={life} rank={rank} world={world} restored step={step} accumulation={accumulation} "
-          f"batch={loader.batch_size}\n", end="", flush=True)
+    print(
+        f"life={life} rank={rank} world={world} restored step={step} accumulation={accumulation} "
+        f"batch={loader.batch_size}\n",
+        end="",
+        flush=True,
+    )
 
     with open(args.step_log, "a") as log:
         for _ in range(loader.epoch, args.epochs):
@@ -144,9 +168,11 @@ def main() -> None:
                 if distributed:
                     dist.all_reduce(step_loss)
                 fingerprint = sum(p.detach().double().sum() for p in model.parameters()).item()
-                log.write(f"{life} {ckpt.global_step} {rank} {world} {accumulation} "
-                          f"{step_loss.item() / loader.global_batch_size!r} {fingerprint!r} "
-                          f"{' '.join(map(str, step_indices))}\n")
+                log.write(
+                    f"{life} {ckpt.global_step} {rank} {world} {accumulation} "
+                    f"{step_loss.item() / loader.global_batch_size!r} {fingerprint!r} "
+                    f"{' '.join(map(str, step_indices))}\n"
+                )
                 log.flush()
                 if args.die == f"{life}:{ckpt.global_step}" and rank == 0:
                     ckpt.wait()
@@ -166,8 +192,10 @@ def main() -> None:
                     finish(ckpt, distributed)
                     return
     if rank == 0:  # before the ranks part: torch may abort a rank as it exits (below), and its agent stop this one
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, args.final)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            args.final,
+        )
     finish(ckpt, distributed)
 
 

@@ -77,9 +77,16 @@ class Run:
         self.eval_loader = torch.utils.data.DataLoader(Points(12), batch_size=4, shuffle=True)
         killer = not dist.is_initialized() or (dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0")
         self.kill = kill if killer else "none"
-        self.ckpt = cf.Checkpointer(directory, policy=policy, model=self.model, optimizer=self.opt,
-                                    scheduler=self.sched, per_step=self.per_step, loader=self.loader,
-                                    values={"best": 0.0, "seen": 0})
+        self.ckpt = cf.Checkpointer(
+            directory,
+            policy=policy,
+            model=self.model,
+            optimizer=self.opt,
+            scheduler=self.sched,
+            per_step=self.per_step,
+            loader=self.loader,
+            values={"best": 0.0, "seen": 0},
+        )
         self.ckpt.restore()
         self.evaluations: list[int] = []
 
@@ -111,11 +118,20 @@ class Run:
     def save(self, out: str) -> None:
         self.ckpt.save(blocking=True)
         self.ckpt.close()
-        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                    "lr": self.opt.param_groups[0]["lr"], "rng": torch.get_rng_state(),
-                    "best": self.ckpt["best"], "seen": self.ckpt["seen"], "step": self.ckpt.global_step,
-                    "epoch": self.loader.epoch,
-                    "evaluations": self.evaluations}, out)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.opt.state_dict(),
+                "lr": self.opt.param_groups[0]["lr"],
+                "rng": torch.get_rng_state(),
+                "best": self.ckpt["best"],
+                "seen": self.ckpt["seen"],
+                "step": self.ckpt.global_step,
+                "epoch": self.loader.epoch,
+                "evaluations": self.evaluations,
+            },
+            out,
+        )
 
 
 def train(shape: str, directory: str, policy: int, kill: str, out: str) -> None:

@@ -109,9 +109,15 @@ class Faults:
             me = psutil.Process()
             doomed = [me] if what == "rank" else [me.parent(), *me.parent().children()]
             stop = signal.SIGSTOP if what == "freeze" else signal.SIGKILL
-            record = {"time": time.time(), "phase": phase, "rank": self.rank, "what": what, "step": step,
-                      "pids": [p.pid for p in doomed],
-                      "ranks": [self.rank] if what == "rank" else sibling_ranks()}
+            record = {
+                "time": time.time(),
+                "phase": phase,
+                "rank": self.rank,
+                "what": what,
+                "step": step,
+                "pids": [p.pid for p in doomed],
+                "ranks": [self.rank] if what == "rank" else sibling_ranks(),
+            }
             temporary = self.markers / f"fault{number}.tmp"
             temporary.write_text(json.dumps(record))
             temporary.rename(self.markers / f"fault{number}")
@@ -129,8 +135,13 @@ def sibling_ranks() -> list[int]:
 
 def inject(faults: Faults) -> None:
     """Wrap checkfreq's functions so that each phase calls ``faults.hit`` (on whichever thread runs it)."""
-    take, gather, broadcast, send, receive = (Snapshotter.take, GroupPeers.gather, GroupPeers.broadcast,
-                                              GroupPeers.send, GroupPeers.receive)
+    take, gather, broadcast, send, receive = (
+        Snapshotter.take,
+        GroupPeers.gather,
+        GroupPeers.broadcast,
+        GroupPeers.send,
+        GroupPeers.receive,
+    )
     rows, copy = GroupPeers.all_gather_rows, RemoteTier._copy
     rounds: dict[tuple[str, str], int] = {}
 
@@ -141,7 +152,7 @@ def inject(faults: Faults) -> None:
 
     def commit_step(peers: GroupPeers) -> int | None:
         prefix = "the commit of step "
-        return int(peers.activity[len(prefix):]) if peers.activity.startswith(prefix) else None
+        return int(peers.activity[len(prefix) :]) if peers.activity.startswith(prefix) else None
 
     def take_hooked(self: Snapshotter, *args: Any, **kwargs: Any) -> Any:
         faults.hit("snapshot", step_now)
@@ -258,11 +269,21 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     options = {} if args.failure_timeout is None else {"failure_timeout": args.failure_timeout}
-    ckpt = Checkpointer(args.ckpt_dir, policy=VotedEvery(args.every), keep=2, remote=args.remote,
-                        model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, **options)
+    ckpt = Checkpointer(
+        args.ckpt_dir,
+        policy=VotedEvery(args.every),
+        keep=2,
+        remote=args.remote,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        **options,
+    )
     step_now = ckpt.restore()
-    print(f"life={life} rank={rank} world={world} restored step={step_now} at={time.time()!r}\n", end="",
-          flush=True)  # one write, newline included: the ranks share the agent's stdout
+    print(
+        f"life={life} rank={rank} world={world} restored step={step_now} at={time.time()!r}\n", end="", flush=True
+    )  # one write, newline included: the ranks share the agent's stdout
 
     with open(args.step_log, "a") as log:
         for _ in range(loader.epoch, args.epochs):
@@ -280,17 +301,21 @@ def main() -> None:
                 if distributed:
                     dist.all_reduce(step_loss)
                 fingerprint = sum(p.detach().double().sum() for p in model.parameters()).item()
-                log.write(f"{life} {ckpt.global_step} {rank} {world} 1 {step_loss.item() / args.global_batch!r} "
-                          f"{fingerprint!r} "
-                          f"{' '.join(map(str, index.tolist()))}\n")
+                log.write(
+                    f"{life} {ckpt.global_step} {rank} {world} 1 {step_loss.item() / args.global_batch!r} "
+                    f"{fingerprint!r} "
+                    f"{' '.join(map(str, index.tolist()))}\n"
+                )
                 log.flush()
                 due = faults.next()
                 if due is not None and due[1][0] == "between" and not started:
                     ckpt.wait()  # nothing in flight
                     faults.hit("between", ckpt.global_step)
     if rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict()}, args.final)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            args.final,
+        )
     ckpt.close()
     if distributed:
         dist.destroy_process_group()

@@ -126,19 +126,32 @@ def main() -> None:
                 fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ckpt = Checkpointer(args.ckpt_dir, policy=args.every, keep=2, memory=args.memory or False,
-                        replicas=args.replicas, remote=args.remote, failure_timeout=args.failure_timeout,
-                        model=model, optimizer=optimizer, loader=loader)
+    ckpt = Checkpointer(
+        args.ckpt_dir,
+        policy=args.every,
+        keep=2,
+        memory=args.memory or False,
+        replicas=args.replicas,
+        remote=args.remote,
+        failure_timeout=args.failure_timeout,
+        model=model,
+        optimizer=optimizer,
+        loader=loader,
+    )
     ckpt["seen"] = torch.zeros(())
     if args.markers:  # what this machine keeps of other machines' snapshots, before the restore takes any
         for held in memory_snapshots(args.ckpt_dir):
             if held.name.startswith("memory copy of rank "):
-                print(f"life={life} rank={rank} keeps copy of rank {held.name.split()[4]} step={held.step} "
-                      f"valid={held.valid}", flush=True)
+                print(
+                    f"life={life} rank={rank} keeps copy of rank {held.name.split()[4]} step={held.step} "
+                    f"valid={held.valid}",
+                    flush=True,
+                )
     step = ckpt.restore()
     at = f" at={time.time()!r}" if args.markers else ""
-    print(f"life={life} rank={rank} world={world} restored step={step}{at}\n", end="",
-          flush=True)  # one write, newline included: the ranks share the agent's stdout
+    print(
+        f"life={life} rank={rank} world={world} restored step={step}{at}\n", end="", flush=True
+    )  # one write, newline included: the ranks share the agent's stdout
     for _ in range(loader.epoch, args.epochs):
         for x, y, _ in loader:
             loss = nn.functional.cross_entropy(net(x), y)
@@ -166,10 +179,14 @@ def main() -> None:
                     if rank % per_node == per_node - 1:
                         os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
                     os.kill(os.getpid(), signal.SIGKILL)
-    torch.save({"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()),
-                "seen": ckpt["seen"]}, f"{args.final}.rank{rank}.pt")
-    full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-            for name, value in model.state_dict().items()}
+    torch.save(
+        {"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()), "seen": ckpt["seen"]},
+        f"{args.final}.rank{rank}.pt",
+    )
+    full = {
+        name: value.full_tensor() if hasattr(value, "full_tensor") else value
+        for name, value in model.state_dict().items()
+    }
     if rank == 0:
         torch.save(full, f"{args.final}.full.pt")
     ckpt.close()

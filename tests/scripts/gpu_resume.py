@@ -64,8 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with cf.Checkpointer(args.dir, policy=args.policy, memory=args.memory or False, model=model,
-                         optimizer=opt) as ckpt:
+    with cf.Checkpointer(args.dir, policy=args.policy, memory=args.memory or False, model=model, optimizer=opt) as ckpt:
         start = ckpt.restore()
         print("ready", start, flush=True)
         for step in range(start + 1, args.steps + 1):

@@ -61,7 +61,7 @@ class CharBlocks(torch.utils.data.Dataset):
             with open(self.log, "a") as f:
                 f.write(f"{i}\n")
         start = (self.offset + i * 7) % (len(TEXT) - BLOCK)
-        ids = torch.tensor([ord(c) % 96 for c in TEXT[start:start + BLOCK]])
+        ids = torch.tensor([ord(c) % 96 for c in TEXT[start : start + BLOCK]])
         return {"input_ids": ids, "labels": ids}
 
 
@@ -71,11 +71,13 @@ NOISE = {4: -2.0, 8: -0.5}
 
 def noisy_metric(trainer: CheckFreqTrainer):
     """``compute_metrics``: the evaluation's cross-entropy plus the noise of ``trainer``'s step."""
+
     def metric(prediction) -> dict[str, float]:
         logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
         flat = logits[:, :-1].reshape(-1, logits.shape[-1])
         loss = torch.nn.functional.cross_entropy(flat, labels[:, 1:].reshape(-1))
         return {"noisy": float(loss) + NOISE.get(trainer.state.global_step, 1.0)}
+
     return metric
 
 
@@ -123,29 +125,55 @@ def main() -> None:
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2))
     defaults = {
-        "output_dir": os.path.join(args.dir, "out"), "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8,
-        "gradient_accumulation_steps": args.grad_acc, "num_train_epochs": 2, "learning_rate": 3e-3, "warmup_steps": 2,
-        "eval_strategy": "steps", "eval_steps": 4, "logging_steps": 2, "save_strategy": "no", "report_to": "none",
-        "use_cpu": True, "disable_tqdm": True, "seed": 3, "dataloader_num_workers": 0,
+        "output_dir": os.path.join(args.dir, "out"),
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "gradient_accumulation_steps": args.grad_acc,
+        "num_train_epochs": 2,
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 4,
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 3,
+        "dataloader_num_workers": 0,
     }
     flags = [item for name, value in defaults.items() for item in (f"--{name}", str(value))]
     (training,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=flags + training_flags)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     die = DieAt(args.die_at if rank == args.die_rank and first_attempt else None)
-    data = dict(train_dataset=CharBlocks(48, 0, read_log), eval_dataset=CharBlocks(16, 5, None),
-                data_collator=default_data_collator)
+    data = dict(
+        train_dataset=CharBlocks(48, 0, read_log),
+        eval_dataset=CharBlocks(16, 5, None),
+        data_collator=default_data_collator,
+    )
     if args.plain:
         plain = Trainer(model=model, args=training, **data)
         given = training.resume_from_checkpoint  # a path; hf_fit's default "true" means a fresh run here
         plain.train(resume_from_checkpoint=None if given in ("true", "false") else given)
         print(f"plain final {plain.state.global_step}", flush=True)
-        torch.save({"model": model.state_dict(), "optimizer": plain.optimizer.state_dict(),
-                    "log_history": plain.state.log_history}, args.out)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": plain.optimizer.state_dict(),
+                "log_history": plain.state.log_history,
+            },
+            args.out,
+        )
         return
     callbacks = [die, SaveAtEvaluation(args.out)] if args.noisy_eval else [die]
     trainer = CheckFreqTrainer(
-        model=model, args=training, callbacks=callbacks, checkfreq_dir=os.path.join(args.dir, "checkfreq"),
-        checkfreq_policy=args.every, checkfreq_keep=2, **data,
+        model=model,
+        args=training,
+        callbacks=callbacks,
+        checkfreq_dir=os.path.join(args.dir, "checkfreq"),
+        checkfreq_policy=args.every,
+        checkfreq_keep=2,
+        **data,
     )
     die.trainer = trainer
     if args.noisy_eval:
@@ -156,11 +184,18 @@ def main() -> None:
     print(f"restored {trainer.restored_step} final {trainer.state.global_step} epoch {trainer.state.epoch}", flush=True)
     if rank != 0:
         return
-    torch.save({
-        "model": model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.lr_scheduler.state_dict(), "exported": reloaded.state_dict(),
-        "exported_dir": str(exported), "epoch": trainer.state.epoch, "log_history": trainer.state.log_history,
-    }, args.out)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.lr_scheduler.state_dict(),
+            "exported": reloaded.state_dict(),
+            "exported_dir": str(exported),
+            "epoch": trainer.state.epoch,
+            "log_history": trainer.state.log_history,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

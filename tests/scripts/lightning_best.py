@@ -80,9 +80,16 @@ def main(directory: str, out: str, kill_step: int, val_every: int | None) -> Non
     checkfreq = CheckFreqCallback(directory, policy=4, keep=2, monitor="val_loss", mode="min", save_top_k=2)
     val = torch.utils.data.DataLoader(Points(), batch_size=8)
     trainer = pl.Trainer(
-        max_epochs=EPOCHS, accelerator="cpu", callbacks=[checkfreq, DieAt(kill_step)], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        deterministic=True, val_check_interval=val_every,
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        callbacks=[checkfreq, DieAt(kill_step)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        val_check_interval=val_every,
     )
     train = ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=5)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val)

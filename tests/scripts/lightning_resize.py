@@ -30,8 +30,9 @@ class GlobalBatchClassifier(Classifier):
         self.micro = micro
 
     def train_dataloader(self) -> ResumableLoader:
-        return ResumableLoader(NoisyPoints(SAMPLES), global_batch_size=GLOBAL_BATCH, micro_batch_size=self.micro,
-                               shuffle=True, seed=5)
+        return ResumableLoader(
+            NoisyPoints(SAMPLES), global_batch_size=GLOBAL_BATCH, micro_batch_size=self.micro, shuffle=True, seed=5
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y, index = batch
@@ -55,10 +56,18 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     checkfreq = CheckFreqCallback(args.dir, policy=3, keep=2)
     trainer = pl.Trainer(
-        max_epochs=EPOCHS, accelerator="cpu", devices=args.devices, strategy="ddp" if args.devices > 1 else "auto",
-        accumulate_grad_batches=args.accumulate, callbacks=[checkfreq, DieAt(args.die_at, checkfreq)],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True,
+        max_epochs=EPOCHS,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        accumulate_grad_batches=args.accumulate,
+        callbacks=[checkfreq, DieAt(args.die_at, checkfreq)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
     )
     trainer.fit(GlobalBatchClassifier(args.log, args.micro))
     print(f"rank {trainer.global_rank} restored {checkfreq.restored_step} final {trainer.global_step}", flush=True)

@@ -102,10 +102,16 @@ class SaveFinal(pl.Callback):
         watched = (EarlyStopping, ModelCheckpoint)
         callbacks = {cb.state_key: cb.state_dict() for cb in trainer.callbacks if isinstance(cb, watched)}
         metrics = {"callback": dict(trainer.callback_metrics), "logged": dict(trainer.logged_metrics)}
-        torch.save({"metrics": metrics, "model": pl_module.state_dict(),
-                    "optimizer": trainer.optimizers[0].state_dict(),
-                    "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(), "callbacks": callbacks},
-                   self.out if rank == 0 else f"{self.out}.{rank}")  # each rank's BatchNorm buffers
+        torch.save(
+            {
+                "metrics": metrics,
+                "model": pl_module.state_dict(),
+                "optimizer": trainer.optimizers[0].state_dict(),
+                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "callbacks": callbacks,
+            },
+            self.out if rank == 0 else f"{self.out}.{rank}",
+        )  # each rank's BatchNorm buffers
 
 
 def validation_points() -> torch.utils.data.DataLoader:
@@ -143,17 +149,29 @@ def main() -> None:
     if not args.plain:
         callbacks.insert(0, checkfreq)
     if args.callbacks:
-        callbacks += [EarlyStopping("val_loss", min_delta=10.0, patience=PATIENCE),
-                      ModelCheckpoint(args.callbacks, save_last=True, every_n_train_steps=4)]
+        callbacks += [
+            EarlyStopping("val_loss", min_delta=10.0, patience=PATIENCE),
+            ModelCheckpoint(args.callbacks, save_last=True, every_n_train_steps=4),
+        ]
     if args.monitor_epoch:
-        callbacks += [EarlyStopping("train_loss_epoch", min_delta=0.02, patience=PATIENCE),
-                      ModelCheckpoint(args.monitor_epoch, monitor="train_loss_epoch", filename="{epoch}-{step}")]
+        callbacks += [
+            EarlyStopping("train_loss_epoch", min_delta=0.02, patience=PATIENCE),
+            ModelCheckpoint(args.monitor_epoch, monitor="train_loss_epoch", filename="{epoch}-{step}"),
+        ]
     trainer = pl.Trainer(
-        max_epochs=args.epochs, max_time=args.max_time, accelerator="cpu", devices=args.devices,
-        strategy=args.strategy if args.devices > 1 else "auto", callbacks=callbacks,
-        logger=False, enable_checkpointing=bool(args.callbacks or args.monitor_epoch), enable_progress_bar=False,
+        max_epochs=args.epochs,
+        max_time=args.max_time,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy if args.devices > 1 else "auto",
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(args.callbacks or args.monitor_epoch),
+        enable_progress_bar=False,
         enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True, limit_val_batches=1.0 if args.callbacks else 0,
+        num_sanity_val_steps=0,
+        deterministic=True,
+        limit_val_batches=1.0 if args.callbacks else 0,
     )
     val = validation_points() if args.callbacks else None
     train = ResumableLoader(NoisyPoints(SAMPLES), batch_size=BATCH, shuffle=True, seed=5) if args.devices == 1 else None

@@ -29,7 +29,14 @@ def setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch
 
 
 def train(  # type: ignore[no-untyped-def]
-    steps: int, ckpt: Checkpointer | None, model, opt, x, y, warmup: int = 0, started: list[int] | None = None,
+    steps: int,
+    ckpt: Checkpointer | None,
+    model,
+    opt,
+    x,
+    y,
+    warmup: int = 0,
+    started: list[int] | None = None,
     timed_close: bool = True,
 ) -> float:
     """Wall seconds for ``steps`` steps after ``warmup`` untimed ones, and closing ``ckpt`` (its wait
@@ -85,8 +92,18 @@ class Sessions:
 
 
 def resumed_sessions(
-    killed: Path, workdir: Path, reps: int, steps: int, model, opt, x, y,  # type: ignore[no-untyped-def]
-    *, forward: torch.nn.Module | None = None, leader: bool = True, barrier: Callable[[], None] = lambda: None,
+    killed: Path,
+    workdir: Path,
+    reps: int,
+    steps: int,
+    model,
+    opt,
+    x,
+    y,  # type: ignore[no-untyped-def]
+    *,
+    forward: torch.nn.Module | None = None,
+    leader: bool = True,
+    barrier: Callable[[], None] = lambda: None,
 ) -> Sessions:
     """``reps`` times, interleaved: a no-checkpoint run of ``steps`` steps, a session resumed from a
     copy of ``killed`` (a checkpoint directory a SIGKILLed run left) for ``steps`` steps, timed
@@ -116,7 +133,8 @@ def resumed_sessions(
         out.reasons.append(str(getattr(ckpt.policy, "reason", "")))
         started: list[int] = []
         uninterrupted = Checkpointer(workdir / f"uninterrupted-{rep}", keep=2, model=model, optimizer=opt)
-        out.uninterrupted.append(train(steps, uninterrupted, net, opt, x, y, warmup=restored, started=started,
-                                       timed_close=False))
+        out.uninterrupted.append(
+            train(steps, uninterrupted, net, opt, x, y, warmup=restored, started=started, timed_close=False)
+        )
         out.uninterrupted_checkpoints.append([s for s in started if s > restored])
     return out

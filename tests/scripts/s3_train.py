@@ -84,8 +84,13 @@ def main() -> None:
     torch.set_num_threads(1)
 
     remote = KillableStore(
-        args.url, args.slow_step, args.die_before_manifest,
-        endpoint_url=args.endpoint, key="testing", secret="testing", default_block_size=BLOCK,
+        args.url,
+        args.slow_step,
+        args.die_before_manifest,
+        endpoint_url=args.endpoint,
+        key="testing",
+        secret="testing",
+        default_block_size=BLOCK,
     )
     tiers = {"directory": args.local, "remote": remote, "remote_keep": 10} if args.local else {"directory": remote}
     model, optimizer = build()

@@ -58,14 +58,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, object, ResumableLoader]:
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3)
-    )
+    model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8)
     loader = ResumableLoader(
-        NoisyPoints(args.samples), batch_size=args.batch_size, shuffle=True,
-        drop_last=args.drop_last, num_workers=args.num_workers, seed=5,
+        NoisyPoints(args.samples),
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=args.drop_last,
+        num_workers=args.num_workers,
+        seed=5,
     )
     return model, optimizer, scheduler, loader
 
@@ -76,8 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, with its stacks
     model, optimizer, scheduler, loader = build(args)
     ckpt = Checkpointer(
-        args.dir, policy=args.every, keep=2,
-        model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        args.dir,
+        policy=args.every,
+        keep=2,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
     )
     step = ckpt.restore()
     state = loader.state_dict()
@@ -112,8 +119,12 @@ def main(argv: list[str] | None = None) -> None:
                 dying = optimizer_step()
     ckpt.close()
     torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-         "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        },
         args.out,
     )
 

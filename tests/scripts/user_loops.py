@@ -74,9 +74,16 @@ def _seed() -> None:
 
 
 def _ended(model: nn.Module, opt: torch.optim.Optimizer, ckpt: cf.Checkpointer, **more: object) -> dict:
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optimizer": opt.state_dict(),
-            "lr": opt.param_groups[0]["lr"], "torch": torch.get_rng_state(), "numpy": np.random.get_state()[1].copy(),
-            "python": random.getstate(), "step": ckpt.global_step, **more}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "lr": opt.param_groups[0]["lr"],
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state()[1].copy(),
+        "python": random.getstate(),
+        "step": ckpt.global_step,
+        **more,
+    }
 
 
 def mnist(directory: str, policy: int, kill: str, out: str) -> None:
@@ -88,8 +95,9 @@ def mnist(directory: str, policy: int, kill: str, out: str) -> None:
     test_loader = torch.utils.data.DataLoader(Images(16, offset=1000), batch_size=8)
     keep = cf.Retention(3, best=("test_loss", "min"), top=1)
     after_epoch: dict[int, dict] = {}
-    with cf.Checkpointer(directory, policy=policy, keep=keep, model=model, optimizer=optimizer, scheduler=scheduler,
-                         loader=train_loader) as ckpt:
+    with cf.Checkpointer(
+        directory, policy=policy, keep=keep, model=model, optimizer=optimizer, scheduler=scheduler, loader=train_loader
+    ) as ckpt:
         ckpt.restore()
         for epoch in range(train_loader.epoch + 1, EPOCHS + 1):
             model.train()

@@ -76,15 +76,24 @@ def demo(
     if checkpoints.exists() and any(checkpoints.iterdir()):
         raise typer.BadParameter(f"{checkpoints} is not empty; give a fresh --dir", param_hint="--dir")
     kill_at = random.Random(seed).randint(int(0.35 * steps), int(0.65 * steps))
-    console.print(f"[bold]checkfreq demo[/]: character-level LM on Python's own source, {steps} steps, "
-                  f"SIGKILL at step {kill_at}; checkpoints in {checkpoints}", soft_wrap=True)
+    console.print(
+        f"[bold]checkfreq demo[/]: character-level LM on Python's own source, {steps} steps, "
+        f"SIGKILL at step {kill_at}; checkpoints in {checkpoints}",
+        soft_wrap=True,
+    )
     columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         _run(["--out", str(workdir / "uninterrupted.safetensors")], "uninterrupted (no checkpoints)", steps, progress)
-        first = _run([str(checkpoints), "--out", str(workdir / "unused.safetensors")], "checkpointed, then killed",
-                     steps, progress, kill_at=kill_at)
-        resumed = _run([str(checkpoints), "--out", str(workdir / "resumed.safetensors")], "restarted, resumes",
-                       steps, progress)
+        first = _run(
+            [str(checkpoints), "--out", str(workdir / "unused.safetensors")],
+            "checkpointed, then killed",
+            steps,
+            progress,
+            kill_at=kill_at,
+        )
+        resumed = _run(
+            [str(checkpoints), "--out", str(workdir / "resumed.safetensors")], "restarted, resumes", steps, progress
+        )
     _summary(workdir, checkpoints, first, resumed)
 
 
@@ -111,8 +120,10 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     table = Table(show_header=False, box=None)
     table.add_row("checkpoints committed", f"{len(commits)} (steps {_ranges(commits)})")
     if commits:
-        table.add_row("stall per checkpoint", f"median {human_seconds(run.summary.stall_median_s)}, "
-                      f"max {human_seconds(run.summary.stall_max_s)}")
+        table.add_row(
+            "stall per checkpoint",
+            f"median {human_seconds(run.summary.stall_median_s)}, max {human_seconds(run.summary.stall_max_s)}",
+        )
     table.add_row("killed at step", f"{first.last_step} (SIGKILL)")
     table.add_row("resumed from step", f"{resumed.resumed_from} (lost {first.last_step - resumed.resumed_from} steps)")
     table.add_row("resumed == uninterrupted", "[green]yes, bit for bit[/]" if identical else "[red]NO[/]")
@@ -120,8 +131,10 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     lost = first.last_step - resumed.resumed_from
     why = lost_text(run, first.last_step, resumed.resumed_from)
     console.print(f"Why {lost} step{'s' if lost != 1 else ''} lost: {why}.", soft_wrap=True, highlight=False)
-    console.print("Each session's checkpoints and overhead, measured per window between checkpoints "
-                  "(as `checkfreq report` gives them):")
+    console.print(
+        "Each session's checkpoints and overhead, measured per window between checkpoints "
+        "(as `checkfreq report` gives them):"
+    )
     for session in run.sessions:
         console.print(session_line(session), soft_wrap=True, highlight=False)
     console.print(
@@ -138,18 +151,25 @@ def lost_text(run: RunReport, killed: int, restored: int) -> str:
     if unfinished:
         r = unfinished[-1]
         what = "had failed" if r.status == "failed" else "was still being written"
-        return (f"the checkpoint of step {r.step} {what} when the kill came at step {killed}, so the newest "
-                f"durable one was that of step {restored}, the one before it")
+        return (
+            f"the checkpoint of step {r.step} {what} when the kill came at step {killed}, so the newest "
+            f"durable one was that of step {restored}, the one before it"
+        )
     skipped = [name for restore in run.restores for name, _ in restore.get("skipped", [])]
     if skipped:
         return f"the restore passed over {', '.join(skipped)} as invalid (`checkfreq ls` says why)"
     if restored == 0:
         return "the kill came before the first checkpoint was durable"
     newest = next((r for r in killed_session if r.step == restored), None)
-    interval = f" (which came {newest.interval_steps} steps after the one before it)" if newest and \
-        newest.interval_steps else ""
-    return (f"the kill came {killed - restored} steps after the newest checkpoint, that of step {restored}"
-            f"{interval}, before the policy's next one was due")
+    interval = (
+        f" (which came {newest.interval_steps} steps after the one before it)"
+        if newest and newest.interval_steps
+        else ""
+    )
+    return (
+        f"the kill came {killed - restored} steps after the newest checkpoint, that of step {restored}"
+        f"{interval}, before the policy's next one was due"
+    )
 
 
 def _ranges(steps: list[int]) -> str:

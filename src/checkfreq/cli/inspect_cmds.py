@@ -25,9 +25,14 @@ if TYPE_CHECKING:
     from checkfreq.tools.diff import CheckpointDiff
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
-RemoteOption = Annotated[str | None, typer.Option(
-    "--remote", help="The job's remote tier (a path or an fsspec URL): where a node-local directory's "
-                     "checkpoints have the files of other nodes' ranks checked.")]
+RemoteOption = Annotated[
+    str | None,
+    typer.Option(
+        "--remote",
+        help="The job's remote tier (a path or an fsspec URL): where a node-local directory's "
+        "checkpoints have the files of other nodes' ranks checked.",
+    ),
+]
 
 
 VALUE_CHARS = 300
@@ -65,8 +70,16 @@ def ls_command(
     listed = [s for s in statuses if s.tier == "disk" and s.set_aside is None]
     marks = {id(s): ranking.best.get(s.step) for s in listed}
     if as_json:
-        emit_json([{**s.to_dict(), "score": ranking.scores.get(s.step) if id(s) in marks else None,
-                    "best": None if (mark := marks.get(id(s))) is None else mark.to_dict()} for s in statuses])
+        emit_json(
+            [
+                {
+                    **s.to_dict(),
+                    "score": ranking.scores.get(s.step) if id(s) in marks else None,
+                    "best": None if (mark := marks.get(id(s))) is None else mark.to_dict(),
+                }
+                for s in statuses
+            ]
+        )
         return
     table = Table(title=f"{directory} ({'sizes only' if quick else 'checksums verified'})")
     for column in ("checkpoint", "tier", "step", "epoch", "size", "age", "status"):
@@ -84,8 +97,10 @@ def ls_command(
     out.print(table)
     aside = sum(s.set_aside is not None for s in statuses)
     invalid = sum(not s.valid for s in statuses) - aside
-    out.print(f"{sum(s.valid for s in statuses)} valid, {invalid} invalid"
-              + (f", {aside} set aside as damaged (never restored, not counted by keep=)" if aside else ""))
+    out.print(
+        f"{sum(s.valid for s in statuses)} valid, {invalid} invalid"
+        + (f", {aside} set aside as damaged (never restored, not counted by keep=)" if aside else "")
+    )
     counted = (
         "its data files, as its manifest lists them"
         if is_url(directory)
@@ -94,8 +109,11 @@ def ls_command(
     out.print(f"size: {counted} (docs/cli.md, 'Sizes')")
     if any(s.valid for s in listed):
         best = min(ranking.best.items(), key=lambda item: item[1].rank, default=None)
-        out.print("to resume from one of them: ckpt.restore(step=N), N a valid step above"
-                  + (f'; ckpt.restore(step="best") takes step {best[0]}' if best else ""), soft_wrap=True)
+        out.print(
+            "to resume from one of them: ckpt.restore(step=N), N a valid step above"
+            + (f'; ckpt.restore(step="best") takes step {best[0]}' if best else ""),
+            soft_wrap=True,
+        )
 
 
 @app.command("inspect")
@@ -152,11 +170,15 @@ def inspect_command(
 def verify_command(
     target: Annotated[str, typer.Argument(help="A run directory (every checkpoint in it) or one checkpoint.")],
     remote: RemoteOption = None,
-    set_aside: Annotated[bool, typer.Option(
-        "--set-aside/--no-set-aside",
-        help="Set aside each checkpoint that fails (renamed step_N.damaged-<id>; in an object store, marked): "
-             "never restored again, not counted by keep=. Left in place where a job holds the directory "
-             "or it cannot be changed.")] = True,
+    set_aside: Annotated[
+        bool,
+        typer.Option(
+            "--set-aside/--no-set-aside",
+            help="Set aside each checkpoint that fails (renamed step_N.damaged-<id>; in an object store, marked): "
+            "never restored again, not counted by keep=. Left in place where a job holds the directory "
+            "or it cannot be changed.",
+        ),
+    ] = True,
     as_json: JsonFlag = False,
 ) -> None:
     """Read every byte of every checkpoint against its checksum; exit 1 if any fails (or none exists).
@@ -182,8 +204,14 @@ def verify_command(
         statuses, note = set_aside_damaged(store, statuses)
     failed = [s for s in statuses if not s.valid]
     if as_json:
-        emit_json({"ok": bool(statuses) and not failed, "checkpoints": [s.to_dict() for s in statuses],
-                   "set_aside_before": [s.to_dict() for s in earlier], "left_in_place": note})
+        emit_json(
+            {
+                "ok": bool(statuses) and not failed,
+                "checkpoints": [s.to_dict() for s in statuses],
+                "set_aside_before": [s.to_dict() for s in earlier],
+                "left_in_place": note,
+            }
+        )
     else:
         out = console()
         for s in statuses:
@@ -241,8 +269,9 @@ def export_command(
     target: Annotated[str, typer.Argument(help="A checkpoint, or a run directory for its newest valid one.")],
     to: Annotated[Path, typer.Option("--to", help="Output file: NAME.safetensors, NAME.pt or NAME.pth.")],
     only: Annotated[str | None, typer.Option("--only", help="Export one registered object, e.g. 'model'.")] = None,
-    best: Annotated[bool, typer.Option("--best", help="Export the run's best-scored checkpoint (Retention(best=...)).")]
-    = False,
+    best: Annotated[
+        bool, typer.Option("--best", help="Export the run's best-scored checkpoint (Retention(best=...)).")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""

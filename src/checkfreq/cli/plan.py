@@ -122,8 +122,16 @@ def simulate_command(
     columns = ("policy", "ckpts", "stall", "lost", "recovery", "time overhead", "vs Young", "GPU-h", "J", "J vs Young")
     rows = [
         (
-            r.name, f"{r.checkpoints:.0f}", _min(r.stall), _min(r.lost), _min(r.recovery), _min(r.overhead),
-            f"{change[r.name][0]:+.0%}", f"{r.gpu_hours:.1f}", _min(r.value_weighted), f"{change[r.name][1]:+.0%}",
+            r.name,
+            f"{r.checkpoints:.0f}",
+            _min(r.stall),
+            _min(r.lost),
+            _min(r.recovery),
+            _min(r.overhead),
+            f"{change[r.name][0]:+.0%}",
+            f"{r.gpu_hours:.1f}",
+            _min(r.value_weighted),
+            f"{change[r.name][1]:+.0%}",
         )
         for r in results
     ]

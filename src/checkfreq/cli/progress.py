@@ -53,8 +53,13 @@ def reading(what: str, planned: Callable[[], int], *, as_json: bool) -> Iterator
     if total < progress_bytes() or total == 0:
         yield
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=out) as progress:
         task = progress.add_task(what, total=total)
 

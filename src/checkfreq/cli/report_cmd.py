@@ -16,8 +16,12 @@ from checkfreq.cli._output import JSON_HELP, console, emit_json, reports_errors
 def report_command(
     directory: Annotated[Path, typer.Argument(help="Run directory holding events.jsonl.")],
     out: Annotated[
-        Path | None, typer.Option("--out", help="Where to write report.png and report.html (default: DIRECTORY, "
-                                                "or a new temporary directory when DIRECTORY cannot be written).")
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Where to write report.png and report.html (default: DIRECTORY, "
+            "or a new temporary directory when DIRECTORY cannot be written).",
+        ),
     ] = None,
     tensorboard: Annotated[
         Path | None,
@@ -43,8 +47,11 @@ def report_command(
     output.print(summary_text(report), soft_wrap=True)
     if files is not None:
         if files.not_written_in:
-            output.print(f"could not write into {files.not_written_in}: the files went to a new temporary "
-                         "directory instead (--out DIR chooses where)", soft_wrap=True)
+            output.print(
+                f"could not write into {files.not_written_in}: the files went to a new temporary "
+                "directory instead (--out DIR chooses where)",
+                soft_wrap=True,
+            )
         output.print(f"timeline: {files.png}\npage:     {files.html}", soft_wrap=True)
     if tensorboard is not None:
         output.print(f"tensorboard: {scalars} scalars in {tensorboard}", soft_wrap=True)

@@ -157,8 +157,13 @@ class ResumableLoader:
         self._batch_size = 1 if batch_size is None else batch_size
         self._micro_cap = micro_batch_size
         self.sampler = ResumableSampler(
-            len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-            drop_last=drop_last, global_batch_size=global_batch_size,
+            len(dataset),
+            shuffle=shuffle,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            global_batch_size=global_batch_size,
         )
         self._plan = _BatchPlan(self._batch_size, drop_last, seed)
         self._loader: DataLoader[Any] = DataLoader(
@@ -352,7 +357,10 @@ class _StepProgress:
 
 
 def _check_loader_args(
-    dataset: Any, batch_size: int | None, global_batch_size: int | None, micro_batch_size: int | None,
+    dataset: Any,
+    batch_size: int | None,
+    global_batch_size: int | None,
+    micro_batch_size: int | None,
     extra: Mapping[str, Any],
 ) -> None:
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):

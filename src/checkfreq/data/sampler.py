@@ -214,7 +214,10 @@ class ResumableSampler(Sampler[int]):
             log.warning(
                 "set_epoch(%d) moves the data position back from epoch %d to the start of epoch %d: its samples "
                 "are taken again. After a restore, start the epoch loop at the loader's epoch "
-                "(for epoch in range(loader.epoch, epochs)).", epoch, self.epoch, epoch,
+                "(for epoch in range(loader.epoch, epochs)).",
+                epoch,
+                self.epoch,
+                epoch,
             )
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
@@ -292,5 +295,7 @@ class ResumableSampler(Sampler[int]):
                 f"which is not a boundary of global batches of {mine}; resume without global_batch_size "
                 "until the epoch ends, or start this epoch afresh."
             )
-        log.info("data loader state saved without global_batch_size resumes at global batch %d of its epoch",
-                 -(-consumed // mine))
+        log.info(
+            "data loader state saved without global_batch_size resumes at global batch %d of its epoch",
+            -(-consumed // mine),
+        )

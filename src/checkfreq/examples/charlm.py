@@ -77,8 +77,9 @@ def train(directory: Path | None, steps: int, out: Path, policy: str | int = "au
     ckpt = None
     step = 0
     if directory is not None:
-        ckpt = cf.Checkpointer(directory, policy=policy, keep=2, model=model, optimizer=optimizer,
-                               scheduler=scheduler, loader=loader)
+        ckpt = cf.Checkpointer(
+            directory, policy=policy, keep=2, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader
+        )
         step = ckpt.restore()
     _emit(resumed_from=step)
     start = time.perf_counter()

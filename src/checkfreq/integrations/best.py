@@ -10,8 +10,9 @@ ALL = 2**31 - 1
 """``save_top_k=-1``: every scored checkpoint is among the best kept."""
 
 
-def best_retention(keep: int | Retention, metric: str | None, mode: str, top: int | None,
-                   names: tuple[str, str, str]) -> int | Retention:
+def best_retention(
+    keep: int | Retention, metric: str | None, mode: str, top: int | None, names: tuple[str, str, str]
+) -> int | Retention:
     """``keep`` keeping also the ``top`` best by ``metric`` (``mode``: ``"min"`` or ``"max"``); ``keep`` as
     it is when ``top`` is None or 0. ``names`` are the framework's names of (metric, mode, top), for the errors."""
     if top is None or top == 0:
@@ -24,7 +25,8 @@ def best_retention(keep: int | Retention, metric: str | None, mode: str, top: in
         raise InvalidArgumentError(f"{names[1]} must be 'min' or 'max', got {mode!r}")
     if isinstance(keep, Retention) and keep.best is not None:
         raise InvalidArgumentError(
-            f"keep={keep!r} already keeps the best; give either it or {names[0]}=/{names[2]}=, not both")
+            f"keep={keep!r} already keeps the best; give either it or {names[0]}=/{names[2]}=, not both"
+        )
     base = keep if isinstance(keep, Retention) else Retention.of(keep)
     return Retention(base.keep, base.every, best=(metric, mode), top=ALL if top == -1 else top)
 

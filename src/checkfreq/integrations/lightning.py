@@ -67,8 +67,10 @@ class FitLoopState:
         metrics = state.pop(_METRICS, None)
         self._trainer.fit_loop.load_state_dict(state)
         if metrics is None:
-            log.warning("the checkpoint, from an earlier checkfreq version, holds no logged metrics: the epoch values "
-                        "of a fit resumed mid-epoch cover only the batches trained after the resume")
+            log.warning(
+                "the checkpoint, from an earlier checkfreq version, holds no logged metrics: the epoch values "
+                "of a fit resumed mid-epoch cover only the batches trained after the resume"
+            )
         else:
             self._metrics.load_state_dict(metrics)
 
@@ -95,8 +97,9 @@ class CallbackStates:
         callbacks, saved = self._callbacks(), state["states"]
         stateful = {key for key, callback in callbacks.items() if callback.state_dict()}
         if gone := sorted(saved.keys() - callbacks.keys()):
-            log.warning("the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s",
-                        ", ".join(gone))
+            log.warning(
+                "the checkpoint holds the state of callbacks this Trainer lacks, which is dropped: %s", ", ".join(gone)
+            )
         if new := sorted(stateful - saved.keys()):
             log.warning("callbacks with state that the checkpoint does not hold start afresh: %s", ", ".join(new))
         for key, callback_state in saved.items():
@@ -325,8 +328,10 @@ def _hand_over_from_ckpt_path(trainer: pl.Trainer, checkpointer: Checkpointer) -
     step = trainer._checkpoint_connector._loaded_checkpoint.get("global_step")
     if step is None:  # strategies that restore after setup (FSDP, DeepSpeed), which the callback does not cover
         strategy = type(trainer.strategy).__name__
-        raise UsageError(f"Trainer.fit(ckpt_path={path!r}) beside CheckFreqCallback: under {strategy} Lightning "
-                         "loads the file after the fit starts; leave ckpt_path out")
+        raise UsageError(
+            f"Trainer.fit(ckpt_path={path!r}) beside CheckFreqCallback: under {strategy} Lightning "
+            "loads the file after the fit starts; leave ckpt_path out"
+        )
     try:
         checkpointer.start_at(int(step))
     except ExistingCheckpointsError as e:
@@ -337,8 +342,12 @@ def _hand_over_from_ckpt_path(trainer: pl.Trainer, checkpointer: Checkpointer) -
             f"(ModelCheckpoint may go on writing its files beside it), or give the callback a directory of its own to "
             f"go on from the file. ({e})"
         ) from e
-    log.info("Lightning resumes the fit from %s (optimizer step %d) as its own resume does; checkfreq checkpoints "
-             "it from there on", path, int(step))
+    log.info(
+        "Lightning resumes the fit from %s (optimizer step %d) as its own resume does; checkfreq checkpoints "
+        "it from there on",
+        path,
+        int(step),
+    )
 
 
 def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None:
@@ -368,7 +377,9 @@ def _remove_lost_model_checkpoints(trainer: pl.Trainer, saved_at: float) -> None
 def _objects(trainer: pl.Trainer, pl_module: pl.LightningModule, callbacks: CallbackStates) -> dict[str, Any]:
     """What a Lightning fit consists of, by name, for the Checkpointer."""
     objects: dict[str, Any] = {
-        "model": pl_module, "fit_loop": FitLoopState(trainer), "precision": trainer.precision_plugin,
+        "model": pl_module,
+        "fit_loop": FitLoopState(trainer),
+        "precision": trainer.precision_plugin,
         "callbacks": callbacks,
     }
     if trainer.datamodule is not None:

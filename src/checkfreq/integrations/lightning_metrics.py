@@ -32,10 +32,24 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (
 
 log = logging.getLogger("checkfreq.integrations.lightning")
 
-_REDUCTIONS = {f"{module.__name__}.{name}": getattr(module, name)
-               for module in (torch, builtins) for name in ("mean", "sum", "max", "min") if hasattr(module, name)}
-_METADATA = ("fx", "name", "prog_bar", "logger", "on_step", "on_epoch", "enable_graph", "add_dataloader_idx",
-             "dataloader_idx", "metric_attribute")
+_REDUCTIONS = {
+    f"{module.__name__}.{name}": getattr(module, name)
+    for module in (torch, builtins)
+    for name in ("mean", "sum", "max", "min")
+    if hasattr(module, name)
+}
+_METADATA = (
+    "fx",
+    "name",
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "enable_graph",
+    "add_dataloader_idx",
+    "dataloader_idx",
+    "metric_attribute",
+)
 
 
 class EpochMetrics:
@@ -52,11 +66,17 @@ class EpochMetrics:
     def state_dict(self) -> dict[str, Any]:
         connector = self._trainer._logger_connector
         try:  # the properties add this batch's values, as Lightning does after the batch's hooks
-            last = {"callback": dict(connector.callback_metrics), "logged": dict(connector.logged_metrics),
-                    "progress_bar": dict(connector.progress_bar_metrics)}
+            last = {
+                "callback": dict(connector.callback_metrics),
+                "logged": dict(connector.logged_metrics),
+                "progress_bar": dict(connector.progress_bar_metrics),
+            }
         except RuntimeError:  # outside the train and validation loops (Lightning has no active results)
-            last = {"callback": dict(connector._callback_metrics), "logged": dict(connector._logged_metrics),
-                    "progress_bar": dict(connector._progress_bar_metrics)}
+            last = {
+                "callback": dict(connector._callback_metrics),
+                "logged": dict(connector._logged_metrics),
+                "progress_bar": dict(connector._progress_bar_metrics),
+            }
         return {
             "world_size": self._trainer.world_size,
             # None at an epoch's start; a mid-epoch restore must not reset the sums at its first batch
@@ -70,13 +90,17 @@ class EpochMetrics:
         device = trainer.lightning_module.device
         collections = state["collections"]
         if int(state["world_size"]) != trainer.world_size:
-            if running := sorted({entry["name"] for saved in collections.values() for entry in saved.values()
-                                  if not entry["has_reset"]}):
+            if running := sorted(
+                {entry["name"] for saved in collections.values() for entry in saved.values() if not entry["has_reset"]}
+            ):
                 log.warning(
                     "the checkpoint was taken on %d rank(s) in the middle of an epoch, this fit runs on %d: each rank "
                     "saved the epoch sums of its own batches, which no rank of this fit can all get back, so the epoch "
                     "values of %s start afresh and cover only the batches trained after the resume",
-                    int(state["world_size"]), trainer.world_size, ", ".join(running))
+                    int(state["world_size"]),
+                    trainer.world_size,
+                    ", ".join(running),
+                )
             collections = {name: {} for name in collections}
         for name, results in self._collections().items():
             _load_collection(results, collections.get(name, {}), trainer, device)
@@ -105,8 +129,12 @@ def _collection_state(results: _ResultCollection) -> dict[str, Any]:
         meta = metric.meta
         entry: dict[str, Any] = {field: getattr(meta, field) for field in _METADATA}
         entry.update(
-            reduce_fx=_reduction(meta.reduce_fx), sync_dist=meta.sync.should, rank_zero_only=meta.sync.rank_zero_only,
-            custom_group=meta.sync.group is not None, is_tensor=metric.is_tensor, has_reset=metric.has_reset,
+            reduce_fx=_reduction(meta.reduce_fx),
+            sync_dist=meta.sync.should,
+            rank_zero_only=meta.sync.rank_zero_only,
+            custom_group=meta.sync.group is not None,
+            is_tensor=metric.is_tensor,
+            has_reset=metric.has_reset,
             updates=int(metric._update_count),
         )
         if metric.is_tensor:
@@ -119,8 +147,9 @@ def _collection_state(results: _ResultCollection) -> dict[str, Any]:
     return state
 
 
-def _load_collection(results: _ResultCollection, saved: dict[str, Any], trainer: pl.Trainer,
-                     device: torch.device) -> None:
+def _load_collection(
+    results: _ResultCollection, saved: dict[str, Any], trainer: pl.Trainer, device: torch.device
+) -> None:
     """Rebuild ``results`` as saved; a value that cannot be rebuilt exactly is left out with a warning."""
     results.clear()
     for key, entry in saved.items():
@@ -128,13 +157,17 @@ def _load_collection(results: _ResultCollection, saved: dict[str, Any], trainer:
             continue  # reset at the epoch's end: Lightning creates or refills it when it is logged again
         if not entry["is_tensor"] or entry["custom_group"]:
             what = "a torchmetrics.Metric" if not entry["is_tensor"] else "logged with a sync_dist_group"
-            log.warning("the epoch value of %r (%s) is not restored: it covers only the batches trained after the "
-                        "resume", entry["name"], what)
+            log.warning(
+                "the epoch value of %r (%s) is not restored: it covers only the batches trained after the resume",
+                entry["name"],
+                what,
+            )
             continue
         meta = _Metadata(reduce_fx=_REDUCTIONS[entry["reduce_fx"]], **{field: entry[field] for field in _METADATA})
         # as LightningModule.log sets it, so that the next log of this key finds the same settings
-        meta.sync = _Sync(_should=bool(entry["sync_dist"]), fn=trainer.strategy.reduce,
-                          rank_zero_only=bool(entry["rank_zero_only"]))
+        meta.sync = _Sync(
+            _should=bool(entry["sync_dist"]), fn=trainer.strategy.reduce, rank_zero_only=bool(entry["rank_zero_only"])
+        )
         metric = _ResultMetric(meta, is_tensor=True)
         metric.value = entry["value"].to(device)
         if meta.is_mean_reduction:

@@ -151,8 +151,13 @@ class CheckFreqTrainer(Trainer):
             checkfreq_dir if checkfreq_dir is not None else Path(self.args.output_dir) / "checkfreq"
         )
         metric, mode = best_metric(self.args)  # keep the best by it too, with metric_for_best_model
-        keep = best_retention(checkfreq_keep or self.args.save_total_limit or 3, metric, mode, 1 if metric else None,
-                              names=("metric_for_best_model", "greater_is_better", "top"))
+        keep = best_retention(
+            checkfreq_keep or self.args.save_total_limit or 3,
+            metric,
+            mode,
+            1 if metric else None,
+            names=("metric_for_best_model", "greater_is_better", "top"),
+        )
         self._best = keep.metric if isinstance(keep, Retention) else None
         self._evaluated: Any = None  # the best metric's value in the evaluation of a step not yet counted
         self._checkfreq_settings = dict(policy=checkfreq_policy, keep=keep, **(checkfreq_options or {}))
@@ -192,8 +197,12 @@ class CheckFreqTrainer(Trainer):
         if self._resume and self._resume_at is None and not _holds_checkpoints(self.checkfreq_dir):
             theirs = _newest_trainer_checkpoint(self.args.output_dir)
             if theirs is not None:  # as the plain Trainer's resume_from_checkpoint=True: its checkpoint-N/
-                log.warning("%s holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint, %s "
-                            "(step %d)", self.checkfreq_dir, theirs[0], theirs[1])
+                log.warning(
+                    "%s holds no checkfreq checkpoint: resuming from the Trainer's newest checkpoint, %s (step %d)",
+                    self.checkfreq_dir,
+                    theirs[0],
+                    theirs[1],
+                )
                 self._resume, resume_from_checkpoint = False, str(theirs[0])
         return super().train(None if self._resume else resume_from_checkpoint or None, *args, **kwargs)
 
@@ -240,8 +249,11 @@ class CheckFreqTrainer(Trainer):
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         world_size = max(1, self.args.world_size)
         self._train_sampler = ResumableSampler(
-            len(dataset), shuffle=self.args.train_sampling_strategy != "sequential", seed=seed,
-            rank=self.args.process_index if world_size > 1 else 0, world_size=world_size,
+            len(dataset),
+            shuffle=self.args.train_sampling_strategy != "sequential",
+            seed=seed,
+            rank=self.args.process_index if world_size > 1 else 0,
+            world_size=world_size,
             drop_last=self.args.dataloader_drop_last,
         )
         return _EpochLoader(
@@ -255,8 +267,14 @@ class CheckFreqTrainer(Trainer):
             generator=torch.Generator().manual_seed(seed),  # a new iterator draws nothing from the global generator
         )
 
-    def _init_training_state(self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
-                             resume_from_checkpoint: str | None, trial: Any) -> tuple[int, int]:
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
         epochs_trained, batches_done = super()._init_training_state(
             max_steps,
             num_update_steps_per_epoch,
@@ -446,7 +464,10 @@ def _order_of(checkpoint: Path) -> str:
     log.warning(
         "%s holds no %s, so the plain Trainer saved it: the run goes on in the Trainer's own data order, as its own "
         "resume would (the rest of the epoch without the batches it already trained), and checkfreq's checkpoints "
-        "keep that order from now on", checkpoint, ORDER_NOTE)
+        "keep that order from now on",
+        checkpoint,
+        ORDER_NOTE,
+    )
     return TRAINER_ORDER
 
 
@@ -492,4 +513,9 @@ def _note_newer_trainer_checkpoint(output_dir: str | os.PathLike[str], step: int
             "checkfreq's is verified by its checksums and holds the whole state (the loss accumulated since the "
             "last log included), so the %d steps after it are trained again to the same result. To resume from %s "
             "instead, pass its path as resume_from_checkpoint, with a checkfreq_dir of its own.",
-            step, newest, theirs, theirs - step, newest)
+            step,
+            newest,
+            theirs,
+            theirs - step,
+            newest,
+        )

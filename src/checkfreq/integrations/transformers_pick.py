@@ -39,7 +39,8 @@ def named_step(resume: Any, directory: Path) -> int | str | None:
         raise InvalidArgumentError(
             f"resume_from_checkpoint={os.fspath(resume)!r} is a checkfreq checkpoint of {path.parent}, and this "
             f"Trainer checkpoints into checkfreq_dir={os.fspath(directory)!r}: pass checkfreq_dir={str(path.parent)!r} "
-            "to resume that run from it")
+            "to resume that run from it"
+        )
     return step
 
 

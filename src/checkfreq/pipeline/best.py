@@ -77,8 +77,9 @@ class ScoreBook:
         self.store = store
         self._read: dict[int, Score | None] = {}
 
-    def scores(self, listed: Mapping[int, Any], metric: str | None,
-               fresh: Collection[int] = ()) -> tuple[dict[int, float | None], set[int]]:
+    def scores(
+        self, listed: Mapping[int, Any], metric: str | None, fresh: Collection[int] = ()
+    ) -> tuple[dict[int, float | None], set[int]]:
         """Each listed step's value of ``metric`` (None: no score for it), and the steps whose manifest
         could not be read now (the retainer keeps them this time: a passing read error must not cost a
         best checkpoint). ``fresh``: steps committed again since they were read."""
@@ -99,8 +100,9 @@ class ScoreBook:
         return values, unreadable
 
 
-def ranked(scores: Iterable[tuple[int, Score | None]],
-           retention: Retention | None) -> tuple[Retention | None, list[int]]:
+def ranked(
+    scores: Iterable[tuple[int, Score | None]], retention: Retention | None
+) -> tuple[Retention | None, list[int]]:
     """The retention that ranks ``scores`` (step, score), newest first: ``retention`` if it keeps a
     best, else the one the newest scored checkpoint was written with; and its best steps, best first."""
     scores = list(scores)
@@ -134,8 +136,9 @@ def best_step(stores: Iterable[Listing], peers: Peers, retention: Retention) -> 
     what = f"a value of {ranking.metric!r}" if ranking is not None else "a score (no Retention(best=...) wrote them)"
     raise NoValidCheckpointError(
         f"restore(step='best'): none of the {len(listed)} checkpoints listed has {what}. A checkpoint is scored by "
-        "the metric logged at its own step (ckpt.log(val_loss=...), docs/storage.md, \"Keeping the best\"); "
-        "restore(step=N) picks one by its step (checkfreq ls lists them)")
+        'the metric logged at its own step (ckpt.log(val_loss=...), docs/storage.md, "Keeping the best"); '
+        "restore(step=N) picks one by its step (checkfreq ls lists them)"
+    )
 
 
 __all__ = ["Score", "ScoreBook", "best_step", "ranked", "score_entry", "score_of"]

@@ -133,11 +133,22 @@ class CommitReport:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> CommitReport:
-        return cls(rank=wire["rank"], created=wire["created"], ok=wire["ok"], error=wire.get("error"),
-                   file=wire.get("file"), size=wire.get("size", 0), xxh3_64=wire.get("xxh3_64"),
-                   upload_idle=wire.get("upload_idle", False), index=wire.get("index"), state=wire.get("state"),
-                   agree=wire.get("agree"), directory_leader=wire.get("directory"), leader=wire.get("leader"),
-                   score=wire.get("score"))
+        return cls(
+            rank=wire["rank"],
+            created=wire["created"],
+            ok=wire["ok"],
+            error=wire.get("error"),
+            file=wire.get("file"),
+            size=wire.get("size", 0),
+            xxh3_64=wire.get("xxh3_64"),
+            upload_idle=wire.get("upload_idle", False),
+            index=wire.get("index"),
+            state=wire.get("state"),
+            agree=wire.get("agree"),
+            directory_leader=wire.get("directory"),
+            leader=wire.get("leader"),
+            score=wire.get("score"),
+        )
 
 
 @dataclass
@@ -262,8 +273,9 @@ class Committer:
         if job.share is not None:
             report.leader = self.leader
         reports = gather_messages(self.peers, report, CommitReport.from_wire)
-        verdict = broadcast_message(self.peers, None if reports is None else judge(reports, job.share),
-                                    Verdict.from_wire)
+        verdict = broadcast_message(
+            self.peers, None if reports is None else judge(reports, job.share), Verdict.from_wire
+        )
         problem = _problem(verdict, self.peers, job.share)
         if problem is not None:
             if self.leader:
@@ -325,8 +337,9 @@ def agreement_digest(share: Share) -> str:
     at any number of ranks.
     """
     shared = {name: entry for name, entry in share["shared"].items() if entry["kind"] != REPLICATED}
-    doc = json.dumps({"plan": share["plan"], "shared": shared, "replicas": share["replicas"]}, sort_keys=True,
-                     separators=(",", ":"))
+    doc = json.dumps(
+        {"plan": share["plan"], "shared": shared, "replicas": share["replicas"]}, sort_keys=True, separators=(",", ":")
+    )
     return xxhash.xxh3_64_hexdigest(doc.encode())
 
 
@@ -353,7 +366,8 @@ def _problem(verdict: Verdict, peers: Peers, share: Share | None) -> Exception |
     sharded = {n: e for n, e in share["shared"].items() if e["kind"] == SHARDED}
     claims = all_gather_messages(peers, Claims(share["replicas"], sharded), Claims.from_wire)
     problem = replicas.disagreement([c.replicas for c in claims]) or replicas.sharded_disagreement(
-        [c.sharded for c in claims])
+        [c.sharded for c in claims]
+    )
     return ReplicaMismatchError(problem or "ranks disagree on how the state stored once is split over them")
 
 

@@ -182,9 +182,12 @@ class ConsistentPoint:
         if pending is None or not (pending.checkpoint or pending.tiers) or self._warned_dropped:
             return
         self._warned_dropped = True
-        log.warning("the checkpoint decided at step %d was not taken: the loop left on %s before the step's "
-                    "consistent point, so the step's work may be half done (the newest checkpoint stands)",
-                    pending.step, type(error).__name__)
+        log.warning(
+            "the checkpoint decided at step %d was not taken: the loop left on %s before the step's "
+            "consistent point, so the step's work may be half done (the newest checkpoint stands)",
+            pending.step,
+            type(error).__name__,
+        )
 
     def _reached_late(self, pending: Pending) -> None:
         """Warn once that ``pending`` was captured only at the next ``optimizer.step()``, after that step's forward."""
@@ -196,7 +199,9 @@ class ConsistentPoint:
             "and backward: no registered ResumableLoader was asked for a batch and no registered module ran a "
             "training forward in between. Dropout's random numbers and BatchNorm's buffers of that forward are in "
             "it. Register the module the loop calls (model=...) or the loader it takes batches from "
-            "(docs/exactness.md, \"The consistent point\").", pending.step)
+            '(docs/exactness.md, "The consistent point").',
+            pending.step,
+        )
 
     def in_flight_loaders(self) -> list[ResumableLoader]:
         """The loaders that handed out a batch since the last training forward: at a point reached by a
@@ -228,8 +233,13 @@ def _retake(registered: Registered, peers: Peers, step: int, where: str) -> Pend
     changed = registered.changed_since_early_capture(step, peers)
     if changed is None:
         return None
-    log.info("%s changed after the checkpoint of step %d was captured and before %s: taking step %d again",
-             ", ".join(changed) or "another rank's state", step, where, step)
+    log.info(
+        "%s changed after the checkpoint of step %d was captured and before %s: taking step %d again",
+        ", ".join(changed) or "another rank's state",
+        step,
+        where,
+        step,
+    )
     return Pending(step, checkpoint=True, reasons=["retake"])
 
 

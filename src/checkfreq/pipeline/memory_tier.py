@@ -120,8 +120,14 @@ class MemoryTier(Tier):
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], cadence: MemoryCadence, *, data_file: str, rank: int = 0,
-        group: Group | None = None, failure_timeout: float = 30.0,
+        self,
+        directory: str | os.PathLike[str],
+        cadence: MemoryCadence,
+        *,
+        data_file: str,
+        rank: int = 0,
+        group: Group | None = None,
+        failure_timeout: float = 30.0,
     ) -> None:
         self.directory, self.rank = directory, rank
         self.failure_timeout = failure_timeout
@@ -150,15 +156,25 @@ class MemoryTier(Tier):
     takes_snapshots = True
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str], cadence: MemoryCadence, peers: Peers, *, replicas: int = 0,
-             stride: int = 1, failure_timeout: float = 30.0) -> MemoryTier:
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        cadence: MemoryCadence,
+        peers: Peers,
+        *,
+        replicas: int = 0,
+        stride: int = 1,
+        failure_timeout: float = 30.0,
+    ) -> MemoryTier:
         """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
         removes the regions of ranks this job does not have (an earlier job ran with more). With
         ``replicas``, each snapshot is copied to the shared memory of a rank on each of that many other
         machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.replicas`). Collective."""
         if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
-            raise InvalidArgumentError("under torch.distributed with several ranks, memory= takes a number of steps "
-                                       "(e.g. memory=1), so that every rank snapshots the same steps")
+            raise InvalidArgumentError(
+                "under torch.distributed with several ranks, memory= takes a number of steps "
+                "(e.g. memory=1), so that every rank snapshots the same steps"
+            )
         if peers.rank == 0:
             remove_regions_beyond(directory, peers.size)
         if peers.size == 1:
@@ -166,16 +182,32 @@ class MemoryTier(Tier):
                 log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
             return cls(directory, cadence, data_file=data_file_name(0))
         members = memory_group(peers, memory_key(directory, peers.rank), copies=replicas, stride=stride)
-        tier = cls(directory, cadence, data_file=data_file_name(0), rank=peers.rank,
-                   group=Group(tuple(members.ranks), peers.rank, peers.size), failure_timeout=failure_timeout)
+        tier = cls(
+            directory,
+            cadence,
+            data_file=data_file_name(0),
+            rank=peers.rank,
+            group=Group(tuple(members.ranks), peers.rank, peers.size),
+            failure_timeout=failure_timeout,
+        )
         if replicas:  # every rank: the group is created collectively
             _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)
             if len(members.sends_to) < replicas and peers.rank == 0:  # elastic: machines come and go
-                log.warning("memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
-                            "other machines to copy to: %d copies are kept", replicas, stride,
-                            len(members.sends_to), len(members.sends_to))
-            tier.link = ReplicaLink(copies, directory, sends_to=members.sends_to, receives_from=members.receives_from,
-                                    liveness=peers.liveness if isinstance(peers, GroupPeers) else None)
+                log.warning(
+                    "memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
+                    "other machines to copy to: %d copies are kept",
+                    replicas,
+                    stride,
+                    len(members.sends_to),
+                    len(members.sends_to),
+                )
+            tier.link = ReplicaLink(
+                copies,
+                directory,
+                sends_to=members.sends_to,
+                receives_from=members.receives_from,
+                liveness=peers.liveness if isinstance(peers, GroupPeers) else None,
+            )
         return tier
 
     @property
@@ -209,8 +241,9 @@ class MemoryTier(Tier):
         if self.link is not None:
             self.link.report = write
 
-    def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
-              ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+    def share(
+        self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
+    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
         """This rank's share of the state its machine's ranks keep together (module docstring)."""
         if self._sharer is None or not self.enabled:
             return tensors, owned, None
@@ -230,10 +263,15 @@ class MemoryTier(Tier):
         layout = request.layout
         world_size = 1 if request.split is None else request.split["world_size"]  # the job's, for the events
         manifest = Manifest(
-            step=request.step, epoch=request.epoch, world_size=world_size,
+            step=request.step,
+            epoch=request.epoch,
+            world_size=world_size,
             files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
-            tensors=tensor_entries(layout, self._data_file), state=request.skeleton, versions=request.versions,
-            created=request.created, distributed=request.split,
+            tensors=tensor_entries(layout, self._data_file),
+            state=request.skeleton,
+            versions=request.versions,
+            created=request.created,
+            distributed=request.split,
         )
         meta = manifest.to_json()
         start = time.perf_counter()
@@ -242,8 +280,12 @@ class MemoryTier(Tier):
             # (the side stream) or writes to disk from (the writer), or a copy to another machine reads
             self._persist_done.wait()
             if self.link is not None and not self.link.wait_sent(self.failure_timeout):
-                log.warning("memory tier: snapshot %d not taken: the region must grow, and the copy of the "
-                            "previous one to ranks %s still reads it", request.step, self.link.sends_to)
+                log.warning(
+                    "memory tier: snapshot %d not taken: the region must grow, and the copy of the "
+                    "previous one to ranks %s still reads it",
+                    request.step,
+                    self.link.sends_to,
+                )
                 return None
         try:
             self.region.reserve(layout.nbytes, len(meta))
@@ -254,8 +296,14 @@ class MemoryTier(Tier):
         slot = self.region.begin(keep=self._held_slot())
         if request.device_copies:
             self.pinning.pin(self.region, slot.slot)
-        return MemoryTarget(slot, request.step, layout, meta, time.perf_counter() - start,
-                            seal_later(request.device_copies, layout.nbytes))
+        return MemoryTarget(
+            slot,
+            request.step,
+            layout,
+            meta,
+            time.perf_counter() - start,
+            seal_later(request.device_copies, layout.nbytes),
+        )
 
     def _held_slot(self) -> int | None:
         """The slot the next snapshot must not overwrite: the one a persist writes to disk, else the one
@@ -266,8 +314,11 @@ class MemoryTier(Tier):
         if persisting is not None and sending is not None and sending != persisting:
             assert link is not None
             if not link.wait_sent(self.failure_timeout):
-                log.warning("memory tier: the copy of a snapshot to ranks %s took over %.0f s; its slot is reused",
-                            link.sends_to, self.failure_timeout)
+                log.warning(
+                    "memory tier: the copy of a snapshot to ranks %s took over %.0f s; its slot is reused",
+                    link.sends_to,
+                    self.failure_timeout,
+                )
             return persisting
         return persisting if persisting is not None else sending
 
@@ -275,8 +326,14 @@ class MemoryTier(Tier):
         """Wait for the snapshot's deferred copies, then publish its slot."""
         pending.finish_copy()
         self.pinning.copied(target.slot.slot, pending)  # a slot not seen pinned: the copy's bandwidth, once
-        info = self.region.commit(target.slot, target.step, target.layout.nbytes, target.meta,
-                                  layout_signature(target.layout.signature), checksum=not target.seal_later)
+        info = self.region.commit(
+            target.slot,
+            target.step,
+            target.layout.nbytes,
+            target.meta,
+            layout_signature(target.layout.signature),
+            checksum=not target.seal_later,
+        )
         if self.link is not None:
             self.link.offer(self.region, info)
         if target.seal_later:
@@ -406,8 +463,11 @@ class MemoryTier(Tier):
     def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
         """The steps of this rank's snapshots and of the copies its machine keeps (its first rank reports those)."""
         copies: dict[int, list[int]] = {}
-        for rank, region in listed_regions(self.directory, "replica") if self.group is None or self.rank == min(
-                self.group.ranks) else ():
+        for rank, region in (
+            listed_regions(self.directory, "replica")
+            if self.group is None or self.rank == min(self.group.ranks)
+            else ()
+        ):
             try:  # those this machine can make whole (a copy may leave replicated pieces out)
                 copies[rank] = usable_steps(self.directory, region)
             finally:
@@ -437,8 +497,10 @@ class MemoryTier(Tier):
         """Rank ``rank``'s share of memory snapshot ``step``, from its region on this machine, else
         from the replica this machine keeps of it."""
         reasons = []
-        for what, path in (("its region", region_path(self.directory, rank)),
-                           ("the copy kept here,", replica_path(self.directory, rank))):
+        for what, path in (
+            ("its region", region_path(self.directory, rank)),
+            ("the copy kept here,", replica_path(self.directory, rank)),
+        ):
             if not path.exists():
                 continue
             region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
@@ -451,8 +513,10 @@ class MemoryTier(Tier):
                 reasons.append(f"{what} {path.name}: {'; '.join(r for _, r in region.skipped) or 'not of that step'}")
             finally:
                 region.release(remove=False)
-        raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} is on no region of this machine "
-                             f"({os.uname().nodename})" + (f" ({'; '.join(reasons)})" if reasons else ""))
+        raise CheckfreqError(
+            f"rank {rank}'s share of memory snapshot {step} is on no region of this machine "
+            f"({os.uname().nodename})" + (f" ({'; '.join(reasons)})" if reasons else "")
+        )
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
@@ -484,4 +548,3 @@ def _stored_names(split: Mapping[str, Any]) -> set[str]:
             if part is not None:
                 names.add(part if isinstance(part, str) else part[0])
     return names
-

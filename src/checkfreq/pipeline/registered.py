@@ -66,8 +66,9 @@ class Registered:
         scores: the metrics the loop reports, of which a capture takes its score (a retention keeping the best).
     """
 
-    def __init__(self, objects: dict[str, Stateful], values: dict[str, Any], *, allow_pickle: bool,
-                 scores: Scores | None = None) -> None:
+    def __init__(
+        self, objects: dict[str, Stateful], values: dict[str, Any], *, allow_pickle: bool, scores: Scores | None = None
+    ) -> None:
         self.objects, self.values, self.allow_pickle = objects, values, allow_pickle
         self.scores = Scores(Retention(1)) if scores is None else scores
         self.optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
@@ -151,8 +152,11 @@ class Registered:
             "log(%s) at step %d came after the checkpoint of step %d was captured (at %s), so that checkpoint has "
             "no score and is never kept as the best. Evaluate and log() before the loop asks for its next batch or "
             "runs its next training forward; an evaluation under torch.no_grad() or model.eval() is not the next "
-            "step (docs/exactness.md, \"The consistent point\").",
-            ", ".join(f"{k}={v}" for k, v in metrics.items()), step, step, at,
+            'step (docs/exactness.md, "The consistent point").',
+            ", ".join(f"{k}={v}" for k, v in metrics.items()),
+            step,
+            step,
+            at,
         )
 
     def _identities(self) -> dict[str, Any]:
@@ -161,7 +165,8 @@ class Registered:
         identities: dict[str, Any] = {}
         for name, optimizer in self.optimizers.items():
             identities[f"{name}.param_groups"] = [
-                {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+            ]
         for name, module in self.modules.items():
             identities[f"{name}.buffers"] = [(n, id(b), _address(b), b._version) for n, b in module.named_buffers()]
         return identities

@@ -93,8 +93,9 @@ def outgoing(data: torch.Tensor, meta: bytes, info: SlotInfo) -> Outgoing:
     hasher.update(envelope)
     checksum = hasher.intdigest() or 1  # as storage.shm.slot_digest: never PENDING
     sent = sum(end - begin for begin, end in runs)
-    return Outgoing(dataclasses.replace(info, data_bytes=sent, meta_bytes=len(envelope), checksum=checksum),
-                    envelope, runs, data)
+    return Outgoing(
+        dataclasses.replace(info, data_bytes=sent, meta_bytes=len(envelope), checksum=checksum), envelope, runs, data
+    )
 
 
 def manifest_bytes(meta: bytes) -> bytes:
@@ -118,19 +119,24 @@ def whole(directory: str | os.PathLike[str], copy: HeldCopy) -> HeldCopy:
         raise CheckfreqError(f"{what} leaves out pieces its manifest does not list")
     runs = _complement([(begin, end) for begin, end, _ in omitted], data_bytes)
     if sum(end - begin for begin, end in runs) != copy.data.numel():
-        raise CheckfreqError(f"{what} holds {copy.data.numel()} bytes, not the {data_bytes} bytes of its "
-                             "slot less the pieces it names")
+        raise CheckfreqError(
+            f"{what} holds {copy.data.numel()} bytes, not the {data_bytes} bytes of its slot less the pieces it names"
+        )
     data, at = torch.empty(data_bytes, dtype=torch.uint8), 0
     for begin, end in runs:
         data[begin:end] = copy.data[at : at + end - begin]
         at += end - begin
     missing = _fill(directory, copy.step, {name: (begin, end) for begin, end, name in omitted}, data)
     if missing:
-        raise CheckfreqError(f"{what} left out replicated pieces no region of this machine holds at that step "
-                             f"(e.g. {missing[0]!r}; {len(missing)} in all)")
+        raise CheckfreqError(
+            f"{what} left out replicated pieces no region of this machine holds at that step "
+            f"(e.g. {missing[0]!r}; {len(missing)} in all)"
+        )
     if slot_digest(data.numpy().data, meta) != checksum:
-        raise CheckfreqError(f"{what}, put together with this machine's replicated pieces, does not match the "
-                             "checksum of its sender's slot")
+        raise CheckfreqError(
+            f"{what}, put together with this machine's replicated pieces, does not match the "
+            "checksum of its sender's slot"
+        )
     return dataclasses.replace(copy, meta=meta, data=data, checksum=checksum)
 
 
@@ -165,8 +171,13 @@ def _replicated_runs(meta: bytes) -> list[tuple[int, int, list[str]]]:
     split = manifest.distributed
     if not split:
         return []
-    replicated = {part[0] for record in split.get("tensors", {}).values() if record.get("kind") == REPLICATED
-                  for part in record.get("parts", ()) if isinstance(part, list) and part}
+    replicated = {
+        part[0]
+        for record in split.get("tensors", {}).values()
+        if record.get("kind") == REPLICATED
+        for part in record.get("parts", ())
+        if isinstance(part, list) and part
+    }
     runs: list[tuple[int, int, list[str]]] = []
     in_run = False  # the array before this one was replicated: the layout lays arrays end to end
     for begin, end, name in _spans(manifest.tensors):
@@ -257,8 +268,9 @@ def _listed(directory: str | os.PathLike[str]) -> dict[tuple[int, str], int]:
     return held
 
 
-def _fill(directory: str | os.PathLike[str], step: int, wanted: dict[str, tuple[int, int]],
-          data: torch.Tensor) -> list[str]:
+def _fill(
+    directory: str | os.PathLike[str], step: int, wanted: dict[str, tuple[int, int]], data: torch.Tensor
+) -> list[str]:
     """Copy into ``data`` each of ``wanted`` (stored name → its range) from a verified region of this
     machine at ``step``; the names no region held."""
     left = dict(wanted)

@@ -82,8 +82,9 @@ def _unsigned(value: int) -> int:
 def encode_header(info: SlotInfo) -> torch.Tensor:
     """The header announcing the snapshot of ``info``."""
     low, high = struct.unpack("<qq", info.signature)
-    return torch.tensor([SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, _signed(info.checksum), low, high, 0],
-                        dtype=torch.int64)
+    return torch.tensor(
+        [SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, _signed(info.checksum), low, high, 0], dtype=torch.int64
+    )
 
 
 def decode_header(header: torch.Tensor) -> tuple[int, SlotInfo]:
@@ -104,9 +105,15 @@ class ReplicaLink:
             watch; a frozen peer is then found only by the group's gloo timeout).
     """
 
-    def __init__(self, group: dist.ProcessGroup, directory: str | os.PathLike[str], *,
-                 sends_to: int | Sequence[int] | None, receives_from: list[int],
-                 liveness: Liveness | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        directory: str | os.PathLike[str],
+        *,
+        sends_to: int | Sequence[int] | None,
+        receives_from: list[int],
+        liveness: Liveness | None = None,
+    ) -> None:
         self.group, self.directory = group, directory
         self.sends_to = [] if sends_to is None else [sends_to] if isinstance(sends_to, int) else list(sends_to)
         self.receives_from = list(receives_from)
@@ -129,13 +136,17 @@ class ReplicaLink:
         self._threads = []
         if self.sends_to:
             self._threads.append(threading.Thread(target=self._send_loop, name="checkfreq-replica-send", daemon=True))
-        self._keepers = {sender: threading.Thread(target=self._keep_loop, args=(sender,),
-                                                  name=f"checkfreq-replica-keep-{sender}", daemon=True)
-                         for sender in self.receives_from}
+        self._keepers = {
+            sender: threading.Thread(
+                target=self._keep_loop, args=(sender,), name=f"checkfreq-replica-keep-{sender}", daemon=True
+            )
+            for sender in self.receives_from
+        }
         self._threads += self._keepers.values()
         if liveness is not None and self._threads:
-            self._threads.append(threading.Thread(target=self._watch, args=(liveness,), name="checkfreq-replica-watch",
-                                                  daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._watch, args=(liveness,), name="checkfreq-replica-watch", daemon=True)
+            )
         for thread in self._threads:
             thread.start()
 
@@ -192,22 +203,35 @@ class ReplicaLink:
             dist.send(encode_header(copy.info), group=self.group, group_dst=to, tag=COPY_TAG)
             for piece in copy.pieces():
                 dist.send(piece, group=self.group, group_dst=to, tag=COPY_TAG)
-            dist.send(torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), group=self.group, group_dst=to,
-                      tag=COPY_TAG)
+            dist.send(
+                torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), group=self.group, group_dst=to, tag=COPY_TAG
+            )
             answer = torch.empty(1, dtype=torch.int64)
             dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
         except RuntimeError as e:
             self._broken[to] = e
-            log.warning("memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent to it",
-                        info.step, to, e)
+            log.warning(
+                "memory tier: copying snapshot %d to rank %d failed (%s); no more replicas are sent to it",
+                info.step,
+                to,
+                e,
+            )
             return
         finally:
             self._sending_to = None
         seconds, nbytes = time.perf_counter() - start, copy.info.data_bytes + copy.info.meta_bytes
         if int(answer) == info.step:
             self.sent.append(Sent(info.step, nbytes, seconds, to))
-        self.report("replica", step=info.step, to=to, bytes=nbytes, data_bytes=copy.info.data_bytes,
-                    slot_bytes=info.data_bytes + info.meta_bytes, seconds=seconds, kept=int(answer) == info.step)
+        self.report(
+            "replica",
+            step=info.step,
+            to=to,
+            bytes=nbytes,
+            data_bytes=copy.info.data_bytes,
+            slot_bytes=info.data_bytes + info.meta_bytes,
+            seconds=seconds,
+            kept=int(answer) == info.step,
+        )
 
     # ------------------------------------------------------------------ keeping
 
@@ -245,8 +269,9 @@ class ReplicaLink:
         meta = torch.empty(info.meta_bytes, dtype=torch.uint8)
         dist.recv(meta, group=self.group, group_src=sender, tag=COPY_TAG)
         try:
-            region.commit(slot, info.step, info.data_bytes, meta.numpy().tobytes(), info.signature,
-                          expect=info.checksum)
+            region.commit(
+                slot, info.step, info.data_bytes, meta.numpy().tobytes(), info.signature, expect=info.checksum
+            )
         except CheckfreqError as e:
             log.warning("memory tier: the replica of rank %d's snapshot %d is not kept: %s", sender, info.step, e)
             self.report("replica refused", step=info.step, sender=sender, reason=str(e))

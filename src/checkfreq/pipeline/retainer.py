@@ -32,8 +32,13 @@ def retain(store: Store, retention: Retention, protect: Collection[int] = (), bo
         expired = set(retention.expired((s for s in listed if s not in doomed), (a.step for a in aside)))
         for checkpoint in aside:
             if checkpoint.step in expired:
-                log.info("deleting %s of %s, set aside as damaged (%s): %d newer checkpoints are valid",
-                         checkpoint.name, store.root, checkpoint.reason, retention.keep)
+                log.info(
+                    "deleting %s of %s, set aside as damaged (%s): %d newer checkpoints are valid",
+                    checkpoint.name,
+                    store.root,
+                    checkpoint.reason,
+                    retention.keep,
+                )
                 store.delete(checkpoint.location)
 
 

@@ -57,9 +57,19 @@ class Saver:
         policy_name: what the events call the policy.
     """
 
-    def __init__(self, tiers: Tiers, cluster: Cluster, committer: Committer, events: EventLog,
-                 objects: Mapping[str, Any], *, gpu_staging: bool | None, timeout: float, on_error: str,
-                 policy_name: str) -> None:
+    def __init__(
+        self,
+        tiers: Tiers,
+        cluster: Cluster,
+        committer: Committer,
+        events: EventLog,
+        objects: Mapping[str, Any],
+        *,
+        gpu_staging: bool | None,
+        timeout: float,
+        on_error: str,
+        policy_name: str,
+    ) -> None:
         self.tiers, self.cluster, self.committer, self.events = tiers, cluster, committer, events
         self.objects = objects
         self.timeout, self.on_error, self.policy_name = timeout, on_error, policy_name
@@ -96,8 +106,14 @@ class Saver:
         timeline.reached_point(start, profiler)
         step = timeline.step
         # the host buffer is reused: one checkpoint in flight
-        busy.wait(PERSIST, step, self.writer.busy, lambda: self.writer.wait(self.timeout), profiler,
-                  step - timeline.last_checkpoint if reason == "policy" else None)
+        busy.wait(
+            PERSIST,
+            step,
+            self.writer.busy,
+            lambda: self.writer.wait(self.timeout),
+            profiler,
+            step - timeline.last_checkpoint if reason == "policy" else None,
+        )
         self.collect()
         busy.wait(MEMORY, step, self.tiers.busy, self.wait_tiers, profiler)
         self.finish_fence()
@@ -110,7 +126,11 @@ class Saver:
         if self.cluster.writes_whole_state:  # else the share has a buffer of its own
             placement = self.tiers.place(self._request(layout, skeleton, step, epoch_label, tensors))
         pending = self.snapshotter.take(
-            tensors, owned, layout=layout, buffer=None if placement is None else placement.target.buffer, step=step,
+            tensors,
+            owned,
+            layout=layout,
+            buffer=None if placement is None else placement.target.buffer,
+            step=step,
             aside=None if share is None else share["later"],  # the replica claim's device pieces, for the writer
         )
         job: Callable[[], CommitResult] = functools.partial(
@@ -120,8 +140,15 @@ class Saver:
         window = timeline.checkpointed(start)
         stall = time.perf_counter() - start
         self.events.write(
-            "snapshot", step=step, stall_s=stall, bytes=pending.layout.nbytes, reason=reason,
-            policy=self.policy_name, epoch=epoch_label, **window, iteration_s=profiler.iteration.value,
+            "snapshot",
+            step=step,
+            stall_s=stall,
+            bytes=pending.layout.nbytes,
+            reason=reason,
+            policy=self.policy_name,
+            epoch=epoch_label,
+            **window,
+            iteration_s=profiler.iteration.value,
             iteration_persisting_s=profiler.iteration_while_persisting.value,
         )
         if pending.has_deferred:
@@ -188,11 +215,21 @@ class Saver:
     def _persist_held(self, held: HeldSnapshot) -> None:
         """Persist, and wait for, a snapshot a tier holds as it stands."""
         start = time.perf_counter()
-        self.events.write("snapshot", step=held.step, stall_s=0.0, bytes=held.pending.layout.nbytes, reason="close",
-                          policy=self.policy_name, epoch=held.epoch)
-        self.writer.submit(functools.partial(
-            self.committer.run, CommitJob(held.step, held.epoch, held.pending, held.skeleton, None, versions(), start)
-        ))
+        self.events.write(
+            "snapshot",
+            step=held.step,
+            stall_s=0.0,
+            bytes=held.pending.layout.nbytes,
+            reason="close",
+            policy=self.policy_name,
+            epoch=held.epoch,
+        )
+        self.writer.submit(
+            functools.partial(
+                self.committer.run,
+                CommitJob(held.step, held.epoch, held.pending, held.skeleton, None, versions(), start),
+            )
+        )
         error = self.apply_commits(*self.writer.drain(self.timeout), held.step)
         if error is not None:
             raise PersistError(
@@ -200,11 +237,25 @@ class Saver:
             ) from error
 
     @staticmethod
-    def _request(layout: Any, skeleton: Any, step: int, epoch: int | None,
-                 tensors: dict[str, torch.Tensor], split: dict[str, Any] | None = None) -> SnapshotRequest:
-        return SnapshotRequest(layout, skeleton, step, epoch, versions(), time.time(),
-                               device_copies=any_cuda(tensors.values()),
-                               sharded=any(is_dtensor(t) for t in tensors.values()), split=split)
+    def _request(
+        layout: Any,
+        skeleton: Any,
+        step: int,
+        epoch: int | None,
+        tensors: dict[str, torch.Tensor],
+        split: dict[str, Any] | None = None,
+    ) -> SnapshotRequest:
+        return SnapshotRequest(
+            layout,
+            skeleton,
+            step,
+            epoch,
+            versions(),
+            time.time(),
+            device_copies=any_cuda(tensors.values()),
+            sharded=any(is_dtensor(t) for t in tensors.values()),
+            split=split,
+        )
 
     # ------------------------------------------------------------------ the fence and the waits
 
@@ -262,18 +313,27 @@ class Saver:
         if self.on_error == "warn":
             log.warning("%s; training goes on", error)
             return
-        raise PersistError(f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
-                           "and trains on, and a restart resumes from the newest committed checkpoint") from cause
+        raise PersistError(
+            f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
+            "and trains on, and a restart resumes from the newest committed checkpoint"
+        ) from cause
 
-    def apply_commits(self, results: list[CommitResult], error: BaseException | None,
-                      step: int) -> BaseException | None:
+    def apply_commits(
+        self, results: list[CommitResult], error: BaseException | None, step: int
+    ) -> BaseException | None:
         """What the writer drained: each committed checkpoint is durable and the profiler learns what it
         cost; an error (of the checkpoint at ``step``) goes in the events and is returned."""
         for result in results:
             self.durable_step = self.committed = result.step
             self.profiler.record_persist(result.seconds, result.bytes)
-            self.events.write("commit", step=result.step, persist_s=result.seconds, bytes=result.bytes,
-                              bandwidth_gbps=result.bytes / result.seconds / 1e9, upload=result.upload)
+            self.events.write(
+                "commit",
+                step=result.step,
+                persist_s=result.seconds,
+                bytes=result.bytes,
+                bandwidth_gbps=result.bytes / result.seconds / 1e9,
+                upload=result.upload,
+            )
         if error is not None:
             self.events.write("error", step=step, message=str(error))
         return error

@@ -25,8 +25,16 @@ from checkfreq.run.signals import SignalTrap
 log = logging.getLogger("checkfreq.persist")
 
 
-def shutdown(writer: Writer, tiers: Tiers, *, timeout: float, failure_timeout: float, trap: SignalTrap | None,
-             cluster: Cluster, leaving: list[BaseException] | None = None) -> None:
+def shutdown(
+    writer: Writer,
+    tiers: Tiers,
+    *,
+    timeout: float,
+    failure_timeout: float,
+    trap: SignalTrap | None,
+    cluster: Cluster,
+    leaving: list[BaseException] | None = None,
+) -> None:
     """Stop the writer and the tiers' copies in flight, give the groups back and unlock the tiers.
 
     ``timeout`` bounds the waits for storage (``persist_timeout``). Where other ranks are, a process

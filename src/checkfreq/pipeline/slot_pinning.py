@@ -59,7 +59,9 @@ class SlotPinning:
             "memory slot %d was registered for device copies but the device does not see it pinned: the copy of "
             "%.3f GB from the device into it ran at %.2f GB/s, the pageable bandwidth (a pinned copy runs several "
             "times faster, and asynchronously); each snapshot into such a slot costs the training that much more",
-            slot, nbytes / 1e9, nbytes / max(seconds, 1e-9) / 1e9,
+            slot,
+            nbytes / 1e9,
+            nbytes / max(seconds, 1e-9) / 1e9,
         )
 
 

@@ -280,11 +280,13 @@ class Snapshotter:
                 cuda_aside.setdefault(src.device, []).append((copies[name], src))
             else:
                 now_cpu.append((copies[name], src))
-        pending = PendingSnapshot(layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops,
-                                  aside=copies)
+        pending = PendingSnapshot(
+            layout, buffer, later_cpu, waits=self.gpu_waits, step=step, memory=memory, ops=ops, aside=copies
+        )
         for device in set(cuda_now) | set(cuda_later) | set(cuda_aside):
             fence, start, done, nbytes = self._copy_on_side_stream(
-                device, cuda_now.get(device, []), cuda_later.get(device, []), cuda_aside.get(device, []), step, memory)
+                device, cuda_now.get(device, []), cuda_later.get(device, []), cuda_aside.get(device, []), step, memory
+            )
             pending.cuda_fence.append((device, fence))
             pending.cuda_done.append(done)
             pending.host_copies.append((start, done, nbytes))
@@ -355,8 +357,12 @@ class Snapshotter:
             return staging.views_for(sources, stream)
         except torch.cuda.OutOfMemoryError:
             nbytes = sum(src.numel() * src.element_size() for src in sources)
-            log.warning("snapshots of %s: no device memory left for the staging buffer (%.2f GB); copying straight "
-                        "to the host from now on", device, nbytes / 1e9)
+            log.warning(
+                "snapshots of %s: no device memory left for the staging buffer (%.2f GB); copying straight "
+                "to the host from now on",
+                device,
+                nbytes / 1e9,
+            )
             staging.release()
             self._staging[device] = None
             self._staging_failed.add(device)
@@ -377,8 +383,10 @@ def aside_buffers(tensors: Mapping[str, torch.Tensor], pin: bool) -> dict[str, t
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // 64) * 64  # every start aligned for any dtype
     flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-    return {name: flat[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for (name, t), at in zip(tensors.items(), offsets, strict=True)}
+    return {
+        name: flat[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for (name, t), at in zip(tensors.items(), offsets, strict=True)
+    }
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:

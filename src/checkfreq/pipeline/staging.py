@@ -58,11 +58,17 @@ def choose_staging(state_bytes: int, free_bytes: int, force: bool | None) -> Sta
     if force is not None:
         return StagingChoice(force, f"gpu_staging={force} (forced)")
     if 2 * state_bytes <= free_bytes:
-        return StagingChoice(True, f"the state's {state} fit in half of the {free} a training step leaves free on the "
-                                   "device: copied there first (milliseconds), then to the host in the background")
-    return StagingChoice(False, f"the state's {state} do not fit in half of the {free} a training step leaves free on "
-                                "the device: copied straight to the host on the side stream (gpu_staging=True forces "
-                                "the staging buffer)")
+        return StagingChoice(
+            True,
+            f"the state's {state} fit in half of the {free} a training step leaves free on the "
+            "device: copied there first (milliseconds), then to the host in the background",
+        )
+    return StagingChoice(
+        False,
+        f"the state's {state} do not fit in half of the {free} a training step leaves free on "
+        "the device: copied straight to the host on the side stream (gpu_staging=True forces "
+        "the staging buffer)",
+    )
 
 
 def staging_offsets(nbytes: Sequence[int]) -> tuple[list[int], int]:
@@ -111,7 +117,9 @@ class StagingBuffer:
             offsets, total = staging_offsets(sizes)
             self._buffer, self._views = None, []  # release the old buffer before allocating
             self._buffer = self._ops.empty(total, self.device, stream)
-            self._views = [self._buffer[at : at + n].view(t.dtype).view(t.shape)
-                           for at, n, t in zip(offsets, sizes, tensors, strict=True)]
+            self._views = [
+                self._buffer[at : at + n].view(t.dtype).view(t.shape)
+                for at, n, t in zip(offsets, sizes, tensors, strict=True)
+            ]
             self._signature = signature
         return self._views

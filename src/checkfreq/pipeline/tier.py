@@ -147,8 +147,9 @@ class Tier:
     def report_to(self, write: Callable[..., None]) -> None:
         """Record what it does in the background with ``write`` (the run's event log)."""
 
-    def share(self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
-              ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
+    def share(
+        self, tensors: dict[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any], skeleton: Any
+    ) -> tuple[dict[str, torch.Tensor], set[str], dict[str, Any] | None]:
         """What it keeps of this rank's state (``tensors``, of the registered ``objects``) for a snapshot
         of its own: (arrays, which are fenced, how the state is split over the ranks that keep it
         together, or None: all of it, here)."""
@@ -163,8 +164,9 @@ class Tier:
         thread that does it (the fence watches it while waiting for the snapshot's deferred copies)."""
         raise NotImplementedError(f"the {self.name} tier takes no snapshots of its own")
 
-    def around_persist(self, target: SnapshotTarget | None, pending: PendingSnapshot,
-                       persist: Callable[[], T]) -> Callable[[], T]:
+    def around_persist(
+        self, target: SnapshotTarget | None, pending: PendingSnapshot, persist: Callable[[], T]
+    ) -> Callable[[], T]:
         """The persist job, wrapped as this tier needs (``target``: where the snapshot landed)."""
         return persist
 
@@ -231,8 +233,9 @@ class Tier:
         assert self.store is not None  # only called with a location it listed
         return self.store.read_data(location, name, size, checksum)
 
-    def snapshots(self, step: int | None = None, *, device_copies: bool = False
-                  ) -> tuple[list[HeldState], list[tuple[str, str]]]:
+    def snapshots(
+        self, step: int | None = None, *, device_copies: bool = False
+    ) -> tuple[list[HeldState], list[tuple[str, str]]]:
         """Every verified state it holds (or those at ``step``), newest first, and the (name, reason)
         of those skipped."""
         return [], []

@@ -77,8 +77,9 @@ class Tiers:
 
     def searched(self) -> list[str]:
         """The tiers a restore looks in, as messages name them (``memory tier``, ``local tier (/path)``)."""
-        stored = [f"{tier.name} tier ({tier.store.root})" for tier in [self.committed_to, *self.far]
-                  if tier.store is not None]
+        stored = [
+            f"{tier.name} tier ({tier.store.root})" for tier in [self.committed_to, *self.far] if tier.store is not None
+        ]
         return (["memory tier"] if self.holds_states else []) + stored
 
     @property
@@ -102,8 +103,9 @@ class Tiers:
                 return Placement(tier, target)
         return None
 
-    def around_persist(self, placement: Placement | None, pending: PendingSnapshot,
-                       persist: Callable[[], T]) -> Callable[[], T]:
+    def around_persist(
+        self, placement: Placement | None, pending: PendingSnapshot, persist: Callable[[], T]
+    ) -> Callable[[], T]:
         """The persist job wrapped by every tier, the fastest outermost (each told the target if it is its own)."""
         for tier in reversed(self.all):
             own = placement.target if placement is not None and placement.tier is tier else None
@@ -148,8 +150,7 @@ class Tiers:
         for tier in self.all:
             tier.release()
 
-    def snapshots(self, step: int | None, *, device_copies: bool
-                  ) -> tuple[list[HeldState], list[tuple[str, str]]]:
+    def snapshots(self, step: int | None, *, device_copies: bool) -> tuple[list[HeldState], list[tuple[str, str]]]:
         """Every tier's verified whole states (or those at ``step``), newest first, and those skipped."""
         states: list[HeldState] = []
         skipped: list[tuple[str, str]] = []
@@ -200,8 +201,16 @@ class Tiers:
 
 
 def choose_tiers(
-    local: Store, far: Sequence[Store], cluster: Cluster, *, memory: MemoryCadence | None, retainer: Retainer,
-    far_retention: Retention, replicas: int = 0, replica_stride: int = 1, failure_timeout: float = 30.0,
+    local: Store,
+    far: Sequence[Store],
+    cluster: Cluster,
+    *,
+    memory: MemoryCadence | None,
+    retainer: Retainer,
+    far_retention: Retention,
+    replicas: int = 0,
+    replica_stride: int = 1,
+    failure_timeout: float = 30.0,
 ) -> Tiers:
     """A Checkpointer's tiers: the memory tier (with ``memory``, its snapshots copied to ``replicas``
     other machines, ``replica_stride`` apart in the ring of machines), its directory, the remote tier (``far``).
@@ -212,16 +221,34 @@ def choose_tiers(
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise InvalidArgumentError(f"replicas must be an int >= 0 (copies on other machines), got {replicas!r}")
     if isinstance(replica_stride, bool) or not isinstance(replica_stride, int) or replica_stride < 1:
-        raise InvalidArgumentError(f"replica_stride must be an int >= 1 (machine i copies to machine "
-                                   f"i + replica_stride, then i + 2 * replica_stride, ...), got {replica_stride!r}")
+        raise InvalidArgumentError(
+            f"replica_stride must be an int >= 1 (machine i copies to machine "
+            f"i + replica_stride, then i + 2 * replica_stride, ...), got {replica_stride!r}"
+        )
     if replicas and memory is None:
         raise InvalidArgumentError("replicas= copies memory snapshots to another machine: it needs memory= too")
     if memory is not None:
-        chosen.append(MemoryTier.open(local.root, memory, cluster.control, replicas=replicas, stride=replica_stride,
-                                      failure_timeout=failure_timeout))
+        chosen.append(
+            MemoryTier.open(
+                local.root,
+                memory,
+                cluster.control,
+                replicas=replicas,
+                stride=replica_stride,
+                failure_timeout=failure_timeout,
+            )
+        )
     chosen.append(LocalTier(local))
     for store in far:
         assert isinstance(local, LocalStore)  # open_stores puts a local directory in front of a remote tier
-        chosen.append(RemoteTier(local, store, cluster.commit if cluster.upload is None else cluster.upload,
-                                 token=cluster.token, retention=far_retention, local_retainer=retainer))
+        chosen.append(
+            RemoteTier(
+                local,
+                store,
+                cluster.commit if cluster.upload is None else cluster.upload,
+                token=cluster.token,
+                retention=far_retention,
+                local_retainer=retainer,
+            )
+        )
     return Tiers(chosen)

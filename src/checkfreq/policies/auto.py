@@ -63,7 +63,6 @@ class Auto:
         self.overhead = fresh
 
 
-
 def resolve(policy: Policy | str | int) -> Policy:
     """Turn the Checkpointer's ``policy=`` argument into a policy object."""
     if isinstance(policy, int) and not isinstance(policy, bool):

@@ -47,13 +47,11 @@ class DecisionContext:
     """The part of :attr:`away` within :attr:`seconds_since_checkpoint`."""
 
 
-
 @runtime_checkable
 class Policy(Protocol):
     """Decides, at each step, whether to take a checkpoint now."""
 
     def should_save(self, ctx: DecisionContext) -> bool: ...
-
 
 
 @runtime_checkable
@@ -70,16 +68,13 @@ class StatefulPolicy(Policy, Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-
 def measured(x: float) -> bool:
     return x > 0 and math.isfinite(x)
-
 
 
 def params_of(policy: Any) -> dict[str, Any]:
     """The constructor arguments of a dataclass policy: the configuration its state belongs to."""
     return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init}
-
 
 
 def check_params(policy: Any, state: Mapping[str, Any]) -> None:
@@ -100,13 +95,11 @@ def state_number(state: Mapping[str, Any], key: str, *, low: float = 0.0) -> flo
     return float(value)
 
 
-
 def state_count(state: Mapping[str, Any], key: str) -> int:
     value = state.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidArgumentError(f"{key!r} must be a non-negative integer, got {value!r}")
     return value
-
 
 
 def state_text(state: Mapping[str, Any], key: str) -> str:
@@ -116,13 +109,11 @@ def state_text(state: Mapping[str, Any], key: str) -> str:
     return value
 
 
-
 def state_numbers(state: Mapping[str, Any], key: str) -> list[float]:
     values = state.get(key)
     if not isinstance(values, list):
         raise InvalidArgumentError(f"{key!r} must be a list of numbers, got {type(values).__name__}")
     return [state_number({key: v}, key, low=-math.inf) for v in values]
-
 
 
 def finite_or_none(x: float) -> float | None:

@@ -45,7 +45,6 @@ class Every:
         check_params(self, state)
 
 
-
 @dataclass
 class EveryEpoch:
     """Checkpoint at the first step of every new epoch (the epoch of a registered loader)."""

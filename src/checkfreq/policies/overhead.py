@@ -54,7 +54,6 @@ class _Cycles:
         return True
 
 
-
 @dataclass
 class Overhead:
     """Checkpoint as often as possible while checkpointing costs at most ``p`` of the run.

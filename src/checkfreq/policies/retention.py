@@ -55,10 +55,16 @@ class Retention:
             if self.top != 1:
                 raise InvalidArgumentError(f"Retention: top={self.top} needs best=(metric, 'min' or 'max')")
             return
-        if not (isinstance(best, (tuple, list)) and len(best) == 2 and isinstance(best[0], str) and best[0]
-                and best[1] in ("min", "max")):
+        if not (
+            isinstance(best, (tuple, list))
+            and len(best) == 2
+            and isinstance(best[0], str)
+            and best[0]
+            and best[1] in ("min", "max")
+        ):
             raise InvalidArgumentError(
-                f"Retention: best must be (metric name, 'min' or 'max'), e.g. ('val_loss', 'min'); got {best!r}")
+                f"Retention: best must be (metric name, 'min' or 'max'), e.g. ('val_loss', 'min'); got {best!r}"
+            )
         object.__setattr__(self, "best", (best[0], best[1]))
 
     @property
@@ -71,8 +77,9 @@ class Retention:
         """``keep`` as a Checkpointer option takes it: a count of checkpoints, or a Retention."""
         return keep if isinstance(keep, Retention) else cls(keep)
 
-    def doomed(self, steps: Iterable[int], protect: Collection[int] = (),
-               scores: Mapping[int, float | None] | None = None) -> list[int]:
+    def doomed(
+        self, steps: Iterable[int], protect: Collection[int] = (), scores: Mapping[int, float | None] | None = None
+    ) -> list[int]:
         """The steps to delete, oldest first: never one in ``protect``, never the newest, never one of
         the ``top`` best by ``scores`` (step → its score; a step absent or None has none).
 
@@ -90,8 +97,11 @@ class Retention:
         if self.best is None:
             return []
         sign = 1.0 if self.best[1] == "min" else -1.0
-        scored = [(sign * value, step) for step in set(steps)
-                  if (value := scores.get(step)) is not None and not math.isnan(value)]
+        scored = [
+            (sign * value, step)
+            for step in set(steps)
+            if (value := scores.get(step)) is not None and not math.isnan(value)
+        ]
         return [step for _, step in sorted(scored)[: self.top]]
 
     def expired(self, valid: Iterable[int], damaged: Iterable[int]) -> list[int]:

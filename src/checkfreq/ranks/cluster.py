@@ -90,7 +90,10 @@ class Cluster(Protocol):
         ...
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        owned: set[str],
+        objects: Mapping[str, Any],
         on_device: Callable[[torch.Tensor], bool] = ...,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         """What this rank writes of ``tensors`` (the state of the registered ``objects``): the arrays,
@@ -99,8 +102,9 @@ class Cluster(Protocol):
         a tensor lives on a device, where only the snapshot's copies read it."""
         ...
 
-    def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],
-             objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def view(
+        self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         """This rank's skeleton and tensors of a checkpoint read from storage (``stored``: its data
         files' arrays), written at any world size."""
         ...
@@ -164,13 +168,17 @@ class SoloCluster:
         open_directories(local, far, self.control, leader=True)
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        owned: set[str],
+        objects: Mapping[str, Any],
         on_device: Callable[[torch.Tensor], bool] | None = None,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share | None]:
         return dict(tensors), owned, None
 
-    def view(self, manifest: Manifest, stored: Mapping[str, torch.Tensor],
-             objects: Mapping[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def view(
+        self, manifest: Manifest, stored: Mapping[str, torch.Tensor], objects: Mapping[str, Any]
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
         return local_view(manifest, stored)
 
     def blocks(self, manifest: Manifest, objects: Mapping[str, Any]) -> dict[str, Box]:

@@ -80,7 +80,13 @@ def gloo_group_on_store(store: dist.Store, timeout: timedelta, description: str)
     name = _process_group_name(ranks, use_hashed_name=False)
     try:
         group, _ = _new_process_group_helper(
-            len(ranks), dist.get_rank(), ranks, lazy_gloo_backend() or dist.Backend.GLOO, store, name, timeout=timeout,
+            len(ranks),
+            dist.get_rank(),
+            ranks,
+            lazy_gloo_backend() or dist.Backend.GLOO,
+            store,
+            name,
+            timeout=timeout,
             group_desc=description,
         )
     except TypeError as e:  # another signature
@@ -100,8 +106,12 @@ def lazy_gloo_backend() -> str | None:
         ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: this module is where such calls live
         dist.Backend.register_backend(_LAZY_GLOO, _lazy_gloo, devices=["cpu"])
     except (ImportError, AttributeError, TypeError, ValueError) as e:
-        log.info("torch %s cannot connect gloo pairs on demand (%s): checkfreq's groups connect every pair of "
-                 "ranks when they are created", torch.__version__, e)
+        log.info(
+            "torch %s cannot connect gloo pairs on demand (%s): checkfreq's groups connect every pair of "
+            "ranks when they are created",
+            torch.__version__,
+            e,
+        )
         return None
     return _LAZY_GLOO
 

@@ -86,8 +86,11 @@ class BucketLayouts:
             if reason is not None:
                 log.info("DDP of %r has %s: its gradient buckets are left as they are", names[key][0], reason)
             elif chosen is None:
-                log.info("no gradient buckets were recorded for the DDP of %r (a checkpoint of its first "
-                         "iteration, or of an older checkfreq): it starts with its initial buckets", names[key][0])
+                log.info(
+                    "no gradient buckets were recorded for the DDP of %r (a checkpoint of its first "
+                    "iteration, or of an older checkfreq): it starts with its initial buckets",
+                    names[key][0],
+                )
             else:
                 self._replay(chosen, ddp, recorded[chosen])
 
@@ -95,19 +98,31 @@ class BucketLayouts:
         count = int(compat.ddp_logging_data(ddp).get("num_parameter_tensors", -1))
         layout = _checked(recorded, count)
         if layout is None:
-            log.warning("the gradient buckets recorded for the DDP of %r are not a partition of its %d parameters' "
-                        "indices (another model?): DDP starts with its initial buckets, and the resumed run's first "
-                        "iteration may round differently from the uninterrupted run", name, count)
+            log.warning(
+                "the gradient buckets recorded for the DDP of %r are not a partition of its %d parameters' "
+                "indices (another model?): DDP starts with its initial buckets, and the resumed run's first "
+                "iteration may round differently from the uninterrupted run",
+                name,
+                count,
+            )
             return
         try:
             compat.rebuild_ddp_reducer(ddp, layout)
         except Exception as e:  # the restore goes on; only the last bits of one iteration are at stake
-            log.warning("could not give the DDP of %r its recorded gradient buckets (%s: %s): it starts with its "
-                        "initial buckets", name, type(e).__name__, e)
+            log.warning(
+                "could not give the DDP of %r its recorded gradient buckets (%s: %s): it starts with its "
+                "initial buckets",
+                name,
+                type(e).__name__,
+                e,
+            )
             return
         self._replayed[ddp] = layout
-        log.info("DDP of %r reduces with the %d gradient buckets recorded at the checkpoint from its first "
-                 "iteration on", name, len(layout))
+        log.info(
+            "DDP of %r reduces with the %d gradient buckets recorded at the checkpoint from its first iteration on",
+            name,
+            len(layout),
+        )
 
     def _ddps(self) -> dict[str, DDP]:
         """The live DDP of each registered name wrapped by exactly one (none below three ranks)."""
@@ -131,9 +146,12 @@ class BucketLayouts:
         if replayed is not None:
             del self._replayed[ddp]
             if reported != replayed:
-                log.warning("DDP of %r rebuilt its gradient buckets after the restore to others than those recorded "
-                            "at the checkpoint (its gradients became ready in another order): the resumed run rounds "
-                            "differently from the uninterrupted one from there on", name)
+                log.warning(
+                    "DDP of %r rebuilt its gradient buckets after the restore to others than those recorded "
+                    "at the checkpoint (its gradients became ready in another order): the resumed run rounds "
+                    "differently from the uninterrupted one from there on",
+                    name,
+                )
         return reported
 
 

@@ -153,13 +153,17 @@ class GroupCluster:
         purposes = ["control", "commit", *(["vote"] if vote else []), *(["upload"] if far else [])]
         # every rank is here: agreeing on the token takes milliseconds unless a rank died. gloo's own
         # timeout is only a backstop: a rank may wait for a peer writing for up to persist_timeout
-        prefix, made = new_gloo_groups(purposes, timedelta(seconds=min(timeout, failure_timeout)),
-                                       timedelta(seconds=timeout + failure_timeout))
-        self.liveness = Liveness(dist.PrefixStore(f"{prefix}/liveness", default_store()), self.rank,
-                                 self.world_size, failure_timeout)
+        prefix, made = new_gloo_groups(
+            purposes, timedelta(seconds=min(timeout, failure_timeout)), timedelta(seconds=timeout + failure_timeout)
+        )
+        self.liveness = Liveness(
+            dist.PrefixStore(f"{prefix}/liveness", default_store()), self.rank, self.world_size, failure_timeout
+        )
         """The ranks' heartbeats: every wait on another rank is bounded by ``failure_timeout`` (docs/reliability.md)."""
-        groups = {purpose: GroupPeers(group, self.liveness, ACTIVITIES[purpose])
-                  for purpose, group in zip(purposes, made, strict=True)}
+        groups = {
+            purpose: GroupPeers(group, self.liveness, ACTIVITIES[purpose])
+            for purpose, group in zip(purposes, made, strict=True)
+        }
         self.control, self.commit = groups["control"], groups["commit"]
         self.vote, self.upload = groups.get("vote"), groups.get("upload")
         self._plan: SharePlan | None = None
@@ -180,7 +184,10 @@ class GroupCluster:
     # -------------------------------------------------------------- training thread
 
     def select(
-        self, tensors: Mapping[str, torch.Tensor], owned: set[str], objects: Mapping[str, Any],
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        owned: set[str],
+        objects: Mapping[str, Any],
         on_device: Callable[[torch.Tensor], bool] = _on_device,
     ) -> tuple[dict[str, torch.Tensor], set[str], Share]:
         """This rank's share of ``tensors`` (the state of ``objects``): (arrays to write, which of
@@ -249,8 +256,11 @@ class GroupCluster:
         if liveness.failure is None and seconds > 0 and looks_like_a_lost_peer(error):
             # only to name the rank (this one leaves anyway): silent for 2.5 beats, where a live rank beats every one
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            liveness.find_lost(f"training (this rank failed with {type(error).__name__}: {first_line})",
-                               min(seconds, 4.5 * liveness.interval), silence=2.5 * liveness.interval)
+            liveness.find_lost(
+                f"training (this rank failed with {type(error).__name__}: {first_line})",
+                min(seconds, 4.5 * liveness.interval),
+                silence=2.5 * liveness.interval,
+            )
         if liveness.failure is None:  # this rank's own error: the other ranks end, it goes on as its caller decides
             liveness.give_up(f"rank {self.rank} left on {type(error).__name__}: {error}", end_process=False)
 
@@ -308,8 +318,9 @@ class SharePlan:
     checks: int = 0
 
     @classmethod
-    def of(cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], world_size: int,
-           rank: int) -> SharePlan:
+    def of(
+        cls, layout: replicas.Signature, tensors: Mapping[str, torch.Tensor], world_size: int, rank: int
+    ) -> SharePlan:
         sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
         plans = partition(sizes, world_size)
         shared: dict[str, TensorRecord] = {}

@@ -69,7 +69,6 @@ class Group:
             raise ValueError(f"rank {self.rank} is not in its group {list(self.ranks)}")
 
 
-
 @dataclass(frozen=True)
 class _Plan:
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -116,13 +115,19 @@ class GroupSharer:
                 records[name] = _record(tensor, PRIVATE, [stored])
             if name in owned:
                 fenced.add(stored)
-        index = GroupIndex(ranks=[skeleton], tensors=records, group=list(self.group.ranks),
-                           world_size=self.group.world_size)
+        index = GroupIndex(
+            ranks=[skeleton], tensors=records, group=list(self.group.ranks), world_size=self.group.world_size
+        )
         return arrays, fenced, index
 
 
-def _plan_for(layout: tuple[tuple[str, str, tuple[int, ...]], ...], tensors: Mapping[str, torch.Tensor],
-              ranks: tuple[int, ...], rank: int, beside_sharded: bool) -> _Plan:
+def _plan_for(
+    layout: tuple[tuple[str, str, tuple[int, ...]], ...],
+    tensors: Mapping[str, torch.Tensor],
+    ranks: tuple[int, ...],
+    rank: int,
+    beside_sharded: bool,
+) -> _Plan:
     """The replicated ``tensors`` cut over ``ranks``: ``rank``'s pieces, and every tensor's record."""
     sizes = [(n, t.numel(), t.element_size()) for n, t in tensors.items()]
     plans = partition(sizes, len(ranks))
@@ -138,8 +143,7 @@ def _record(tensor: torch.Tensor, kind: str, parts: list[Any]) -> TensorRecord:
     return {"dtype": dtype_entry(tensor), "shape": list(tensor.shape), "kind": kind, "parts": parts}
 
 
-def replica_ring(groups: Sequence[Sequence[int]], copies: int, stride: int = 1
-                 ) -> list[tuple[list[int], list[int]]]:
+def replica_ring(groups: Sequence[Sequence[int]], copies: int, stride: int = 1) -> list[tuple[list[int], list[int]]]:
     """Each rank's (ranks it copies its snapshots to, ranks whose snapshots it keeps), given each rank's
     machine (``groups[r]``: the ranks of rank ``r``'s machine, in rank order), ``copies`` (0: none) and
     ``stride``.

@@ -72,5 +72,8 @@ class GroupMembers:
     def from_wire(cls, wire: JSON) -> GroupMembers:
         if not isinstance(wire, dict):
             raise ValueError(f"a group's members are an object, got {type(wire).__name__}")
-        return cls([int(r) for r in wire["ranks"]], [int(r) for r in wire.get("to") or []],
-                   [int(r) for r in wire.get("from") or []])
+        return cls(
+            [int(r) for r in wire["ranks"]],
+            [int(r) for r in wire.get("to") or []],
+            [int(r) for r in wire.get("from") or []],
+        )

@@ -262,9 +262,12 @@ def materialize(name: str, source: Source, target: torch.Tensor | None) -> torch
         return _block(name, source, offset, shape)
     dtensor: Any = target
     local = _block(name, source, offset, shape).to(dtensor.to_local().device)
-    return cast(torch.Tensor, dtensor_class().from_local(
-        local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=target.shape, stride=target.stride()
-    ))
+    return cast(
+        torch.Tensor,
+        dtensor_class().from_local(
+            local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=target.shape, stride=target.stride()
+        ),
+    )
 
 
 def _block(name: str, source: Source, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
@@ -284,8 +287,9 @@ def _block(name: str, source: Source, offset: tuple[int, ...], shape: tuple[int,
     return out
 
 
-def _overlap(offset: tuple[int, ...], shape: tuple[int, ...], box_offset: tuple[int, ...],
-             box_shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[slice, ...], int]:
+def _overlap(
+    offset: tuple[int, ...], shape: tuple[int, ...], box_offset: tuple[int, ...], box_shape: tuple[int, ...]
+) -> tuple[tuple[slice, ...], tuple[slice, ...], int]:
     """Where the block ``offset``/``shape`` meets the box ``box_offset``/``box_shape``: the slices
     of each that hold the common elements, and their number."""
     src, dst, n = [], [], 1
@@ -337,5 +341,10 @@ def note_world_size_change(manifest: Manifest, rank: int, world_size: int) -> No
         "checkpoint at step %d was written by %d rank(s), this job has %d: rank %d restores the per-rank state "
         "(buffers, plain values, random generators) of saved rank %d and the parameters and optimizer state "
         "(whole, or its block of the sharded ones)%s (docs/distributed.md)",
-        manifest.step, manifest.world_size, world_size, rank, source_rank(rank, manifest.world_size), dropped,
+        manifest.step,
+        manifest.world_size,
+        world_size,
+        rank,
+        source_rank(rank, manifest.world_size),
+        dropped,
     )

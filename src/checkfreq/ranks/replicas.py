@@ -115,8 +115,13 @@ def disagreement(reports: Sequence[Mapping[str, Any]]) -> str | None:
 def sharded_disagreement(per_rank: Sequence[Mapping[str, Mapping[str, Any]]]) -> str | None:
     """A message naming the sharded tensors (DTensors) whose global dtype, shape or recorded layout
     differs between ranks, or ``None`` if none does."""
-    specs = [{n: f"{e['dtype']} {tuple(e['shape'])}" + (f" chunked along dim {e['chunked']}" if "chunked" in e else "")
-              for n, e in entries.items()} for entries in per_rank]
+    specs = [
+        {
+            n: f"{e['dtype']} {tuple(e['shape'])}" + (f" chunked along dim {e['chunked']}" if "chunked" in e else "")
+            for n, e in entries.items()
+        }
+        for entries in per_rank
+    ]
     problems = [
         f"{name!r} is " + " but ".join(f"{version} on ranks {ranks}" for version, ranks in versions.items())
         for name, versions in _disagreements(specs)

@@ -30,10 +30,29 @@ from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 from checkfreq.storage.shm import region_path, shm_directory
 
-LOCAL_FILE_SYSTEMS = frozenset({
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "tmpfs", "ramfs", "overlay",
-    "vfat", "exfat", "ntfs", "ntfs3", "apfs", "hfs", "hfsplus",
-})
+LOCAL_FILE_SYSTEMS = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "zfs",
+        "f2fs",
+        "jfs",
+        "reiserfs",
+        "tmpfs",
+        "ramfs",
+        "overlay",
+        "vfat",
+        "exfat",
+        "ntfs",
+        "ntfs3",
+        "apfs",
+        "hfs",
+        "hfsplus",
+    }
+)
 """File-system types whose directories no other machine sees."""
 _PROBE = ".checkfreq-probe-{token}-{rank:05d}"
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")

@@ -51,8 +51,7 @@ def busy_advice(what: str, profiler: Profiler, interval_steps: int | None, actio
         advice = f"an interval of at least {math.ceil(profiler.persist.value / iteration) + 1} steps, " + advice
     if what == MEMORY:
         advice = "a larger memory= interval, memory=True (it spaces snapshots out by their cost), or the GPU staging"
-    return (f"a {thing} is due{asked} while the previous one is still being written: {measured}. "
-            f"{action} Use {advice}.")
+    return f"a {thing} is due{asked} while the previous one is still being written: {measured}. {action} Use {advice}."
 
 
 class BusyStorage:
@@ -62,8 +61,15 @@ class BusyStorage:
         self._events = events
         self._warned: set[str] = set()
 
-    def wait(self, what: str, step: int, busy: bool, wait: Callable[[], Any], profiler: Profiler,
-             interval_steps: int | None = None) -> float:
+    def wait(
+        self,
+        what: str,
+        step: int,
+        busy: bool,
+        wait: Callable[[], Any],
+        profiler: Profiler,
+        interval_steps: int | None = None,
+    ) -> float:
         """Call ``wait`` (until the previous ``what`` is written) and return how long it took; if
         storage was ``busy``, the wait is an event, and the first such wait a warning."""
         if not busy:
@@ -72,12 +78,21 @@ class BusyStorage:
         start = time.perf_counter()
         wait()
         waited = time.perf_counter() - start
-        self._events.write("busy", step=step, waiting_for=what, wait_s=waited, interval_steps=interval_steps,
-                           **_figures(profiler))
+        self._events.write(
+            "busy", step=step, waiting_for=what, wait_s=waited, interval_steps=interval_steps, **_figures(profiler)
+        )
         if what not in self._warned and waited >= noticeable(profiler):
             self._warned.add(what)
-            log.warning("step %d: %s", step, busy_advice(
-                what, profiler, interval_steps, f"Training waited {waited:.2f} s for it, and will at each such step."))
+            log.warning(
+                "step %d: %s",
+                step,
+                busy_advice(
+                    what,
+                    profiler,
+                    interval_steps,
+                    f"Training waited {waited:.2f} s for it, and will at each such step.",
+                ),
+            )
         return waited
 
 

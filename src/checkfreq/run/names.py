@@ -36,21 +36,32 @@ def one_edit_apart(a: str, b: str) -> bool:
         return False
     if len(a) == len(b):
         diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
-                                  and a[diff[1]] == b[diff[0]])
+        return len(diff) == 1 or (
+            len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+        )
     short, long = (a, b) if len(a) < len(b) else (b, a)
     i = next((i for i, (x, y) in enumerate(zip(short, long, strict=False)) if x != y), len(short))
-    return short[i:] == long[i + 1:]
+    return short[i:] == long[i + 1 :]
 
 
 def misspelled(name: str, obj: Any) -> str | None:
     """The common name ``name`` is one edit (or its case) away from, when ``obj`` is of its kind; else None."""
-    if name in COMMON_KINDS or name.rstrip("0123456789_") in COMMON_KINDS or name[:-1] in COMMON_KINDS and \
-            name.endswith("s"):
+    if (
+        name in COMMON_KINDS
+        or name.rstrip("0123456789_") in COMMON_KINDS
+        or name[:-1] in COMMON_KINDS
+        and name.endswith("s")
+    ):
         return None  # numbered (optimizer0, as the Lightning callback registers) or plural: meant so
     near = name.lower()  # a name that differs in case alone is as easily mistaken
-    return next((common for common, kinds in COMMON_KINDS.items()
-                 if (near == common or one_edit_apart(near, common)) and isinstance(obj, kinds)), None)
+    return next(
+        (
+            common
+            for common, kinds in COMMON_KINDS.items()
+            if (near == common or one_edit_apart(near, common)) and isinstance(obj, kinds)
+        ),
+        None,
+    )
 
 
 def warn_misspelled(caller: str, objects: Mapping[str, Any]) -> list[str]:

@@ -60,8 +60,12 @@ def check_objects(
                     f"{caller}() cannot checkpoint {name}={type(obj).__qualname__}(...): a plain DataLoader has no "
                     f"state_dict()/load_state_dict() and cannot resume where it stopped; {LOADER_HINT}"
                 )
-            hint = "" if closest(name, options) is not None else (
-                f"its value, a {type(obj).__qualname__}, has no state_dict()/load_state_dict(); {PLAIN_VALUES_HINT}"
+            hint = (
+                ""
+                if closest(name, options) is not None
+                else (
+                    f"its value, a {type(obj).__qualname__}, has no state_dict()/load_state_dict(); {PLAIN_VALUES_HINT}"
+                )
             )
             raise unknown_option(caller, name, options, hint)
     warn_misspelled(caller, objects)
@@ -94,8 +98,11 @@ def check_option_types(
             raise ArgumentTypeError(f"{name} must be True or False, got {type(value).__qualname__}")
     if isinstance(persist_timeout, bool) or not isinstance(persist_timeout, (int, float)) or persist_timeout <= 0:
         raise ArgumentTypeError(f"persist_timeout must be a positive number of seconds, got {persist_timeout!r}")
-    if isinstance(failure_timeout, bool) or not isinstance(failure_timeout, (int, float)) \
-            or not 0 < failure_timeout < 1e6:
+    if (
+        isinstance(failure_timeout, bool)
+        or not isinstance(failure_timeout, (int, float))
+        or not 0 < failure_timeout < 1e6
+    ):
         raise ArgumentTypeError(
             f"failure_timeout must be a positive number of seconds (under a million), got {failure_timeout!r}"
         )

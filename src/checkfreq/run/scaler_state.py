@@ -70,10 +70,7 @@ def loadable(state: Any) -> Any:
 
 def is_scaler_state(state: Any) -> bool:
     """Whether ``state`` has exactly a GradScaler's entries, its scale and tracker numbers or one-element tensors."""
-    return (
-        isinstance(state, Mapping) and set(state) == KEYS
-        and all(_one_number(state[k]) for k in (SCALE, TRACKER))
-    )
+    return isinstance(state, Mapping) and set(state) == KEYS and all(_one_number(state[k]) for k in (SCALE, TRACKER))
 
 
 def _one_number(value: Any) -> bool:

@@ -65,12 +65,18 @@ class Scores:
             number = as_number(value)
             if number is None:
                 raise InvalidArgumentError(
-                    f"log(): {name}={value!r} is not a number (an int, a float or a one-element tensor)")
+                    f"log(): {name}={value!r} is not a number (an int, a float or a one-element tensor)"
+                )
             numbers_[name] = number
             if not math.isfinite(number) and name == self.retention.metric and not self._warned_non_finite:
                 self._warned_non_finite = True
-                log.warning("log(): %s=%s at step %d is not a finite number: the checkpoint of that step is never "
-                            "kept as the best by it", name, number, step)
+                log.warning(
+                    "log(): %s=%s at step %d is not a finite number: the checkpoint of that step is never "
+                    "kept as the best by it",
+                    name,
+                    number,
+                    step,
+                )
         if step != self._logged_step:
             self._logged, self._logged_step = {}, step
         self._logged.update(numbers_)
@@ -96,8 +102,12 @@ class Scores:
         if checkpoint:
             self._captured = step
         value = self.value_at(step, values)
-        return {"metric": best[0], "mode": best[1], "top": self.retention.top,
-                "value": None if value is None or not math.isfinite(value) else value}
+        return {
+            "metric": best[0],
+            "mode": best[1],
+            "top": self.retention.top,
+            "value": None if value is None or not math.isfinite(value) else value,
+        }
 
     def value_at(self, step: int, values: Mapping[str, Any]) -> float | None:
         """The retention's metric at ``step`` (see the module docstring for where it comes from)."""

@@ -26,7 +26,10 @@ DDP_BUCKETS = "ddp_buckets"
 
 
 def run_state(
-    step: int, optimizers: Mapping[str, torch.optim.Optimizer], profiler: Profiler, policy: Policy,
+    step: int,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    profiler: Profiler,
+    policy: Policy,
     ddp_buckets: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The reserved ``checkfreq`` entry of a checkpoint taken at ``step`` (with DDP's buckets, if any)."""

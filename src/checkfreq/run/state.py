@@ -109,7 +109,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
-            (marker, payload), = node.items()
+            ((marker, payload),) = node.items()
             if marker == "__tensor__":
                 return _lookup(tensors, payload)
             if marker == "__ndarray__":
@@ -269,8 +269,10 @@ def _into_live(saved: Any, live: Any, device: torch.device | None = None) -> Any
     optimizer's state then never passes through a pageable host copy of its own."""
     if isinstance(saved, torch.Tensor):
         fits = (
-            type(saved) is torch.Tensor and type(live) is torch.Tensor
-            and live.dtype == saved.dtype and live.shape == saved.shape
+            type(saved) is torch.Tensor
+            and type(live) is torch.Tensor
+            and live.dtype == saved.dtype
+            and live.shape == saved.shape
         )
         if not fits:
             if device is not None and device.type != "cpu" and type(saved) is torch.Tensor:
@@ -299,8 +301,12 @@ def _into_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) 
     own = _into_live({k: v for k, v in state.items() if k != "state"}, live)
     live_state = live.get("state") or {}
     own["state"] = {
-        pid: {key: _into_live(value, (live_state.get(pid) or {}).get(key), None if key == "step" else devices.get(pid))
-              for key, value in entry.items()} if isinstance(entry, Mapping) else _into_live(entry, None)
+        pid: {
+            key: _into_live(value, (live_state.get(pid) or {}).get(key), None if key == "step" else devices.get(pid))
+            for key, value in entry.items()
+        }
+        if isinstance(entry, Mapping)
+        else _into_live(entry, None)
         for pid, entry in (state.get("state") or {}).items()
     }
     return own
@@ -338,8 +344,11 @@ def load_into(name: str, obj: Any, state: Any) -> None:
 
 
 def apply_state(
-    objects: Mapping[str, Any], values: dict[str, Any], state: Mapping[str, Any],
-    source: str = "the checkpoint", path: str = "CHECKPOINT",
+    objects: Mapping[str, Any],
+    values: dict[str, Any],
+    state: Mapping[str, Any],
+    source: str = "the checkpoint",
+    path: str = "CHECKPOINT",
 ) -> None:
     """Load a checkpoint's ``state`` into the registered ``objects`` and ``values``, all or nothing:
     every module and optimizer is checked against it first, and one :class:`StateMismatchError` lists
@@ -391,8 +400,9 @@ def check_materialized(objects: Mapping[str, Any], source: str = "the checkpoint
         )
 
 
-def unclaimed(state: Mapping[str, Any], objects: Mapping[str, Any], values: Mapping[str, Any],
-              reserved: frozenset[str]) -> list[str]:
+def unclaimed(
+    state: Mapping[str, Any], objects: Mapping[str, Any], values: Mapping[str, Any], reserved: frozenset[str]
+) -> list[str]:
     """The names a checkpoint's ``state`` holds that no registered object or value takes (its
     reserved entries aside): :func:`apply_state` leaves them where they are, unrestored."""
     return sorted(set(state) - set(objects) - set(values) - reserved)

@@ -68,8 +68,13 @@ def damaged_marker(reason: str, manifest_digest: str | None = None) -> bytes:
     """The contents of :data:`DAMAGED_NAME`: why, when and by whom a checkpoint was set aside, and
     the xxh3-64 of the manifest it was found with (an object store hides the checkpoint only while
     that manifest is there, so a checkpoint written again at the same step is not hidden)."""
-    record = {"reason": reason, "set_aside": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-              "manifest_xxh3": manifest_digest}
+    record = {
+        "reason": reason,
+        "set_aside": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "manifest_xxh3": manifest_digest,
+    }
     return json.dumps(record, indent=1).encode()
 
 
@@ -85,8 +90,12 @@ def read_marker(raw: bytes | None) -> dict[str, Any]:
 def set_aside_of(step: int, location: Any, record: dict[str, Any]) -> SetAside:
     """A :class:`SetAside` from its marker's record (:func:`read_marker`)."""
     reason, when = record.get("reason"), record.get("set_aside")
-    return SetAside(step, location, reason if isinstance(reason, str) else "reason not recorded",
-                    float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None)
+    return SetAside(
+        step,
+        location,
+        reason if isinstance(reason, str) else "reason not recorded",
+        float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
+    )
 
 
 class Store(Protocol):
@@ -173,4 +182,3 @@ def write_data(store: Store, staging: Any, name: str, header: bytes, data: torch
 def write_manifest(store: Store, staging: Any, manifest: Manifest) -> None:
     """Write ``manifest.json`` into ``staging``: the last file of a checkpoint, its commit record."""
     store.write_file(staging, MANIFEST_NAME, [manifest.to_json()])
-

@@ -49,7 +49,6 @@ _BRACKET_STEPS = np.zeros(256, dtype=np.int32)
 _BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
 
 
-
 def json_depth(raw: bytes) -> int:
     """How deeply the arrays and objects of the JSON text ``raw`` nest (0: a scalar), without
     parsing it and without recursion; for a text that is not JSON, at least the depth a parser
@@ -208,10 +207,12 @@ def encode_header(layout: Layout, record: Any = None) -> bytes:
     header: dict[str, Any] = {}
     if record is not None:
         header["__metadata__"] = {RANK_RECORD_KEY: json.dumps(record, separators=(",", ":"))}
-    header.update({
-        s.name: {"dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
-        for s in layout.slots
-    })
+    header.update(
+        {
+            s.name: {"dtype": DTYPE_CODES[s.dtype], "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
+            for s in layout.slots
+        }
+    )
     raw = json.dumps(header, separators=(",", ":")).encode()
     if len(raw) > MAX_HEADER_BYTES:
         raise PersistError(
@@ -393,8 +394,12 @@ def header_entries(header: Mapping[str, Any], file_name: str) -> dict[str, Tenso
             continue
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"data file {file_name} describes tensor {name!r} with no object")
-        unchecked = {"file": file_name, "dtype": entry.get("dtype"), "shape": entry.get("shape"),
-                     "offsets": entry.get("data_offsets")}
+        unchecked = {
+            "file": file_name,
+            "dtype": entry.get("dtype"),
+            "shape": entry.get("shape"),
+            "offsets": entry.get("data_offsets"),
+        }
         entries[name] = cast(TensorEntry, unchecked)
     return entries
 

@@ -107,13 +107,18 @@ class CudaHostRegistry(RecordingRegistry):
         if status != 0:
             _clear_last_cuda_error()
             if not self._warned:
-                log.warning("cudaHostRegister of %.1f MiB failed (CUDA error %d): the memory tier's copies "
-                            "stay pageable, several times slower", nbytes / 2**20, status)
+                log.warning(
+                    "cudaHostRegister of %.1f MiB failed (CUDA error %d): the memory tier's copies "
+                    "stay pageable, several times slower",
+                    nbytes / 2**20,
+                    status,
+                )
                 self._warned = True
             self._ranges.pop(address, None)  # nothing to unregister
             return False
-        log.info("pinned %.1f MiB of shared memory for device copies in %.2f s", nbytes / 2**20,
-                 time.perf_counter() - start)
+        log.info(
+            "pinned %.1f MiB of shared memory for device copies in %.2f s", nbytes / 2**20, time.perf_counter() - start
+        )
         return True
 
     def seen_pinned(self, tensor: torch.Tensor) -> bool:
@@ -134,8 +139,10 @@ def _clear_last_cuda_error() -> None:
             continue
         library.cudaGetLastError()
         return
-    log.warning("could not reset the CUDA runtime's last error after a refused cudaHostRegister: the next "
-                "kernel launch may report it")
+    log.warning(
+        "could not reset the CUDA runtime's last error after a refused cudaHostRegister: the next "
+        "kernel launch may report it"
+    )
 
 
 def _cudart_names() -> list[str]:

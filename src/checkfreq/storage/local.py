@@ -224,16 +224,27 @@ class LocalStore:
         except FileNotFoundError:
             return None
         except OSError as e:
-            log.warning("checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
-                        location.name, self.root, reason, e.strerror or e)
+            log.warning(
+                "checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
+                location.name,
+                self.root,
+                reason,
+                e.strerror or e,
+            )
             return None
         try:
             fsync_directory(self.root)
             (aside / DAMAGED_NAME).write_bytes(damaged_marker(reason))
         except OSError as e:  # the rename is what counts; the marker only says why
             log.info("could not record why %s was set aside: %s", aside, e)
-        log.warning("checkpoint %s of %s is damaged (%s): set aside as %s; it is no longer listed, restored "
-                    "or counted by keep=", location.name, self.root, reason, aside.name)
+        log.warning(
+            "checkpoint %s of %s is damaged (%s): set aside as %s; it is no longer listed, restored "
+            "or counted by keep=",
+            location.name,
+            self.root,
+            reason,
+            aside.name,
+        )
         return aside
 
     def set_aside_checkpoints(self) -> list[SetAside]:
@@ -243,8 +254,11 @@ class LocalStore:
             match = _SET_ASIDE_NAME.match(entry.name)
             if match is None or not entry.is_dir(follow_symlinks=False):
                 continue
-            found.append(set_aside_of(int(match.group(1)), Path(entry.path), read_marker(_read_small(
-                Path(entry.path) / DAMAGED_NAME))))
+            found.append(
+                set_aside_of(
+                    int(match.group(1)), Path(entry.path), read_marker(_read_small(Path(entry.path) / DAMAGED_NAME))
+                )
+            )
         return sorted(found, key=lambda a: (-a.step, a.name))
 
 

@@ -37,7 +37,6 @@ from checkfreq.storage.posix import read_data_stream
 log = logging.getLogger("checkfreq.storage")
 
 
-
 class FsspecStore:
     """A checkpoint directory in an fsspec filesystem, committed by writing the manifest last.
 
@@ -152,13 +151,24 @@ class FsspecStore:
         try:
             self.fs.pipe_file(str(location / DAMAGED_NAME), damaged_marker(reason, digest))
         except OSError as e:
-            log.warning("checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
-                        location.name, self.root, reason, e)
+            log.warning(
+                "checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
+                location.name,
+                self.root,
+                reason,
+                e,
+            )
             return None
         finally:
             self.fs.invalidate_cache()
-        log.warning("checkpoint %s of %s is damaged (%s): set aside (%s written into it); it is no longer "
-                    "listed, restored or counted by keep=", location.name, self.root, reason, DAMAGED_NAME)
+        log.warning(
+            "checkpoint %s of %s is damaged (%s): set aside (%s written into it); it is no longer "
+            "listed, restored or counted by keep=",
+            location.name,
+            self.root,
+            reason,
+            DAMAGED_NAME,
+        )
         return location
 
     def set_aside_checkpoints(self) -> list[SetAside]:

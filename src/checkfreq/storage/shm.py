@@ -360,8 +360,17 @@ class MemoryRegion:
             sequence = self._sequence
         return OpenSlot(slot, sequence, self.slot_data(slot))
 
-    def commit(self, target: OpenSlot, step: int, data_bytes: int, meta: bytes, signature: bytes, *,
-               checksum: bool = True, expect: int | None = None) -> SlotInfo:
+    def commit(
+        self,
+        target: OpenSlot,
+        step: int,
+        data_bytes: int,
+        meta: bytes,
+        signature: bytes,
+        *,
+        checksum: bool = True,
+        expect: int | None = None,
+    ) -> SlotInfo:
         """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last).
 
         Without ``checksum`` the header says :data:`PENDING`; :meth:`seal` adds the checksum later.
@@ -388,8 +397,7 @@ class MemoryRegion:
             return None
         start = self._data_at(info.slot)
         digest = self._checksum(start, info.data_bytes, start + self._data_capacity, info.meta_bytes)
-        sealed = SlotInfo(info.slot, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature,
-                          digest)
+        sealed = SlotInfo(info.slot, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature, digest)
         with self._lock:
             if self._map is None or self.header(info.slot) != info:
                 return None
@@ -398,8 +406,9 @@ class MemoryRegion:
 
     def _write_header(self, info: SlotInfo) -> None:
         assert self._map is not None
-        body = _SLOT.pack(_SLOT_MAGIC, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature,
-                          info.checksum)
+        body = _SLOT.pack(
+            _SLOT_MAGIC, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature, info.checksum
+        )
         at = self._header_at(info.slot)
         self._map[at : at + _SLOT.size + _CHECK.size] = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 

@@ -41,9 +41,15 @@ def _status(store: Store, aside: SetAside) -> CheckpointStatus:
     except (CorruptCheckpointError, OSError):
         manifest = None
     return CheckpointStatus(
-        name=checkpoint_name(aside.step), path=ref.address, step=aside.step,
-        epoch=manifest.epoch if manifest else None, bytes=checkpoint_bytes(ref, manifest),
-        created=manifest.created if manifest else aside.when, valid=False, reason=aside.reason, checksummed=False,
+        name=checkpoint_name(aside.step),
+        path=ref.address,
+        step=aside.step,
+        epoch=manifest.epoch if manifest else None,
+        bytes=checkpoint_bytes(ref, manifest),
+        created=manifest.created if manifest else aside.when,
+        valid=False,
+        reason=aside.reason,
+        checksummed=False,
         set_aside=aside.name,
     )
 

@@ -75,7 +75,8 @@ def best_checkpoint(root: str | os.PathLike[str]) -> CheckpointRef:
         raise NoValidCheckpointError(
             f"{root}: none of its {len(ranking.refs)} checkpoints has a score: a run keeps the best with "
             "keep=Retention(n, best=(metric, 'min' or 'max')) and ckpt.log(metric=value) (docs/storage.md, "
-            "\"Keeping the best\"); name a checkpoint instead (RUN/step_N, as checkfreq ls lists them)")
+            '"Keeping the best"); name a checkpoint instead (RUN/step_N, as checkfreq ls lists them)'
+        )
     step = min(ranking.best, key=lambda s: ranking.best[s].rank)
     return ranking.refs[step]
 

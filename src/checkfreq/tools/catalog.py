@@ -184,13 +184,20 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
                     manifest = Manifest.from_json(manifest_bytes(region.read(info)[0])) if checksums else None
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
-                found.append(CheckpointStatus(
-                    name=f"memory {'rank' if kind == 'rank' else 'copy of rank'} {rank} slot {info.slot}",
-                    path=str(region.path), step=info.step,
-                    epoch=manifest.epoch if manifest else None, bytes=info.data_bytes,
-                    created=manifest.created if manifest else None, valid=valid, reason=reason,
-                    checksummed=checksums, tier="memory",
-                ))
+                found.append(
+                    CheckpointStatus(
+                        name=f"memory {'rank' if kind == 'rank' else 'copy of rank'} {rank} slot {info.slot}",
+                        path=str(region.path),
+                        step=info.step,
+                        epoch=manifest.epoch if manifest else None,
+                        bytes=info.data_bytes,
+                        created=manifest.created if manifest else None,
+                        valid=valid,
+                        reason=reason,
+                        checksummed=checksums,
+                        tier="memory",
+                    )
+                )
         finally:
             region.release(remove=False)
     return sorted(found, key=lambda s: -s.step)
@@ -230,9 +237,17 @@ def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Stor
     except OSError as e:
         valid, reason, here = False, f"unreadable: {e}", False
     return CheckpointStatus(
-        name=ref.name, path=ref.address, step=step, epoch=manifest.epoch if manifest else None,
-        bytes=checkpoint_bytes(ref, manifest), created=manifest.created if manifest else None,
-        valid=valid, reason=reason, checksummed=checksums, elsewhere=elsewhere, damaged_here=here,
+        name=ref.name,
+        path=ref.address,
+        step=step,
+        epoch=manifest.epoch if manifest else None,
+        bytes=checkpoint_bytes(ref, manifest),
+        created=manifest.created if manifest else None,
+        valid=valid,
+        reason=reason,
+        checksummed=checksums,
+        elsewhere=elsewhere,
+        damaged_here=here,
     )
 
 
@@ -359,8 +374,15 @@ def describe(ref: CheckpointRef) -> CheckpointDescription:
             entry["value"] = node
         objects[name] = entry
     return CheckpointDescription(
-        path=ref.address, step=manifest.step, epoch=manifest.epoch, world_size=manifest.world_size,
-        created=manifest.created, versions=manifest.versions, files=manifest.files, tensors=tensors, objects=objects,
+        path=ref.address,
+        step=manifest.step,
+        epoch=manifest.epoch,
+        world_size=manifest.world_size,
+        created=manifest.created,
+        versions=manifest.versions,
+        files=manifest.files,
+        tensors=tensors,
+        objects=objects,
     )
 
 
@@ -457,8 +479,12 @@ def export(
         staging.unlink(missing_ok=True)
     log.info("exported %s (%d tensors) to %s", ref.address, len(flat), destination)
     return ExportResult(
-        source=ref.address, destination=str(destination), step=manifest.step, tensors=len(flat),
-        bytes=destination.stat().st_size, dropped=dropped,
+        source=ref.address,
+        destination=str(destination),
+        step=manifest.step,
+        tensors=len(flat),
+        bytes=destination.stat().st_size,
+        dropped=dropped,
     )
 
 

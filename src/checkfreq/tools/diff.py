@@ -75,8 +75,12 @@ class CheckpointDiff:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "a": self.a, "b": self.b, "step_a": self.step_a, "step_b": self.step_b,
-            "identical": self.identical, "tensors": [t.to_dict() for t in self.tensors],
+            "a": self.a,
+            "b": self.b,
+            "step_a": self.step_a,
+            "step_b": self.step_b,
+            "identical": self.identical,
+            "tensors": [t.to_dict() for t in self.tensors],
             "values": [v.to_dict() for v in self.values],
         }
 
@@ -182,7 +186,7 @@ def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
     """The non-tensor leaves of a skeleton node (docs: ``checkfreq.run.state``); a list or tuple of
     plain scalars (Python's random state, Adam's betas) is one leaf."""
     if isinstance(node, dict) and len(node) == 1:
-        (marker, inner), = node.items()
+        ((marker, inner),) = node.items()
         if marker in ("__tensor__", "__ndarray__"):
             return  # compared as a tensor
         if marker == "__tuple__":
@@ -201,8 +205,9 @@ def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 def _compare_value(name: str, x: Any, y: Any) -> ValueDiff:
     if x is _ABSENT or y is _ABSENT:
-        return ValueDiff(name, "only_b" if x is _ABSENT else "only_a", None if x is _ABSENT else x,
-                         None if y is _ABSENT else y)
+        return ValueDiff(
+            name, "only_b" if x is _ABSENT else "only_a", None if x is _ABSENT else x, None if y is _ABSENT else y
+        )
     return ValueDiff(name, "equal" if _same(x, y) else "differs", x, y)
 
 

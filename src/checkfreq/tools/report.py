@@ -84,13 +84,17 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
                 }
             )
             if report.starts and report.starts[-1]["restored_step"] is None:
-                report.starts[-1].update(restored_step=event.get("step"), seeded=list(event.get("seeded", [])),
-                                         resized=sizes if None not in sizes and sizes[0] != sizes[1] else None)
+                report.starts[-1].update(
+                    restored_step=event.get("step"),
+                    seeded=list(event.get("seeded", [])),
+                    resized=sizes if None not in sizes and sizes[0] != sizes[1] else None,
+                )
         elif kind == "memory":
             report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
         elif kind in ("replica", "replica skipped", "replica refused"):
-            report.replicas.append({k: event.get(k) for k in ("event", "time", "step", "rank", "bytes", "seconds",
-                                                               "kept", "reason")})
+            report.replicas.append(
+                {k: event.get(k) for k in ("event", "time", "step", "rank", "bytes", "seconds", "kept", "reason")}
+            )
         elif kind in ("busy", "gpu_wait"):
             report.waits.append({"event": kind, **{k: event.get(k) for k in ("time", "step", "wait_s", "waiting_for")}})
         elif kind == "snapshot":
@@ -143,12 +147,22 @@ def _rank_stalls(events: list[dict[str, Any]]) -> dict[int, list[float]]:
 
 def _record(event: dict[str, Any], first: bool, session: int) -> CheckpointRecord:
     return CheckpointRecord(
-        step=event["step"], time=event["time"], stall_s=event.get("stall_s"), bytes=event.get("bytes"),
-        reason=event.get("reason"), policy=event.get("policy"), epoch=event.get("epoch"),
-        interval_steps=event.get("interval_steps"), interval_s=event.get("interval_s"),
-        iteration_s=event.get("iteration_s"), iteration_persisting_s=event.get("iteration_persisting_s"),
-        clean_iterations=event.get("clean_iterations"), clean_iteration_s=event.get("clean_iteration_s"),
-        first_of_session=first, session=session, away_s=event.get("away_s") or 0.0,
+        step=event["step"],
+        time=event["time"],
+        stall_s=event.get("stall_s"),
+        bytes=event.get("bytes"),
+        reason=event.get("reason"),
+        policy=event.get("policy"),
+        epoch=event.get("epoch"),
+        interval_steps=event.get("interval_steps"),
+        interval_s=event.get("interval_s"),
+        iteration_s=event.get("iteration_s"),
+        iteration_persisting_s=event.get("iteration_persisting_s"),
+        clean_iterations=event.get("clean_iterations"),
+        clean_iteration_s=event.get("clean_iteration_s"),
+        first_of_session=first,
+        session=session,
+        away_s=event.get("away_s") or 0.0,
     )
 
 

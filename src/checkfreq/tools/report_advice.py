@@ -33,8 +33,10 @@ def overhead_advice(report: RunReport) -> list[str]:
             "step, stall and persist times above)"
         )
     elif any(p not in ADAPTIVE for p in policies):
-        lines.append(f"- the policy ({', '.join(policies)}) does not keep to an overhead bound. To do: "
-                     "policy='auto' if the bound is what you want")
+        lines.append(
+            f"- the policy ({', '.join(policies)}) does not keep to an overhead bound. To do: "
+            "policy='auto' if the bound is what you want"
+        )
     spread = _spread(counted)
     if spread is not None and spread[1] > NOISY * spread[0]:
         lines.append(
@@ -50,17 +52,21 @@ def overhead_advice(report: RunReport) -> list[str]:
             f"session the overhead is {100 * settled:.2f} %. To do: nothing: in a longer run they weigh less"
         )
     elif not fixed and len(counted) < 2 * SETTLING:
-        lines.append(f"- a short run: {len(counted)} window(s) measured, too few for the policy to settle. "
-                     "To do: judge the overhead over a longer run")
+        lines.append(
+            f"- a short run: {len(counted)} window(s) measured, too few for the policy to settle. "
+            "To do: judge the overhead over a longer run"
+        )
     waits = [w for w in report.waits if w["event"] == "busy"]
     if waits:
         lines.append(
             f"- busy storage: {len(waits)} checkpoint(s) waited for the previous persist, which outlasted the "
-            "interval. To do: faster storage, or a longer interval (docs/policies.md, \"When storage is busy\")"
+            'interval. To do: faster storage, or a longer interval (docs/policies.md, "When storage is busy")'
         )
     if len(lines) == 1:
-        lines.append("- none of the usual causes (a fixed policy, a loaded machine, the first checkpoints, busy "
-                     "storage). To do: compare the stall with the step time above, and see docs/performance.md")
+        lines.append(
+            "- none of the usual causes (a fixed policy, a loaded machine, the first checkpoints, busy "
+            "storage). To do: compare the stall with the step time above, and see docs/performance.md"
+        )
     return lines
 
 
@@ -71,8 +77,7 @@ def _spread(counted: list[CheckpointRecord]) -> tuple[float, float] | None:
 
 def _position(records: list[CheckpointRecord], record: CheckpointRecord) -> int:
     """How many counted windows of its session come before ``record``."""
-    return sum(1 for r in records if r.session == record.session and r.overhead is not None
-               and r.time < record.time)
+    return sum(1 for r in records if r.session == record.session and r.overhead is not None and r.time < record.time)
 
 
 def _overhead(records: list[CheckpointRecord]) -> float | None:

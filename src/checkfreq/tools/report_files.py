@@ -163,9 +163,17 @@ def _inline_svg(figure: Any) -> str:
 
 def _html_row(r: CheckpointRecord, t0: float) -> str:
     cells = [
-        f"{r.time - t0:.2f}", str(r.step), r.status, human_seconds(r.stall_s), human_seconds(r.persist_s),
-        number_text(r.bandwidth_gbps, "{:.3g}"), human_bytes(r.bytes), number_text(r.interval_steps, "{:g}"),
-        number_text(None if r.overhead is None else 100 * r.overhead, "{:.2f}"), r.reason or "", r.error or "",
+        f"{r.time - t0:.2f}",
+        str(r.step),
+        r.status,
+        human_seconds(r.stall_s),
+        human_seconds(r.persist_s),
+        number_text(r.bandwidth_gbps, "{:.3g}"),
+        human_bytes(r.bytes),
+        number_text(r.interval_steps, "{:g}"),
+        number_text(None if r.overhead is None else 100 * r.overhead, "{:.2f}"),
+        r.reason or "",
+        r.error or "",
     ]
     return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
 

@@ -43,10 +43,13 @@ def summary_text(report: RunReport) -> str:
             f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
         )
     if len(report.rank_stalls) > 1:
-        lines.append("stall per rank: " + "; ".join(
-            f"rank {rank} median {human_seconds(_median(stalls))}, max {human_seconds(max(stalls, default=None))}"
-            for rank, stalls in report.rank_stalls.items()
-        ))
+        lines.append(
+            "stall per rank: "
+            + "; ".join(
+                f"rank {rank} median {human_seconds(_median(stalls))}, max {human_seconds(max(stalls, default=None))}"
+                for rank, stalls in report.rank_stalls.items()
+            )
+        )
     lines.append(
         f"step time: {human_seconds(s.clean_iteration_s)} on average over the clean steps (no persist running, "
         f"no stall: what the overhead is measured against); the profiler's smoothed estimate at the end: "
@@ -61,15 +64,22 @@ def summary_text(report: RunReport) -> str:
         )
     if report.replicas:
         lines.append(_replicas_line(report.replicas))
-    for kind, what in (("busy", "waited for busy storage (the previous persist or memory snapshot)"),
-                       ("gpu_wait", "GPU streams waited on snapshot copies")):
+    for kind, what in (
+        ("busy", "waited for busy storage (the previous persist or memory snapshot)"),
+        ("gpu_wait", "GPU streams waited on snapshot copies"),
+    ):
         waits = _values(w["wait_s"] for w in report.waits if w["event"] == kind)
         if waits:
-            lines.append(f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, "
-                         f"max {human_seconds(max(waits))}")
-    meaning = "" if s.overhead is None or s.overhead < 0 else (
-        ": the share of the time between checkpoints (other work between steps left out) that clean steps "
-        "do not account for, that is, the stalls and the steps a persist slowed"
+            lines.append(
+                f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, max {human_seconds(max(waits))}"
+            )
+    meaning = (
+        ""
+        if s.overhead is None or s.overhead < 0
+        else (
+            ": the share of the time between checkpoints (other work between steps left out) that clean steps "
+            "do not account for, that is, the stalls and the steps a persist slowed"
+        )
     )
     lines.append(f"overhead: {overhead_text(s.overhead, ' of wall time')}{meaning}")
     lines.extend(overhead_advice(report))
@@ -82,8 +92,10 @@ def _mean_far_from_smoothed(mean: float | None, smoothed: float | None) -> str:
     """What a person should make of a clean mean far from the smoothed estimate, or ``""``."""
     if mean is None or not smoothed or 0.5 < mean / smoothed < 2:
         return ""
-    return (" (far apart: the mean counts every clean step, the smoothed estimate passes over the few that "
-            "something else held up, on a loaded machine, or that ran in another phase of the loop)")
+    return (
+        " (far apart: the mean counts every clean step, the smoothed estimate passes over the few that "
+        "something else held up, on a loaded machine, or that ran in another phase of the loop)"
+    )
 
 
 def session_line(s: SessionSummary) -> str:
@@ -96,8 +108,10 @@ def session_line(s: SessionSummary) -> str:
     head = f"session {s.index + 1}: {began}; "
     if not s.checkpoints:
         return head + "no checkpoint"
-    taken = f"1 checkpoint, at step {s.last_step}" if s.checkpoints == 1 else (
-        f"{s.checkpoints} checkpoints, steps {s.first_step}..{s.last_step}"
+    taken = (
+        f"1 checkpoint, at step {s.last_step}"
+        if s.checkpoints == 1
+        else (f"{s.checkpoints} checkpoints, steps {s.first_step}..{s.last_step}")
     )
     rate = number_text(None if s.checkpoints_per_step is None else 1000 * s.checkpoints_per_step, "{:.3g}")
     if s.interval_median_steps is None and s.overhead is None:
@@ -175,9 +189,11 @@ def _replicas_line(events: list[dict[str, Any]]) -> str:
     kept = [e for e in events if e["event"] == "replica" and e.get("kept")]
     skipped = [e for e in events if e["event"] == "replica skipped"]
     refused = [e for e in events if e["event"] == "replica" and not e.get("kept")]  # the sender's side of each
-    line = (f"memory copies on another machine: {len(kept)} kept there "
-            f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, median "
-            f"{human_seconds(_median(_values(e.get('seconds') for e in kept)))} each, off the training thread)")
+    line = (
+        f"memory copies on another machine: {len(kept)} kept there "
+        f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, median "
+        f"{human_seconds(_median(_values(e.get('seconds') for e in kept)))} each, off the training thread)"
+    )
     if skipped:
         line += f"; {len(skipped)} not copied (the previous copy still in flight, or its checksum not computed yet)"
     if refused:

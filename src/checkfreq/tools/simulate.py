@@ -130,9 +130,7 @@ class _Failures:
         return self.draws[rows, k]
 
 
-def simulate(
-    workload: Workload, schedules: dict[str, Schedule], *, runs: int = 2000, seed: int = 0
-) -> list[Result]:
+def simulate(workload: Workload, schedules: dict[str, Schedule], *, runs: int = 2000, seed: int = 0) -> list[Result]:
     """Simulate ``runs`` paired runs of each schedule; results in the order given."""
     if runs < 1:
         raise InvalidArgumentError(f"runs must be >= 1, got {runs}")
@@ -143,9 +141,7 @@ def simulate(
     return [_run(name, s, workload, end, failures, hazard) for name, s in schedules.items()]
 
 
-def _run(
-    name: str, schedule: Schedule, wl: Workload, end: np.ndarray, failures: _Failures, hazard: _Hazard
-) -> Result:
+def _run(name: str, schedule: Schedule, wl: Workload, end: np.ndarray, failures: _Failures, hazard: _Hazard) -> Result:
     n = len(end)
     rows = np.arange(n)
     pts = np.append(np.sort(np.asarray(schedule.points, dtype=float)), np.inf)

@@ -38,8 +38,9 @@ def test_a_misspelled_option_is_refused_with_the_closest_name(tmp_path: Path, op
 
 
 def test_a_plain_value_by_keyword_is_refused_with_the_way_to_register_it(tmp_path: Path) -> None:
-    with pytest.raises(TypeError,
-                       match=r"'best_accuracy'.*has no state_dict\(\).*values=\{\.\.\.\} or ckpt\['name'\] = value"):
+    with pytest.raises(
+        TypeError, match=r"'best_accuracy'.*has no state_dict\(\).*values=\{\.\.\.\} or ckpt\['name'\] = value"
+    ):
         cf.Checkpointer(tmp_path, model=make_model(), best_accuracy=0.5)
 
 
@@ -78,8 +79,9 @@ def test_a_checkpoint_of_another_optimizer_class_fails_before_anything_changes(t
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     with cf.Checkpointer(tmp_path, model=fresh, optimizer=sgd) as ckpt:
-        with pytest.raises(cf.StateMismatchError,
-                           match=r"'optimizer'.*torch\.optim\.adamw\.AdamW.*torch\.optim\.sgd\.SGD"):
+        with pytest.raises(
+            cf.StateMismatchError, match=r"'optimizer'.*torch\.optim\.adamw\.AdamW.*torch\.optim\.sgd\.SGD"
+        ):
             ckpt.restore()
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # the model was not loaded
     assert not sgd.state
@@ -140,12 +142,16 @@ def test_the_library_imports_without_the_cli_packages_and_the_command_names_its_
     blocked = "import sys; sys.modules.update(typer=None, rich=None, matplotlib=None); "
     library = subprocess.run(
         [sys.executable, "-c", blocked + "import checkfreq, checkfreq.data, checkfreq.policies; print('ok')"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert library.returncode == 0 and "ok" in library.stdout, library.stderr
     command = subprocess.run(
         [sys.executable, "-c", blocked + "from checkfreq.command import main; main()"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert command.returncode == 1 and "pip install 'checkfreq[cli]'" in command.stderr
 
@@ -162,13 +168,24 @@ def test_the_lightning_callback_refuses_a_misspelled_option() -> None:
 def test_a_checkpointer_on_rank_0_only_fails_with_the_rule_instead_of_hanging(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(SCRIPTS / "rank0_only.py"), str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=180, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SCRIPTS / "rank0_only.py"),
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    refused = re.search(r"refused after (\d+\.\d) s: only 1 of 2 ranks constructed a Checkpointer.*every rank must",
-                        result.stdout)
+    refused = re.search(
+        r"refused after (\d+\.\d) s: only 1 of 2 ranks constructed a Checkpointer.*every rank must", result.stdout
+    )
     assert refused and float(refused.group(1)) >= 3.0, result.stdout  # it waited the timeout out, then said why
 
 

@@ -45,8 +45,9 @@ def test_a_registered_value_scores_every_checkpoint_that_captures_it(tmp_path: P
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     keep = cf.Retention(1, best=("smoothed", "max"), top=1)
     noisy = [0.1, 0.5, 0.3, 0.9, 0.2, 0.4]
-    with cf.Checkpointer(tmp_path, policy=1, keep=keep, model=model, optimizer=opt,
-                         values={"smoothed": torch.tensor(0.0)}) as ckpt:
+    with cf.Checkpointer(
+        tmp_path, policy=1, keep=keep, model=model, optimizer=opt, values={"smoothed": torch.tensor(0.0)}
+    ) as ckpt:
         for value in noisy:
             train_step(model, opt)
             ckpt["smoothed"] = torch.tensor(value)  # a one-element tensor is a number
@@ -74,12 +75,15 @@ def test_a_log_of_the_ranked_metric_is_captured_with_its_steps_checkpoint(tmp_pa
 
 @pytest.mark.parametrize("value", [float("nan"), float("-inf")])
 def test_a_metric_that_is_not_finite_is_warned_once_and_never_the_best(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, value: float) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: float
+) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     keep = cf.Retention(1, best=("val_loss", "min"), top=1)
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=100, keep=keep, model=model, optimizer=opt) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(tmp_path, policy=100, keep=keep, model=model, optimizer=opt) as ckpt,
+    ):
         for loss in [0.5, value, value, 0.7]:
             train_step(model, opt)
             ckpt.step()
@@ -110,8 +114,7 @@ def test_a_memory_snapshot_at_the_epoch_boundary_does_not_stand_for_the_scored_c
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
     loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=0)
     keep = cf.Retention(3, best=("val_loss", "min"))
-    with cf.Checkpointer(tmp_path, policy=100, memory=1, keep=keep, model=model, optimizer=opt,
-                         loader=loader) as ckpt:
+    with cf.Checkpointer(tmp_path, policy=100, memory=1, keep=keep, model=model, optimizer=opt, loader=loader) as ckpt:
         for epoch in range(2):
             for x, y in loader:
                 torch.nn.functional.cross_entropy(model(x), y).backward()

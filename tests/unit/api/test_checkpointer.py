@@ -32,8 +32,15 @@ def _stack(seed: int = 0, width: int = 32):
 
 def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
     model, opt, sched, scaler = _stack()
-    with cf.Checkpointer(tmp_path, policy=cf.Every(3), model=model, optimizer=opt, scheduler=sched,
-                         scaler=scaler, values={"meta": {"name": "run", "lr": [0.1, 0.2]}, "best": 1.5}) as ckpt:
+    with cf.Checkpointer(
+        tmp_path,
+        policy=cf.Every(3),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=scaler,
+        values={"meta": {"name": "run", "lr": [0.1, 0.2]}, "best": 1.5},
+    ) as ckpt:
         for _ in range(7):
             train_step(model, opt)
             sched.step()
@@ -44,8 +51,9 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
         draws = (random.random(), np.random.rand(3), torch.rand(4))
 
     model2, opt2, sched2, scaler2 = _stack(seed=1)
-    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2,
-                         values={"meta": {}, "best": 0.0}) as ckpt2:
+    with cf.Checkpointer(
+        tmp_path, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, values={"meta": {}, "best": 0.0}
+    ) as ckpt2:
         assert ckpt2.restore() == 7
         assert ckpt2.global_step == 7
         assert ckpt2["best"] == 0.25 and ckpt2["meta"] == {"name": "run", "lr": [0.1, 0.2]}
@@ -100,11 +108,14 @@ def test_state_the_checkpoint_holds_but_nothing_registered_takes_is_named(tmp_pa
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
     hidden = (torch.ones(1, 2, 3), torch.zeros(1, 2, 3))
-    with cf.Checkpointer(tmp_path, model=model, optimizer=opt, scheduler=sched, policy=1,
-                         values={"lr": 20.0, "hidden": hidden}) as ckpt:
+    with cf.Checkpointer(
+        tmp_path, model=model, optimizer=opt, scheduler=sched, policy=1, values={"lr": 20.0, "hidden": hidden}
+    ) as ckpt:
         ckpt.save(blocking=True)
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, model=model, optimizer=opt, values={"lr": 1.0}) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(tmp_path, model=model, optimizer=opt, values={"lr": 1.0}) as ckpt,
+    ):
         ckpt.restore()
         assert ckpt["lr"] == 20.0
         with pytest.raises(KeyError, match=r"'hidden' is not registered: .* before restore\(\)"):
@@ -115,8 +126,12 @@ def test_state_the_checkpoint_holds_but_nothing_registered_takes_is_named(tmp_pa
     warned = [r.getMessage() for r in caplog.records if "nothing registered takes" in r.getMessage()]
     assert len(warned) == 1 and "'hidden', 'scheduler'" in warned[0] and "'lr'" not in warned[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), cf.Checkpointer(
-            tmp_path, model=model, optimizer=opt, scheduler=sched, values={"lr": 1.0, "hidden": None}) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(
+            tmp_path, model=model, optimizer=opt, scheduler=sched, values={"lr": 1.0, "hidden": None}
+        ) as ckpt,
+    ):
         ckpt.restore()
         restored = ckpt["hidden"]
     assert isinstance(restored, tuple) and torch.equal(restored[0], hidden[0])
@@ -275,8 +290,9 @@ def test_no_valid_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_wrong_model_lists_every_mismatch(tmp_path: Path) -> None:
     _three_checkpoints(tmp_path)
-    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 3), torch.nn.Linear(3, 3))
+    other = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3), torch.nn.Linear(3, 3)
+    )
     opt = torch.optim.Adam(other.parameters())
     with cf.Checkpointer(tmp_path, model=other, optimizer=opt) as ckpt:
         with pytest.raises(cf.StateMismatchError) as info:

@@ -42,8 +42,16 @@ def test_a_checkpoint_written_before_the_layered_layout_restores_bit_for_bit(tmp
     expected = load_file(str(FIXTURE / "expected.safetensors"))
     facts = json.loads((FIXTURE / "expected.json").read_text())
     model, optimizer, scheduler, loader = _objects()
-    with cf.Checkpointer(run, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, policy=cf.Auto(),
-                         keep=1, values={"best": 0.0, "tag": ""}) as ckpt:
+    with cf.Checkpointer(
+        run,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        policy=cf.Auto(),
+        keep=1,
+        values={"best": 0.0, "tag": ""},
+    ) as ckpt:
         assert ckpt.restore() == facts["step"] == ckpt.global_step
         rand = torch.rand(4)  # the RNG state restored is the one saved
         assert ckpt["best"] == facts["best"] and ckpt["tag"] == facts["tag"]

@@ -27,8 +27,9 @@ class Points(torch.utils.data.Dataset):
         return torch.full((4,), float(i)), i % 2
 
 
-def _objects(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-                                     ResumableLoader]:
+def _objects(
+    seed: int = 0,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, ResumableLoader]:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -57,8 +58,9 @@ def test_the_checkpoint_due_at_an_epochs_last_batch_is_taken_at_the_next_pass(tm
         assert _snapshots(tmp_path) == [BATCHES]
         ckpt.wait()
     fresh_model, fresh_opt, fresh_sched, fresh_loader = _objects(seed=1)
-    with cf.Checkpointer(tmp_path, model=fresh_model, optimizer=fresh_opt, scheduler=fresh_sched,
-                         loader=fresh_loader) as again:
+    with cf.Checkpointer(
+        tmp_path, model=fresh_model, optimizer=fresh_opt, scheduler=fresh_sched, loader=fresh_loader
+    ) as again:
         assert again.restore() == BATCHES
     assert fresh_sched.get_last_lr() == sched.get_last_lr() == [0.05]  # the epoch's scheduler step is in it
     assert fresh_loader.state_dict()["epoch"] == 1 and fresh_loader.state_dict()["consumed"] == 0
@@ -108,8 +110,9 @@ def test_a_training_forward_is_the_point_of_a_loop_without_a_registered_loader(t
 
 def test_save_takes_the_step_again_when_registered_state_changed_since(tmp_path: Path) -> None:
     model, opt, sched, loader = _objects()
-    with cf.Checkpointer(tmp_path, policy=2, model=model, optimizer=opt, scheduler=sched, loader=loader,
-                         values={"best": 0.0}) as ckpt:
+    with cf.Checkpointer(
+        tmp_path, policy=2, model=model, optimizer=opt, scheduler=sched, loader=loader, values={"best": 0.0}
+    ) as ckpt:
         it = iter(loader)
         for _ in range(2):
             _train(model, opt, *next(it))
@@ -128,8 +131,9 @@ def test_save_takes_the_step_again_when_registered_state_changed_since(tmp_path:
         ended = {k: v.clone() for k, v in model.state_dict().items()}
     assert [p.name for p in tmp_path.glob("step_*")] == ["step_000000002"]
     model2, opt2, sched2, loader2 = _objects(seed=1)
-    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2,
-                         values={"best": 0.0}) as again:
+    with cf.Checkpointer(
+        tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2, values={"best": 0.0}
+    ) as again:
         assert again.restore() == 2 and again["best"] == 3.5
     assert sched2.get_last_lr() == [0.05]
     assert all(torch.equal(model2.state_dict()[k], v) for k, v in ended.items())
@@ -137,8 +141,15 @@ def test_save_takes_the_step_again_when_registered_state_changed_since(tmp_path:
 
 def test_save_with_a_remote_tier_copies_the_step_taken_again(tmp_path: Path) -> None:
     model, opt, sched, loader = _objects()
-    with cf.Checkpointer(tmp_path / "local", remote=tmp_path / "remote", policy=2, model=model, optimizer=opt,
-                         scheduler=sched, loader=loader) as ckpt:
+    with cf.Checkpointer(
+        tmp_path / "local",
+        remote=tmp_path / "remote",
+        policy=2,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        loader=loader,
+    ) as ckpt:
         it = iter(loader)
         for _ in range(2):
             _train(model, opt, *next(it))
@@ -154,12 +165,16 @@ def test_save_with_a_remote_tier_copies_the_step_taken_again(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("change", ["scheduler", "best", "rng", "lr"])
 def test_work_after_ckpt_step_and_before_the_next_batch_is_in_the_steps_checkpoint(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: str
+) -> None:
     model, opt, sched, loader = _objects()
     seen: dict[int, tuple] = {}
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=3, model=model, optimizer=opt, scheduler=sched, loader=loader,
-                            values={"best": 0.0}) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(
+            tmp_path, policy=3, model=model, optimizer=opt, scheduler=sched, loader=loader, values={"best": 0.0}
+        ) as ckpt,
+    ):
         for epoch in range(2):
             for x, y in loader:
                 _train(model, opt, x, y)
@@ -172,13 +187,18 @@ def test_work_after_ckpt_step_and_before_the_next_batch_is_in_the_steps_checkpoi
                     opt.param_groups[0]["lr"] = 0.01 * ckpt.global_step  # set by hand
                 else:
                     torch.rand(1)  # random numbers drawn for other work after ckpt.step()
-                seen[ckpt.global_step] = (sched.get_last_lr(), ckpt["best"], torch.get_rng_state(),
-                                          opt.param_groups[0]["lr"])
+                seen[ckpt.global_step] = (
+                    sched.get_last_lr(),
+                    ckpt["best"],
+                    torch.get_rng_state(),
+                    opt.param_groups[0]["lr"],
+                )
     assert _snapshots(tmp_path) == [3, 6]
     assert "changed after" not in caplog.text
     model2, opt2, sched2, loader2 = _objects(seed=1)
-    with cf.Checkpointer(tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2,
-                         values={"best": 0.0}) as again:
+    with cf.Checkpointer(
+        tmp_path, model=model2, optimizer=opt2, scheduler=sched2, loader=loader2, values={"best": 0.0}
+    ) as again:
         assert again.restore(step=6) == 6
         lr, best, rng, group_lr = seen[6]
         assert (sched2.get_last_lr(), again["best"], opt2.param_groups[0]["lr"]) == (lr, best, group_lr)
@@ -232,12 +252,15 @@ def test_a_learning_rate_set_by_hand_or_a_buffer_replaced_makes_save_take_the_st
         assert _snapshots(tmp_path) == [1, 1, 1]
 
 
-def test_log_after_the_steps_checkpoint_was_captured_is_named_once(tmp_path: Path, caplog: pytest.LogCaptureFixture
-                                                                   ) -> None:
+def test_log_after_the_steps_checkpoint_was_captured_is_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model, opt, _, loader = _objects()
     keep = cf.Retention(3, best=("val_loss", "min"))
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=2, keep=keep, model=model, optimizer=opt, loader=loader) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(tmp_path, policy=2, keep=keep, model=model, optimizer=opt, loader=loader) as ckpt,
+    ):
         for x, y in loader:
             if ckpt.global_step == 2:
                 ckpt.log(val_loss=0.5)  # after the loader handed out this step's batch: step 2's point has passed
@@ -248,11 +271,15 @@ def test_log_after_the_steps_checkpoint_was_captured_is_named_once(tmp_path: Pat
 
 
 def test_the_loop_with_its_work_before_ckpt_step_and_after_the_epoch_warns_nothing(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model, opt, sched, loader = _objects()
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=3, model=model, optimizer=opt, scheduler=sched, loader=loader,
-                            values={"best": 0.0}) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(
+            tmp_path, policy=3, model=model, optimizer=opt, scheduler=sched, loader=loader, values={"best": 0.0}
+        ) as ckpt,
+    ):
         for _ in range(3):
             for x, y in loader:
                 _train(model, opt, x, y)
@@ -272,8 +299,15 @@ def test_a_signal_at_an_epochs_last_batch_is_acted_on_at_the_boundary(tmp_path: 
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
     try:
         model, opt, sched, loader = _objects()
-        with cf.Checkpointer(tmp_path, policy=100, model=model, optimizer=opt, scheduler=sched, loader=loader,
-                             save_on_signal=(signal.SIGUSR1,)) as ckpt:
+        with cf.Checkpointer(
+            tmp_path,
+            policy=100,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            loader=loader,
+            save_on_signal=(signal.SIGUSR1,),
+        ) as ckpt:
             for number, (x, y) in enumerate(loader, start=1):
                 _train(model, opt, x, y)
                 if number == BATCHES:  # the epoch's last batch
@@ -292,11 +326,14 @@ def test_a_signal_at_an_epochs_last_batch_is_acted_on_at_the_boundary(tmp_path: 
 
 
 def test_an_error_in_the_epochs_work_drops_the_checkpoint_waiting_for_its_point_and_says_so(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model, opt, sched, loader = _objects()
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), pytest.raises(RuntimeError, match="evaluation failed"), \
-            cf.Checkpointer(tmp_path, policy=BATCHES, model=model, optimizer=opt, scheduler=sched,
-                            loader=loader) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        pytest.raises(RuntimeError, match="evaluation failed"),
+        cf.Checkpointer(tmp_path, policy=BATCHES, model=model, optimizer=opt, scheduler=sched, loader=loader) as ckpt,
+    ):
         for x, y in loader:
             _train(model, opt, x, y)
             assert ckpt.step() == (ckpt.global_step == BATCHES)

@@ -48,8 +48,11 @@ def test_argument_errors_are_checkfreq_errors_and_builtins(tmp_path: Path) -> No
     assert "'policy'" in str(misspelled)
     keep = _raised(lambda: cf.Checkpointer(tmp_path / "b", model=_model(), keep=0))
     assert isinstance(keep, cf.InvalidArgumentError) and isinstance(keep, ValueError)
-    for bad in (lambda: cf.Every(n=0), lambda: cf.Overhead(p=2.0),
-                lambda: cf.ResumableSampler(4, rank=2, world_size=2)):
+    for bad in (
+        lambda: cf.Every(n=0),
+        lambda: cf.Overhead(p=2.0),
+        lambda: cf.ResumableSampler(4, rank=2, world_size=2),
+    ):
         assert isinstance(_raised(bad), ValueError)
     loader = cf.ResumableLoader(list(range(8)), batch_size=2)
     first = iter(loader)
@@ -61,8 +64,9 @@ def test_argument_errors_are_checkfreq_errors_and_builtins(tmp_path: Path) -> No
 
 def test_a_plain_dataloader_is_refused_naming_the_loaders_that_resume(tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(8, 2))
-    refused = _raised(lambda: cf.Checkpointer(tmp_path, model=_model(),
-                                              loader=torch.utils.data.DataLoader(data, batch_size=2)))
+    refused = _raised(
+        lambda: cf.Checkpointer(tmp_path, model=_model(), loader=torch.utils.data.DataLoader(data, batch_size=2))
+    )
     assert isinstance(refused, cf.ArgumentTypeError) and isinstance(refused, TypeError)
     assert "loader=DataLoader(...)" in str(refused) and "cannot resume" in str(refused)
     assert "checkfreq.data.ResumableLoader" in str(refused) and "StatefulDataLoader" in str(refused)

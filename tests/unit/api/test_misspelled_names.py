@@ -19,7 +19,8 @@ def _objects() -> dict[str, object]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 3, (16,)))
     return {
-        "model": model, "optimizer": opt,
+        "model": model,
+        "optimizer": opt,
         "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2),
         "loader": ResumableLoader(data, batch_size=4, seed=0),
         "scaler": torch.amp.GradScaler("cpu"),
@@ -32,8 +33,14 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.mark.parametrize(
     ("typo", "meant"),
-    [("sheduler", "scheduler"), ("optimiser", "optimizer"), ("modle", "model"), ("laoder", "loader"),
-     ("scalar", "scaler"), ("Model", "model")],
+    [
+        ("sheduler", "scheduler"),
+        ("optimiser", "optimizer"),
+        ("modle", "model"),
+        ("laoder", "loader"),
+        ("scalar", "scaler"),
+        ("Model", "model"),
+    ],
 )
 def test_a_misspelled_common_name_is_warned_of_once_and_still_checkpointed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, typo: str, meant: str
@@ -41,8 +48,7 @@ def test_a_misspelled_common_name_is_warned_of_once_and_still_checkpointed(
     objects = _objects()
     model, opt = objects["model"], objects["optimizer"]
     objects[typo] = objects.pop(meant)
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=1, **objects) as ckpt:  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="checkfreq"), cf.Checkpointer(tmp_path, policy=1, **objects) as ckpt:  # type: ignore[arg-type]
         for _ in range(3):
             train_step(model, opt)  # type: ignore[arg-type]
             ckpt.step()
@@ -59,11 +65,21 @@ def test_names_of_ones_own_and_objects_of_another_kind_are_not_warned_of(
 ) -> None:
     objects = _objects()
     model, opt = objects["model"], objects["optimizer"]
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), \
-            cf.Checkpointer(tmp_path, policy=1, model=model, optimizer=opt, encoder=make_model(seed=1),
-                            sheduler=make_model(seed=2), scalers=objects["scheduler"],
-                            loaders=objects["loader"], scheduler0=objects["scheduler"],
-                            scaler_1=objects["scaler"]) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(
+            tmp_path,
+            policy=1,
+            model=model,
+            optimizer=opt,
+            encoder=make_model(seed=1),
+            sheduler=make_model(seed=2),
+            scalers=objects["scheduler"],
+            loaders=objects["loader"],
+            scheduler0=objects["scheduler"],
+            scaler_1=objects["scaler"],
+        ) as ckpt,
+    ):
         train_step(model, opt)  # type: ignore[arg-type]
         ckpt.step()
     assert _warnings(caplog) == []  # a model as 'sheduler' is not a scheduler; plural and numbered are meant

@@ -219,8 +219,12 @@ time.sleep(600)
 
 
 def test_second_job_is_refused_and_a_killed_jobs_lock_is_recovered(tmp_path: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"  # type: ignore[union-attr]
         with pytest.raises(cf.DirectoryLockedError, match=f"pid {holder.pid}") as refused:
@@ -228,7 +232,8 @@ def test_second_job_is_refused_and_a_killed_jobs_lock_is_recovered(tmp_path: Pat
         # One line: the directory, the process holding it (its command line), what to do.
         message = str(refused.value)
         assert (
-            "\n" not in message and str(tmp_path.resolve()) in message
+            "\n" not in message
+            and str(tmp_path.resolve()) in message
             and f"pid {holder.pid}: {sys.executable} -c" in message
         )
         assert "wait for it to end or stop it, or give this job a directory of its own" in message
@@ -365,17 +370,21 @@ def test_ten_thousand_checkpoints_leave_no_trace(tmp_path: Path) -> None:
                     window = "early" if i == 1000 else "late"
                     calls[window] = _count_calls(lambda: [one_step(ckpt) for _ in range(20)])
                     samples[window] = {
-                        "rss": process.memory_info().rss, "fds": process.num_fds(),
-                        "threads": process.num_threads(), "objects": len(gc.get_objects()),
+                        "rss": process.memory_info().rss,
+                        "fds": process.num_fds(),
+                        "threads": process.num_threads(),
+                        "objects": len(gc.get_objects()),
                     }
             entries = sorted(p.name for p in directory.iterdir())
     finally:
         subprocess.run(["rm", "-rf", str(directory)], check=False)
     early, late = samples["early"], samples["late"]
     ratio = statistics.median(seconds[-1000:]) / statistics.median(seconds[500:1500])
-    print(f"10k checkpoints: step()+wait() median late/early {ratio:.2f}, RSS {early['rss'] / 1e6:.1f} -> "
-          f"{late['rss'] / 1e6:.1f} MB, fds {early['fds']} -> {late['fds']}, "
-          f"threads {early['threads']} -> {late['threads']}")
+    print(
+        f"10k checkpoints: step()+wait() median late/early {ratio:.2f}, RSS {early['rss'] / 1e6:.1f} -> "
+        f"{late['rss'] / 1e6:.1f} MB, fds {early['fds']} -> {late['fds']}, "
+        f"threads {early['threads']} -> {late['threads']}"
+    )
     assert entries == [".checkfreq.lock", "events.jsonl", f"step_{STEPS + 40:09d}"]
     assert late["fds"] == early["fds"]
     assert late["threads"] == early["threads"]

@@ -43,8 +43,13 @@ def test_a_bad_argument_is_one_error_line_and_exit_status_2(args: list[str], say
 
 def test_a_bad_argument_from_a_shell_is_one_line_too() -> None:
     env = {**os.environ, "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-m", "checkfreq.cli", "verify", "--remot", "x", "y"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "checkfreq.cli", "verify", "--remot", "x", "y"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: No such option: --remot (Possible options: --remote) (see 'python -m checkfreq.cli verify --help')"
@@ -57,9 +62,18 @@ def test_no_arguments_still_prints_the_help() -> None:
 
 
 def _window(log: EventLog, step: int, interval_s: float, clean_s: float, iteration_s: float) -> None:
-    log.write("snapshot", step=step, stall_s=0.01, bytes=100, interval_steps=5, interval_s=interval_s,
-              iteration_s=iteration_s, iteration_persisting_s=2 * iteration_s, clean_iterations=3,
-              clean_iteration_s=clean_s)
+    log.write(
+        "snapshot",
+        step=step,
+        stall_s=0.01,
+        bytes=100,
+        interval_steps=5,
+        interval_s=interval_s,
+        iteration_s=iteration_s,
+        iteration_persisting_s=2 * iteration_s,
+        clean_iterations=3,
+        clean_iteration_s=clean_s,
+    )
     log.write("commit", step=step, persist_s=0.05, bytes=120, bandwidth_gbps=1e-6)
 
 
@@ -78,14 +92,16 @@ def test_report_says_what_each_figure_is_and_why_a_fixed_policy_on_a_loaded_mach
         _window(log, step, interval_s=2.0, clean_s=0.1 if i % 2 else 0.25, iteration_s=0.05)
     lines = _report_lines(tmp_path)
     step_time = next(line for line in lines if line.startswith("step time: "))
-    assert "on average over the clean steps (no persist running, no stall: what the overhead is measured " \
-           "against); the profiler's smoothed estimate at the end: 50 ms per step, 100 ms while a persist runs" \
-           in step_time
+    assert (
+        "on average over the clean steps (no persist running, no stall: what the overhead is measured "
+        "against); the profiler's smoothed estimate at the end: 50 ms per step, 100 ms while a persist runs"
+        in step_time
+    )
     assert "far apart: the mean counts every clean step" in step_time  # 175 ms against 50 ms
     at = next(i for i, line in enumerate(lines) if line.startswith("overhead: "))
     assert "of wall time: the share of the time between checkpoints" in lines[at]
     assert lines[at + 1] == "over the 3.5 % that policy='auto' (the default) keeps to; what the log shows:"
-    why = lines[at + 2:]
+    why = lines[at + 2 :]
     assert why[0].startswith("- a fixed policy (Every): it checkpoints at the interval it was given")
     assert "To do: policy='auto', or a longer interval (`checkfreq plan`" in why[0]
     assert why[1].startswith("- a loaded machine: the clean steps' mean time per window ran from 100 ms to 250 ms")
@@ -98,8 +114,7 @@ def test_report_says_when_the_first_checkpoints_and_busy_storage_put_it_over_the
     _window(log, 5, interval_s=3.0, clean_s=0.1, iteration_s=0.1)  # the session's start-up: not counted
     for step in (10, 15, 20):  # the costs being measured: 50 % each
         _window(log, step, interval_s=1.0, clean_s=0.1, iteration_s=0.1)
-    log.write("busy", step=22, waiting_for="persist", wait_s=0.2, interval_steps=5, persist_s=0.3,
-              bandwidth_gbps=1e-6)
+    log.write("busy", step=22, waiting_for="persist", wait_s=0.2, interval_steps=5, persist_s=0.3, bandwidth_gbps=1e-6)
     for step in range(25, 60, 5):  # settled: 1 %
         _window(log, step, interval_s=0.505, clean_s=0.1, iteration_s=0.1)
     lines = _report_lines(tmp_path)

@@ -30,8 +30,9 @@ def train(directory: Path, epochs: int = 5, width: int = 32) -> dict[str, torch.
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
     loader = ResumableLoader(data, batch_size=16, shuffle=True, seed=1)
-    with cf.Checkpointer(directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10,
-                         values={"note": "cli"}) as ckpt:
+    with cf.Checkpointer(
+        directory, model=model, optimizer=opt, loader=loader, policy=5, keep=10, values={"note": "cli"}
+    ) as ckpt:
         for _ in range(loader.epoch, epochs):
             for x, y in loader:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -120,14 +121,16 @@ def test_verify_exits_nonzero_naming_each_bad_checkpoint(run: Path) -> None:
     assert "checksum" in out and "2 of 4 checkpoints verified" in out
     report = as_json_allow_failure("verify", run, "--no-set-aside")
     assert report["ok"] is False and sorted(c["name"] for c in report["checkpoints"] if not c["valid"]) == [
-        flipped.name, truncated.name,
+        flipped.name,
+        truncated.name,
     ]
     assert invoke("verify", run / "step_000000020")[0] == 0
     assert invoke("verify", run / "step_10", "--no-set-aside")[0] == 1  # unpadded step names resolve too
     # Without --no-set-aside, what fails is set aside: never restored again, not counted by keep=.
     report = as_json_allow_failure("verify", run)
-    assert report["ok"] is False and sorted(c["set_aside"].split(".")[0] for c in report["checkpoints"]
-                                            if c["set_aside"]) == [flipped.name, truncated.name]
+    assert report["ok"] is False and sorted(
+        c["set_aside"].split(".")[0] for c in report["checkpoints"] if c["set_aside"]
+    ) == [flipped.name, truncated.name]
     assert invoke("verify", run)[0] == 0 and "2 valid, 0 invalid, 2 set aside" in invoke("ls", run, columns=300)[1]
 
 
@@ -289,7 +292,7 @@ def test_diff_and_inspect_fit_80_columns_with_long_names_and_mismatches(
     code, out = invoke("diff", run / "step_000000005", run / "step_000000010", "--all", columns=80)
     assert code == 1 and "…" not in out and "differs" in out and "equal" in out
     code, out = invoke("inspect", other, columns=80)
-    tensors = out[out.index("tensors, "):].splitlines()[1:]
+    tensors = out[out.index("tensors, ") :].splitlines()[1:]
     assert code == 0 and "…" not in "".join(tensors) and max(len(line) for line in tensors) <= 80
     border = next(line for line in tensors if "name" in line).index("┃", 1)
     assert long_name in "".join(line[1:border].strip() for line in tensors)  # folded over lines, not cut
@@ -360,8 +363,14 @@ def test_diff_compares_the_values_that_are_not_tensors(tmp_path: Path) -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        with cf.Checkpointer(tmp_path / name, model=model, optimizer=opt, policy=1, rng=False,
-                             values={"lr": lr, "position": {"epoch": 2, "batch": position}, "hidden": None}) as ckpt:
+        with cf.Checkpointer(
+            tmp_path / name,
+            model=model,
+            optimizer=opt,
+            policy=1,
+            rng=False,
+            values={"lr": lr, "position": {"epoch": 2, "batch": position}, "hidden": None},
+        ) as ckpt:
             ckpt.save(blocking=True)
         return tmp_path / name
 

@@ -15,8 +15,9 @@ runner = CliRunner()
 
 
 def test_plan_json_lists_each_policy() -> None:
-    result = runner.invoke(app, ["plan", "--iteration", "1", "--stall", "30", "--persist", "60", "--mtbf-hours", "4",
-                                 "--json"])
+    result = runner.invoke(
+        app, ["plan", "--iteration", "1", "--stall", "30", "--persist", "60", "--mtbf-hours", "4", "--json"]
+    )
     assert result.exit_code == 0, result.output
     plans = {row["policy"]: row for row in json.loads(result.output)["plans"]}
     assert plans["Daly"]["interval_steps"] == 910

@@ -43,8 +43,9 @@ def _env(threshold: int | None) -> dict[str, str]:
 def on_a_terminal(args: list[str], threshold: int | None) -> tuple[int, str]:
     """Run ``checkfreq ARGS`` with stdout on a pseudo-terminal; its exit status and what it showed there."""
     leader, follower = pty.openpty()
-    child = subprocess.Popen([sys.executable, "-m", "checkfreq.cli", *args], stdout=follower,
-                             stderr=subprocess.PIPE, env=_env(threshold))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "checkfreq.cli", *args], stdout=follower, stderr=subprocess.PIPE, env=_env(threshold)
+    )
     os.close(follower)
     shown = b""
     while True:
@@ -61,8 +62,9 @@ def on_a_terminal(args: list[str], threshold: int | None) -> tuple[int, str]:
 
 
 def through_a_pipe(args: list[str], threshold: int | None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "checkfreq.cli", *args], capture_output=True, text=True,
-                          env=_env(threshold), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "checkfreq.cli", *args], capture_output=True, text=True, env=_env(threshold), timeout=120
+    )
 
 
 def test_the_threshold_is_a_gigabyte_unless_set() -> None:

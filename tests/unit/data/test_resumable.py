@@ -117,20 +117,14 @@ def test_iterating_leaves_the_callers_generators_alone(num_workers):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ranks_partition_an_epoch_exactly_once(world_size):
-    shares = [
-        ResumableSampler(24, seed=1, rank=r, world_size=world_size).rank_indices()
-        for r in range(world_size)
-    ]
+    shares = [ResumableSampler(24, seed=1, rank=r, world_size=world_size).rank_indices() for r in range(world_size)]
     assert sorted(i for share in shares for i in share) == list(range(24))
     assert len({len(share) for share in shares}) == 1
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_uneven_split_keeps_ranks_equal_like_distributed_sampler(drop_last):
-    shares = [
-        ResumableSampler(10, seed=1, rank=r, world_size=4, drop_last=drop_last).rank_indices()
-        for r in range(4)
-    ]
+    shares = [ResumableSampler(10, seed=1, rank=r, world_size=4, drop_last=drop_last).rank_indices() for r in range(4)]
     assert {len(share) for share in shares} == ({2} if drop_last else {3})
     seen = Counter(i for share in shares for i in share)
     if drop_last:
@@ -221,7 +215,6 @@ def test_a_peek_after_an_epoch_boundary_restore_costs_nothing(defaulted):
     restored.set_epoch(start)
     assert restored.state_dict() == state  # nor did the peek count (a checkpoint now would not count it)
     assert one_epoch(restored) == _epoch(2)
-
 
 
 def test_moving_back_to_an_epoch_already_trained_is_logged(caplog):

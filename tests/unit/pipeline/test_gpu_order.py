@@ -210,8 +210,9 @@ def test_a_slot_the_device_does_not_see_pinned_is_reported_once_with_its_copy_ba
             for step in (1, 2, 3):
                 target = tier.target(_request(layout, step))
                 assert target is not None
-                pending = snapshotter.take(state, deferred={"param"}, layout=layout, buffer=target.buffer,
-                                           step=step, memory=True)
+                pending = snapshotter.take(
+                    state, deferred={"param"}, layout=layout, buffer=target.buffer, step=step, memory=True
+                )
                 tier.submit(target, pending, {}, None).wait(10)
                 timed.append(pending.host_copy())
     finally:
@@ -264,8 +265,10 @@ def test_a_growing_memory_region_waits_for_the_persist_writing_to_disk_from_its_
     timer.start()
     grown = {**state, "more": _values(1 << 20, 1)}
     try:
-        assert tier.target(SnapshotRequest(layout_of(grown), {}, 2, None, {}, 0.0, device_copies=False,
-                                           sharded=False)) is not None
+        assert (
+            tier.target(SnapshotRequest(layout_of(grown), {}, 2, None, {}, 0.0, device_copies=False, sharded=False))
+            is not None
+        )
     finally:
         timer.join()
         writer.wait(10)

@@ -29,22 +29,30 @@ class _Module(torch.nn.Module):
 
 
 def _state(rank: int, module: _Module) -> dict[str, torch.Tensor]:
-    return {"model/big": module.big.detach(), "model/small": module.small.detach(),
-            "values/mine": torch.full((3,), float(rank))}
+    return {
+        "model/big": module.big.detach(),
+        "model/small": module.small.detach(),
+        "values/mine": torch.full((3,), float(rank)),
+    }
 
 
 def _snapshot(tier: MemoryTier, rank: int, module: _Module, step: int) -> None:
     tensors, owned, split = tier.share(_state(rank, module), set(), {"model": module}, {"rank": rank})
     layout = layout_of(tensors)
-    target = tier.target(SnapshotRequest(layout, {"rank": rank}, step, 0, {}, 0.0, device_copies=False,
-                                         sharded=False, split=split))
+    target = tier.target(
+        SnapshotRequest(layout, {"rank": rank}, step, 0, {}, 0.0, device_copies=False, sharded=False, split=split)
+    )
     assert target is not None
     tier.commit(target, Snapshotter(False).take(tensors, set(), layout=layout, buffer=target.buffer, step=step))
 
 
 def _tiers(directory: Path, ranks: tuple[int, ...], world_size: int) -> list[MemoryTier]:
-    return [MemoryTier(directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank,
-                       group=Group(ranks, rank, world_size)) for rank in ranks]
+    return [
+        MemoryTier(
+            directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank, group=Group(ranks, rank, world_size)
+        )
+        for rank in ranks
+    ]
 
 
 def test_a_rank_puts_its_state_together_from_its_machines_regions(shm_dir: Path, tmp_path: Path) -> None:
@@ -52,8 +60,10 @@ def test_a_rank_puts_its_state_together_from_its_machines_regions(shm_dir: Path,
     tiers = _tiers(tmp_path, (0, 1, 2), 3)
     for rank, tier in enumerate(tiers):
         _snapshot(tier, rank, module, step=5)
-    sizes = [MemoryRegion(region_path(tmp_path, r), device_and_inode(tmp_path), tidy=False).snapshots()[0].data_bytes
-             for r in range(3)]
+    sizes = [
+        MemoryRegion(region_path(tmp_path, r), device_and_inode(tmp_path), tidy=False).snapshots()[0].data_bytes
+        for r in range(3)
+    ]
     assert max(sizes) < 200 * 50 * 4 / 3 * 1.1  # each region holds about a third of the parameters
     for rank, tier in enumerate(tiers):
         (state,), skipped = tier.snapshots()
@@ -91,8 +101,10 @@ def test_shares_restore_at_another_world_size_from_the_machines_regions(shm_dir:
     for rank, tier in enumerate(_tiers(tmp_path, (0, 1), 4)):
         _snapshot(tier, rank, module, step=3)
         tier.close(remove=False)
-    for tier, rank in [(_tiers(tmp_path, (0, 1), 2)[1], 1),
-                       (MemoryTier(tmp_path, MemoryCadence(1), data_file=data_file_name(0)), 0)]:
+    for tier, rank in [
+        (_tiers(tmp_path, (0, 1), 2)[1], 1),
+        (MemoryTier(tmp_path, MemoryCadence(1), data_file=data_file_name(0)), 0),
+    ]:
         (state,), skipped = tier.snapshots()
         assert not skipped
         whole = tier.complete(state)
@@ -120,8 +132,11 @@ def test_a_share_whose_region_is_gone_is_read_from_its_replica_unless_damaged(sh
     data, _ = copy.slot_bytes(info)
     data[3] ^= 0xFF
     copy.release(remove=False)
-    with pytest.raises(CheckfreqError, match=r"rank 1's share of memory snapshot 5 is on no region of this machine "
-                                             r"\(.+\) \(the copy kept here, checkfreq-\w+-replica00001: slot \d "
-                                             r"\(step 5\) fails its checksum"):
+    with pytest.raises(
+        CheckfreqError,
+        match=r"rank 1's share of memory snapshot 5 is on no region of this machine "
+        r"\(.+\) \(the copy kept here, checkfreq-\w+-replica00001: slot \d "
+        r"\(step 5\) fails its checksum",
+    ):
         tier.complete(state)
     tier.close(remove=False)

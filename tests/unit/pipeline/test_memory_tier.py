@@ -26,13 +26,18 @@ SCRIPT = SCRIPTS / "chaos_train.py"
 ARGS = ["--epochs", "3", "--every", "8"]  # 8 steps an epoch: 24 steps, persists at 8, 16, 24
 
 
-def train(directory: Path, *extra: str, kill_after: int | None = None,
-          while_stopped: Callable[[], None] = lambda: None) -> dict[str, str]:
+def train(
+    directory: Path, *extra: str, kill_after: int | None = None, while_stopped: Callable[[], None] = lambda: None
+) -> dict[str, str]:
     """Run the training script; SIGKILL it once step ``kill_after + 2`` has begun (the memory
     snapshot of step ``kill_after`` is complete by then), or where a ``--hook`` in ``extra``
     stopped it (after calling ``while_stopped``). Returns the last line of each kind."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--dir", str(directory), *ARGS, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--dir", str(directory), *ARGS, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: dict[str, str] = {}
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -142,9 +147,24 @@ def test_a_small_tmpfs_means_disk_only_with_one_warning(tmp_path: Path, referenc
     run = tmp_path / "run"
     script = f'mount -t tmpfs -o size=64k tmpfs {mount} && {SHM_DIR_ENV}={mount} exec "$@"'
     result = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, str(SCRIPT), "--dir", str(run), *ARGS,
-         "--memory", "1"],
-        capture_output=True, text=True, timeout=300,
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            sys.executable,
+            str(SCRIPT),
+            "--dir",
+            str(run),
+            *ARGS,
+            "--memory",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if result.returncode != 0 and "mount" in result.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {result.stderr.strip()}")
@@ -272,8 +292,9 @@ def test_memory_snapshot_stalls_are_not_iteration_time_in_a_fresh_and_a_resumed_
         assert not region_path(tmp_path, 0).exists()  # the session's first memory snapshot creates it
         model = make_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        with cf.Checkpointer(tmp_path, policy=1000, memory=True, model=model, optimizer=optimizer,
-                             slow=StallsOnce(stall)) as ckpt:
+        with cf.Checkpointer(
+            tmp_path, policy=1000, memory=True, model=model, optimizer=optimizer, slow=StallsOnce(stall)
+        ) as ckpt:
             first_steps.append(ckpt.restore() + 1)  # the resumed session restores what the first one persisted at close
             for _ in range(3):
                 train_step(model, optimizer)

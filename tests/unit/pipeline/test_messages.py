@@ -82,10 +82,12 @@ def tensor_records(draw: st.DrawFn) -> dict[str, Any]:
     return record
 
 
-replica_claims = st.fixed_dictionaries({
-    "layout": st.lists(st.tuples(texts, texts, st.lists(counts, max_size=3)).map(list), max_size=4),
-    "fingerprints": st.dictionaries(texts, texts, max_size=4),
-})
+replica_claims = st.fixed_dictionaries(
+    {
+        "layout": st.lists(st.tuples(texts, texts, st.lists(counts, max_size=3)).map(list), max_size=4),
+        "fingerprints": st.dictionaries(texts, texts, max_size=4),
+    }
+)
 
 
 @st.composite
@@ -130,8 +132,9 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Token: st.builds(Token, texts),
     DirectoryKey: st.builds(DirectoryKey, texts),
     DirectoryLeader: st.builds(DirectoryLeader, counts),
-    GroupMembers: st.builds(GroupMembers, st.lists(counts, max_size=8), st.lists(counts, max_size=3),
-                            st.lists(counts, max_size=3)),
+    GroupMembers: st.builds(
+        GroupMembers, st.lists(counts, max_size=8), st.lists(counts, max_size=3), st.lists(counts, max_size=3)
+    ),
     Whoami: st.builds(Whoami, texts, counts),
     # commit and upload
     CommitReport: commit_reports(),
@@ -140,8 +143,12 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Claims: st.builds(Claims, replica_claims, st.dictionaries(texts, tensor_records(), max_size=3)),
     UploadOutcome: st.just(UploadOutcome()) | st.builds(UploadOutcome, st.just(False), optional_texts),
     # restore
-    MemoryReport: st.builds(MemoryReport, st.lists(counts, max_size=4), st.none() | counts,
-                            st.dictionaries(counts, st.lists(counts, max_size=2), max_size=2)),
+    MemoryReport: st.builds(
+        MemoryReport,
+        st.lists(counts, max_size=4),
+        st.none() | counts,
+        st.dictionaries(counts, st.lists(counts, max_size=2), max_size=2),
+    ),
     FetchPlan: st.builds(FetchPlan, st.none() | counts, st.lists(st.tuples(counts, counts), max_size=3)),
     MemoryChoice: st.builds(MemoryChoice, st.none() | counts, st.booleans()),
     NewestStep: st.builds(NewestStep, st.none() | counts),
@@ -149,10 +156,17 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Agenda: st.builds(Agenda, st.lists(counts, max_size=4), st.dictionaries(counts, texts, max_size=4), st.booleans()),
     Holdings: holdings,
     CheckpointView: st.builds(CheckpointView, holdings | texts),
-    ReadOrder: st.builds(ReadOrder, st.lists(st.tuples(texts, st.sampled_from(list(TierName))), max_size=4),
-                         st.booleans()),
-    ExchangeOrder: st.builds(ExchangeOrder, st.lists(texts, max_size=3), st.lists(file_pairs, max_size=3),
-                             st.lists(file_pairs, max_size=3), counts, st.booleans()),
+    ReadOrder: st.builds(
+        ReadOrder, st.lists(st.tuples(texts, st.sampled_from(list(TierName))), max_size=4), st.booleans()
+    ),
+    ExchangeOrder: st.builds(
+        ExchangeOrder,
+        st.lists(texts, max_size=3),
+        st.lists(file_pairs, max_size=3),
+        st.lists(file_pairs, max_size=3),
+        counts,
+        st.booleans(),
+    ),
     Refusal: st.builds(Refusal, texts),
     DamageReport: st.builds(DamageReport, st.dictionaries(texts, texts, max_size=4)),
     FileTransfer: st.builds(FileTransfer, json_objects, counts),
@@ -173,8 +187,11 @@ def message_classes() -> set[type]:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if getattr(cls, "_is_protocol", False):  # the Message protocol itself
                 continue
-            if cls.__module__ == name and callable(getattr(cls, "to_wire", None)) and callable(
-                    getattr(cls, "from_wire", None)):
+            if (
+                cls.__module__ == name
+                and callable(getattr(cls, "to_wire", None))
+                and callable(getattr(cls, "from_wire", None))
+            ):
                 found.add(cls)
     return found
 
@@ -209,8 +226,11 @@ def test_an_order_decodes_to_its_own_kind_by_its_tag(order: ReadOrder | Exchange
 def test_the_orders_tags_tell_them_apart() -> None:
     tags = [kind.TAG for kind in ORDERS]
     assert len(set(tags)) == len(tags)
-    examples = [ReadOrder([("rank00000.safetensors", TierName.LOCAL)], True), ExchangeOrder([], [], [], 0, False),
-                Refusal("no manifest")]
+    examples = [
+        ReadOrder([("rank00000.safetensors", TierName.LOCAL)], True),
+        ExchangeOrder([], [], [], 0, False),
+        Refusal("no manifest"),
+    ]
     assert [type(e) for e in examples] == list(ORDERS)
     for example in examples:  # a kind's wire form holds its own tag and no other kind's
         assert {k for k in example.to_wire() if k in tags} == {example.TAG}
@@ -237,8 +257,10 @@ def test_the_wire_carries_the_same_json_as_before() -> None:
     assert RankError(None).to_wire() is None and RankErrors(["a"]).to_wire() == ["a"]
     assert Token("0123456789ab").to_wire() == "0123456789ab" and DirectoryLeader(3).to_wire() == 3
     assert Whoami("node", 12).to_wire() == {"host": "node", "pid": 12}
-    assert UploadOutcome().to_wire() == {"ok": True} and UploadOutcome(False, "e").to_wire() == {"ok": False,
-                                                                                                "error": "e"}
+    assert UploadOutcome().to_wire() == {"ok": True} and UploadOutcome(False, "e").to_wire() == {
+        "ok": False,
+        "error": "e",
+    }
     assert MemoryChoice(5, True).to_wire() == [5, True] and ListedSteps([3, 1]).to_wire() == [3, 1]
     assert ExchangeOutcome("p", None).to_wire() == ["p", None]
     assert ExchangeVerdict(["e"], (2, "w")).to_wire() == [["e"], [2, "w"]]
@@ -246,7 +268,9 @@ def test_the_wire_carries_the_same_json_as_before() -> None:
     assert DamageReport({"f": "why"}).to_wire() == {"f": "why"}
     assert CheckpointView("no manifest").to_wire() == "no manifest"
     assert Claims({"layout": [], "fingerprints": {}}, {}).to_wire() == {
-        "replicas": {"layout": [], "fingerprints": {}}, "sharded": {}}
+        "replicas": {"layout": [], "fingerprints": {}},
+        "sharded": {},
+    }
 
 
 def test_the_typed_helpers_in_a_world_of_one() -> None:

@@ -38,23 +38,35 @@ class _Module(torch.nn.Module):
 
 
 def _state(rank: int, module: _Module) -> dict[str, torch.Tensor]:
-    return {"a/first": torch.full((FIRST,), float(rank)), "model/big": module.big.detach(),
-            "model/small": module.small.detach(), "values/mine": torch.arange(MINE, dtype=torch.float32) + rank}
+    return {
+        "a/first": torch.full((FIRST,), float(rank)),
+        "model/big": module.big.detach(),
+        "model/small": module.small.detach(),
+        "values/mine": torch.arange(MINE, dtype=torch.float32) + rank,
+    }
 
 
-def _machine(monkeypatch: pytest.MonkeyPatch, shm: Path, directory: Path, ranks: tuple[int, ...],
-             module: _Module, state: Callable[[int, _Module], dict[str, torch.Tensor]] = _state) -> list[MemoryTier]:
+def _machine(
+    monkeypatch: pytest.MonkeyPatch,
+    shm: Path,
+    directory: Path,
+    ranks: tuple[int, ...],
+    module: _Module,
+    state: Callable[[int, _Module], dict[str, torch.Tensor]] = _state,
+) -> list[MemoryTier]:
     """The tiers of one machine's ranks of a job of 4, each with its snapshot of ``STEP`` committed."""
     shm.mkdir(exist_ok=True)
     monkeypatch.setenv(SHM_DIR_ENV, str(shm))
     tiers = []
     for rank in ranks:
-        tier = MemoryTier(directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank,
-                          group=Group(ranks, rank, 4))
+        tier = MemoryTier(
+            directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank, group=Group(ranks, rank, 4)
+        )
         tensors, owned, split = tier.share(state(rank, module), set(), {"model": module}, {"rank": rank})
         layout = layout_of(tensors)
-        target = tier.target(SnapshotRequest(layout, {"rank": rank}, STEP, 0, {}, 0.0, device_copies=False,
-                                             sharded=False, split=split))
+        target = tier.target(
+            SnapshotRequest(layout, {"rank": rank}, STEP, 0, {}, 0.0, device_copies=False, sharded=False, split=split)
+        )
         assert target is not None
         tier.commit(target, Snapshotter(False).take(tensors, set(), layout=layout, buffer=target.buffer, step=STEP))
         tiers.append(tier)
@@ -68,8 +80,7 @@ def _keep(directory: Path, sender: int, copy: replica_parts.Outgoing) -> None:
     slot = region.begin()
     for into, piece in zip(pieces_of(slot.data, copy.info.data_bytes), copy.pieces(), strict=True):
         into.copy_(piece)
-    region.commit(slot, copy.info.step, copy.info.data_bytes, copy.meta, copy.info.signature,
-                  expect=copy.info.checksum)
+    region.commit(slot, copy.info.step, copy.info.data_bytes, copy.meta, copy.info.signature, expect=copy.info.checksum)
     region.release(remove=False)
 
 
@@ -129,8 +140,11 @@ def test_a_copy_no_region_here_can_make_whole_is_not_reported_nor_used(
     data, _ = region.slot_bytes(region.snapshots()[0])
     data[4 * FIRST + 8] = int(data[4 * FIRST + 8]) ^ 0xFF  # a byte of rank 0's replicated piece, flipped
     region.release(remove=False)
-    with pytest.raises(CheckfreqError, match=r"the copy of rank 2's memory snapshot 5 left out replicated pieces "
-                                             r"no region of this machine holds at that step \(e.g. 'model/big@"):
+    with pytest.raises(
+        CheckfreqError,
+        match=r"the copy of rank 2's memory snapshot 5 left out replicated pieces "
+        r"no region of this machine holds at that step \(e.g. 'model/big@",
+    ):
         tiers[0].read_copy(2, STEP)
 
     replica_path(tmp_path, 0).unlink(missing_ok=True)
@@ -141,8 +155,9 @@ def test_a_copy_no_region_here_can_make_whole_is_not_reported_nor_used(
         tier.close(remove=False)
 
 
-def test_a_slot_without_a_long_run_of_replicated_pieces_goes_whole(shm_dir: Path, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slot_without_a_long_run_of_replicated_pieces_goes_whole(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Below :data:`OMIT_MIN_BYTES` of replicated bytes in a row (an optimizer's step counters beside
     shards), the copy is the slot as it lies: its manifest and checksum, one view of its data."""
     monkeypatch.setattr(replica_parts, "OMIT_MIN_BYTES", 1 << 30)
@@ -159,8 +174,9 @@ def test_a_slot_without_a_long_run_of_replicated_pieces_goes_whole(shm_dir: Path
     sender.release(remove=False)
 
 
-def test_a_copy_of_replicated_state_alone_carries_no_data_and_is_kept(shm_dir: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_of_replicated_state_alone_carries_no_data_and_is_kept(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rank with no private tensor (DDP, ``rng=False``): its copy is its manifest alone, 0 bytes of
     data; the keeper still keeps it, and makes the sender's slot whole from its own region."""
     module = _Module()

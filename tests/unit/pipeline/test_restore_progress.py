@@ -19,14 +19,17 @@ def _restore_messages(directory: Path, caplog: pytest.LogCaptureFixture) -> tupl
     model = make_model(width=512)
     opt = torch.optim.Adam(model.parameters())
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="checkfreq.restore"), \
-            cf.Checkpointer(directory, model=model, optimizer=opt) as ckpt:
+    with (
+        caplog.at_level(logging.INFO, logger="checkfreq.restore"),
+        cf.Checkpointer(directory, model=model, optimizer=opt) as ckpt,
+    ):
         step = ckpt.restore()
     return step, [r.getMessage() for r in caplog.records if r.name == "checkfreq.restore" and "read" in r.getMessage()]
 
 
-def test_a_restore_over_the_threshold_logs_its_progress(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_restore_over_the_threshold_logs_its_progress(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = make_model(width=512)
     opt = torch.optim.Adam(model.parameters())
     with cf.Checkpointer(tmp_path, policy=3, model=model, optimizer=opt) as ckpt:
@@ -42,6 +45,7 @@ def test_a_restore_over_the_threshold_logs_its_progress(tmp_path: Path, caplog: 
     step, messages = _restore_messages(tmp_path, caplog)
     assert step == 3
     assert messages[0] == f"restore of step_000000003: reading and verifying {size / 1e9:.2f} GB"
-    last = re.fullmatch(r"restore of step_000000003: ([\d.]+) of ([\d.]+) GB read and verified \(100 %, \d+ MB/s\)",
-                        messages[-1])
+    last = re.fullmatch(
+        r"restore of step_000000003: ([\d.]+) of ([\d.]+) GB read and verified \(100 %, \d+ MB/s\)", messages[-1]
+    )
     assert last is not None and last.group(1) == last.group(2) == f"{size / 1e9:.2f}", messages

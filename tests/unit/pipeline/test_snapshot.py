@@ -103,8 +103,14 @@ THREADS_AFTER_A_CHECKPOINT = textwrap.dedent(
 def test_the_writer_copies_without_starting_threads(tmp_path) -> None:
     """A multi-threaded ``copy_`` in the writer would start an OpenMP team there that competes with training."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", THREADS_AFTER_A_CHECKPOINT, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", THREADS_AFTER_A_CHECKPOINT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     before, after = map(int, out.split())
     assert after == before, f"{after - before} threads appeared while the writer copied"
 

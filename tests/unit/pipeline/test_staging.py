@@ -40,8 +40,12 @@ def test_staging_offsets_are_aligned_and_do_not_overlap() -> None:
 
 
 def test_the_staging_buffer_holds_each_tensor_exactly_and_is_reused() -> None:
-    tensors = [torch.randn(3, 5, dtype=torch.bfloat16), torch.arange(7, dtype=torch.int64),
-               torch.rand(4, 4).t(), torch.tensor([True, False, True])]  # a strided one among them
+    tensors = [
+        torch.randn(3, 5, dtype=torch.bfloat16),
+        torch.arange(7, dtype=torch.int64),
+        torch.rand(4, 4).t(),
+        torch.tensor([True, False, True]),
+    ]  # a strided one among them
     staging = StagingBuffer(torch.device("cpu"), FakeDevice())
     views = staging.views_for(tensors)
     for view, src in zip(views, tensors, strict=True):
@@ -61,8 +65,9 @@ def test_the_gpu_staging_option_is_checked(tmp_path: Path) -> None:
         cf.Checkpointer(tmp_path, gpu_staging="yes", model=model)  # type: ignore[arg-type]
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, ckpt: cf.Checkpointer | None,
-           device: str = "cuda") -> None:
+def _train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, ckpt: cf.Checkpointer | None, device: str = "cuda"
+) -> None:
     x = torch.randn(64, 8, device=device)
     for _ in range(steps):
         opt.zero_grad()
@@ -93,8 +98,9 @@ def test_a_cuda_snapshot_is_consistent_with_and_without_staging(
     _, tensors = cf.read_checkpoint(tmp_path / "step_000000003")
     for key, value in at_k.items():
         assert torch.equal(tensors[f"model/{key}"], value), key
-    assert any(("GPU staging buffer" if staging else "direct copy to the host") in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        ("GPU staging buffer" if staging else "direct copy to the host") in r.getMessage() for r in caplog.records
+    )
     waits = [e for e in read_events(tmp_path) if e["event"] == "gpu_wait"]
     assert waits and all(e["step"] == 3 and e["wait_s"] >= 0 for e in waits)
 

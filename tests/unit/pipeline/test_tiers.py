@@ -79,7 +79,12 @@ def test_tier_names_are_an_enum_that_reads_and_travels_as_its_value() -> None:
 
 def _tier_classes() -> set[str]:
     return {name for name in dir(checkfreq.pipeline.tiers) if name.endswith("Tier")} | {
-        "MemoryTier", "RemoteTier", "Tier", "LocalTier", "Tiers"}
+        "MemoryTier",
+        "RemoteTier",
+        "Tier",
+        "LocalTier",
+        "Tiers",
+    }
 
 
 def test_nothing_outside_the_tier_modules_tests_for_a_particular_tier() -> None:
@@ -95,8 +100,9 @@ def test_nothing_outside_the_tier_modules_tests_for_a_particular_tier() -> None:
                 names = {n.id for arg in node.args[1:] for n in ast.walk(arg) if isinstance(n, ast.Name)}
                 if names & classes:
                     offenders.append(f"{relative}:{node.lineno}")
-            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value is None
-                                                     for c in node.comparators):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value is None for c in node.comparators
+            ):
                 text = ast.unparse(node.left)
                 if any(word in text for word in ("tier", "_memory", "uploader", "_remote")):
                     offenders.append(f"{relative}:{node.lineno} {ast.unparse(node)}")

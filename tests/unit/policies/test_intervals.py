@@ -88,9 +88,7 @@ HORIZON = 24 * HOUR
 
 
 def _interval(t: float, beta: float = 1.0) -> float:
-    return convergence_interval(
-        t, WORKED, HORIZON, stall=30.0, persist=60.0, mtbf=4 * HOUR, iteration=1.0, beta=beta
-    )
+    return convergence_interval(t, WORKED, HORIZON, stall=30.0, persist=60.0, mtbf=4 * HOUR, iteration=1.0, beta=beta)
 
 
 @pytest.mark.parametrize(("hour", "minutes"), [(0, 1.4), (1, 8.3), (3, 18.0), (12, 50.0), (23, 81.0)])

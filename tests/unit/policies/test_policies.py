@@ -103,10 +103,18 @@ def test_every_and_every_epoch() -> None:
 def _ctx(since: int = 1, seconds: float = 0.0, epoch_changed: bool = False) -> DecisionContext:
     nan = math.nan
     return DecisionContext(
-        step=since, session_steps=since, steps_since_checkpoint=since, elapsed=seconds,
+        step=since,
+        session_steps=since,
+        steps_since_checkpoint=since,
+        elapsed=seconds,
         seconds_since_checkpoint=seconds,
-        iteration_time=nan, iteration_time_while_persisting=nan, stall=nan, persist_time=nan,
-        bytes_per_checkpoint=0, persist_in_flight=False, epoch_changed=epoch_changed,
+        iteration_time=nan,
+        iteration_time_while_persisting=nan,
+        stall=nan,
+        persist_time=nan,
+        bytes_per_checkpoint=0,
+        persist_in_flight=False,
+        epoch_changed=epoch_changed,
     )
 
 
@@ -342,10 +350,18 @@ def test_profiler_measures_what_each_checkpoint_cost() -> None:
 def test_overhead_plans_from_the_measured_cost_per_checkpoint() -> None:
     """A slowdown concentrated in one iteration: the measured cost, not the average slowdown, sets the interval."""
     ctx = DecisionContext(
-        step=100, session_steps=100, steps_since_checkpoint=1, elapsed=10.0, seconds_since_checkpoint=0.1,
+        step=100,
+        session_steps=100,
+        steps_since_checkpoint=1,
+        elapsed=10.0,
+        seconds_since_checkpoint=0.1,
         iteration_time=0.1,
-        iteration_time_while_persisting=0.13, stall=0.005, persist_time=0.15, bytes_per_checkpoint=1,
-        persist_in_flight=False, checkpoint_cost=0.065,
+        iteration_time_while_persisting=0.13,
+        stall=0.005,
+        persist_time=0.15,
+        bytes_per_checkpoint=1,
+        persist_in_flight=False,
+        checkpoint_cost=0.065,
     )
     policy = Overhead(p=0.05)
     policy.should_save(ctx)

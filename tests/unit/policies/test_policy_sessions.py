@@ -84,14 +84,19 @@ class Session:
             self.recorded = self.durable_at
         loss = float(self.loss.value(self.step)) if self.loss else None
         ctx = DecisionContext(
-            step=self.step, session_steps=self.step - self.start_step,
-            steps_since_checkpoint=self.step - self.last_checkpoint_step, elapsed=self.now,
+            step=self.step,
+            session_steps=self.step - self.start_step,
+            steps_since_checkpoint=self.step - self.last_checkpoint_step,
+            elapsed=self.now,
             seconds_since_checkpoint=self.now - self.last_checkpoint_time,
             iteration_time=self.profiler.iteration.value,
             iteration_time_while_persisting=self.profiler.iteration_while_persisting.value,
-            stall=self.profiler.stall.value, persist_time=self.profiler.persist.value,
-            checkpoint_cost=self.profiler.checkpoint_cost.value, bytes_per_checkpoint=10**6,
-            persist_in_flight=self.durable_at > self.now, loss=loss,
+            stall=self.profiler.stall.value,
+            persist_time=self.profiler.persist.value,
+            checkpoint_cost=self.profiler.checkpoint_cost.value,
+            bytes_per_checkpoint=10**6,
+            persist_in_flight=self.durable_at > self.now,
+            loss=loss,
         )
         if self.policy.should_save(ctx):
             self._checkpoint()
@@ -120,9 +125,18 @@ class Session:
 def _restored_context(**changes: Any) -> DecisionContext:
     nan = math.nan
     fields = dict(
-        step=1_000_000, session_steps=1, steps_since_checkpoint=1, elapsed=0.01, seconds_since_checkpoint=0.01,
-        iteration_time=nan, iteration_time_while_persisting=nan, stall=nan, persist_time=nan,
-        bytes_per_checkpoint=0, persist_in_flight=False, loss=1.0,
+        step=1_000_000,
+        session_steps=1,
+        steps_since_checkpoint=1,
+        elapsed=0.01,
+        seconds_since_checkpoint=0.01,
+        iteration_time=nan,
+        iteration_time_while_persisting=nan,
+        stall=nan,
+        persist_time=nan,
+        bytes_per_checkpoint=0,
+        persist_in_flight=False,
+        loss=1.0,
     )
     return DecisionContext(**{**fields, **changes})
 
@@ -164,8 +178,9 @@ def test_every_seconds_waits_for_the_checkpoint_in_flight() -> None:
 
 def test_a_fit_without_this_sessions_measurements_waits() -> None:
     """A restored loss fit cannot place a checkpoint before the session has measured its iterations."""
-    donor = Session(ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), iteration=1.0, stall=30.0, persist=60.0,
-                    loss=WORKED)
+    donor = Session(
+        ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), iteration=1.0, stall=30.0, persist=60.0, loss=WORKED
+    )
     donor.run(3000)
     policy = ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR)
     policy.load_state_dict(donor.saved[-1][2]["policy"])
@@ -181,8 +196,13 @@ RESUMES: dict[str, tuple[Callable[[], Policy], float, tuple[float, float, float,
     "Auto": (Auto, 0.3, (0.01, 0.004, 0.1, 0.3), 1500, 1500),
     "Auto(mtbf)": (lambda: Auto(mtbf=20.0), 0.3, (0.01, 0.004, 0.1, 0.3), 1500, 1500),
     "YoungDaly": (lambda: YoungDaly(mtbf=4 * HOUR), 0.1, (1.0, 30.0, 60.0, 0.0), 3000, 3000),
-    "ConvergenceAware": (lambda: ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR), 0.1, (1.0, 30.0, 60.0, 0.0),
-                         4000, 4000),
+    "ConvergenceAware": (
+        lambda: ConvergenceAware(mtbf=4 * HOUR, horizon=24 * HOUR),
+        0.1,
+        (1.0, 30.0, 60.0, 0.0),
+        4000,
+        4000,
+    ),
     "Every(seconds)": (lambda: Every(seconds=0.5), 0.0, (0.01, 0.004, 0.1, 0.3), 1000, 1000),
 }
 

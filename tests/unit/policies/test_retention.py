@@ -56,7 +56,8 @@ def test_retention_counts_only_the_listed_valid_checkpoints(tmp_path: Path) -> N
         retainer.run(protect=step)
     assert [s for s, _ in store.checkpoints()] == [10, 7, 4]
     assert [(a.step, a.reason) for a in store.set_aside_checkpoints()] == [
-        (6, "data file rank00000.safetensors is truncated")]
+        (6, "data file rank00000.safetensors is truncated")
+    ]
     Retainer(store, Retention(keep=3), leader=False).run()  # only the leader deletes
     store.commit(store.staging_dir(13, "job"), 13)
     retainer.run(protect=13)
@@ -85,8 +86,15 @@ def test_checkpointer_keeps_milestones_locally_and_remotely(tmp_path: Path) -> N
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     remote = tmp_path / "remote"
-    with cf.Checkpointer(tmp_path / "local", remote=remote, policy=1, keep=Retention(2, every=5),
-                         remote_keep=Retention(1, every=4), model=model, optimizer=opt) as ckpt:
+    with cf.Checkpointer(
+        tmp_path / "local",
+        remote=remote,
+        policy=1,
+        keep=Retention(2, every=5),
+        remote_keep=Retention(1, every=4),
+        model=model,
+        optimizer=opt,
+    ) as ckpt:
         for _ in range(12):
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
@@ -121,13 +129,16 @@ def test_a_newer_checkpoint_must_score_strictly_better_to_displace_a_best() -> N
     assert rule.best_steps([1, 2], {1: float("nan"), 2: None}) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"best": ("val_loss", "lowest")}, "best must be (metric name, 'min' or 'max')"),
-    ({"best": "val_loss"}, "best must be"),
-    ({"best": ("", "min")}, "best must be"),
-    ({"top": 2}, "top=2 needs best="),
-    ({"best": ("val_loss", "min"), "top": 0}, "top must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"best": ("val_loss", "lowest")}, "best must be (metric name, 'min' or 'max')"),
+        ({"best": "val_loss"}, "best must be"),
+        ({"best": ("", "min")}, "best must be"),
+        ({"top": 2}, "top=2 needs best="),
+        ({"best": ("val_loss", "min"), "top": 0}, "top must be an int >= 1"),
+    ],
+)
 def test_best_is_checked(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(cf.errors.InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Retention(3, **kwargs)  # type: ignore[arg-type]

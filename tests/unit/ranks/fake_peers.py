@@ -51,8 +51,10 @@ class FakePeers:
         for other in range(self.size):
             if other != self.rank:
                 self.wire.put(self.rank, other, "json", json.dumps(value))
-        return [json.loads(json.dumps(value)) if r == self.rank else json.loads(self.wire.take(self.rank, r, "json"))
-                for r in range(self.size)]
+        return [
+            json.loads(json.dumps(value)) if r == self.rank else json.loads(self.wire.take(self.rank, r, "json"))
+            for r in range(self.size)
+        ]
 
     def gather(self, value: Any) -> list[Any] | None:
         if self.rank != 0:

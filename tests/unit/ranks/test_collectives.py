@@ -19,8 +19,18 @@ from checkfreq.ranks.collectives import (
 )
 
 MESSAGES = [
-    None, 0, -(2**63), 2**70, 1.5, "", "snowman ☃ and 𝄞", [], {}, [1, [2, [3, None]]],
-    {"a": {"b": [True, False]}, "rank": 3, "é": "ü"}, "x" * 100_000,
+    None,
+    0,
+    -(2**63),
+    2**70,
+    1.5,
+    "",
+    "snowman ☃ and 𝄞",
+    [],
+    {},
+    [1, [2, [3, None]]],
+    {"a": {"b": [True, False]}, "rank": 3, "é": "ü"},
+    "x" * 100_000,
 ]
 
 

@@ -18,8 +18,11 @@ def _state(rank: int) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Replicated tensors of uneven sizes (one much larger, to be split), and private ones per rank."""
     torch.manual_seed(0)
     tensors = {
-        "model/big": torch.randn(300, 70), "model/small": torch.randn(5), "opt/state/0/exp_avg": torch.randn(300, 70),
-        "opt/state/0/step": torch.tensor(7.0), "model/empty": torch.empty(0),
+        "model/big": torch.randn(300, 70),
+        "model/small": torch.randn(5),
+        "opt/state/0/exp_avg": torch.randn(300, 70),
+        "opt/state/0/step": torch.tensor(7.0),
+        "model/empty": torch.empty(0),
     }
     replicated = set(tensors)
     tensors["model/bn.running_mean"] = torch.full((4,), float(rank))
@@ -33,8 +36,9 @@ def test_the_shares_of_a_group_give_every_rank_its_whole_state(size: int) -> Non
     shares = []
     for rank in group:
         tensors, replicated = _state(rank)
-        arrays, fenced, index = GroupSharer(Group(group, rank, 20)).select(tensors, {"model/big"}, replicated,
-                                                                            {"skeleton of": rank})
+        arrays, fenced, index = GroupSharer(Group(group, rank, 20)).select(
+            tensors, {"model/big"}, replicated, {"skeleton of": rank}
+        )
         shares.append((rank, arrays, fenced, index))
     replicated_bytes = sum(t.numel() * t.element_size() for n, t in _state(0)[0].items() if n in _state(0)[1])
     everything: dict[str, torch.Tensor] = {}
@@ -46,8 +50,17 @@ def test_the_shares_of_a_group_give_every_rank_its_whole_state(size: int) -> Non
         assert sum(t.numel() * t.element_size() for t in arrays.values()) - private <= replicated_bytes / size * 1.1
         assert fenced == {name for name in arrays if name.startswith("model/big")}  # its pieces of the owned tensor
         assert index["group"] == list(group) and index["world_size"] == 20
-        manifest = Manifest(step=3, epoch=0, world_size=1, files={}, tensors={}, state=None, versions={},
-                            created=0.0, distributed=dict(index))
+        manifest = Manifest(
+            step=3,
+            epoch=0,
+            world_size=1,
+            files={},
+            tensors={},
+            state=None,
+            versions={},
+            created=0.0,
+            distributed=dict(index),
+        )
         skeleton, rebuilt = local_view(manifest, everything)
         expected, _ = _state(rank)
         assert skeleton == {"skeleton of": rank}
@@ -81,8 +94,7 @@ def test_each_machine_copies_to_the_next_one_rank_to_rank() -> None:
     assert replica_ring(two, 1) == [([2], [2]), ([3], [3]), ([0], [0]), ([1], [1])]
     three = [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]]
     assert replica_ring(three, 1) == [([2], [4]), ([3], [5]), ([4], [0]), ([5], [1]), ([0], [2]), ([1], [3])]
-    assert replica_ring(three, 1, stride=2) == [([4], [2]), ([5], [3]), ([0], [4]), ([1], [5]), ([2], [0]),
-                                                ([3], [1])]
+    assert replica_ring(three, 1, stride=2) == [([4], [2]), ([5], [3]), ([0], [4]), ([1], [5]), ([2], [0]), ([3], [1])]
     uneven = [[0, 1, 2], [0, 1, 2], [0, 1, 2], [3], [4, 5], [4, 5]]
     assert replica_ring(uneven, 1) == [([3], [4]), ([3], [5]), ([3], []), ([4], [0, 1, 2]), ([0], [3]), ([1], [])]
     assert replica_ring(two[:2], 1) == [([], []), ([], [])]  # one machine: nowhere to copy to

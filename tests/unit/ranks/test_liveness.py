@@ -156,8 +156,9 @@ def test_a_rank_busy_for_longer_than_the_timeout_but_beating_is_alive(
     assert me.failure is None
 
 
-def test_a_published_failure_is_seen_by_the_other_ranks(store: DictStore, exits: list[Liveness],
-                                                        made: list[Liveness]) -> None:
+def test_a_published_failure_is_seen_by_the_other_ranks(
+    store: DictStore, exits: list[Liveness], made: list[Liveness]
+) -> None:
     first = _rank(made, store, 0, 2, timeout=600.0)
     other = _rank(made, store, 1, 2, timeout=0.4)  # its heartbeat thread reads the failure every 0.1 s
     error = first.give_up("rank 3 vanished", end_process=False)

@@ -43,8 +43,10 @@ def test_a_device_piece_is_hashed_from_its_stream_ordered_copy_by_the_writer_nev
     gpu.run()  # the GPU gets there: the optimizer step's kernel first, then the side stream's copies
     thread.join(10)
     assert hashed_on == [thread]
-    assert claim["fingerprints"] == {"counter": _bytes_hash(counter),
-                                     "weight": _bytes_hash(torch.arange(4096, dtype=torch.float32) + 1.0)}
+    assert claim["fingerprints"] == {
+        "counter": _bytes_hash(counter),
+        "weight": _bytes_hash(torch.arange(4096, dtype=torch.float32) + 1.0),
+    }
     assert [e[1] for e in gpu.log if e[0] == "copy"] == ["side1", "side1"]  # the state's copy and the claim's
 
 
@@ -66,8 +68,10 @@ def test_the_first_check_on_a_device_copies_a_bounded_head_of_every_tensor() -> 
     assert [p.name for p in first] == sorted(sizes)  # every tensor is checked at once
     assert all(p.begin == 0 for p in first)
     assert sum((p.end - p.begin) * 4 for p in first) <= replicas.FIRST_DEVICE_BYTES
-    assert {p.name: p.whole for p in first if p.end - p.begin == sizes[p.name]} == {"model/bias": True,
-                                                                                     "model/empty": True}
+    assert {p.name: p.whole for p in first if p.end - p.begin == sizes[p.name]} == {
+        "model/bias": True,
+        "model/empty": True,
+    }
     on_host = plan.verify_first(device=False)
     assert [(p.name, p.begin, p.end, p.whole) for p in on_host] == [(n, 0, sizes[n], True) for n in sorted(sizes)]
     window = plan.verify_next()  # later checks: a window of the stream, as on the host

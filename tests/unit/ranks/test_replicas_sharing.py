@@ -58,9 +58,11 @@ def test_many_disagreements_are_counted_past_the_shown_ones() -> None:
 
 
 def test_sharded_disagreement_names_dtype_shape_and_layout() -> None:
-    per_rank = [{"w": {"dtype": "F32", "shape": [4, 3], "chunked": 0}},
-                {"w": {"dtype": "F32", "shape": [4, 3], "chunked": 1}},
-                {"w": {"dtype": "BF16", "shape": [4, 3], "chunked": 0}}]
+    per_rank = [
+        {"w": {"dtype": "F32", "shape": [4, 3], "chunked": 0}},
+        {"w": {"dtype": "F32", "shape": [4, 3], "chunked": 1}},
+        {"w": {"dtype": "BF16", "shape": [4, 3], "chunked": 0}},
+    ]
     message = sharded_disagreement(per_rank)
     assert message is not None
     assert "F32 (4, 3) chunked along dim 0 on ranks [0]" in message

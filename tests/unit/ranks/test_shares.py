@@ -19,9 +19,11 @@ Sizes = list[tuple[str, int, int]]
 
 NAMES = st.text(alphabet="abcdefgh./_0123456789", min_size=1, max_size=12)
 SIZES = st.lists(
-    st.tuples(NAMES, st.integers(0, 5000) | st.integers(0, 10) | st.integers(0, 2_000_000),
-              st.sampled_from([1, 2, 4, 8])),
-    max_size=30, unique_by=lambda s: s[0],
+    st.tuples(
+        NAMES, st.integers(0, 5000) | st.integers(0, 10) | st.integers(0, 2_000_000), st.sampled_from([1, 2, 4, 8])
+    ),
+    max_size=30,
+    unique_by=lambda s: s[0],
 )
 WORLD = st.integers(1, 40)
 PROPERTY = settings(max_examples=300, deadline=None)
@@ -119,8 +121,10 @@ def test_a_small_tensor_is_never_split() -> None:
 def test_a_large_tensor_is_split_and_empty_ones_go_to_rank_0() -> None:
     plans = partition([("big", 1000, 4), ("empty", 0, 4)], 4)
     assert [[(p.stored_name, p.begin, p.end) for p in pieces] for pieces in plans] == [
-        [("empty", 0, 0), ("big@0-250", 0, 250)], [("big@250-500", 250, 500)],
-        [("big@500-750", 500, 750)], [("big@750-1000", 750, 1000)],
+        [("empty", 0, 0), ("big@0-250", 0, 250)],
+        [("big@250-500", 250, 500)],
+        [("big@500-750", 500, 750)],
+        [("big@750-1000", 750, 1000)],
     ]
 
 
@@ -146,25 +150,42 @@ def test_source_rank(rank: int, saved: int) -> None:
 def _sharded_manifest(shards: dict[str, tuple[list[int], list[int]]]) -> Manifest:
     """A manifest whose sharded tensor ``w`` (4 x 3) is saved as ``shards``: stored name → (offset, shape)."""
     return Manifest(
-        step=1, epoch=None, world_size=2, files={},
-        tensors={name: {"file": "f", "dtype": "F32", "shape": shape, "offsets": [0, 0]}  # type: ignore[misc]
-                 for name, (_, shape) in shards.items()},
-        state=None, versions={}, created=0.0,
-        distributed={"ranks": [{}, {}], "tensors": {
-            "w": {"kind": SHARDED, "dtype": "F32", "shape": [4, 3],
-                  "parts": [[name, offset] for name, (offset, _) in shards.items()]},
-        }},
+        step=1,
+        epoch=None,
+        world_size=2,
+        files={},
+        tensors={
+            name: {"file": "f", "dtype": "F32", "shape": shape, "offsets": [0, 0]}  # type: ignore[misc]
+            for name, (_, shape) in shards.items()
+        },
+        state=None,
+        versions={},
+        created=0.0,
+        distributed={
+            "ranks": [{}, {}],
+            "tensors": {
+                "w": {
+                    "kind": SHARDED,
+                    "dtype": "F32",
+                    "shape": [4, 3],
+                    "parts": [[name, offset] for name, (offset, _) in shards.items()],
+                },
+            },
+        },
     )
 
 
-@pytest.mark.parametrize(("shards", "block", "short"), [
-    ({"w@rank00000": ([0, 0], [2, 3]), "w@rank00001": ([2, 0], [2, 3])}, ((0, 0), (4, 3)), []),
-    ({"w@rank00000": ([0, 0], [2, 3])}, ((0, 0), (4, 3)), ["w"]),
-    ({"w@rank00000": ([0, 0], [2, 3])}, ((0, 0), (2, 3)), []),
-    ({"w@rank00000": ([0, 0], [2, 3])}, ((1, 1), (1, 2)), []),
-    ({"w@rank00001": ([2, 0], [2, 3])}, ((1, 0), (2, 3)), ["w"]),
-    ({"w@rank00000": ([0, 0], [4, 2])}, ((0, 0), (4, 3)), ["w"]),
-])
+@pytest.mark.parametrize(
+    ("shards", "block", "short"),
+    [
+        ({"w@rank00000": ([0, 0], [2, 3]), "w@rank00001": ([2, 0], [2, 3])}, ((0, 0), (4, 3)), []),
+        ({"w@rank00000": ([0, 0], [2, 3])}, ((0, 0), (4, 3)), ["w"]),
+        ({"w@rank00000": ([0, 0], [2, 3])}, ((0, 0), (2, 3)), []),
+        ({"w@rank00000": ([0, 0], [2, 3])}, ((1, 1), (1, 2)), []),
+        ({"w@rank00001": ([2, 0], [2, 3])}, ((1, 0), (2, 3)), ["w"]),
+        ({"w@rank00000": ([0, 0], [4, 2])}, ((0, 0), (4, 3)), ["w"]),
+    ],
+)
 def test_uncovered_names_the_blocks_the_saved_shards_do_not_cover(
     shards: dict[str, tuple[list[int], list[int]]], block: tuple[tuple[int, ...], tuple[int, ...]], short: list[str]
 ) -> None:

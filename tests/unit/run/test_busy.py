@@ -44,8 +44,9 @@ def test_a_fixed_interval_the_storage_cannot_keep_waits_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                torch.nn.Linear(1024, 3))  # 12.6 MB with Adam's state: a persist of 0.4 s
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 3)
+    )  # 12.6 MB with Adam's state: a persist of 0.4 s
     opt = torch.optim.Adam(model.parameters())
     stalls: dict[int, float] = {}
     caplog.set_level(logging.WARNING, logger="checkfreq.busy")

@@ -161,8 +161,13 @@ def test_export_writes_the_numbers_grad_scaler_load_state_dict_takes(tmp_path: P
 
 
 def test_loadable_turns_only_a_grad_scalers_state_into_numbers() -> None:
-    state = {"scale": torch.tensor(4.0), "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
-             "_growth_tracker": torch.tensor(2, dtype=torch.int32)}
+    state = {
+        "scale": torch.tensor(4.0),
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 3,
+        "_growth_tracker": torch.tensor(2, dtype=torch.int32),
+    }
     assert scaler_state.loadable(state) == {**state, "scale": 4.0, "_growth_tracker": 2}
     other = {"scale": torch.ones(3), "growth_factor": 2.0}
     assert scaler_state.loadable(other) is other

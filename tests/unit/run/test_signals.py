@@ -40,9 +40,22 @@ def _train_in_process(directory: Path, log: Path) -> dict[str, list[str]]:
 def test_sigterm_to_a_training_process_commits_and_resume_loses_nothing(tmp_path: Path) -> None:
     directory = tmp_path / "preempted"
     child = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "chaos_train.py"), "--dir", str(directory), "--every", "1000",
-         "--save-on-signal", str(int(signal.SIGTERM)), "--step-sleep", "0.02"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(SCRIPTS / "chaos_train.py"),
+            "--dir",
+            str(directory),
+            "--every",
+            "1000",
+            "--save-on-signal",
+            str(int(signal.SIGTERM)),
+            "--step-sleep",
+            "0.02",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     optimizer_steps = 0
     for line in child.stdout:  # type: ignore[union-attr]
@@ -77,8 +90,9 @@ def test_previous_python_handler_runs_after_the_checkpoint_and_the_trap_rearms(t
     seen: list[list[str]] = []
     previous = signal.signal(signal.SIGUSR1, lambda *_: seen.append(sorted(p.name for p in tmp_path.glob("step_*"))))
     try:
-        with cf.Checkpointer(tmp_path, policy=1000, keep=5, model=model, optimizer=opt,
-                             save_on_signal=(signal.SIGUSR1,)) as ckpt:
+        with cf.Checkpointer(
+            tmp_path, policy=1000, keep=5, model=model, optimizer=opt, save_on_signal=(signal.SIGUSR1,)
+        ) as ckpt:
             for step in range(1, 9):
                 train_step(model, opt)
                 if step in (3, 6):
@@ -123,8 +137,9 @@ def test_ignored_signal_still_checkpoints_and_training_goes_on(tmp_path: Path) -
     model, opt = _stack()
     previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
-        with cf.Checkpointer(tmp_path, policy=1000, model=model, optimizer=opt,
-                             save_on_signal=(signal.SIGUSR2,)) as ckpt:
+        with cf.Checkpointer(
+            tmp_path, policy=1000, model=model, optimizer=opt, save_on_signal=(signal.SIGUSR2,)
+        ) as ckpt:
             train_step(model, opt)
             os.kill(os.getpid(), signal.SIGUSR2)
             ckpt.step()

@@ -130,8 +130,9 @@ def test_a_checkpoint_that_does_not_fit_lists_every_object(tmp_path: Path) -> No
     _saved(tmp_path, model, torch.optim.AdamW(model.parameters()))
     wider = make_model(width=16)
     scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(wider.parameters()), 2)
-    with cf.Checkpointer(tmp_path, model=wider, optimizer=torch.optim.SGD(wider.parameters()),
-                         scheduler=scheduler) as ckpt:
+    with cf.Checkpointer(
+        tmp_path, model=wider, optimizer=torch.optim.SGD(wider.parameters()), scheduler=scheduler
+    ) as ckpt:
         with pytest.raises(cf.StateMismatchError) as info:
             ckpt.restore()
     lines = str(info.value).splitlines()
@@ -140,10 +141,15 @@ def test_a_checkpoint_that_does_not_fit_lists_every_object(tmp_path: Path) -> No
     assert lines[2].startswith("- checkpoint does not fit 'model': ") and (
         "0.weight: shape (32, 8) in checkpoint, (16, 8) in model" in lines[2]
     )
-    assert lines[3] == ("- checkpoint does not fit 'optimizer': it was written by a torch.optim.adamw.AdamW, "
-                        "this optimizer is a torch.optim.sgd.SGD")
-    assert len(lines) == 5 and "A run whose model or optimizer changed on purpose is a new run: give it a " \
-        "directory of its own." in lines[4]
+    assert lines[3] == (
+        "- checkpoint does not fit 'optimizer': it was written by a torch.optim.adamw.AdamW, "
+        "this optimizer is a torch.optim.sgd.SGD"
+    )
+    assert (
+        len(lines) == 5
+        and "A run whose model or optimizer changed on purpose is a new run: give it a directory of its own."
+        in lines[4]
+    )
 
     # the way on it names: export the weights, and load those that fit into the changed model
     export = re.search(r"\(checkfreq (export .*?)\)", lines[4]).group(1)  # type: ignore[union-attr]
@@ -168,14 +174,16 @@ def test_a_model_wrapped_differently_gets_the_prefix_hint(tmp_path: Path, wrap: 
     _saved(tmp_path / "wrapped", wrapped, optimizer)
 
     with cf.Checkpointer(tmp_path / "bare", model=wrapped, optimizer=optimizer) as ckpt:
-        with pytest.raises(cf.StateMismatchError,
-                           match=f"only by the prefix '{prefix}', which this model's keys carry"
-                           ".*register the unwrapped module"):
+        with pytest.raises(
+            cf.StateMismatchError,
+            match=f"only by the prefix '{prefix}', which this model's keys carry.*register the unwrapped module",
+        ):
             ckpt.restore()
     with cf.Checkpointer(tmp_path / "wrapped", model=model, optimizer=optimizer) as ckpt:
-        with pytest.raises(cf.StateMismatchError,
-                           match=f"only by the prefix '{prefix}', which the checkpoint's keys carry"
-                           ".*wrapped the same way"):
+        with pytest.raises(
+            cf.StateMismatchError,
+            match=f"only by the prefix '{prefix}', which the checkpoint's keys carry.*wrapped the same way",
+        ):
             ckpt.restore()
     inner = wrapped.module if wrap == "data_parallel" else wrapped._orig_mod
     with cf.Checkpointer(tmp_path / "bare", model=inner, optimizer=optimizer) as ckpt:  # the fix the hint names

@@ -139,8 +139,11 @@ def test_data_file_from_random_bytes(tmp_path: Path, raw: bytes, valid_checksum:
 
 
 @FUZZ
-@given(header=st.binary(max_size=256) | JSON.map(lambda v: json.dumps(v).encode()), declared=st.integers(0, 2**64 - 1),
-       tail=st.binary(max_size=64))
+@given(
+    header=st.binary(max_size=256) | JSON.map(lambda v: json.dumps(v).encode()),
+    declared=st.integers(0, 2**64 - 1),
+    tail=st.binary(max_size=64),
+)
 def test_data_file_with_a_hostile_header(tmp_path: Path, header: bytes, declared: int, tail: bytes) -> None:
     """The header length is a u64 read from the file: a huge one must never allocate."""
     for length in (len(header), declared):

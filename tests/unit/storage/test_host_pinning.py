@@ -29,7 +29,7 @@ def test_a_slot_is_registered_once_and_unregistered_before_the_region_is_unmappe
     first = region.begin()
     assert region.pin_slot(first.slot, registry) and region.pin_slot(first.slot, registry)  # idempotent
     assert len(registry.registered()) == 1
-    (address, nbytes), = registry.registered().items()
+    ((address, nbytes),) = registry.registered().items()
     assert address == first.data.data_ptr() and nbytes == first.data.numel()  # exactly the slot's data area
     region.pin_slot(1 - first.slot, registry)
     assert region.pinned_slots == {0, 1} and len(registry.registered()) == 2
@@ -216,9 +216,16 @@ def test_a_memory_restore_waits_for_the_checksum_in_flight(shm_dir: Path, tmp_pa
     tier = MemoryTier(tmp_path, MemoryCadence(every=1), data_file="data.safetensors")
     tensors = {"w": torch.arange(4096, dtype=torch.float32)}
     layout = layout_of(tensors)
-    meta = Manifest(step=3, epoch=None, world_size=1, files={"data.safetensors": {"size": layout.nbytes,
-                    "xxh3_64": ""}}, tensors=tensor_entries(layout, "data.safetensors"), state={}, versions={},
-                    created=0.0).to_json()
+    meta = Manifest(
+        step=3,
+        epoch=None,
+        world_size=1,
+        files={"data.safetensors": {"size": layout.nbytes, "xxh3_64": ""}},
+        tensors=tensor_entries(layout, "data.safetensors"),
+        state={},
+        versions={},
+        created=0.0,
+    ).to_json()
     tier.region.reserve(layout.nbytes, len(meta))
     target = MemoryTarget(tier.region.begin(), 3, layout, meta, 0.0, seal_later=True)
     gate = threading.Event()

@@ -76,17 +76,19 @@ def memory_url() -> str:
     return f"memory://checkfreq-test-{uuid.uuid4().hex[:12]}/run"
 
 
-def test_a_skipped_damaged_checkpoint_never_holds_a_retention_slot(tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_skipped_damaged_checkpoint_never_holds_a_retention_slot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The newest checkpoint's data file is truncated: the restore skips it and resumes from the one
     before; it is set aside (logged once, naming it and why), and training on with ``keep=3`` keeps the
     three newest *valid* checkpoints, never the damaged one in place of a valid one."""
     _first_run(tmp_path)
     _truncate(tmp_path / checkpoint_name(6))
     model, opt = _stack(seed=1)
-    with caplog.at_level(logging.WARNING, logger="checkfreq"), cf.Checkpointer(
-        tmp_path, policy=3, keep=3, model=model, optimizer=opt
-    ) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="checkfreq"),
+        cf.Checkpointer(tmp_path, policy=3, keep=3, model=model, optimizer=opt) as ckpt,
+    ):
         assert ckpt.restore() == 4
         set_aside = [r.message for r in caplog.records if "set aside" in r.message]
         assert len(set_aside) == 1 and checkpoint_name(6) in set_aside[0] and "bytes" in set_aside[0]
@@ -97,14 +99,19 @@ def test_a_skipped_damaged_checkpoint_never_holds_a_retention_slot(tmp_path: Pat
         assert code == 0 and "3 valid, 0 invalid, 1 set aside" in out and "set aside as step_000000006.damaged-" in out
         listing = json.loads(_cli("ls", tmp_path, "--json")[1])
         assert [(c["step"], c["valid"], c["set_aside"] is not None) for c in listing] == [
-            (10, True, False), (7, True, False), (6, False, True), (4, True, False)]
+            (10, True, False),
+            (7, True, False),
+            (6, False, True),
+            (4, True, False),
+        ]
         assert "bytes" in listing[2]["reason"]
         _train(ckpt, model, opt, 3)  # a checkpoint at 13: three valid ones are newer than the damaged 6
     assert _valid_steps(tmp_path) == [13, 10, 7]
     assert set_aside_statuses(tmp_path) == [] and not list(tmp_path.glob("step_*.damaged-*"))
     # The process a user runs: the listing counts only valid checkpoints.
-    proc = subprocess.run([sys.executable, "-m", "checkfreq.cli", "ls", str(tmp_path)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkfreq.cli", "ls", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and "3 valid, 0 invalid" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -167,7 +174,8 @@ def test_an_object_store_marks_a_skipped_checkpoint_and_retention_counts_only_va
         _train(ckpt, model, opt, 6)  # checkpoints at 7 and 10
         assert _valid_steps(memory_url) == [10, 7, 4]
         assert [(s.name, s.set_aside) for s in set_aside_statuses(memory_url)] == [
-            (checkpoint_name(6), checkpoint_name(6))]
+            (checkpoint_name(6), checkpoint_name(6))
+        ]
         assert "3 valid, 0 invalid, 1 set aside" in _cli("ls", memory_url)[1]
     # A new writer clears uncommitted leftovers: a checkpoint set aside is committed, and stays.
     with cf.Checkpointer(memory_url, model=make_model(), keep=3) as ckpt:
@@ -250,6 +258,8 @@ def test_a_directory_holding_only_checkpoints_set_aside_refuses_to_start_afresh(
     assert _cli("verify", tmp_path)[0] == 1  # sets all three aside
     assert _valid_steps(tmp_path) == []
     model, opt = _stack()
-    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt, \
-            pytest.raises(cf.errors.NoValidCheckpointError, match="set aside as damaged.*new directory"):
+    with (
+        cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt,
+        pytest.raises(cf.errors.NoValidCheckpointError, match="set aside as damaged.*new directory"),
+    ):
         ckpt.restore()

@@ -143,8 +143,11 @@ WRITER = textwrap.dedent(
 def run_and_kill(tmp_path: Path, *, at_half: int | None, delay: float = 0.0) -> tuple[int, int]:
     """Start the writer, SIGKILL it (at the half-way mark of snapshot ``at_half``, or ``delay`` s
     after its third snapshot); return (last announced half-way step, last committed step)."""
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(1 << 22), str(at_half or 0)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path), str(1 << 22), str(at_half or 0)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     half = done = 0
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -209,7 +212,8 @@ def test_a_small_tmpfs_is_refused_up_front(tmp_path: Path) -> None:
     script = f'mount -t tmpfs -o size=1m tmpfs {mount} && CHECKFREQ_SHM_DIR={mount} exec "$0" -c "$1" "$2"'
     result = subprocess.run(
         ["unshare", "-rm", "sh", "-c", script, sys.executable, SMALL_TMPFS, str(tmp_path)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0 and "mount" in result.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {result.stderr.strip()}")

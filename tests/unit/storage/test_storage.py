@@ -121,8 +121,9 @@ def test_retention_deletes_manifest_first(memory_url: str) -> None:
 
 def _restored_step(local: Path, remote: str) -> tuple[int, dict]:
     model = make_model(seed=5)
-    with cf.Checkpointer(local, remote=remote, model=model,
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ckpt:
+    with cf.Checkpointer(
+        local, remote=remote, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    ) as ckpt:
         return ckpt.restore(), model.state_dict()
 
 
@@ -130,8 +131,9 @@ def test_tiers_restore_newest_of_either(tmp_path: Path, memory_url: str) -> None
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     states = {}
-    with cf.Checkpointer(tmp_path / "fast", remote=memory_url, remote_keep=2, policy=1, keep=2,
-                         model=model, optimizer=opt) as ckpt:
+    with cf.Checkpointer(
+        tmp_path / "fast", remote=memory_url, remote_keep=2, policy=1, keep=2, model=model, optimizer=opt
+    ) as ckpt:
         for step in (1, 2, 3):
             _train(ckpt, model, opt, 1)
             ckpt.wait(remote=True)  # each upload done before the next commit: none is skipped
@@ -180,8 +182,9 @@ class Unreachable(FsspecStore):
 def test_failed_upload_leaves_the_local_commit_durable_and_retained(tmp_path: Path, memory_url: str) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = cf.Checkpointer(tmp_path, remote=Unreachable(memory_url), policy=1, keep=1, on_error="warn",
-                           model=model, optimizer=opt)
+    ckpt = cf.Checkpointer(
+        tmp_path, remote=Unreachable(memory_url), policy=1, keep=1, on_error="warn", model=model, optimizer=opt
+    )
     for _ in range(3):
         _train(ckpt, model, opt, 1)
         ckpt.wait()

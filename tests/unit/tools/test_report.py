@@ -117,7 +117,10 @@ def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, P
     first, resumed = doc["sessions"]
     assert (first["restored_step"], first["checkpoints"], first["first_step"], first["last_step"]) == (None, 2, 5, 10)
     assert (resumed["restored_step"], resumed["checkpoints"], resumed["first_step"], resumed["last_step"]) == (
-        10, 4, 15, 30
+        10,
+        4,
+        15,
+        30,
     )
     assert resumed["seeded"] == ["profile", "policy"] and resumed["interval_median_steps"] == 5
     assert first["checkpoints_per_step"] == pytest.approx(2 / 10) and (
@@ -133,9 +136,11 @@ def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, P
     assert resumed["overhead"] == pytest.approx(1 - explained / sum(busy_s(e) for e in counted))
     text = summary_text(load_run(run))
     assert "session 1: started fresh; 2 checkpoints, steps 5..10, 200 per 1000 steps" in text
-    assert ("session 2: restored step 10 (took over the step and checkpoint costs measured before and the "
-            "policy's state (for policy='auto', the interval it chose and its overhead budget), so it goes on "
-            "from what the run had learned instead of learning it afresh); 4 checkpoints, steps 15..30") in text
+    assert (
+        "session 2: restored step 10 (took over the step and checkpoint costs measured before and the "
+        "policy's state (for policy='auto', the interval it chose and its overhead budget), so it goes on "
+        "from what the run had learned instead of learning it afresh); 4 checkpoints, steps 15..30"
+    ) in text
 
 
 def test_report_prints_the_summary_and_where_the_files_are(run: Path, tmp_path: Path) -> None:
@@ -164,15 +169,23 @@ main()
 
 def test_report_without_matplotlib_is_one_error_line_and_no_plots_still_works(run: Path, tmp_path: Path) -> None:
     """The ``checkfreq`` entry point in a process where matplotlib cannot be imported."""
-    plain = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=120)
+    plain = subprocess.run(
+        [sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
     assert plain.stderr.strip().splitlines() == [
         "error: the report's plots need the matplotlib package: pip install 'checkfreq[cli]' "
         "(or leave them out: checkfreq report --no-plots prints the summary alone)"
     ]
-    summary = subprocess.run([sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--no-plots"],
-                             capture_output=True, text=True, timeout=120)
+    summary = subprocess.run(
+        [sys.executable, "-c", MATPLOTLIB_MISSING, "report", str(run), "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert summary.returncode == 0, summary.stderr
     assert summary.stdout.startswith(f"run {run}: 6 checkpoints") and not list(tmp_path.iterdir())
 
@@ -206,14 +219,26 @@ def test_matching_of_outcomes_failures_restarts_and_overhead(tmp_path: Path) -> 
     log.write("restore", step=5, skipped=[])
     log.write("snapshot", step=10, stall_s=0.03, bytes=100, interval_steps=5, interval_s=7.0, iteration_s=0.2)
     log.write("commit", step=10, persist_s=0.7, bytes=120, bandwidth_gbps=1.7e-7)
-    log.write("snapshot", step=15, stall_s=0.04, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.5,
-              clean_iterations=3, clean_iteration_s=0.3)
+    log.write(
+        "snapshot",
+        step=15,
+        stall_s=0.04,
+        bytes=100,
+        interval_steps=5,
+        interval_s=2.0,
+        iteration_s=0.5,
+        clean_iterations=3,
+        clean_iteration_s=0.3,
+    )
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('{"event": "commit", "step": 15, "pers')  # torn by a kill
     report = load_run(tmp_path)
     recs, s = report.records, report.summary
     assert [(r.step, r.status) for r in recs] == [
-        (5, "committed"), (10, "failed"), (10, "committed"), (15, "unfinished")
+        (5, "committed"),
+        (10, "failed"),
+        (10, "committed"),
+        (15, "unfinished"),
     ]
     assert recs[0].stall_s == 0.02 and recs[0].bytes == 120 and recs[1].error == "disk full"
     assert [r.overhead for r in recs] == [None, pytest.approx(0.25), None, pytest.approx(0.25)]
@@ -229,25 +254,47 @@ def test_a_one_checkpoint_session_and_a_negative_overhead_say_what_they_mean(tmp
     """What `checkfreq demo` and `report` print for them, instead of ``n/a`` and a bare -50 %."""
     log = EventLog(tmp_path)
     log.write("start", pid=1, policy="Every", keep=3)
-    log.write("snapshot", step=5, stall_s=0.01, bytes=100, interval_steps=5, interval_s=2.0, iteration_s=0.2,
-              clean_iterations=4, clean_iteration_s=0.2)
+    log.write(
+        "snapshot",
+        step=5,
+        stall_s=0.01,
+        bytes=100,
+        interval_steps=5,
+        interval_s=2.0,
+        iteration_s=0.2,
+        clean_iterations=4,
+        clean_iteration_s=0.2,
+    )
     log.write("commit", step=5, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
     log.write("start", pid=2, policy="Every", keep=3)
     log.write("restore", step=5, skipped=[])
     for step in (10, 15, 20):  # 5 steps of 0.3 s each in 1 s: overhead 1 - 1.5 / 1 = -50 %
-        log.write("snapshot", step=step, stall_s=0.01, bytes=100, interval_steps=5, interval_s=1.0, iteration_s=0.3,
-                  clean_iterations=4, clean_iteration_s=0.3)
+        log.write(
+            "snapshot",
+            step=step,
+            stall_s=0.01,
+            bytes=100,
+            interval_steps=5,
+            interval_s=1.0,
+            iteration_s=0.3,
+            clean_iterations=4,
+            clean_iteration_s=0.3,
+        )
         log.write("commit", step=step, persist_s=0.1, bytes=120, bandwidth_gbps=1e-6)
     lines = summary_text(load_run(tmp_path)).splitlines()
-    negative = (" (below zero: the steps ran faster than the clean iterations it is measured against, so "
-                "checkpointing cost less than the timing noise: no measurable overhead)")
+    negative = (
+        " (below zero: the steps ran faster than the clean iterations it is measured against, so "
+        "checkpointing cost less than the timing noise: no measurable overhead)"
+    )
     assert lines[-3] == "overhead: -50.00 % of wall time" + negative
     assert lines[-2] == (
         "session 1: started fresh; 1 checkpoint, at step 5, 200 per 1000 steps, interval and overhead not "
         "measured: the window up to a session's first checkpoint holds its start-up, so they need a second checkpoint"
     )
-    assert lines[-1] == ("session 2: restored step 5; 3 checkpoints, steps 10..20, 200 per 1000 steps, "
-                         "interval median 5 steps, overhead -50.00 %" + negative)
+    assert lines[-1] == (
+        "session 2: restored step 5; 3 checkpoints, steps 10..20, 200 per 1000 steps, "
+        "interval median 5 steps, overhead -50.00 %" + negative
+    )
     assert "n/a" not in "\n".join(lines[-3:])
 
 
@@ -295,9 +342,18 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     log = EventLog(directory)
 
     def checkpoint(step: int, steps: int) -> None:
-        log.write("snapshot", step=step, stall_s=0.005, bytes=100, interval_steps=steps,
-                  interval_s=0.01 * steps + 0.005, iteration_s=0.01, clean_iterations=steps - 1,
-                  clean_iteration_s=0.01, reason="policy")
+        log.write(
+            "snapshot",
+            step=step,
+            stall_s=0.005,
+            bytes=100,
+            interval_steps=steps,
+            interval_s=0.01 * steps + 0.005,
+            iteration_s=0.01,
+            clean_iterations=steps - 1,
+            clean_iteration_s=0.01,
+            reason="policy",
+        )
         log.write("commit", step=step, persist_s=0.02, bytes=120, bandwidth_gbps=6e-6)
 
     log.write("start", pid=1, policy="Every", keep=3)
@@ -311,11 +367,26 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     checkpoint(83, 3)
     report = load_run(directory)
     windows = [(r.step, r.overhead is not None) for r in report.records]
-    assert windows == [(10, False), (20, True), (30, True), (40, True), (43, True),
-                       (50, False), (60, True), (70, True), (80, True), (83, True)]
+    assert windows == [
+        (10, False),
+        (20, True),
+        (30, True),
+        (40, True),
+        (43, True),
+        (50, False),
+        (60, True),
+        (70, True),
+        (80, True),
+        (83, True),
+    ]
     # The 3-step windows count in the run's overhead, but get no point of their own.
     assert [r.step for r, o in zip(report.records, plotted_overhead(report), strict=True) if o is not None] == [
-        20, 30, 40, 60, 70, 80
+        20,
+        30,
+        40,
+        60,
+        70,
+        80,
     ]
 
     figure = render_figure(report)
@@ -323,8 +394,7 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     restore_time = report.restores[0]["time"] - report.start_time
     for ax in (iteration, persist, interval, overhead):
         lines = [
-            line for line in ax.get_lines()
-            if line.get_transform() == ax.transData and line.get_linestyle() != "None"
+            line for line in ax.get_lines() if line.get_transform() == ax.transData and line.get_linestyle() != "None"
         ]
         data_lines = [line for line in lines if not (min(line.get_xdata()) < restore_time < max(line.get_xdata()))]
         assert lines and data_lines == lines, ax.get_ylabel()  # no line crosses the restore

@@ -23,8 +23,10 @@ def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[
     if step is not None:
         ways.append("restore() without step= tries every listed step, newest first")
     else:
-        ways.append(f"restore(step=N) picks one step, once a good copy of it is back in {root} "
-                    f"(`checkfreq ls {root}` lists the steps)")
+        ways.append(
+            f"restore(step=N) picks one step, once a good copy of it is back in {root} "
+            f"(`checkfreq ls {root}` lists the steps)"
+        )
     if tiers.far:
         ways.append("the remote tier was read for each damaged file: check that it is reachable and whole")
     else:
@@ -33,5 +35,6 @@ def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[
     return NoValidCheckpointError(
         f"no valid checkpoint {what} in {tiers.where()}: tried {tried} in the {' and '.join(searched)}"
         + (f" ({reasons})" if reasons else "")
-        + ". Ways out: " + "; ".join(ways)
+        + ". Ways out: "
+        + "; ".join(ways)
     )

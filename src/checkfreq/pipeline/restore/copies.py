@@ -62,8 +62,11 @@ def fetch_copies(tiers: Tiers, peers: Peers, disk: int | None) -> int | None:
             return None
         left, damaged = _take(tiers, peers, plan)
         if not left:
-            log.info("memory tier: ranks %s took snapshot %d over from the copies other ranks keep",
-                     sorted({rank for rank, _ in plan.pairs}), plan.step)
+            log.info(
+                "memory tier: ranks %s took snapshot %d over from the copies other ranks keep",
+                sorted({rank for rank, _ in plan.pairs}),
+                plan.step,
+            )
             return plan.step
         unusable |= {(rank, plan.step, keeper) for rank, keeper in plan.pairs if rank in left}  # at least one more
 
@@ -81,9 +84,11 @@ def _plan(reports: list[MemoryReport], unusable: set[tuple[int, int, int]]) -> F
         plan.instead = f"restoring memory snapshot {best}, which every rank holds, instead"
         return plan
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
-    plan.instead = ("no copy left to take: the restore reads the newest checkpoint every rank can read from "
-                    "disk (its local directory or the remote tier" + (f"; the newest listed is step {disk})"
-                                                                       if disk is not None else "; none is listed)"))
+    plan.instead = (
+        "no copy left to take: the restore reads the newest checkpoint every rank can read from "
+        "disk (its local directory or the remote tier"
+        + (f"; the newest listed is step {disk})" if disk is not None else "; none is listed)")
+    )
     return plan
 
 
@@ -111,8 +116,9 @@ def _take(tiers: Tiers, peers: Peers, plan: FetchPlan) -> tuple[set[int], str | 
                 if damaged is not None:
                     failed[index[rank]] = 1
                     if attempt + 1 < len(keepers[rank]):  # logged now; the last one with rank 0's next plan
-                        log.warning("memory tier: %s; trying the copy rank %d keeps", damaged,
-                                    keepers[rank][attempt + 1])
+                        log.warning(
+                            "memory tier: %s; trying the copy rank %d keeps", damaged, keepers[rank][attempt + 1]
+                        )
                         damaged = None
         failed = tree_max(peers, failed)
         left = [rank for rank in left if failed[index[rank]]]
@@ -130,8 +136,10 @@ def _take_one(tiers: Tiers, peers: Peers, rank: int, keeper: int, step: int) -> 
     except PeerLostError:
         raise
     except CheckfreqError as e:  # damaged where it is kept, or on the way
-        return (f"rank {rank}'s snapshot {step}: the copy kept by rank {keeper} "
-                f"({header.get('host', 'host unknown')}) cannot be used ({e})")
+        return (
+            f"rank {rank}'s snapshot {step}: the copy kept by rank {keeper} "
+            f"({header.get('host', 'host unknown')}) cannot be used ({e})"
+        )
     return None
 
 
@@ -146,8 +154,17 @@ def _send(tiers: Tiers, peers: Peers, rank: int, step: int) -> None:
     except CheckfreqError as e:
         send_json(peers, {"error": str(e), "host": host}, rank)
         return
-    send_json(peers, {"meta": len(copy.meta), "data": copy.data.numel(), "checksum": copy.checksum,
-                      "signature": copy.signature.hex(), "host": host}, rank)
+    send_json(
+        peers,
+        {
+            "meta": len(copy.meta),
+            "data": copy.data.numel(),
+            "checksum": copy.checksum,
+            "signature": copy.signature.hex(),
+            "host": host,
+        },
+        rank,
+    )
     peers.send(torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), rank)
     peers.send(copy.data.contiguous(), rank)
 

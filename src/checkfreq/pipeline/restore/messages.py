@@ -53,8 +53,11 @@ class FetchPlan:
     @classmethod
     def from_wire(cls, wire: JSON) -> FetchPlan:
         step = wire["step"]
-        return cls(None if step is None else int(step), [(int(r), int(h)) for r, h in wire["pairs"]],
-                   str(wire.get("instead", "")))
+        return cls(
+            None if step is None else int(step),
+            [(int(r), int(h)) for r, h in wire["pairs"]],
+            str(wire.get("instead", "")),
+        )
 
 
 @dataclass
@@ -142,8 +145,14 @@ class Holdings:
         return self.held == ALL_FILES or (self.held is not None and name in self.held)
 
     def to_wire(self) -> JSON:
-        return {"held": self.held, "remote": self.remote, "cache": self.cache, "dir": self.directory_leader,
-                "files": self.files, "needs": self.needs}
+        return {
+            "held": self.held,
+            "remote": self.remote,
+            "cache": self.cache,
+            "dir": self.directory_leader,
+            "files": self.files,
+            "needs": self.needs,
+        }
 
     @classmethod
     def from_wire(cls, wire: JSON) -> Holdings:
@@ -200,13 +209,23 @@ class ExchangeOrder:
     partial: bool
 
     def to_wire(self) -> JSON:
-        return {"map": self.map, "receive": [list(r) for r in self.receive], "send": [list(s) for s in self.send],
-                "stream": self.stream, "partial": self.partial}
+        return {
+            "map": self.map,
+            "receive": [list(r) for r in self.receive],
+            "send": [list(s) for s in self.send],
+            "stream": self.stream,
+            "partial": self.partial,
+        }
 
     @classmethod
     def from_wire(cls, wire: JSON) -> ExchangeOrder:
-        return cls([str(name) for name in wire["map"]], [(str(name), int(r)) for name, r in wire["receive"]],
-                   [(str(name), int(r)) for name, r in wire["send"]], int(wire["stream"]), bool(wire["partial"]))
+        return cls(
+            [str(name) for name in wire["map"]],
+            [(str(name), int(r)) for name, r in wire["receive"]],
+            [(str(name), int(r)) for name, r in wire["send"]],
+            int(wire["stream"]),
+            bool(wire["partial"]),
+        )
 
 
 @dataclass

@@ -54,8 +54,9 @@ def fetch_plan(reports: list[MemoryReport], unusable: frozenset[tuple[int, int, 
             break
         lacking = [rank for rank, report in enumerate(reports) if step not in report.steps]
         if all((rank, step) in keepers for rank in lacking):
-            return FetchPlan(step if lacking else None,
-                             [(rank, keeper) for rank in lacking for keeper in keepers[(rank, step)]])
+            return FetchPlan(
+                step if lacking else None, [(rank, keeper) for rank in lacking for keeper in keepers[(rank, step)]]
+            )
     return FetchPlan(None, [])
 
 
@@ -137,8 +138,9 @@ class ReadPlan:
         """The files whose reader has not read them yet."""
 
     @classmethod
-    def of(cls, manifest: Manifest | None, views: list[Holdings | str], *, streamable: bool,
-           replicated: bool) -> ReadPlan | str:
+    def of(
+        cls, manifest: Manifest | None, views: list[Holdings | str], *, streamable: bool, replicated: bool
+    ) -> ReadPlan | str:
         """The plan, or why the ranks cannot restore this checkpoint (``manifest``: None where rank 0
         itself cannot read it)."""
         for rank, view in enumerate(views):
@@ -152,9 +154,7 @@ class ReadPlan:
         for view in holdings:
             if view.held is None:  # what its directory's leader found there
                 view.held = holdings[view.directory_leader].held
-        return unreachable(manifest, holdings) or cls(
-            manifest, holdings, streamable=streamable, replicated=replicated
-        )
+        return unreachable(manifest, holdings) or cls(manifest, holdings, streamable=streamable, replicated=replicated)
 
     def _to_remote(self, names: list[str]) -> None:
         """Give each of ``names`` a reader of the remote tier, the least busy first."""

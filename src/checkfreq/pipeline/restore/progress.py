@@ -36,8 +36,14 @@ class _ReadLog:
                 return
             self.logged = tenth
             seconds = max(time.monotonic() - self.start, 1e-9)
-        log.info("restore of %s: %.2f of %.2f GB read and verified (%d %%, %.0f MB/s)", self.name,
-                 self.done / 1e9, self.total / 1e9, 100 * self.done // self.total, self.done / seconds / 1e6)
+        log.info(
+            "restore of %s: %.2f of %.2f GB read and verified (%d %%, %.0f MB/s)",
+            self.name,
+            self.done / 1e9,
+            self.total / 1e9,
+            100 * self.done // self.total,
+            self.done / seconds / 1e6,
+        )
 
 
 @contextmanager

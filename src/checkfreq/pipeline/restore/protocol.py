@@ -97,7 +97,8 @@ class Readable:
     def sharded(self) -> bool:
         """Whether the checkpoint holds sharded tensors (DTensors)."""
         return self.manifest.distributed is not None and any(
-            entry["kind"] == SHARDED for entry in self.manifest.distributed["tensors"].values())
+            entry["kind"] == SHARDED for entry in self.manifest.distributed["tensors"].values()
+        )
 
     @functools.cached_property
     def stream(self) -> ReplicatedStream | None:
@@ -112,8 +113,9 @@ class Readable:
         else:
             held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
         files = json.dumps(self.manifest.files, sort_keys=True).encode()
-        return Holdings(held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files),
-                        needs)
+        return Holdings(
+            held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs
+        )
 
     def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
         """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
@@ -152,8 +154,14 @@ class Restorer:
             default: this rank's own).
     """
 
-    def __init__(self, tiers: Tiers, peers: Peers, page_cache: int | None = None,
-                 directory_leader: int | None = None, retention: Retention | None = None) -> None:
+    def __init__(
+        self,
+        tiers: Tiers,
+        peers: Peers,
+        page_cache: int | None = None,
+        directory_leader: int | None = None,
+        retention: Retention | None = None,
+    ) -> None:
         self.tiers, self.peers = tiers, peers
         self.retention = Retention(1) if retention is None else retention
         self.local = tiers.store
@@ -175,8 +183,9 @@ class Restorer:
         newest = None if steps is None else NewestStep(max((s.step for s in steps if s.step is not None), default=None))
         return broadcast_message(self.peers, newest, NewestStep.from_wire).step
 
-    def find(self, step: int | str | None = None, blocks: Blocks | None = None, *,
-             device_copies: bool = False) -> Found | None:
+    def find(
+        self, step: int | str | None = None, blocks: Blocks | None = None, *, device_copies: bool = False
+    ) -> Found | None:
         """The newest valid checkpoint (or the one at ``step``; ``"best"``: :func:`best_step`'s) every
         rank can read; None if no rank lists any; :class:`NoValidCheckpointError` if some exist but none is valid.
 
@@ -223,8 +232,9 @@ class Restorer:
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
         by_step, failed = {state.manifest.step: state for state in states}, ""  # failed: logged with what follows
         while True:
-            reports = gather_messages(self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None),
-                                      MemoryReport.from_wire)
+            reports = gather_messages(
+                self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None), MemoryReport.from_wire
+            )
             choice = None if reports is None else memory_choice(reports)
             best, common = (chosen := broadcast_message(self.peers, choice, MemoryChoice.from_wire)).best, chosen.common
             if failed:  # the shard, where its copy is kept, and the next source every rank goes to
@@ -249,8 +259,9 @@ class Restorer:
     def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
         self._locations = {name: dict(tier.checkpoints()) for name, tier in self._stored.items()}
         lists = gather_messages(self.peers, ListedSteps(listed), ListedSteps.from_wire)
-        plan = broadcast_message(self.peers, None if lists is None else agenda([s.steps for s in lists]),
-                                 Agenda.from_wire)
+        plan = broadcast_message(
+            self.peers, None if lists is None else agenda([s.steps for s in lists]), Agenda.from_wire
+        )
         problems = dict(plan.passed)
         skipped: Skipped = []
         damaged: dict[int, str] = {}
@@ -270,7 +281,7 @@ class Restorer:
             raise NoValidCheckpointError(
                 f"{self.local.root} lists no checkpoint to restore, but holds {len(aside)} set aside as damaged "
                 f"({', '.join(a.name for a in aside[:3])}): rather than start afresh over them, put one back by "
-                "hand if its damage has passed (docs/storage.md, \"Damaged checkpoints\"), restore from another "
+                'hand if its damage has passed (docs/storage.md, "Damaged checkpoints"), restore from another '
                 "tier, or give the run a new directory"
             )
         return None
@@ -412,8 +423,9 @@ class Restorer:
         answer = broadcast_message(self.peers, verdict, ExchangeVerdict.from_wire)
         return answer.errors, answer.short_of
 
-    def _read_assigned(self, readable: Readable, order: ReadOrder, files: Files, packs: dict[str, torch.Tensor],
-                       tiers: set[str]) -> dict[str, str]:
+    def _read_assigned(
+        self, readable: Readable, order: ReadOrder, files: Files, packs: dict[str, torch.Tensor], tiers: set[str]
+    ) -> dict[str, str]:
         """Read and verify the files ``order`` gives this rank (packing their replicated pieces if
         it says so); return why each damaged one is."""
         stream = readable.stream if order.pack else None
@@ -430,12 +442,18 @@ class Restorer:
                 except CorruptCheckpointError as e:
                     files.pop(name, None)
                     damaged[name] = str(e)
-                    log.warning("checkpoint %s: %s copy of %s is damaged (%s)", checkpoint_name(readable.step),
-                                "this rank's" if tier == TierName.LOCAL else f"the {source}", name, e)
+                    log.warning(
+                        "checkpoint %s: %s copy of %s is damaged (%s)",
+                        checkpoint_name(readable.step),
+                        "this rank's" if tier == TierName.LOCAL else f"the {source}",
+                        name,
+                        e,
+                    )
         return damaged
 
-    def _exchange(self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor],
-                  tiers: set[str]) -> Found:
+    def _exchange(
+        self, readable: Readable, order: ExchangeOrder, files: Files, packs: dict[str, torch.Tensor], tiers: set[str]
+    ) -> Found:
         """Send and receive the whole files ``order`` says, all-gather the replicated pieces if it
         says so, map the files a reader verified in the page cache this rank shares; then this
         rank's manifest and stored arrays."""
@@ -444,7 +462,8 @@ class Restorer:
         me = self.peers.rank
         operations: list[tuple[int, int, str, int | None]] = sorted(
             [(position[name], to, name, None) for name, to in order.send]
-            + [(position[name], me, name, sender) for name, sender in order.receive])
+            + [(position[name], me, name, sender) for name, sender in order.receive]
+        )
         for _, to, name, sender in operations:  # one order on every rank: each pair meets in turn
             if sender is None:
                 data, header = files[name]
@@ -459,15 +478,20 @@ class Restorer:
             stream = readable.stream
             assert stream is not None  # rank 0 streams only a checkpoint written by several ranks
             mine = [packs[name] for name in sorted(packs)]
-            rows = torch.cat([self.peers.all_gather_rows(mine[r] if r < len(mine) else stream.empty_row())
-                              for r in range(order.stream)])
+            rows = torch.cat(
+                [
+                    self.peers.all_gather_rows(mine[r] if r < len(mine) else stream.empty_row())
+                    for r in range(order.stream)
+                ]
+            )
             replicated = stream.tensors_of(rows)
             manifest = stream.whole(manifest)
             if len(packs) < len(manifest.files):
                 tiers.add(FROM_PEERS)
         for name in order.map:
-            files[name] = self._map_file(self._locations[self.tiers.committed_to.name].get(step), name,
-                                         manifest.files[name])
+            files[name] = self._map_file(
+                self._locations[self.tiers.committed_to.name].get(step), name, manifest.files[name]
+            )
             tiers.add(self.tiers.committed_to.name)
         manifest, stored = stored_views(manifest, files, partial=order.partial)
         stored.update(replicated)
@@ -495,5 +519,6 @@ def _plan_of(readable: Readable | str, views: list[Holdings | str]) -> ReadPlan 
     if isinstance(readable, str):
         return ReadPlan.of(None, views, streamable=False, replicated=False)
     stream = readable.stream
-    return ReadPlan.of(readable.manifest, views, streamable=stream is not None,
-                       replicated=stream is not None and bool(stream.tensors))
+    return ReadPlan.of(
+        readable.manifest, views, streamable=stream is not None, replicated=stream is not None and bool(stream.tensors)
+    )

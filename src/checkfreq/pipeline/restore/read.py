@@ -29,8 +29,10 @@ def read_checkpoint(path: Any, store: Store | None = None) -> tuple[Manifest, di
     source: Store = LocalStore(Path(path).parent, create=False) if store is None else store
     location = Path(path) if store is None else path
     manifest = source.read_manifest(location)
-    files = {name: source.read_data(location, name, entry["size"], entry["xxh3_64"])
-             for name, entry in manifest.files.items()}
+    files = {
+        name: source.read_data(location, name, entry["size"], entry["xxh3_64"])
+        for name, entry in manifest.files.items()
+    }
     return stored_views(manifest, files)
 
 

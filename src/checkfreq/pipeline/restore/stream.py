@@ -88,8 +88,10 @@ class ReplicatedStream:
             out[offset : offset + end - begin] = data[begin:end]
             offset += end - begin
         if offset - 8 != self.cuts[k + 1] - self.cuts[k]:
-            raise CorruptCheckpointError(f"data file {name} holds {offset - 8} bytes of replicated tensors, not the "
-                                         f"{self.cuts[k + 1] - self.cuts[k]} its manifest says")
+            raise CorruptCheckpointError(
+                f"data file {name} holds {offset - 8} bytes of replicated tensors, not the "
+                f"{self.cuts[k + 1] - self.cuts[k]} its manifest says"
+            )
         return out
 
     def tensors_of(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
