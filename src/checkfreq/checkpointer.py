@@ -7,7 +7,6 @@ the saver with its snapshot, writer and commit, the restore).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import os
@@ -17,22 +16,16 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from checkfreq.errors import (
-    CheckfreqError,
-    ExistingCheckpointsError,
-    InvalidArgumentError,
-    UnknownObjectError,
-    UsageError,
-)
+from checkfreq.errors import CheckfreqError, InvalidArgumentError, UnknownObjectError, UsageError
 from checkfreq.pipeline.commit import Committer
-from checkfreq.pipeline.consistent_point import ConsistentPoint, Pending, PointListener
-from checkfreq.pipeline.registered import Captured, Registered
+from checkfreq.pipeline.registered import Registered
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.restore.apply import restored_state, source_of
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.saver import Saver
 from checkfreq.pipeline.shutdown import shutdown
 from checkfreq.pipeline.staging import check_gpu_staging
+from checkfreq.pipeline.taker import Taker
 from checkfreq.pipeline.tier import TierName
 from checkfreq.pipeline.tiers import choose_tiers
 from checkfreq.policies import Policy, resolve
@@ -40,12 +33,11 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
-from checkfreq.ranks.ddp_buckets import BucketLayouts
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
 from checkfreq.run.scores import Scores
-from checkfreq.run.session import run_state, saved_buckets, seed_session
+from checkfreq.run.session import saved_buckets, seed_session
 from checkfreq.run.signals import SignalTrap
 from checkfreq.run.state import Stateful, apply_state, flatten, unclaimed, unclaimed_message
 from checkfreq.run.step_order import StepOrder, stepped_optimizer
@@ -197,7 +189,6 @@ class Checkpointer:
             followers=tiers.followers,
             directory_leader=cluster.directory_leader,
         )
-        self._foreign_step = self._restorer.newest_on_any_rank()  # until restore() adopts them
         self._closed = False
         self._events = EventLog(local.events_directory, rank=control.rank)
         self._events.write(
@@ -242,8 +233,17 @@ class Checkpointer:
         self._step_order = StepOrder(
             [stepped_optimizer(opt) for opt in self._optimizers.values()], list(self._objects.values())
         )
-        self._point = ConsistentPoint(self._objects.values(), PointListener(self))
-        self._buckets = BucketLayouts(self._objects, cluster.world_size)
+        self._taker = Taker(
+            self._objects,
+            self._registered,
+            self._saver,
+            tiers,
+            cluster,
+            self._policy,
+            self._trap,
+            self.directory,
+            foreign_step=self._restorer.newest_on_any_rank(),  # until restore() adopts them
+        )
 
     # ------------------------------------------------------------------ user API
 
@@ -291,21 +291,8 @@ class Checkpointer:
         """
         now = time.perf_counter()
         self._check_open("step()")
-        saver = self._saver
-        self._step_order.check(saver.timeline.step + 1)
-        saver.collect()
-        saver.record_gpu_waits()
-        self._registered.scores.stepped(saver.timeline.step + 1, loss)
-        overdue = self._point.take()  # no point came before this step's update: taken at this step
-        ctx = saver.advance(now, epoch=self._registered.epoch(), loss=loss)
-        checkpoint = self._cluster.decide(ctx) or (overdue is not None and overdue.checkpoint)
-        overdue_tiers = () if overdue is None else overdue.tiers
-        due = [] if checkpoint else [*overdue_tiers, *self._tiers.due(ctx.step, ctx.iteration_time)]
-        if checkpoint or due:
-            self._check_not_foreign()  # refused now, not at the step's consistent point
-        if checkpoint or due or (self._trap is not None and self._trap.received is not None):
-            self._point.hold(ctx.step, checkpoint=checkpoint, tiers=due, reason="policy")
-        return checkpoint
+        self._step_order.check(self._timeline.step + 1)
+        return self._taker.decide(now, loss)
 
     def save(self, blocking: bool = False) -> None:
         """Checkpoint the current state now, whatever the policy says.
@@ -316,11 +303,12 @@ class Checkpointer:
         """
         self._check_open("save()")
         self._saver.collect()
-        self._at_point("save()")
+        taker = self._taker
+        taker.at_point("save()")
         if blocking:
-            self._ensure_durable("save()")
-        elif not self._holds_current_state():
-            self._checkpoint(blocking=False, reason="save()")
+            taker.ensure_durable("save()", self._timeout)
+        elif not taker.holds_current_state():
+            taker.checkpoint(blocking=False, reason="save()")
 
     def log(self, **metrics: float) -> None:
         """Record metrics of the current step (``ckpt.log(val_loss=0.41)`` after an evaluation): the one
@@ -330,14 +318,14 @@ class Checkpointer:
         step = self._timeline.step
         if not self._registered.scores.log(step, metrics):
             return
-        if self._point.logged(step, metrics, self._registered):
-            self._at_point("log()")
+        if self._taker.point.logged(step, metrics, self._registered):
+            self._taker.at_point("log()")
 
     def consistent_point(self) -> None:
         """Capture now what this step decided: for a framework's integration, which knows where its loop's step
         ends (docs/exactness.md, "The consistent point"); a plain loop never needs it."""
         self._check_open("consistent_point()")
-        self._at_point("consistent_point()")
+        self._taker.at_point("consistent_point()")
 
     def wait(self, timeout: float | None = None, *, remote: bool = False) -> None:
         """Block until the checkpoint in flight is durable (and the memory snapshot in flight
@@ -349,7 +337,7 @@ class Checkpointer:
         captured (docs/exactness.md) is captured first: ``wait()`` is a consistent point.
         """
         timeout = self._timeout if timeout is None else timeout
-        self._at_point("wait()")
+        self._taker.at_point("wait()")
         self._saver.wait(timeout)
         if remote:
             self._tiers.flush(self._saver.newest_committed, timeout)
@@ -362,7 +350,7 @@ class Checkpointer:
         has a score), raises :class:`~checkfreq.errors.NoValidCheckpointError`.
         """
         self._check_open("restore()")
-        self._point.take()  # what this run decided is not for the state restored
+        self._taker.point.take()  # what this run decided is not for the state restored
         self._saver.wait(self._timeout)
         start = time.perf_counter()
         found = self._restorer.find(
@@ -371,7 +359,7 @@ class Checkpointer:
             device_copies=objects_on_cuda(self._objects.values()),
         )
         if found is None:
-            self._foreign_step = None
+            self._taker.foreign_step = None
             return 0
         manifest = found.manifest
         state = restored_state(found, self._cluster, self._objects, allow_pickle=self._allow_pickle)
@@ -380,11 +368,11 @@ class Checkpointer:
         self._unclaimed = unclaimed(state, self._objects, self._values, RESERVED_NAMES)
         if self._unclaimed:
             log.warning("%s", unclaimed_message(source, self._unclaimed))
-        self._buckets.replay(saved_buckets(state.get("checkfreq")))  # its first iteration reduces as the run's did
+        self._taker.replay_buckets(saved_buckets(state.get("checkfreq")))
         self._begin_session(manifest.step)
         from_memory = found.tier == TierName.MEMORY
         self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
-        self._foreign_step = None  # this run continues them
+        self._taker.foreign_step = None  # this run continues them
         self._tiers.forget_newer_than(manifest.step)
         self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         seconds = time.perf_counter() - start
@@ -412,26 +400,27 @@ class Checkpointer:
         self._check_open("start_at()")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(f"start_at() takes a step >= 0, got {step!r}")
-        self._check_not_foreign()
+        self._taker.check_not_foreign()
         self._begin_session(step)
         self._events.write("start_at", step=step)
 
     def close(self) -> None:
         """Take a checkpoint waiting for its consistent point, wait for the one in flight, stop (idempotent)."""
-        self._at_point("close()")
+        taker = self._taker
+        taker.at_point("close()")
         self._closed = True
         if self._trap is not None and self._trap.received is not None:
             try:
-                self._save_for_signal()
+                taker.save_for_signal(self._timeout)
             finally:
                 self._finalizer()
         self._detach()
         if not self._cluster.writes_whole_state:
-            self._persist_newest_state()
+            taker.persist_newest_state()
         self._cluster.close()
         try:
             self.wait()
-            self._saver.close_tiers(remove=self._foreign_step is None)  # never another run's snapshots
+            self._saver.close_tiers(remove=taker.foreign_step is None)  # never another run's snapshots
         finally:
             self._finalizer()
 
@@ -442,7 +431,7 @@ class Checkpointer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc is not None:
-            self._point.drop(exc)  # the step's work may be half done
+            self._taker.point.drop(exc)  # the step's work may be half done
         if exc is not None and self._cluster.others_wait:  # leave within failure_timeout: no rank waits for it
             self._closed = True
             self._detach()
@@ -455,7 +444,7 @@ class Checkpointer:
 
     def _begin_session(self, step: int) -> None:
         """The registered state is now that of ``step`` (restored, or loaded from elsewhere)."""
-        self._point.take()  # what this run decided is not for that state
+        self._taker.point.take()  # what this run decided is not for that state
         self._saver.timeline = Timeline.restored(step)
         self._step_order.begin_session()
         self._registered.forget()
@@ -467,88 +456,20 @@ class Checkpointer:
             handle.remove()
         self._hook_handles = []
         self._step_order.close()
-        self._point.close()
+        self._taker.point.close()
+        self._taker.closed = True
         self._saver.fence.clear()
 
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise UsageError(f"{call} on a closed Checkpointer; create a new one to go on checkpointing")
 
-    def _check_not_foreign(self) -> None:
-        """Refuse to checkpoint over checkpoints (or memory snapshots) this run did not restore."""
-        if self._foreign_step is not None:
-            raise ExistingCheckpointsError(self.directory, self._foreign_step)
-
-    def _checkpoint(self, *, blocking: bool, reason: str, at: str | None = None) -> None:
-        """Capture and persist the state at the current step; ``at``: the consistent point (else ``reason``'s call)."""
-        self._check_not_foreign()
-        self._registered.sealed_at = reason if at is None else at
-        self._saver.checkpoint(self._capture, epoch=self._registered.epoch, reason=reason, blocking=blocking)
-
-    def _act(self, pending: Pending, where: str) -> None:
-        """Capture what was decided: the signal's checkpoint, the policy's (or ``log()``'s), or the tiers' own
-        snapshots; ``where``: the consistent point that came."""
-        if self._trap is not None and self._trap.received is not None:
-            self._save_for_signal()
-        if pending.checkpoint:
-            self._checkpoint(blocking=False, reason=pending.reason, at=where)
-            return
-        capture = functools.partial(self._capture, persisted=False)
-        for tier in pending.tiers:  # a snapshot into that tier alone
-            self._check_not_foreign()
-            self._saver.snapshot_for(tier, capture, epoch=self._registered.epoch)
-
-    def _at_point(self, where: str) -> None:
-        """A consistent point (:mod:`~checkfreq.pipeline.consistent_point`): capture what waits for it."""
-        if self._closed:
-            return
-        with self._point.reached(where, self._registered, self._control, self._timeline.step) as pending:
-            if pending is not None:
-                self._act(pending, where)
-
-    def _capture(self, step: int, *, persisted: bool = True) -> Captured:
-        """The registered state at ``step``, sealed (``persisted``: for a checkpoint, not a tier's own snapshot)."""
-        run = functools.partial(
-            run_state, step, self._optimizers, self._saver.profiler, self._policy, ddp_buckets=self._buckets.record()
-        )
-        return self._registered.capture(step, run, persisted=persisted)
-
-    def _holds_current_state(self) -> bool:
-        """Whether the checkpoint of the current step (taken, maybe in flight) still holds the live state."""
-        step = self._timeline.step
-        return step != 0 and self._timeline.last_checkpoint == step and self._registered.holds(step, self._control)
-
-    # ------------------------------------------------------------------ tiers
-
-    def _persist_newest_state(self) -> None:
-        """Where a rank writes a share of its state (not a tier's snapshot as it stands), before a clean
-        close removes the tiers' snapshots: a collective blocking checkpoint if the ranks' newest tier
-        snapshot (the same step on every rank) is at the current step and newer than disk."""
-        self._saver.wait_tiers()
-        held = self._tiers.unpersisted(self._saver.durable_step)
-        if held is not None and held.step == self._timeline.step:
-            self._checkpoint(blocking=True, reason="close")
-
-    def _ensure_durable(self, reason: str) -> None:
-        """Make the state at the current step durable, reusing a checkpoint taken at this step if it committed
-        and still holds the live state."""
-        if self._holds_current_state():
-            self._saver.wait(self._timeout)
-            if self._saver.durable_step == self._timeline.step:
-                return
-        self._checkpoint(blocking=True, reason=reason)
-
-    def _save_for_signal(self) -> None:
-        """Preempted: make the current state durable, then let the signal act as it would have."""
-        assert self._trap is not None  # called once a trapped signal was received
-        self._trap.checkpoint_then_honour(self._timeline.step, self._events, lambda: self._ensure_durable("signal"))
-
 
 def _fence_hook(ref: weakref.ref[Checkpointer]) -> None:
     """Before a registered optimizer's update: the last consistent point of the step before it, then the fence."""
     checkpointer = ref()
     if checkpointer is not None:
-        checkpointer._at_point("optimizer.step()")
+        checkpointer._taker.at_point("optimizer.step()")
         checkpointer._saver.finish_fence()
 
 

@@ -33,7 +33,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -75,17 +75,24 @@ REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()
 """The events' reason of a checkpoint decided by these alone (else ``"policy"``)."""
 
 
+class PointReached(Protocol):
+    """What captures at a consistent point (:class:`~checkfreq.pipeline.taker.Taker`)."""
+
+    def at_point(self, where: str) -> None:
+        """The step's consistent point came, at ``where``."""
+
+
 class PointListener:
-    """Passes what a loader, a module or an optimizer tells on to ``owner._at_point`` while ``owner``
+    """Passes what a loader, a module or an optimizer tells on to ``owner.at_point`` while ``owner``
     lives (no registered object keeps a Checkpointer alive)."""
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: PointReached) -> None:
         self._owner = weakref.ref(owner)
 
     def reached(self, where: str) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._at_point(where)
+            owner.at_point(where)
 
     def before_new_pass(self) -> None:
         if torch.is_grad_enabled():
@@ -257,4 +264,4 @@ class _LoaderWatcher:
         self._point._handing_out(self._loader)
 
 
-__all__ = ["ConsistentPoint", "Pending", "PointListener"]
+__all__ = ["ConsistentPoint", "Pending", "PointListener", "PointReached"]
