@@ -37,7 +37,7 @@ from torch import nn
 
 import checkfreq as cf
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
 
 
 def _model(mb: float) -> nn.Module:

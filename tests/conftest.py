@@ -31,7 +31,7 @@ def python() -> str:
 @pytest.fixture
 def shm_dir(monkeypatch: pytest.MonkeyPatch):
     """A private directory on the real /dev/shm tmpfs for this test's memory-tier regions."""
-    from checkfreq.storage.shm import SHM_DIR_ENV
+    from checkfreq.storage.shm_paths import SHM_DIR_ENV
 
     path = Path("/dev/shm") / f"checkfreq-test-{uuid.uuid4().hex[:8]}"
     path.mkdir()

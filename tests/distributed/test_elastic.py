@@ -24,7 +24,7 @@ import torch
 from elastic_train import command, read_steps, step_samples
 
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
 from checkfreq.tools.report import load_run, summary_text
 from helpers import SCRIPTS, free_port, hf_fit, kill_tree, run_job, sample_reads
 

@@ -55,7 +55,7 @@ from checkfreq.ranks.collectives import GroupPeers
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.liveness import Liveness
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
 from helpers import SCRIPTS, assert_state_equal, free_port, kill_tree, spawn_ranks
 
 SAMPLES, GLOBAL_BATCH, EPOCHS, EVERY = 96, 16, 2, 2

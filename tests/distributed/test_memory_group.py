@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
 from helpers import assert_state_equal, ddp_train_args, finish_job, launch_job
 
 pytestmark = pytest.mark.slow

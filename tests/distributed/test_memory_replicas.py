@@ -22,7 +22,8 @@ import torch
 from fsdp_memory import read_losses
 
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, replica_path
 from checkfreq.tools.report import load_run, summary_text
 from helpers import SCRIPTS, assert_state_equal, free_port, kill_tree
 

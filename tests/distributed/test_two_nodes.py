@@ -26,7 +26,7 @@ import torch
 from checkfreq.run.events import read_events
 from checkfreq.storage import FsspecStore, LocalStore
 from checkfreq.storage.format import MANIFEST_NAME
-from checkfreq.storage.shm import SHM_DIR_ENV
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
 from helpers import (
     BATCH,
     EPOCHS,

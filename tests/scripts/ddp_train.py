@@ -55,7 +55,7 @@ from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
 from checkfreq.storage import FsspecStore, LocalStore, Store
 from checkfreq.storage.format import MANIFEST_NAME, checkpoint_name
-from checkfreq.storage.shm import region_path
+from checkfreq.storage.shm_paths import region_path
 
 
 def build_model() -> nn.Module:

@@ -48,7 +48,8 @@ from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
-from checkfreq.storage.shm import MemoryRegion, device_and_inode, replica_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import device_and_inode, replica_path
 from checkfreq.tools.catalog import memory_snapshots
 
 

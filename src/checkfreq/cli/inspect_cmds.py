@@ -276,7 +276,7 @@ def export_command(
 ) -> None:
     """Write a plain state dict: torch.load(weights_only=True) reads .pt, safetensors reads .safetensors."""
     from checkfreq.tools.best import best_checkpoint
-    from checkfreq.tools.catalog import export
+    from checkfreq.tools.export import export
 
     source = best_checkpoint(target).address if best else target
     with reading(f"reading {_short(source)}", lambda: bytes_to_read(source), as_json=as_json):

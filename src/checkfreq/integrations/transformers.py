@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
@@ -39,6 +39,14 @@ from checkfreq.data import ResumableSampler
 from checkfreq.errors import CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError, UsageError
 from checkfreq.integrations.best import best_retention
 from checkfreq.integrations.loss import LossFeed
+from checkfreq.integrations.transformers_order import (
+    CHECKFREQ_ORDER,
+    ORDER_NOTE,
+    TRAINER_ORDER,
+    EpochLoader,
+    order_of,
+    seeded_trainer_loader,
+)
 from checkfreq.integrations.transformers_pick import best_metric, chosen_step, named_step
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.policies import Policy
@@ -51,22 +59,6 @@ from checkfreq.storage.local import LocalStore
 log = logging.getLogger("checkfreq.integrations.transformers")
 
 TRAINER_STATE = "trainer_state.json"
-ORDER_NOTE = "checkfreq.json"  # in the checkpoint-N/ directories CheckFreqTrainer saves: the data order
-CHECKFREQ_ORDER = "checkfreq"  # a ResumableSampler's
-TRAINER_ORDER = "trainer"  # the Trainer's own (accelerate's seeded sampler), for runs begun with the plain Trainer
-
-
-class _EpochLoader(DataLoader):
-    """A ``DataLoader`` over a :class:`ResumableSampler` that forwards the Trainer's ``set_epoch``."""
-
-    def __init__(
-        self, dataset: Any, sampler: ResumableSampler, batch_size: int, drop_last: bool, **options: Any
-    ) -> None:
-        super().__init__(dataset, batch_sampler=BatchSampler(sampler, batch_size, drop_last), **options)
-        self.resumable_sampler = sampler
-
-    def set_epoch(self, epoch: int) -> None:
-        self.resumable_sampler.set_epoch(epoch)
 
 
 class TrainerProgress:
@@ -217,7 +209,7 @@ class CheckFreqTrainer(Trainer):
                 kwargs["resume_from_checkpoint"] = str(path)
                 _note_newer_trainer_checkpoint(self.args.output_dir, self._resume_step)
         elif kwargs.get("resume_from_checkpoint") and Path(kwargs["resume_from_checkpoint"]).is_dir():
-            self._data_order = _order_of(Path(kwargs["resume_from_checkpoint"]))  # one of the Trainer's checkpoint-N/
+            self._data_order = order_of(Path(kwargs["resume_from_checkpoint"]))  # one of the Trainer's checkpoint-N/
         try:
             return super()._inner_training_loop(*args, **kwargs)
         finally:
@@ -231,7 +223,7 @@ class CheckFreqTrainer(Trainer):
         with the plain ``Trainer``."""
         self._train_sampler = None
         if self._data_order == TRAINER_ORDER:
-            return _seeded_trainer_loader(super().get_train_dataloader())
+            return seeded_trainer_loader(super().get_train_dataloader())
         dataset, collator = self.train_dataset, self.data_collator
         if self.args.train_sampling_strategy not in ("random", "sequential"):
             raise InvalidArgumentError(
@@ -256,7 +248,7 @@ class CheckFreqTrainer(Trainer):
             world_size=world_size,
             drop_last=self.args.dataloader_drop_last,
         )
-        return _EpochLoader(
+        return EpochLoader(
             dataset,
             self._train_sampler,
             self._train_batch_size,
@@ -309,8 +301,9 @@ class CheckFreqTrainer(Trainer):
         return model, train_dataloader
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's ``checkpoint-N/``, with a note of the data order it was trained in (see :func:`_order_of`),
-        written before the Trainer's ``trainer_state.json``, which it writes last."""
+        """The Trainer's ``checkpoint-N/``, with a note of the data order it was trained in (see
+        :func:`~checkfreq.integrations.transformers_order.order_of`), written before the Trainer's
+        ``trainer_state.json``, which it writes last."""
         if self.args.should_save:
             folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -450,42 +443,6 @@ def _checkpoint_view(directory: Path, step: int) -> tuple[dict[str, Any], dict[s
         raise NoValidCheckpointError(f"no checkpoint for step {step} in {directory}")
     manifest, tensors = read_checkpoint(path, store)
     return local_view(manifest, tensors)
-
-
-def _order_of(checkpoint: Path) -> str:
-    """The data order of the run that saved the Trainer checkpoint ``checkpoint``: the one its note
-    names, or, without a note, the plain Trainer's own."""
-    note = checkpoint / ORDER_NOTE
-    if note.is_file():
-        order = json.loads(note.read_text())["data_order"]
-        if order not in (CHECKFREQ_ORDER, TRAINER_ORDER):
-            raise CorruptCheckpointError(f"{note} names an unknown data order {order!r}")
-        return str(order)
-    log.warning(
-        "%s holds no %s, so the plain Trainer saved it: the run goes on in the Trainer's own data order, as its own "
-        "resume would (the rest of the epoch without the batches it already trained), and checkfreq's checkpoints "
-        "keep that order from now on",
-        checkpoint,
-        ORDER_NOTE,
-    )
-    return TRAINER_ORDER
-
-
-def _seeded_trainer_loader(loader: DataLoader) -> DataLoader:
-    """The Trainer's own train loader, once it is known to draw an order a later resume draws again:
-    accelerate's seeded sampler (an order that is a function of the seed and the epoch) or a sequential one."""
-    from accelerate.data_loader import SeedableRandomSampler
-
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)
-    if not isinstance(sampler, (SeedableRandomSampler, torch.utils.data.SequentialSampler)):
-        raise UsageError(
-            f"this run began with the plain Trainer, whose data order CheckFreqTrainer keeps; its train sampler "
-            f"{type(sampler).__name__} draws an order that a resume from a checkfreq checkpoint could not draw again. "
-            "Keep accelerator_config's use_seedable_sampler=True (the default) and train_sampling_strategy 'random' or "
-            "'sequential'; or finish the run with the plain Trainer and start the next one with CheckFreqTrainer."
-        )
-    return loader
 
 
 def _holds_checkpoints(directory: Path) -> bool:

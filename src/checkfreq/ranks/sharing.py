@@ -28,7 +28,7 @@ from checkfreq.ranks.group_share import groups_of, replica_ring
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
-from checkfreq.storage.shm import region_path, shm_directory
+from checkfreq.storage.shm_paths import region_path, shm_directory
 
 LOCAL_FILE_SYSTEMS = frozenset(
     {

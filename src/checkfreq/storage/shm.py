@@ -1,8 +1,9 @@
 """The memory tier: snapshots in a named shared-memory region that outlives the process.
 
 One region per checkpoint directory and rank, a file under ``/dev/shm`` (or
-``$CHECKFREQ_SHM_DIR``) named after the directory's absolute path, so a restarted job finds it
-and two jobs never share one. The file is mapped once and reused for every snapshot.
+``$CHECKFREQ_SHM_DIR``) named after the directory's absolute path
+(:mod:`checkfreq.storage.shm_paths`), so a restarted job finds it and two jobs never share one.
+The file is mapped once and reused for every snapshot.
 
 Layout (little-endian)::
 
@@ -55,11 +56,10 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.storage.format import BLOCK_BYTES
 from checkfreq.storage.host_pinning import HostRegistry
 from checkfreq.storage.parallel_hash import chunked_xxh3
+from checkfreq.storage.shm_paths import device_and_inode, region_path, shm_directory
 
 log = logging.getLogger("checkfreq.shm")
 
-SHM_DIR_ENV = "CHECKFREQ_SHM_DIR"
-DEFAULT_SHM_DIR = "/dev/shm"
 SLOTS = 2
 HEADER_BYTES = 4096
 META_MIN_BYTES = 64 << 10
@@ -100,32 +100,6 @@ class OpenSlot:
     sequence: int
     data: torch.Tensor
     """The slot's data area (``uint8``, aligned for direct I/O)."""
-
-
-def shm_directory() -> Path:
-    """Where regions live: ``$CHECKFREQ_SHM_DIR`` or ``/dev/shm``."""
-    return Path(os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
-
-
-def region_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """The region of checkpoint ``directory`` (a path or URL) for ``rank``."""
-    key = str(directory) if "://" in str(directory) else os.path.abspath(directory)
-    return shm_directory() / f"checkfreq-{xxhash.xxh3_64(key.encode()).hexdigest()}-rank{rank:05d}"
-
-
-def replica_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """Where this machine keeps the copies of rank ``rank``'s snapshots of checkpoint ``directory``
-    (its replicas, sent from another machine)."""
-    return region_path(directory, rank).with_name(region_path(directory, rank).name.replace("-rank", "-replica"))
-
-
-def device_and_inode(directory: str | os.PathLike[str]) -> tuple[int, int]:
-    """(st_dev, st_ino) of a local directory, (0, 0) for a URL: a region written for a directory
-    that was since deleted and re-created belongs to another run and is never restored."""
-    if "://" in str(directory):
-        return (0, 0)
-    st = os.stat(directory)
-    return (st.st_dev, st.st_ino)
 
 
 def layout_signature(signature: object) -> bytes:

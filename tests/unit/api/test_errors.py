@@ -14,7 +14,7 @@ import checkfreq as cf
 from checkfreq import errors
 from checkfreq.storage.local import LocalStore
 from checkfreq.storage.remote import FsspecStore
-from checkfreq.tools import catalog
+from checkfreq.tools import catalog, export
 from helpers import DOCS
 
 
@@ -132,7 +132,7 @@ def test_catalog_errors(tmp_path: Path) -> None:
     with cf.Checkpointer(tmp_path, model=_model(), policy=1) as ckpt:
         ckpt.save(blocking=True)
     ref = catalog.resolve_checkpoint(tmp_path)
-    unknown = _raised(lambda: catalog.load_state(ref, only="optimizer"))
+    unknown = _raised(lambda: export.load_state(ref, only="optimizer"))
     assert isinstance(unknown, cf.UnknownObjectError) and isinstance(unknown, KeyError)
     assert isinstance(_raised(lambda: catalog.resolve_checkpoint(tmp_path / "nothing")), FileNotFoundError)
-    assert isinstance(_raised(lambda: catalog.export(tmp_path, tmp_path / "out.txt")), ValueError)
+    assert isinstance(_raised(lambda: export.export(tmp_path, tmp_path / "out.txt")), ValueError)

@@ -18,7 +18,8 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group
 from checkfreq.ranks.rebuild import local_view
 from checkfreq.storage.format import data_file_name
-from checkfreq.storage.shm import MemoryRegion, device_and_inode, region_path, replica_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import device_and_inode, region_path, replica_path
 
 
 class _Module(torch.nn.Module):

@@ -19,7 +19,8 @@ import checkfreq as cf
 from checkfreq.cli import app
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.run.events import read_events
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, region_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, region_path
 from helpers import SCRIPTS, make_model, train_step
 
 SCRIPT = SCRIPTS / "chaos_train.py"

@@ -142,7 +142,7 @@ def test_a_checkpoint_that_saved_the_scale_as_numbers_still_restores(tmp_path: P
 
 @pytest.mark.parametrize("fresh", [True, False])
 def test_export_writes_the_numbers_grad_scaler_load_state_dict_takes(tmp_path: Path, fresh: bool) -> None:
-    from checkfreq.tools.catalog import export
+    from checkfreq.tools.export import export
 
     model, opt, scaler = _stack()
     with cf.Checkpointer(tmp_path / "run", policy=1, model=model, optimizer=opt, scaler=scaler) as ckpt:

@@ -14,14 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import (
-    MemoryRegion,
-    ShmSnapshotError,
-    device_and_inode,
-    layout_signature,
-    region_path,
-    remove_regions_beyond,
-)
+from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, layout_signature, remove_regions_beyond
+from checkfreq.storage.shm_paths import device_and_inode, region_path
 
 SIG = layout_signature(("x",))
 
