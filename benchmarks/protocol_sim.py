@@ -27,7 +27,8 @@ What stands in for the real thing:
   A rank's *connections* are the distinct ranks it exchanged messages with (gloo pairs connected
   on first use);
 * the key-value store: :class:`MemoryStore`, the operations of ``torch.distributed.Store`` that
-  start-up uses, each call counted as one operation (a round trip); an ``add`` of 0 is a poll;
+  start-up uses, each call counted as one operation (a round trip; :class:`CountingStore`); an ``add``
+  of 0 is a poll;
 * the training: each rank's snapshot is the state of a DDP job (``--layers`` linear layers and
   AdamW, 8 replicated tensors a layer, split over the ranks by checkfreq's plan, and each rank's
   random-generator tensors), zeros, built with ``benchmarks/scale_costs.py``'s helpers; with
@@ -60,7 +61,7 @@ start-up computes; it also times rank 0's ``fetch_plan`` over N reports.
 Prints, per N and phase, each count for rank 0 and the median and maximum over the other ranks
 (``benchmarks/sim_report.py``), the copies' figures per N, and a verdict per acceptance criterion.
 The transport and the store are in ``benchmarks/sim_transport.py``, the counting in
-``benchmarks/sim_counts.py``.
+``benchmarks/sim_counts.py``, what a world's run produced (:class:`Run`) in ``benchmarks/sim_results.py``.
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ from benchmarks.replica_sim import (  # noqa: E402
     slot,
 )
 from benchmarks.scale_costs import PRIVATE_TENSORS, costs, replicated_state, skeleton  # noqa: E402
-from benchmarks.sim_counts import CountedLocalStore, CountingPeers, Counts, Ledger, message_bytes  # noqa: E402
+from benchmarks.sim_counts import CountedLocalStore, CountingPeers, CountingStore, Counts, Ledger, message_bytes  # noqa: E402
 from benchmarks.sim_report import COPY_PHASE, figure, replica_table, rows, summary, verdicts  # noqa: E402
-from benchmarks.sim_transport import REAL_SLEEP, TIMEOUT_S, Baton, Fabric, MemoryPeers, MemoryStore, StoreView  # noqa: E402
-from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer  # noqa: E402
+from benchmarks.sim_results import Outcome, Run  # noqa: E402
+from benchmarks.sim_transport import REAL_SLEEP, TIMEOUT_S, Baton, Fabric, MemoryPeers, MemoryStore  # noqa: E402
+from checkfreq.pipeline.commit import CommitJob, Committer  # noqa: E402
 from checkfreq.pipeline.restore import Found, Restorer  # noqa: E402
 from checkfreq.pipeline.restore.copies import fetch_copies  # noqa: E402
 from checkfreq.pipeline.restore.plan import ReadPlan, fetch_plan  # noqa: E402
-from checkfreq.pipeline.restore.protocol import Readable  # noqa: E402
+from checkfreq.pipeline.restore.readable import Readable  # noqa: E402
 from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
 from checkfreq.pipeline.retainer import Retainer  # noqa: E402
 from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
@@ -217,21 +219,6 @@ def vote(peers: Peers) -> None:
         tree_max(peers, torch.tensor([peers.rank % 2, -(1 + peers.rank % 7)], dtype=torch.int64))
 
 
-@dataclass
-class Outcome:
-    """How one rank's run ended."""
-
-    token: str
-    directory: int
-    commit: CommitResult
-    restored: str
-    restored_files: int
-    fetched: int | None
-    """The memory step the fetch round brought the lost machine's ranks."""
-    adopted: int
-    """Copies this rank took over in it."""
-
-
 def _rank(
     rank: int,
     world: int,
@@ -267,7 +254,7 @@ def _run_rank(
 ) -> None:
     job = checkpoint.commit_job(rank)
     peers = CountingPeers(MemoryPeers(fabric, rank), ledger)
-    store = StoreView(kv, ledger)
+    store = CountingStore(kv, ledger)
     local = CountedLocalStore(root, ledger)
     fabric.wait(start, rank, "the start")
     with ledger.phase("startup"):
@@ -309,50 +296,6 @@ def _run_rank(
         fetched,
         len(kept.adopted),
     )
-
-
-@dataclass
-class Run:
-    """One simulated world: every rank's counts by phase, how each ended, and rank 0's measurements."""
-
-    world: int
-    replicas: int
-    """Each snapshot's copies (``replicas=``): the keepers each rank copies to."""
-    wall_s: float
-    threads_s: float
-    """Seconds to start every rank's thread."""
-    ledgers: list[Ledger]
-    outcomes: list[Outcome]
-    manifest_bytes: int
-    manifest_parse_s: float
-    restored: bool
-    plan_cpu_s: float
-    """Rank 0's CPU for the restore's plan over N views: each file's reader, and the orders."""
-    stream_cpu_s: float
-    """A rank's CPU for the stream's layout and for taking the replicated tensors out of the all-gathered rows."""
-    stream_bytes: int
-    """What a rank receives of the all-gathered rows: every other rank's."""
-    readers: dict[str, list[int]]
-    """Who reads each data file from storage at restore, by the plan."""
-    file_bytes: list[int]
-    copies_kept: int
-    """Of the copies ``benchmarks/replica_sim.py`` ran for the "snapshot copy" counts, those kept
-    (one per measured rank and keeper)."""
-    slot_bytes: int
-    """Rank 0's memory snapshot: its slot's data and manifest (0: no copies counted)."""
-    copy_sent_bytes: int
-    """What rank 0 sends of it to each keeper: the copy's data and envelope (0: no copies counted)."""
-    report_bytes: list[int]
-    """Each rank's memory report in the fetch round (the gather to rank 0), on the wire."""
-    fetch_plan_bytes: int
-    """Rank 0's plan of the fetch round, on the wire (broadcast to every rank)."""
-    fetch_plan_s: float
-    """Rank 0's CPU for ``fetch_plan`` over every rank's report (median of repeats)."""
-    fetch_decode_s: float
-    """Rank 0's CPU to decode every rank's report (median of repeats)."""
-
-    def counts(self, phase: str) -> list[Counts]:
-        return [ledger.phases.get(phase, Counts()) for ledger in self.ledgers]
 
 
 def simulate(

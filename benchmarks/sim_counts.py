@@ -1,23 +1,25 @@
 """What each simulated rank of ``benchmarks/protocol_sim.py`` sends, receives, computes and reads,
-phase by phase: :class:`Counts`, a rank's :class:`Ledger`, and :class:`CountingPeers`, which counts a
+phase by phase: :class:`Counts`, a rank's :class:`Ledger`, :class:`CountingPeers`, which counts a
 rank's messages on any :class:`~checkfreq.ranks.collectives.Peers` (``tests/distributed/test_scale.py``
-counts real gloo groups with it). A message counts its JSON and an 8-byte length: a gather is each
-rank's message to rank 0, a broadcast rank 0's message to each rank, an all-gather each rank's message
-to every other rank."""
+counts real gloo groups with it), :class:`CountingStore`, which counts its operations on the key-value
+store, and :class:`CountedLocalStore`, which notes the data files it reads. A message counts its JSON
+and an 8-byte length: a gather is each rank's message to rank 0, a broadcast rank 0's message to each
+rank, an all-gather each rank's message to every other rank."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.sim_transport import Baton, Gathered
+from benchmarks.sim_transport import Baton, Gathered, MemoryStore
 from checkfreq.ranks.collectives import Peers
 from checkfreq.storage.local import LocalStore
 
@@ -150,6 +152,45 @@ class CountingPeers:
         counts.bytes_in += size
         counts.peers.add(sender)
         return payload
+
+
+class CountingStore:
+    """The operations of ``torch.distributed.Store`` that start-up uses, on ``inner``, each call
+    counted in ``ledger`` as one operation (a round trip); an ``add`` of 0 is also a poll."""
+
+    def __init__(self, inner: MemoryStore, ledger: Ledger) -> None:
+        self.inner, self.ledger = inner, ledger
+
+    def _op(self) -> MemoryStore:
+        self.ledger.now.store_ops += 1
+        return self.inner
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._op().set(key, value)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        self._op().multi_set(keys, values)
+
+    def get(self, key: str) -> bytes:
+        return self._op().get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        store = self._op()
+        if amount == 0:
+            self.ledger.now.store_polls += 1
+        return store.add(key, amount)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._op().append(key, value)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._op().check(keys)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
+        self._op().wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._op().delete_key(key)
 
 
 class CountedLocalStore(LocalStore):

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from benchmarks.replica_sim import RANKS_PER_MACHINE
-
-if TYPE_CHECKING:
-    from benchmarks.protocol_sim import Run
+from benchmarks.sim_results import Run
 
 PHASES = ("startup", "memory group", "commit", "snapshot copy", "vote", "fetch round", "restore")
 COPY_PHASE = "snapshot copy"

@@ -1,7 +1,8 @@
 """The simulated network and key-value store of ``benchmarks/protocol_sim.py``: every rank on a thread of
 its own, one computing at a time (:class:`Baton`), collectives matched by their order and
 point-to-point messages by (sender, receiver) (:class:`Fabric`, :class:`MemoryPeers`), and the
-store's operations that start-up uses (:class:`MemoryStore`, :class:`StoreView`)."""
+key-value store with the operations that start-up uses (:class:`MemoryStore`). What each rank's
+calls cost is counted apart (``benchmarks/sim_counts.py``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from benchmarks.sim_counts import Ledger
 
 TIMEOUT_S = 1800.0
 
@@ -271,8 +269,9 @@ class MemoryPeers:
 
 
 class MemoryStore:
-    """The job's key-value store, in memory, shared by the simulated ranks. A write wakes only the
-    ranks waiting for its key (thousands of ranks wait at once at start-up)."""
+    """The job's key-value store, in memory, shared by the simulated ranks, with the operations of
+    ``torch.distributed.Store`` that start-up uses. A write wakes only the ranks waiting for its key
+    (thousands of ranks wait at once at start-up)."""
 
     def __init__(self, baton: Baton) -> None:
         self.baton = baton
@@ -296,61 +295,40 @@ class MemoryStore:
                 if left <= 0 or not condition.wait(left) and key not in self.data:
                     raise RuntimeError(f"key {key} not set within {timeout:.0f} s")
 
-
-class StoreView:
-    """The operations of ``torch.distributed.Store`` that start-up uses, on a :class:`MemoryStore`,
-    each counted in this rank's ledger as one operation."""
-
-    def __init__(self, store: MemoryStore, ledger: Ledger) -> None:
-        self._store, self._ledger = store, ledger
-
-    def _op(self) -> MemoryStore:
-        self._ledger.now.store_ops += 1
-        return self._store
-
     def set(self, key: str, value: str | bytes) -> None:
         self.multi_set([key], [value])
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
-        store = self._op()
-        with store.lock:
+        with self.lock:
             for key, value in zip(keys, values, strict=True):
-                store.data[key] = value.encode() if isinstance(value, str) else value
-                store.written(key)
+                self.data[key] = value.encode() if isinstance(value, str) else value
+                self.written(key)
 
     def get(self, key: str) -> bytes:
-        store = self._op()
-        with store.baton.passed(), store.lock:
-            store.wait_for([key], TIMEOUT_S)
-            return store.data[key]
+        with self.baton.passed(), self.lock:
+            self.wait_for([key], TIMEOUT_S)
+            return self.data[key]
 
     def add(self, key: str, amount: int) -> int:
-        store = self._op()
-        if amount == 0:
-            self._ledger.now.store_polls += 1
-        with store.lock:
-            value = int(store.data.get(key, b"0")) + amount
-            store.data[key] = str(value).encode()
-            store.written(key)
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + amount
+            self.data[key] = str(value).encode()
+            self.written(key)
             return value
 
     def append(self, key: str, value: str | bytes) -> None:
-        store = self._op()
-        with store.lock:
-            store.data[key] = store.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
-            store.written(key)
+        with self.lock:
+            self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else value)
+            self.written(key)
 
     def check(self, keys: Sequence[str]) -> bool:
-        store = self._op()
-        with store.lock:
-            return all(key in store.data for key in keys)
+        with self.lock:
+            return all(key in self.data for key in keys)
 
     def wait(self, keys: Sequence[str], timeout: timedelta) -> None:
-        store = self._op()
-        with store.baton.passed(), store.lock:
-            store.wait_for(keys, timeout.total_seconds())
+        with self.baton.passed(), self.lock:
+            self.wait_for(keys, timeout.total_seconds())
 
     def delete_key(self, key: str) -> bool:
-        store = self._op()
-        with store.lock:
-            return store.data.pop(key, None) is not None
+        with self.lock:
+            return self.data.pop(key, None) is not None

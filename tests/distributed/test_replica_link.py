@@ -19,11 +19,12 @@ import pytest
 import torch.distributed as dist
 
 from checkfreq.pipeline import replicas
-from checkfreq.pipeline.replicas import ReplicaLink, encode_header
+from checkfreq.pipeline.replicas import CopyHeader, ReplicaLink
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.liveness import Liveness
 from checkfreq.storage.format import Manifest
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, replica_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, replica_path
 from checkfreq.tools.catalog import memory_snapshots
 from helpers import spawn_ranks, tmpfs
 
@@ -53,7 +54,9 @@ def _ranks(rank: int, work: Path, case: str) -> None:
             data, _ = region.slot_bytes(info)
             data[100] ^= 1
         if case == "died":  # the header, then the sender is gone
-            dist.send(encode_header(info), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG)
+            dist.send(
+                CopyHeader.announcing(info).to_tensor(), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG
+            )
             os._exit(0)
         assert link.offer(region, info) and link.wait_sent(30)
         link.close(30)
@@ -115,7 +118,8 @@ def _frozen(rank: int, work: Path) -> None:
         region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
         link = ReplicaLink(dist.group.WORLD, directory, sends_to=1, receives_from=[], liveness=liveness)
         assert link.offer(region, _commit(region, 3, 7)) and link.wait_sent(30)
-        dist.send(encode_header(_commit(region, 4, 9)), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG)
+        header = CopyHeader.announcing(_commit(region, 4, 9))
+        dist.send(header.to_tensor(), group=dist.group.WORLD, group_dst=1, tag=replicas.COPY_TAG)
         (work / "frozen").write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
         os.kill(os.getpid(), signal.SIGSTOP)
     else:

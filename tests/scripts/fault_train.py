@@ -215,8 +215,8 @@ def inject_replicas(faults: Faults) -> None:
 
         def send(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             if threading.current_thread().name == "checkfreq-replica-send":
-                if tensor.dtype == torch.int64 and tensor.numel() == replicas.HEADER:  # a copy begins
-                    copy.step, copy.sent = int(tensor[1]), 0
+                if tensor.dtype == torch.int64 and tensor.numel() == replicas.CopyHeader.WIDTH:  # a copy begins
+                    copy.step, copy.sent = replicas.CopyHeader.from_tensor(tensor).step, 0
                 else:
                     copy.sent += 1
                     if copy.sent == 2:  # the data is out; the manifest would go next

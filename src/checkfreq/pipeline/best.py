@@ -6,7 +6,8 @@ the commit writes rank 0's into the manifest (:attr:`~checkfreq.storage.format.M
 with it, and a run resumed after a kill ranks the old checkpoints as the run that wrote them did.
 
 :class:`ScoreBook` reads the scores for the retainer (each manifest once); :func:`best_step` picks
-the checkpoint ``restore(step="best")`` restores, the same one on every rank.
+the checkpoint ``restore(step="best")`` restores, the same one on every rank (rank 0's
+:class:`BestChoice`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
 from checkfreq.pipeline.registered import RUN_STATE
 from checkfreq.policies.retention import Retention
-from checkfreq.ranks.collectives import Peers
+from checkfreq.ranks.collectives import JSON, Peers, broadcast_message
 from checkfreq.run.scores import SCORE_KEY
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import Manifest
@@ -47,6 +48,23 @@ class Score:
     """How many of the best the run that wrote it kept."""
     value: float | None
     """None: the metric had no value at the checkpoint's step."""
+
+
+@dataclass(frozen=True)
+class BestChoice:
+    """0 → every rank, at ``restore(step="best")``: the best-scored checkpoint the stores list (None:
+    none is scored), and whether they list any checkpoint. On the wire: ``[step, listed]``."""
+
+    step: int | None
+    listed: bool
+
+    def to_wire(self) -> JSON:
+        return [self.step, self.listed]
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> BestChoice:
+        step, listed = wire
+        return cls(None if step is None else int(step), bool(listed))
 
 
 def score_of(manifest: Manifest) -> Score | None:
@@ -129,10 +147,10 @@ def best_step(stores: Iterable[Listing], peers: Peers, retention: Retention) -> 
                 except (CorruptCheckpointError, OSError):
                     listed.setdefault(step, None)
     ranking, best = ranked(sorted(listed.items(), reverse=True), retention)
-    mine = best[0] if best else -1 if listed else None  # -1: listed, none scored
-    chosen = peers.broadcast(mine if peers.rank == 0 else None)
-    if chosen is None or int(chosen) >= 0:
-        return None if chosen is None else int(chosen)
+    mine = BestChoice(best[0] if best else None, bool(listed)) if peers.rank == 0 else None
+    chosen = broadcast_message(peers, mine, BestChoice.from_wire)
+    if chosen.step is not None or not chosen.listed:
+        return chosen.step
     what = f"a value of {ranking.metric!r}" if ranking is not None else "a score (no Retention(best=...) wrote them)"
     raise NoValidCheckpointError(
         f"restore(step='best'): none of the {len(listed)} checkpoints listed has {what}. A checkpoint is scored by "
@@ -141,4 +159,4 @@ def best_step(stores: Iterable[Listing], peers: Peers, retention: Retention) -> 
     )
 
 
-__all__ = ["Score", "ScoreBook", "best_step", "ranked", "score_entry", "score_of"]
+__all__ = ["BestChoice", "Score", "ScoreBook", "best_step", "ranked", "score_entry", "score_of"]

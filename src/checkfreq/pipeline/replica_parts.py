@@ -40,8 +40,9 @@ from checkfreq.storage.shm import MemoryRegion, SlotInfo, listed_regions, slot_d
 
 OMIT_MIN_BYTES = 4096
 """The shortest run of replicated bytes a copy leaves out."""
-PIECE_BYTES = CHUNK_BYTES
-"""A copy's data travels in pieces of this size (the last one shorter): each is one chunk of its checksum."""
+REPLICA_PIECE_BYTES = CHUNK_BYTES
+"""A replica copy's data travels in pieces of this size (the last one shorter): each is one chunk of its
+checksum (``storage.format.CHUNK_BYTES``)."""
 _MAGIC = b"CKFQPART"
 _ENVELOPE = struct.Struct("<8sQQQ")  # magic, the slot's data bytes, the slot's checksum, bytes of the names' JSON
 
@@ -59,8 +60,8 @@ class Outgoing:
     """The slot's data (a view of it)."""
 
     def pieces(self) -> Iterator[torch.Tensor]:
-        """The data the copy carries, in pieces of :data:`PIECE_BYTES` (:func:`pieces_of` on the keeper):
-        views of the slot when one run holds a piece, else gathered into a buffer reused for each."""
+        """The data the copy carries, in pieces of :data:`REPLICA_PIECE_BYTES` (:func:`pieces_of` on the
+        keeper): views of the slot when one run holds a piece, else gathered into a buffer reused for each."""
         staging: torch.Tensor | None = None
         for views in _chunks(self.data, self.runs):
             if len(views) == 1:
@@ -68,15 +69,15 @@ class Outgoing:
                 continue
             size = sum(v.numel() for v in views)
             if staging is None:
-                staging = torch.empty(min(PIECE_BYTES, self.info.data_bytes), dtype=torch.uint8)
+                staging = torch.empty(min(REPLICA_PIECE_BYTES, self.info.data_bytes), dtype=torch.uint8)
             torch.cat(views, out=staging[:size])
             yield staging[:size]
 
 
 def pieces_of(buffer: torch.Tensor, nbytes: int) -> Iterator[torch.Tensor]:
     """The first ``nbytes`` of ``buffer`` in the pieces :meth:`Outgoing.pieces` sends them in."""
-    for at in range(0, nbytes, PIECE_BYTES):
-        yield buffer[at : min(at + PIECE_BYTES, nbytes)]
+    for at in range(0, nbytes, REPLICA_PIECE_BYTES):
+        yield buffer[at : min(at + REPLICA_PIECE_BYTES, nbytes)]
 
 
 def outgoing(data: torch.Tensor, meta: bytes, info: SlotInfo) -> Outgoing:
@@ -204,9 +205,10 @@ def _complement(omitted: list[tuple[int, int]], size: int) -> list[tuple[int, in
 
 
 def _chunks(data: torch.Tensor, runs: list[tuple[int, int]]) -> Iterator[list[torch.Tensor]]:
-    """The bytes of ``runs`` of ``data``, laid end to end, cut in :data:`PIECE_BYTES`: each piece as its views."""
+    """The bytes of ``runs`` of ``data``, laid end to end, cut in :data:`REPLICA_PIECE_BYTES`: each piece as
+    its views."""
     views: list[torch.Tensor] = []
-    room = PIECE_BYTES
+    room = REPLICA_PIECE_BYTES
     for begin, end in runs:
         while begin < end:
             take = min(room, end - begin)
@@ -214,7 +216,7 @@ def _chunks(data: torch.Tensor, runs: list[tuple[int, int]]) -> Iterator[list[to
             begin, room = begin + take, room - take
             if room == 0:
                 yield views
-                views, room = [], PIECE_BYTES
+                views, room = [], REPLICA_PIECE_BYTES
     if views:
         yield views
 

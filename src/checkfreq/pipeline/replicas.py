@@ -6,15 +6,16 @@ holds too (its replicated pieces: :mod:`checkfreq.pipeline.replica_parts`), to e
 over a gloo group of its own, on a thread of its own: training never waits for it, except when the
 next snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A
 rank keeps the snapshots it receives in a region of its machine's shared memory named after the
-sender (:func:`checkfreq.storage.shm.replica_path`), each slot committed only once its bytes match
+sender (:func:`checkfreq.storage.shm_paths.replica_path`), each slot committed only once its bytes match
 the sender's checksum: a copy cut short (the sender died) or damaged on the way is never used.
 
-On the wire, each snapshot is a header (:data:`HEADER` int64 values: kind, step, the copy's data and
-manifest bytes and checksum, layout signature), its data (in pieces of at most 64 MiB) and its
-manifest (the slot's, or an envelope around it saying what was left out), and the keeper answers
-with the step it kept (or -1); once every keeper answered, the sender's slot is free again and
-:meth:`ReplicaLink.wait_sent` returns. A keeper that fails is sent no more copies; the others still
-are. A header of kind :data:`STOP` ends the copies at a clean close.
+On the wire, each snapshot is a :class:`CopyHeader` (:attr:`CopyHeader.WIDTH` int64 values: kind, step,
+the copy's data and manifest bytes and checksum, layout signature), its data (in pieces of at most
+64 MiB) and its manifest (the slot's, or an envelope around it saying what was left out), and the
+keeper answers with a :class:`CopyAnswer` (the step it kept, or none); once every keeper answered,
+the sender's slot is free again and :meth:`ReplicaLink.wait_sent` returns. A keeper that fails is
+sent no more copies; the others still are. A header of kind :data:`STOP` ends the copies at a clean
+close. Both messages are typed values with one encoder and one decoder (``to_tensor``/``from_tensor``).
 
 A rank that dies closes its connections, which ends the copy threads' waits on it at once; a rank
 that freezes (its machine stalled, its connections open) does not. So, given the job's
@@ -35,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,13 +44,13 @@ import torch.distributed as dist
 from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.pipeline.replica_parts import Outgoing, outgoing, pieces_of
 from checkfreq.ranks.liveness import Liveness
-from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo, device_and_inode, replica_path
+from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo
+from checkfreq.storage.shm_paths import device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
 
-HEADER = 8
-"""int64 values in a header."""
 SNAPSHOT, STOP = 1, 0
+"""A :class:`CopyHeader`'s kinds: a snapshot's copy follows; the copies end (a clean close)."""
 COPY_TAG, ACK_TAG = 1, 2
 """gloo tags: a sender's copies, and the keeper's answer (the step kept, or -1), which may travel
 between the same two ranks at once the other way."""
@@ -79,18 +81,79 @@ def _unsigned(value: int) -> int:
     return _UNSIGNED.unpack(_SIGNED.pack(value))[0]
 
 
-def encode_header(info: SlotInfo) -> torch.Tensor:
-    """The header announcing the snapshot of ``info``."""
-    low, high = struct.unpack("<qq", info.signature)
-    return torch.tensor(
-        [SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, _signed(info.checksum), low, high, 0], dtype=torch.int64
-    )
+@dataclass(frozen=True)
+class CopyHeader:
+    """Sender → keeper, before a copy's data and manifest: what follows (on the wire: :attr:`WIDTH`
+    int64 values, the checksum's 64 bits as a signed value, the signature as two, and one unused 0)."""
+
+    WIDTH: ClassVar[int] = 8
+    """int64 values on the wire."""
+
+    kind: int
+    """:data:`SNAPSHOT`: a copy follows; :data:`STOP`: the copies end, nothing follows."""
+    step: int
+    data_bytes: int
+    """The copy's data bytes (what it carries of the slot's data)."""
+    meta_bytes: int
+    """Its manifest's bytes (the slot's, or an envelope)."""
+    checksum: int
+    """The copy's xxh3-64 checksum (unsigned)."""
+    signature: bytes
+    """The slot's 16-byte layout signature."""
+
+    @classmethod
+    def announcing(cls, info: SlotInfo) -> CopyHeader:
+        """The header announcing the copy of ``info`` (an :class:`~checkfreq.pipeline.replica_parts.Outgoing`'s)."""
+        return cls(SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, info.checksum, info.signature)
+
+    @classmethod
+    def stop(cls) -> CopyHeader:
+        """The header that ends the copies (all zeros on the wire)."""
+        return cls(STOP, 0, 0, 0, 0, bytes(16))
+
+    @property
+    def info(self) -> SlotInfo:
+        """The announced copy's step, sizes, checksum and signature (slot and sequence 0)."""
+        return SlotInfo(0, 0, self.step, self.data_bytes, self.meta_bytes, self.signature, self.checksum)
+
+    def to_tensor(self) -> torch.Tensor:
+        low, high = struct.unpack("<qq", self.signature)
+        values = [self.kind, self.step, self.data_bytes, self.meta_bytes, _signed(self.checksum), low, high, 0]
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> CopyHeader:
+        kind, step, data_bytes, meta_bytes, checksum, low, high, _ = (int(v) for v in tensor.tolist())
+        return cls(kind, step, data_bytes, meta_bytes, _unsigned(checksum), struct.pack("<qq", low, high))
+
+    @classmethod
+    def empty(cls) -> torch.Tensor:
+        """A tensor to receive one header into."""
+        return torch.empty(cls.WIDTH, dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[int, SlotInfo]:
-    """(kind, the announced snapshot's step, sizes, checksum and signature; slot and sequence 0)."""
-    kind, step, data_bytes, meta_bytes, checksum, low, high, _ = (int(v) for v in header.tolist())
-    return kind, SlotInfo(0, 0, step, data_bytes, meta_bytes, struct.pack("<qq", low, high), _unsigned(checksum))
+@dataclass(frozen=True)
+class CopyAnswer:
+    """Keeper → sender, once a copy arrived: the step it kept (None: it did not keep the copy). On the
+    wire: one int64, -1 for None."""
+
+    WIDTH: ClassVar[int] = 1
+    """int64 values on the wire."""
+
+    kept: int | None
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([-1 if self.kept is None else self.kept], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> CopyAnswer:
+        (kept,) = (int(v) for v in tensor.tolist())
+        return cls(None if kept == -1 else kept)
+
+    @classmethod
+    def empty(cls) -> torch.Tensor:
+        """A tensor to receive one answer into."""
+        return torch.empty(cls.WIDTH, dtype=torch.int64)
 
 
 class ReplicaLink:
@@ -190,7 +253,7 @@ class ReplicaLink:
                 self._idle.set()
         for to in self._live():
             try:
-                dist.send(torch.zeros(HEADER, dtype=torch.int64), group=self.group, group_dst=to, tag=COPY_TAG)
+                dist.send(CopyHeader.stop().to_tensor(), group=self.group, group_dst=to, tag=COPY_TAG)
             except RuntimeError as e:
                 log.debug("memory tier: rank %d did not take the end of the replicas: %s", to, e)
 
@@ -200,14 +263,15 @@ class ReplicaLink:
         start = time.perf_counter()
         self._sending_to = to
         try:
-            dist.send(encode_header(copy.info), group=self.group, group_dst=to, tag=COPY_TAG)
+            dist.send(CopyHeader.announcing(copy.info).to_tensor(), group=self.group, group_dst=to, tag=COPY_TAG)
             for piece in copy.pieces():
                 dist.send(piece, group=self.group, group_dst=to, tag=COPY_TAG)
             dist.send(
                 torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), group=self.group, group_dst=to, tag=COPY_TAG
             )
-            answer = torch.empty(1, dtype=torch.int64)
-            dist.recv(answer, group=self.group, group_src=to, tag=ACK_TAG)
+            received = CopyAnswer.empty()
+            dist.recv(received, group=self.group, group_src=to, tag=ACK_TAG)
+            answer = CopyAnswer.from_tensor(received)
         except RuntimeError as e:
             self._broken[to] = e
             log.warning(
@@ -220,7 +284,7 @@ class ReplicaLink:
         finally:
             self._sending_to = None
         seconds, nbytes = time.perf_counter() - start, copy.info.data_bytes + copy.info.meta_bytes
-        if int(answer) == info.step:
+        if answer.kept == info.step:
             self.sent.append(Sent(info.step, nbytes, seconds, to))
         self.report(
             "replica",
@@ -230,22 +294,23 @@ class ReplicaLink:
             data_bytes=copy.info.data_bytes,
             slot_bytes=info.data_bytes + info.meta_bytes,
             seconds=seconds,
-            kept=int(answer) == info.step,
+            kept=answer.kept == info.step,
         )
 
     # ------------------------------------------------------------------ keeping
 
     def _keep_loop(self, sender: int) -> None:
         region = MemoryRegion(replica_path(self.directory, sender), device_and_inode(self.directory))
-        header = torch.empty(HEADER, dtype=torch.int64)
+        received = CopyHeader.empty()
         try:
             while True:
-                dist.recv(header, group=self.group, group_src=sender, tag=COPY_TAG)
-                kind, info = decode_header(header)
-                if kind == STOP:
+                dist.recv(received, group=self.group, group_src=sender, tag=COPY_TAG)
+                header = CopyHeader.from_tensor(received)
+                if header.kind == STOP:
                     return
-                kept = self._keep(region, sender, info)
-                dist.send(torch.tensor([info.step if kept else -1]), group=self.group, group_dst=sender, tag=ACK_TAG)
+                kept = self._keep(region, sender, header.info)
+                answer = CopyAnswer(header.step if kept else None)
+                dist.send(answer.to_tensor(), group=self.group, group_dst=sender, tag=ACK_TAG)
         except RuntimeError as e:  # the sender died or left: its copy in flight, if any, is never committed
             log.info("memory tier: no more replicas from rank %d (%s)", sender, str(e).strip().splitlines()[0])
         finally:

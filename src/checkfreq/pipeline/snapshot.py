@@ -49,7 +49,7 @@ log = logging.getLogger("checkfreq.snapshot")
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-PIECE_BYTES = 4 << 20
+DEFERRED_COPY_PIECE_BYTES = 4 << 20
 """Deferred copies are split into pieces of at most this size, so the writer and the fence can share them."""
 
 CopyPiece = tuple[int, int, int] | tuple[torch.Tensor, torch.Tensor]
@@ -170,7 +170,10 @@ def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[CopyPiece]:
         return [(dst, src)]
     nbytes = src.numel() * src.element_size()
     d, s = dst.data_ptr(), src.data_ptr()
-    return [(d + at, s + at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
+    return [
+        (d + at, s + at, min(DEFERRED_COPY_PIECE_BYTES, nbytes - at))
+        for at in range(0, nbytes, DEFERRED_COPY_PIECE_BYTES)
+    ]
 
 
 def _copy_piece(piece: CopyPiece) -> None:

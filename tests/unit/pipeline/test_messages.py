@@ -1,7 +1,9 @@
 """Every message the ranks exchange is a typed value that survives the wire: for arbitrary valid values,
-``from_wire(json.loads(json.dumps(m.to_wire()))) == m``. The list of message classes is found in the
-sources (every class with a ``to_wire`` and a ``from_wire``), so a new message without a strategy here
-fails :func:`test_every_message_class_has_a_strategy`."""
+``from_wire(json.loads(json.dumps(m.to_wire()))) == m``, and, for the few sent as a tensor of int64s,
+``from_tensor(m.to_tensor()) == m`` through the tensor's bytes. The lists of message classes are found
+in the sources (every class with a ``to_wire`` and a ``from_wire``, or a ``to_tensor`` and a
+``from_tensor``), so a new message without a strategy here fails
+:func:`test_every_message_class_has_a_strategy` or :func:`test_every_tensor_message_class_has_a_strategy`."""
 
 from __future__ import annotations
 
@@ -17,12 +19,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkfreq
+from checkfreq.pipeline.best import BestChoice
 from checkfreq.pipeline.commit import Claims, CommitReport, CommitReports, Verdict
+from checkfreq.pipeline.replicas import SNAPSHOT, STOP, CopyAnswer, CopyHeader
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     ORDERS,
     Agenda,
     CheckpointView,
+    CopyTransfer,
+    CopyUnreadable,
     DamageReport,
     ExchangeOrder,
     ExchangeOutcome,
@@ -36,6 +42,7 @@ from checkfreq.pipeline.restore.messages import (
     NewestStep,
     ReadOrder,
     Refusal,
+    decode_copy_transfer,
     decode_order,
 )
 from checkfreq.pipeline.tier import TierName
@@ -59,6 +66,8 @@ from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers
 texts = st.text(max_size=20)
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 counts = st.integers(min_value=0, max_value=2**40)
+checksums = st.integers(min_value=0, max_value=2**64 - 1)
+signatures = st.binary(min_size=16, max_size=16)
 optional_texts = st.none() | texts
 json_values = st.recursive(
     st.none() | st.booleans() | ints | st.floats(allow_nan=False, allow_infinity=False) | texts,
@@ -172,26 +181,34 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     FileTransfer: st.builds(FileTransfer, json_objects, counts),
     ExchangeOutcome: st.builds(ExchangeOutcome, optional_texts, optional_texts),
     ExchangeVerdict: st.builds(ExchangeVerdict, st.lists(texts, max_size=4), st.none() | st.tuples(counts, texts)),
+    CopyTransfer: st.builds(CopyTransfer, counts, counts, checksums, signatures, texts),
+    CopyUnreadable: st.builds(CopyUnreadable, texts, texts),
+    BestChoice: st.builds(BestChoice, st.none() | counts, st.booleans()),
 }
 
+TENSOR_STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
+    Vote: st.builds(Vote, st.booleans(), st.integers(min_value=0, max_value=2**62)),
+    CopyHeader: st.builds(
+        CopyHeader, st.sampled_from([SNAPSHOT, STOP]) | ints, ints, counts, counts, checksums, signatures
+    ),
+    CopyAnswer: st.builds(CopyAnswer, st.none() | counts),
+}
+"""The messages sent as a tensor of int64s (``to_tensor``, and the class's ``from_tensor``)."""
 
-def message_classes() -> set[type]:
-    """Every class in checkfreq's sources with both a ``to_wire`` and a ``from_wire`` (but the protocol)."""
+
+def message_classes(encode: str = "to_wire", decode: str = "from_wire") -> set[type]:
+    """Every class in checkfreq's sources with both an ``encode`` and a ``decode`` method (but a protocol)."""
     root = Path(checkfreq.__file__).parent
     found = set()
     for path in sorted(root.rglob("*.py")):
-        if "def to_wire" not in path.read_text():
+        if f"def {encode}" not in path.read_text():
             continue
         name = ".".join(("checkfreq", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
         module = importlib.import_module(name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if getattr(cls, "_is_protocol", False):  # the Message protocol itself
                 continue
-            if (
-                cls.__module__ == name
-                and callable(getattr(cls, "to_wire", None))
-                and callable(getattr(cls, "from_wire", None))
-            ):
+            if cls.__module__ == name and callable(getattr(cls, encode, None)) and callable(getattr(cls, decode, None)):
                 found.add(cls)
     return found
 
@@ -240,9 +257,50 @@ def test_the_orders_tags_tell_them_apart() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.builds(Vote, st.booleans(), st.integers(min_value=0, max_value=2**62)))
-def test_a_vote_survives_its_tensor(vote: Vote) -> None:
-    assert Vote.from_tensor(vote.to_tensor()) == vote
+@given(st.one_of(STRATEGIES[CopyTransfer], STRATEGIES[CopyUnreadable]))
+def test_a_copy_transfer_decodes_to_its_own_kind(header: CopyTransfer | CopyUnreadable) -> None:
+    assert decode_copy_transfer(json.loads(json.dumps(header.to_wire()))) == header
+
+
+def test_every_tensor_message_class_has_a_strategy() -> None:
+    found = message_classes("to_tensor", "from_tensor")
+    missing = sorted(c.__qualname__ for c in found - set(TENSOR_STRATEGIES))
+    assert not missing, f"tensor message classes with no strategy in {__name__}.TENSOR_STRATEGIES: {missing}"
+    assert set(TENSOR_STRATEGIES) <= found, sorted(c.__qualname__ for c in set(TENSOR_STRATEGIES) - found)
+
+
+@pytest.mark.parametrize("cls", sorted(TENSOR_STRATEGIES, key=lambda c: c.__qualname__), ids=lambda c: c.__qualname__)
+def test_every_tensor_message_survives_the_wire(cls: type) -> None:
+    """Encoded, sent as the tensor's bytes (what gloo moves), received into an int64 tensor, decoded."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(TENSOR_STRATEGIES[cls])
+    def round_trip(message: Any) -> None:
+        assert type(message) is cls
+        tensor = message.to_tensor()
+        assert tensor.dtype == torch.int64 and tensor.dim() == 1
+        assert tensor.numel() == getattr(cls, "WIDTH", tensor.numel())
+        received = torch.frombuffer(bytearray(tensor.numpy().tobytes()), dtype=torch.int64)
+        assert cls.from_tensor(received) == message
+        assert torch.equal(cls.from_tensor(received).to_tensor(), tensor)
+
+    round_trip()
+
+
+def test_the_replica_headers_carry_the_same_int64s_as_before() -> None:
+    """A copy's header: kind, step, data and manifest bytes, the checksum as signed, the signature as
+    two, a 0; the end of the copies all zeros; the keeper's answer the step kept or -1."""
+    header = CopyHeader(SNAPSHOT, 7, 100, 20, 2**64 - 1, bytes(range(16)))
+    low, high = int.from_bytes(bytes(range(8)), "little"), int.from_bytes(bytes(range(8, 16)), "little")
+    assert header.to_tensor().tolist() == [1, 7, 100, 20, -1, low, high, 0]
+    assert CopyHeader.stop().to_tensor().tolist() == [0] * CopyHeader.WIDTH
+    assert CopyAnswer(7).to_tensor().tolist() == [7] and CopyAnswer(None).to_tensor().tolist() == [-1]
+    info = header.info
+    assert CopyHeader.announcing(info) == header and (info.step, info.checksum, info.signature) == (
+        7,
+        2**64 - 1,
+        bytes(range(16)),
+    )
 
 
 def test_a_vote_result_is_the_elementwise_maximum() -> None:
@@ -267,6 +325,14 @@ def test_the_wire_carries_the_same_json_as_before() -> None:
     assert FileTransfer({"a": 1}, 4).to_wire() == {"header": {"a": 1}, "size": 4}
     assert DamageReport({"f": "why"}).to_wire() == {"f": "why"}
     assert CheckpointView("no manifest").to_wire() == "no manifest"
+    assert CopyUnreadable("damaged", "node").to_wire() == {"error": "damaged", "host": "node"}
+    assert CopyTransfer(3, 4, 5, b"\x01\x02", "node").to_wire() == {
+        "meta": 3,
+        "data": 4,
+        "checksum": 5,
+        "signature": "0102",
+        "host": "node",
+    }
     assert Claims({"layout": [], "fingerprints": {}}, {}).to_wire() == {
         "replicas": {"layout": [], "fingerprints": {}},
         "sharded": {},

@@ -22,7 +22,8 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group
 from checkfreq.storage import parallel_hash
 from checkfreq.storage.format import data_file_name
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, device_and_inode, region_path, replica_path
+from checkfreq.storage.shm import MemoryRegion
+from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, region_path, replica_path
 from checkfreq.tools.catalog import memory_snapshots
 
 STEP = 5
@@ -92,7 +93,7 @@ def test_a_copy_carries_only_private_bytes_and_is_made_whole_where_it_is_kept(
     and its manifest (its share of the replicated parameters is left out), passes the keeper's check
     (in 4 KiB pieces too, some gathered from two private tensors), and machine A's rank 0 makes it
     whole from its own region: the sender's slot, bit for bit, and its checksum."""
-    monkeypatch.setattr(replica_parts, "PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(replica_parts, "REPLICA_PIECE_BYTES", piece_bytes)
     monkeypatch.setattr(parallel_hash, "CHUNK_BYTES", piece_bytes)  # the checksum's chunks, as the keeper's
     module = _Module()
     for tier in _machine(monkeypatch, shm_dir / "b", tmp_path, (2, 3), module):

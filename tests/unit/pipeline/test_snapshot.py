@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from checkfreq.pipeline.snapshot import PIECE_BYTES, PendingSnapshot
+from checkfreq.pipeline.snapshot import DEFERRED_COPY_PIECE_BYTES, PendingSnapshot
 
 SOURCES = {
     "float32": lambda: torch.randn(1000, 37),
@@ -21,7 +21,7 @@ SOURCES = {
     "conj": lambda: torch.randn(8, 8, dtype=torch.complex64).conj(),  # lazily conjugated
     "neg": lambda: torch.randn(8, 8)._neg_view(),  # lazily negated
     "empty": lambda: torch.empty(0, 3),
-    "several pieces": lambda: torch.randn(3 * PIECE_BYTES // 4 + 123),
+    "several pieces": lambda: torch.randn(3 * DEFERRED_COPY_PIECE_BYTES // 4 + 123),
 }
 
 
@@ -40,7 +40,7 @@ def test_deferred_copies_are_exact(kind: str) -> None:
 
 def test_the_fence_and_the_writer_share_the_pieces() -> None:
     """Both threads claim pieces; each piece is copied once and every byte arrives."""
-    sources = [torch.randn(PIECE_BYTES // 4 * 5 + 7), torch.arange(10**6), torch.randn(300, 200).t()]
+    sources = [torch.randn(DEFERRED_COPY_PIECE_BYTES // 4 * 5 + 7), torch.arange(10**6), torch.randn(300, 200).t()]
     pending, slots = _pending(sources)
     writer = threading.Thread(target=pending.finish_copy)
     writer.start()
@@ -53,7 +53,7 @@ def test_the_fence_and_the_writer_share_the_pieces() -> None:
 
 def test_the_fence_alone_can_do_every_copy() -> None:
     """If the writer has not started yet, the training thread copies everything and the writer finds nothing left."""
-    sources = [torch.randn(PIECE_BYTES // 2 + 1) for _ in range(4)]
+    sources = [torch.randn(DEFERRED_COPY_PIECE_BYTES // 2 + 1) for _ in range(4)]
     pending, slots = _pending(sources)
     pending.copy_pieces()
     assert not pending.copied.is_set()  # only the writer releases the fence: it may have CUDA copies too
@@ -126,7 +126,7 @@ def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
     from checkfreq.ranks.collectives import Solo
     from checkfreq.storage.local import LocalStore
 
-    tensors = {"a": torch.randn(PIECE_BYTES // 4 * 3 + 5), "b": torch.arange(1000)}
+    tensors = {"a": torch.randn(DEFERRED_COPY_PIECE_BYTES // 4 * 3 + 5), "b": torch.arange(1000)}
     pending = Snapshotter().take(tensors, deferred=set(tensors))
     copied_when_preparing: list[bool] = []
 

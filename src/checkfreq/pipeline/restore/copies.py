@@ -6,10 +6,11 @@ Every rank tells rank 0 the steps of its own snapshots and of the copies its mac
 step every rank can have (:func:`~checkfreq.pipeline.restore.plan.fetch_plan`) and, for each rank
 that lost it, the keepers of its copy in the order they are tried. Each copy goes from its keeper to
 its rank point to point, over the control group (bounded by ``failure_timeout``): first a small
-header (its size and checksum and the keeper's host, or why the keeper cannot read it), then its
-manifest and data. The receiving rank commits it into its own region only if it matches the
-checksum it was kept with; then the restore goes on as if the rank had never lost it (a replacement
-node at the same world size resumes from memory).
+header (a :class:`~checkfreq.pipeline.restore.messages.CopyTransfer`: its sizes and checksum and the
+keeper's host; or a :class:`~checkfreq.pipeline.restore.messages.CopyUnreadable`: why the keeper
+cannot read it), then its manifest and data. The receiving rank commits it into its own region only
+if it matches the checksum it was kept with; then the restore goes on as if the rank had never lost
+it (a replacement node at the same world size resumes from memory).
 
 A copy that cannot be taken over (damaged: it fails its checksum where it is kept, or on arrival)
 is passed over, and a keeper that could not send one copy goes on sending the others. A rank whose
@@ -29,7 +30,13 @@ import socket
 import torch
 
 from checkfreq.errors import CheckfreqError, PeerLostError
-from checkfreq.pipeline.restore.messages import FetchPlan, MemoryReport
+from checkfreq.pipeline.restore.messages import (
+    CopyTransfer,
+    CopyUnreadable,
+    FetchPlan,
+    MemoryReport,
+    decode_copy_transfer,
+)
 from checkfreq.pipeline.restore.plan import fetch_plan, memory_choice
 from checkfreq.pipeline.tier import HeldCopy
 from checkfreq.pipeline.tiers import Tiers
@@ -37,8 +44,8 @@ from checkfreq.ranks.collectives import (
     Peers,
     broadcast_message,
     gather_messages,
-    receive_json,
-    send_json,
+    receive_message,
+    send_message,
     tree_max,
 )
 
@@ -130,16 +137,13 @@ def _take(tiers: Tiers, peers: Peers, plan: FetchPlan) -> tuple[set[int], str | 
 def _take_one(tiers: Tiers, peers: Peers, rank: int, keeper: int, step: int) -> str | None:
     """Take over this rank's copy of snapshot ``step`` from rank ``keeper``; why it cannot be used
     (naming the snapshot and its keeper), or None."""
-    header = receive_json(peers, keeper)
+    header = receive_message(peers, keeper, decode_copy_transfer)
     try:
         tiers.adopt(_receive(peers, rank, keeper, step, header))
     except PeerLostError:
         raise
     except CheckfreqError as e:  # damaged where it is kept, or on the way
-        return (
-            f"rank {rank}'s snapshot {step}: the copy kept by rank {keeper} "
-            f"({header.get('host', 'host unknown')}) cannot be used ({e})"
-        )
+        return f"rank {rank}'s snapshot {step}: the copy kept by rank {keeper} ({header.host}) cannot be used ({e})"
     return None
 
 
@@ -152,27 +156,17 @@ def _send(tiers: Tiers, peers: Peers, rank: int, step: int) -> None:
     except PeerLostError:
         raise
     except CheckfreqError as e:
-        send_json(peers, {"error": str(e), "host": host}, rank)
+        send_message(peers, CopyUnreadable(str(e), host), rank)
         return
-    send_json(
-        peers,
-        {
-            "meta": len(copy.meta),
-            "data": copy.data.numel(),
-            "checksum": copy.checksum,
-            "signature": copy.signature.hex(),
-            "host": host,
-        },
-        rank,
-    )
+    send_message(peers, CopyTransfer(len(copy.meta), copy.data.numel(), copy.checksum, copy.signature, host), rank)
     peers.send(torch.frombuffer(bytearray(copy.meta), dtype=torch.uint8), rank)
     peers.send(copy.data.contiguous(), rank)
 
 
-def _receive(peers: Peers, rank: int, keeper: int, step: int, header: dict) -> HeldCopy:
+def _receive(peers: Peers, rank: int, keeper: int, step: int, header: CopyTransfer | CopyUnreadable) -> HeldCopy:
     """The copy of this rank's snapshot ``step`` that rank ``keeper`` sends after ``header``."""
-    if "error" in header:
-        raise CheckfreqError(header["error"])
-    meta = peers.receive(int(header["meta"]), keeper).numpy().tobytes()
-    data = peers.receive(int(header["data"]), keeper)
-    return HeldCopy(rank, step, meta, data, int(header["checksum"]), bytes.fromhex(header["signature"]))
+    if isinstance(header, CopyUnreadable):
+        raise CheckfreqError(header.error)
+    meta = peers.receive(header.meta, keeper).numpy().tobytes()
+    data = peers.receive(header.data, keeper)
+    return HeldCopy(rank, step, meta, data, header.checksum, header.signature)

@@ -319,3 +319,62 @@ class ExchangeVerdict:
     def from_wire(cls, wire: JSON) -> ExchangeVerdict:
         errors, short_of = wire
         return cls([str(e) for e in errors], None if short_of is None else (int(short_of[0]), str(short_of[1])))
+
+
+@dataclass(frozen=True)
+class CopyTransfer:
+    """Keeper → rank, at the restore's first round (``replicas=``), before the bytes of the copy of the
+    rank's snapshot it keeps (its manifest, then its data): their sizes, the copy's checksum and layout
+    signature, and the keeper's host (for the log)."""
+
+    meta: int
+    data: int
+    checksum: int
+    """The copy's xxh3-64 checksum (unsigned), as it was kept."""
+    signature: bytes
+    """The snapshot's layout signature (hex on the wire)."""
+    host: str
+
+    def to_wire(self) -> JSON:
+        return {
+            "meta": self.meta,
+            "data": self.data,
+            "checksum": self.checksum,
+            "signature": self.signature.hex(),
+            "host": self.host,
+        }
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> CopyTransfer:
+        return cls(
+            int(wire["meta"]),
+            int(wire["data"]),
+            int(wire["checksum"]),
+            bytes.fromhex(wire["signature"]),
+            str(wire["host"]),
+        )
+
+
+@dataclass(frozen=True)
+class CopyUnreadable:
+    """Keeper → rank, in place of a :class:`CopyTransfer`: why it cannot read the copy it keeps (no bytes
+    follow), and its host."""
+
+    TAG: ClassVar[str] = "error"
+
+    error: str
+    host: str
+
+    def to_wire(self) -> JSON:
+        return {"error": self.error, "host": self.host}
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> CopyUnreadable:
+        return cls(str(wire["error"]), str(wire["host"]))
+
+
+def decode_copy_transfer(wire: JSON) -> CopyTransfer | CopyUnreadable:
+    """What a keeper sent before a copy: its transfer, or why it has none (the one with :attr:`CopyUnreadable.TAG`)."""
+    if isinstance(wire, dict) and CopyUnreadable.TAG in wire:
+        return CopyUnreadable.from_wire(wire)
+    return CopyTransfer.from_wire(wire)
