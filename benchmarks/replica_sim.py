@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,10 +47,11 @@ from checkfreq.pipeline.replica_parts import outgoing
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.restore.messages import MemoryReport
 from checkfreq.pipeline.restore.plan import fetch_plan
-from checkfreq.pipeline.tier import HeldCopy, Tier
+from checkfreq.pipeline.tier import HeldCopy, StateKeeper
 from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_ring
 from checkfreq.storage.format import Manifest, data_file_name, plan_layout, tensor_entries
-from checkfreq.storage.shm import SHM_DIR_ENV, MemoryRegion, SlotInfo, device_and_inode, layout_signature
+from checkfreq.storage.shm import MemoryRegion, SlotInfo, layout_signature
+from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode
 
 RANKS_PER_MACHINE = 8
 """Ranks to a machine (each with its shared memory)."""
@@ -341,11 +343,29 @@ class Loss:
         return MemoryReport(list(STEPS), DISK_STEP, {sender: list(STEPS) for sender in senders})
 
 
-class KeptCopies(Tier):
+class KeptCopies(StateKeeper):
     """A tier that holds what :class:`Loss` says one rank holds: its snapshots' steps and its copies."""
 
     name = "kept copies"
     keeps_copies = True
+
+    def snapshots(self, step: int | None = None, *, device_copies: bool = False) -> tuple[list[Any], list[Any]]:
+        return [], []  # the copies' round only asks for holdings and copies
+
+    def complete(self, state: Any) -> Any:
+        return state
+
+    def newest_step(self) -> int | None:
+        return max(self._report.steps, default=None)
+
+    def forget_newer_than(self, step: int) -> None:
+        pass
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
     def __init__(self, report: MemoryReport, copy_bytes: int) -> None:
         self._report, self._bytes = report, copy_bytes

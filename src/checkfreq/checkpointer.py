@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -26,7 +26,7 @@ from checkfreq.pipeline.saver import Saver
 from checkfreq.pipeline.shutdown import shutdown
 from checkfreq.pipeline.staging import check_gpu_staging
 from checkfreq.pipeline.taker import Taker
-from checkfreq.pipeline.tier import TierName
+from checkfreq.pipeline.tier import Tier
 from checkfreq.pipeline.tiers import choose_tiers
 from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
@@ -98,6 +98,10 @@ class Checkpointer:
             device-to-device copy the next optimizer step waits for), then to the host in the
             background. ``None`` (the default) does when the state fits in half of the free device
             memory at the first snapshot; ``True``/``False`` always/never (docs/performance.md).
+        tiers: tiers of your own, after checkfreq's (docs/architecture.md, "A tier of your own"): each a
+            :class:`~checkfreq.pipeline.tier.Tier` playing one role or more (a ``CommitFollower`` is
+            handed each committed checkpoint, a ``CheckpointSource`` is read by :meth:`restore`).
+            In a job of one process; refused under torch.distributed with several ranks.
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),
             readable and settable as ``ckpt[name]``; ``ckpt[name] = value`` registers more.
         **objects: what to checkpoint, by name: objects with ``state_dict()``/``load_state_dict()``
@@ -127,6 +131,7 @@ class Checkpointer:
         replicas: int = 0,
         replica_stride: int = 1,
         gpu_staging: bool | None = None,
+        tiers: Sequence[Tier] = (),
         values: Mapping[str, Any] | None = None,
         **objects: Stateful,
     ) -> None:
@@ -162,7 +167,7 @@ class Checkpointer:
         control = self._control = cluster.control
         self.directory = local.root
         retainer = Retainer(local, retention, leader=cluster.leader)
-        tiers = self._tiers = choose_tiers(
+        chosen = self._tiers = choose_tiers(
             local,
             far,
             cluster,
@@ -172,9 +177,10 @@ class Checkpointer:
             failure_timeout=failure_timeout,
             retainer=retainer,
             far_retention=retention if remote_keep is None else Retention.of(remote_keep),
+            own=tiers,
         )
         self._restorer = Restorer(
-            tiers,
+            chosen,
             control,
             page_cache=cluster.page_cache,
             directory_leader=cluster.directory_leader,
@@ -186,7 +192,7 @@ class Checkpointer:
             leader=retainer.leader,
             token=cluster.token,
             retainer=retainer,
-            followers=tiers.followers,
+            followers=chosen.followers,
             directory_leader=cluster.directory_leader,
         )
         self._closed = False
@@ -199,7 +205,7 @@ class Checkpointer:
             keep_every=retention.every,
         )
         self._saver = Saver(
-            tiers,
+            chosen,
             cluster,
             committer,
             self._events,
@@ -214,7 +220,7 @@ class Checkpointer:
             self,
             shutdown,
             self._saver.writer,
-            tiers,
+            chosen,
             timeout=persist_timeout,
             failure_timeout=failure_timeout,
             trap=self._trap,
@@ -237,7 +243,7 @@ class Checkpointer:
             self._objects,
             self._registered,
             self._saver,
-            tiers,
+            chosen,
             cluster,
             self._policy,
             self._trap,
@@ -370,8 +376,7 @@ class Checkpointer:
             log.warning("%s", unclaimed_message(source, self._unclaimed))
         self._taker.replay_buckets(saved_buckets(state.get("checkfreq")))
         self._begin_session(manifest.step)
-        from_memory = found.tier == TierName.MEMORY
-        self._saver.durable_step = -1 if from_memory else manifest.step  # a memory snapshot is not on disk
+        self._saver.durable_step = -1 if found.held else manifest.step  # a state a tier holds is not on disk
         self._taker.foreign_step = None  # this run continues them
         self._tiers.forget_newer_than(manifest.step)
         self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)

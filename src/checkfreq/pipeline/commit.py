@@ -39,7 +39,7 @@ from checkfreq.errors import PersistError, ReplicaMismatchError
 from checkfreq.pipeline.best import score_entry
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import Tier
+from checkfreq.pipeline.tier import CommitFollower
 from checkfreq.ranks import replicas
 from checkfreq.ranks.collectives import (
     JSON,
@@ -226,7 +226,7 @@ class Committer:
         leader: bool,
         token: str,
         retainer: Retainer,
-        followers: Sequence[Tier] = (),
+        followers: Sequence[CommitFollower] = (),
         directory_leader: int = 0,
     ) -> None:
         self.store, self.peers, self.leader, self.token = store, peers, leader, token
@@ -301,7 +301,7 @@ class Committer:
         upload = bool(self._followers) and verdict.upload
         if upload:
             for tier in self._followers:
-                tier.follow(step)
+                tier.follow(step, self.store)
         self.retainer.run(protect=step)
         return CommitResult(step, size, seconds, upload)
 

@@ -39,7 +39,7 @@ import torch
 
 from checkfreq.data.loader import ResumableLoader
 from checkfreq.pipeline.registered import Registered
-from checkfreq.pipeline.tier import Tier
+from checkfreq.pipeline.tier import SnapshotTaker
 from checkfreq.ranks.collectives import Peers
 from checkfreq.run.rng import RNGState
 
@@ -53,7 +53,7 @@ class Pending:
     step: int
     checkpoint: bool
     """A checkpoint (else only ``tiers``' own snapshots, or a trapped signal's)."""
-    tiers: tuple[Tier, ...] = ()
+    tiers: tuple[SnapshotTaker, ...] = ()
     reasons: list[str] = field(default_factory=list)
     """Who decided a checkpoint: ``"policy"``, ``"log()"``, ``"retake"`` (a ``save()`` the state moved on from)."""
     rng: dict[str, Any] | None = None
@@ -130,7 +130,7 @@ class ConsistentPoint:
         self._warned_late = False
         self._warned_dropped = False
 
-    def hold(self, step: int, *, checkpoint: bool, tiers: Iterable[Tier] = (), reason: str) -> None:
+    def hold(self, step: int, *, checkpoint: bool, tiers: Iterable[SnapshotTaker] = (), reason: str) -> None:
         """Add what was decided at ``step`` to what waits for its point."""
         pending = self.pending
         if pending is None or pending.step != step:

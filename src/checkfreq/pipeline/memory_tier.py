@@ -43,45 +43,43 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 
-from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline.replica_parts import usable_steps, whole
 from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.slot_pinning import SlotPinning
 from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
+from checkfreq.pipeline.tier import (
+    HeldCopy,
+    HeldSnapshot,
+    HeldState,
+    SnapshotRequest,
+    SnapshotTaker,
+    SnapshotTarget,
+    StateKeeper,
+    TierName,
+)
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
-from checkfreq.ranks.collectives import GroupPeers, Peers
 from checkfreq.ranks.group_share import Group, GroupSharer
-from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.shares import SHARDED
-from checkfreq.ranks.sharing import memory_group, memory_key
 from checkfreq.run.state import replicated
-from checkfreq.storage.format import Layout, Manifest, data_file_name, entry_view, tensor_entries
+from checkfreq.storage.format import Layout, Manifest, entry_view, tensor_entries
 from checkfreq.storage.shm import (
     MemoryRegion,
     OpenSlot,
     ShmCapacityError,
-    device_and_inode,
     layout_signature,
     listed_regions,
-    region_path,
-    remove_regions_beyond,
-    replica_path,
 )
+from checkfreq.storage.shm_paths import device_and_inode, region_path, replica_path
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
 
-REPLICA_GROUP_TIMEOUT = timedelta(days=1)
-"""The replica group's gloo timeout, a backstop only: a keeper waits for the next copy as long as the
-job runs. A sender that dies closes its connection, which ends the wait at once; one that freezes is
-found by its heartbeats within the failure timeout (the link's watch, :class:`ReplicaLink`)."""
 SEAL_AFTER_BYTES = 256 << 20
 """Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
 
@@ -109,7 +107,7 @@ class MemoryTarget:
         return self.slot.data[: self.layout.nbytes]
 
 
-class MemoryTier(Tier):
+class MemoryTier(SnapshotTaker, StateKeeper):
     """One rank's memory tier for a Checkpointer with ``memory=``.
 
     Args:
@@ -152,63 +150,6 @@ class MemoryTier(Tier):
         """The newest snapshot taken into memory alone (none since a persist)."""
 
     name = TierName.MEMORY
-    holds_states = True
-    takes_snapshots = True
-
-    @classmethod
-    def open(
-        cls,
-        directory: str | os.PathLike[str],
-        cadence: MemoryCadence,
-        peers: Peers,
-        *,
-        replicas: int = 0,
-        stride: int = 1,
-        failure_timeout: float = 30.0,
-    ) -> MemoryTier:
-        """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
-        removes the regions of ranks this job does not have (an earlier job ran with more). With
-        ``replicas``, each snapshot is copied to the shared memory of a rank on each of that many other
-        machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.replicas`). Collective."""
-        if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
-            raise InvalidArgumentError(
-                "under torch.distributed with several ranks, memory= takes a number of steps "
-                "(e.g. memory=1), so that every rank snapshots the same steps"
-            )
-        if peers.rank == 0:
-            remove_regions_beyond(directory, peers.size)
-        if peers.size == 1:
-            if replicas:
-                log.warning("memory tier: replicas=%d in a job of one process: no other machine to copy to", replicas)
-            return cls(directory, cadence, data_file=data_file_name(0))
-        members = memory_group(peers, memory_key(directory, peers.rank), copies=replicas, stride=stride)
-        tier = cls(
-            directory,
-            cadence,
-            data_file=data_file_name(0),
-            rank=peers.rank,
-            group=Group(tuple(members.ranks), peers.rank, peers.size),
-            failure_timeout=failure_timeout,
-        )
-        if replicas:  # every rank: the group is created collectively
-            _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)
-            if len(members.sends_to) < replicas and peers.rank == 0:  # elastic: machines come and go
-                log.warning(
-                    "memory tier: replicas=%d, but the job's machines (replica_stride=%d) give rank 0 %d "
-                    "other machines to copy to: %d copies are kept",
-                    replicas,
-                    stride,
-                    len(members.sends_to),
-                    len(members.sends_to),
-                )
-            tier.link = ReplicaLink(
-                copies,
-                directory,
-                sends_to=members.sends_to,
-                receives_from=members.receives_from,
-                liveness=peers.liveness if isinstance(peers, GroupPeers) else None,
-            )
-        return tier
 
     @property
     def busy(self) -> bool:
@@ -421,7 +362,7 @@ class MemoryTier(Tier):
                 log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
                 skipped.append((f"memory slot {info.slot}", str(e)))
                 continue
-            states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self.name))
+            states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self))
         return states, skipped
 
     def complete(self, state: HeldState) -> HeldState:
@@ -454,10 +395,10 @@ class MemoryTier(Tier):
             except (KeyError, TypeError) as e:
                 raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} does not record {e}") from None
         manifest = dataclasses.replace(state.manifest, distributed={**split, "tensors": records})
-        return HeldState(manifest, tensors, state.name, state.tier)
+        return HeldState(manifest, tensors, state.name, state.keeper)
 
     @property
-    def keeps_copies(self) -> bool:  # type: ignore[override]
+    def keeps_copies(self) -> bool:
         return self.link is not None
 
     def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
@@ -538,6 +479,9 @@ class MemoryTier(Tier):
                 for sender in self.link.receives_from:
                     replica_path(self.directory, sender).unlink(missing_ok=True)
         self.region.release(remove=remove)
+
+    def release(self) -> None:
+        """Nothing to give back: the region is this rank's alone, removed or kept at :meth:`close`."""
 
 
 def _stored_names(split: Mapping[str, Any]) -> set[str]:

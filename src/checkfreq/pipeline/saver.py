@@ -20,7 +20,7 @@ from checkfreq.errors import CheckfreqError, PeerLostError, PersistError, Replic
 from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
 from checkfreq.pipeline.fence import Fence, FenceWait
 from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-from checkfreq.pipeline.tier import HeldSnapshot, SnapshotRequest, Tier
+from checkfreq.pipeline.tier import HeldSnapshot, SnapshotRequest, SnapshotTaker
 from checkfreq.pipeline.tiers import Tiers
 from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.base import DecisionContext
@@ -77,7 +77,7 @@ class Saver:
         self.snapshotter = Snapshotter(gpu_staging)
         self.fence = Fence()
         self.busy = BusyStorage(events)
-        for tier in tiers.all:
+        for tier in tiers.takers:
             tier.report_to(events.write)
         self.profiler = Profiler()
         """What checkpoints cost here (replaced by the restored session's, seeded)."""
@@ -164,7 +164,7 @@ class Saver:
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
                 raise PersistError(f"checkpoint at step {step} failed: {error}") from error
 
-    def snapshot_for(self, tier: Tier, capture: Capture, *, epoch: Epoch) -> None:
+    def snapshot_for(self, tier: SnapshotTaker, capture: Capture, *, epoch: Epoch) -> None:
         """Snapshot the state at the current step into ``tier`` alone (its own cadence said so; no persist)."""
         start = time.perf_counter()
         self.timeline.reached_point(start, self.profiler)
@@ -267,7 +267,7 @@ class Saver:
         self.profiler.record_stall(done.stall_s)
         self.events.write("fence", step=step, wait_s=done.wait_s, stall_s=done.stall_s)
 
-    def _account_tier_fence(self, tier: Tier, done: FenceWait) -> None:
+    def _account_tier_fence(self, tier: SnapshotTaker, done: FenceWait) -> None:
         self.profiler.record_memory_stall(done.wait_s)
         tier.record_cost(done.stall_s)
 
@@ -284,9 +284,10 @@ class Saver:
 
     def wait_tiers(self) -> None:
         """Wait for the tiers' own snapshots in flight; a failed one is reported like a persist error."""
-        error = self.tiers.wait(self.timeout)
-        if error is not None:
-            self.report_failure(PersistError(f"memory snapshot failed: {error}"), error)
+        failed = self.tiers.wait(self.timeout)
+        if failed is not None:
+            tier, error = failed
+            self.report_failure(PersistError(f"{tier.name} tier snapshot failed: {error}"), error)
 
     def wait(self, timeout: float) -> None:
         """Block until the checkpoint in flight is durable and the tiers' snapshots committed."""

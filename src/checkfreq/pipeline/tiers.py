@@ -1,8 +1,9 @@
 """The tiers a Checkpointer holds, in order, fastest first: which ones it has (:func:`choose_tiers`,
-the one place they are chosen), and each save-side or restore-side question put to all of them.
+the one place they are chosen), and each question put to the tiers that play the role it concerns.
 
-The first tier with a store (the local directory) is where checkpoints are committed; the tiers with
-a store after it (the remote tier) are the *far* tiers the restore reads what no directory holds from.
+The first :class:`~checkfreq.pipeline.tier.CheckpointSource` (the local directory) is where
+checkpoints are committed; the sources after it (the remote tier) are the *far* tiers the restore
+reads what no directory holds from.
 """
 
 from __future__ import annotations
@@ -11,11 +12,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from checkfreq.errors import InvalidArgumentError
-from checkfreq.pipeline.memory_tier import MemoryTier
+from checkfreq.errors import CheckfreqError, InvalidArgumentError
+from checkfreq.pipeline.memory_open import open_memory_tier
 from checkfreq.pipeline.retainer import Retainer
 from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import HeldCopy, HeldSnapshot, HeldState, SnapshotRequest, SnapshotTarget, Tier, TierName
+from checkfreq.pipeline.tier import (
+    CheckpointSource,
+    CommitFollower,
+    HeldCopy,
+    HeldSnapshot,
+    HeldState,
+    SnapshotRequest,
+    SnapshotTaker,
+    SnapshotTarget,
+    StateKeeper,
+    Tier,
+    TierName,
+)
 from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.retention import Retention
@@ -26,45 +39,55 @@ from checkfreq.storage.local import LocalStore
 T = TypeVar("T")
 
 
-class LocalTier(Tier):
+class LocalTier(CheckpointSource):
     """The Checkpointer's directory: what every persist commits to (the commit protocol writes it),
     and the first place the restore looks for files."""
 
     name = TierName.LOCAL
 
     def __init__(self, store: Store) -> None:
-        self.store: Store = store
+        self._store = store
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        """Nothing runs in the background: the commit protocol writes the directory."""
 
     def release(self) -> None:
-        self.store.unlock()
+        self._store.unlock()
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where a snapshot lands: a tier's target."""
 
-    tier: Tier
+    tier: SnapshotTaker
     target: SnapshotTarget
 
 
 class Tiers:
-    """An ordered list of tiers, fastest first, with at least one store (see the module docstring)."""
+    """An ordered list of tiers, fastest first, with at least one checkpoint source, and one list per
+    role (see the module docstring)."""
 
     def __init__(self, tiers: Sequence[Tier]) -> None:
         self.all = list(tiers)
-        stored = [tier for tier in self.all if tier.store is not None]
-        if not stored:
-            raise ValueError("a Checkpointer's tiers need one with a store, where checkpoints are committed")
-        self.committed_to = stored[0]
-        """Where the commit protocol writes every checkpoint."""
-        self.far = stored[1:]
-        """The tiers with a store behind it."""
-        self.followers = [tier for tier in self.all if tier.follows_commits]
+        self.takers = [tier for tier in self.all if isinstance(tier, SnapshotTaker)]
+        """The tiers that take snapshots of their own and give snapshots a place to land."""
+        self.followers = [tier for tier in self.all if isinstance(tier, CommitFollower)]
         """The tiers that copy each committed checkpoint."""
-        self._snapshotting = [tier for tier in self.all if tier.takes_snapshots]
-
-        self.stores = [tier.store for tier in stored if tier.store is not None]
-        """The stores of the tiers with one: where checkpoints are committed first, then the far ones."""
+        self.keepers = [tier for tier in self.all if isinstance(tier, StateKeeper)]
+        """The tiers that hold whole states for the restore."""
+        sources = [tier for tier in self.all if isinstance(tier, CheckpointSource)]
+        if not sources:
+            raise ValueError("a Checkpointer's tiers need one with a store, where checkpoints are committed")
+        self.committed_to = sources[0]
+        """Where the commit protocol writes every checkpoint."""
+        self.far = sources[1:]
+        """The checkpoint sources behind it."""
+        self.stores = [tier.store for tier in sources]
+        """The stores of the checkpoint sources: where checkpoints are committed first, then the far ones."""
 
     @property
     def store(self) -> Store:
@@ -77,27 +100,26 @@ class Tiers:
 
     def searched(self) -> list[str]:
         """The tiers a restore looks in, as messages name them (``memory tier``, ``local tier (/path)``)."""
-        stored = [
-            f"{tier.name} tier ({tier.store.root})" for tier in [self.committed_to, *self.far] if tier.store is not None
-        ]
-        return (["memory tier"] if self.holds_states else []) + stored
+        keepers = [f"{tier.name} tier" for tier in self.keepers]
+        return keepers + [f"{tier.name} tier ({tier.store.root})" for tier in [self.committed_to, *self.far]]
 
     @property
     def busy(self) -> bool:
         """A snapshot taken for a tier alone is still being committed."""
-        return any(tier.busy for tier in self.all)
+        return any(tier.busy for tier in self.takers)
 
     @property
     def holds_states(self) -> bool:
-        return any(tier.holds_states for tier in self.all)
+        """A tier holds whole states, which the restore asks for before files."""
+        return bool(self.keepers)
 
-    def due(self, step: int, iteration_time: float) -> list[Tier]:
-        """The tiers a snapshot of their own is due in at ``step`` (asked at every step: only those that take any)."""
-        return [tier for tier in self._snapshotting if tier.due(step, iteration_time)]
+    def due(self, step: int, iteration_time: float) -> list[SnapshotTaker]:
+        """The tiers a snapshot of their own is due in at ``step`` (asked at every step)."""
+        return [tier for tier in self.takers if tier.due(step, iteration_time)]
 
     def place(self, request: SnapshotRequest) -> Placement | None:
         """The first tier that gives the snapshot a target; None: the snapshotter's own buffer."""
-        for tier in self.all:
+        for tier in self.takers:
             target = tier.target(request)
             if target is not None:
                 return Placement(tier, target)
@@ -107,25 +129,25 @@ class Tiers:
         self, placement: Placement | None, pending: PendingSnapshot, persist: Callable[[], T]
     ) -> Callable[[], T]:
         """The persist job wrapped by every tier, the fastest outermost (each told the target if it is its own)."""
-        for tier in reversed(self.all):
+        for tier in reversed(self.takers):
             own = placement.target if placement is not None and placement.tier is tier else None
             persist = tier.around_persist(own, pending, persist)
         return persist
 
     def taken(self, step: int) -> None:
-        for tier in self.all:
+        for tier in self.takers:
             tier.taken(step)
 
     def record_device_wait(self, seconds: float) -> None:
-        for tier in self.all:
+        for tier in self.takers:
             tier.record_device_wait(seconds)
 
-    def wait(self, timeout: float) -> BaseException | None:
-        """Wait for every tier's own snapshot in flight; the first error, if one failed."""
-        errors = [tier.wait(timeout) for tier in self.all]
-        return next((e for e in errors if e is not None), None)
+    def wait(self, timeout: float) -> tuple[SnapshotTaker, BaseException] | None:
+        """Wait for every tier's own snapshot in flight; the first that failed, with its error."""
+        errors = [(tier, tier.wait(timeout)) for tier in self.takers]
+        return next(((tier, e) for tier, e in errors if e is not None), None)
 
-    def take_errors(self) -> list[tuple[Tier, BaseException]]:
+    def take_errors(self) -> list[tuple[CommitFollower, BaseException]]:
         """Each follower's background copy that failed since the last call (asked at every step)."""
         return [(tier, error) for tier in self.followers if (error := tier.take_error()) is not None]
 
@@ -139,7 +161,7 @@ class Tiers:
 
     def unpersisted(self, durable_step: int) -> HeldSnapshot | None:
         """The newest state a tier holds that disk does not (newer than ``durable_step``)."""
-        held = [s for s in (tier.unpersisted(durable_step) for tier in self.all) if s is not None]
+        held = [s for s in (tier.unpersisted(durable_step) for tier in self.takers) if s is not None]
         return max(held, key=lambda s: s.step, default=None)
 
     def close(self, *, remove: bool, timeout: float | None = None) -> None:
@@ -154,7 +176,7 @@ class Tiers:
         """Every tier's verified whole states (or those at ``step``), newest first, and those skipped."""
         states: list[HeldState] = []
         skipped: list[tuple[str, str]] = []
-        for tier in self.all:
+        for tier in self.keepers:
             found, passed = tier.snapshots(step, device_copies=device_copies)
             states += found
             skipped += passed
@@ -163,13 +185,13 @@ class Tiers:
     @property
     def keeps_copies(self) -> bool:
         """A tier keeps copies of other ranks' snapshots (``replicas=``)."""
-        return any(tier.keeps_copies for tier in self.all)
+        return any(tier.keeps_copies for tier in self.keepers)
 
     def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
         """The steps of the snapshots the tiers hold, and of the copies they keep, by rank (not verified)."""
         own: set[int] = set()
         copies: dict[int, set[int]] = {}
-        for tier in self.all:
+        for tier in self.keepers:
             steps, kept = tier.holdings()
             own.update(steps)
             for rank, held in kept.items():
@@ -177,26 +199,30 @@ class Tiers:
         return sorted(own), {rank: sorted(held) for rank, held in copies.items()}
 
     def read_copy(self, rank: int, step: int) -> HeldCopy:
-        """The copy of rank ``rank``'s snapshot ``step`` the tier keeping copies holds, verified."""
-        (tier,) = [tier for tier in self.all if tier.keeps_copies]
-        return tier.read_copy(rank, step)
+        """The copy of rank ``rank``'s snapshot ``step`` the first tier keeping one holds, verified."""
+        errors = []
+        for tier in self.keepers:
+            if tier.keeps_copies:
+                try:
+                    return tier.read_copy(rank, step)
+                except CheckfreqError as e:
+                    errors.append(str(e))
+        raise CheckfreqError("; ".join(errors) or f"no tier keeps copies of rank {rank}'s snapshots")
 
     def adopt(self, copy: HeldCopy) -> None:
-        """Take a copy another rank kept of this rank's snapshot as this rank's own."""
-        (tier,) = [tier for tier in self.all if tier.keeps_copies]
-        tier.adopt(copy)
-
-    def complete(self, state: HeldState) -> HeldState:
-        """``state`` with what other ranks keep of it, from the tier holding it (:meth:`Tier.complete`)."""
-        (tier,) = [tier for tier in self.all if tier.name == state.tier]
-        return tier.complete(state)
+        """Take a copy another rank kept of this rank's snapshot as this rank's own, in the fastest tier
+        keeping copies (where its own would have been)."""
+        keeper = next((tier for tier in self.keepers if tier.keeps_copies), None)
+        if keeper is None:
+            raise CheckfreqError(f"no tier keeps copies: the copy of step {copy.step} cannot be adopted")
+        keeper.adopt(copy)
 
     def newest_step(self) -> int | None:
         """The newest whole state any tier holds (not verified)."""
-        return max((s for s in (tier.newest_step() for tier in self.all) if s is not None), default=None)
+        return max((s for s in (tier.newest_step() for tier in self.keepers) if s is not None), default=None)
 
     def forget_newer_than(self, step: int) -> None:
-        for tier in self.all:
+        for tier in self.keepers:
             tier.forget_newer_than(step)
 
 
@@ -211,12 +237,15 @@ def choose_tiers(
     replicas: int = 0,
     replica_stride: int = 1,
     failure_timeout: float = 30.0,
+    own: Sequence[Tier] = (),
 ) -> Tiers:
     """A Checkpointer's tiers: the memory tier (with ``memory``, its snapshots copied to ``replicas``
-    other machines, ``replica_stride`` apart in the ring of machines), its directory, the remote tier (``far``).
+    other machines, ``replica_stride`` apart in the ring of machines), its directory, the remote tier
+    (``far``), then the user's ``own`` (``tiers=``, in a job of one process).
 
-    The one place tiers are chosen: a new tier is a module of its own and a line here.
+    The one place tiers are chosen: a new tier of checkfreq's is a module of its own and a line here.
     """
+    check_own_tiers(own, cluster.world_size)
     chosen: list[Tier] = []
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise InvalidArgumentError(f"replicas must be an int >= 0 (copies on other machines), got {replicas!r}")
@@ -229,7 +258,7 @@ def choose_tiers(
         raise InvalidArgumentError("replicas= copies memory snapshots to another machine: it needs memory= too")
     if memory is not None:
         chosen.append(
-            MemoryTier.open(
+            open_memory_tier(
                 local.root,
                 memory,
                 cluster.control,
@@ -251,4 +280,20 @@ def choose_tiers(
                 local_retainer=retainer,
             )
         )
-    return Tiers(chosen)
+    return Tiers([*chosen, *own])
+
+
+def check_own_tiers(own: Sequence[Tier], world_size: int) -> None:
+    """Refuse what ``tiers=`` cannot take: objects that are not tiers, and any under several ranks."""
+    for tier in own:
+        if not isinstance(tier, Tier):
+            raise InvalidArgumentError(
+                f"tiers= takes Tier objects (checkfreq.pipeline.tier: a CommitFollower, a CheckpointSource, ...), "
+                f"got {type(tier).__name__}"
+            )
+    if own and world_size > 1:
+        raise InvalidArgumentError(
+            f"tiers= runs in a job of one process; this job has {world_size} ranks, and a tier of your own "
+            "does not know which rank writes which file of a checkpoint (docs/architecture.md, "
+            "'A tier of your own')"
+        )

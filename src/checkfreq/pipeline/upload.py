@@ -26,7 +26,7 @@ import xxhash
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
 from checkfreq.pipeline.best import ScoreBook
 from checkfreq.pipeline.retainer import Retainer, retain
-from checkfreq.pipeline.tier import Tier, TierName
+from checkfreq.pipeline.tier import CheckpointSource, CommitFollower, TierName
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
     JSON,
@@ -60,7 +60,7 @@ class UploadOutcome:
         return cls(True) if wire["ok"] else cls(False, wire["error"])
 
 
-class RemoteTier(Tier):
+class RemoteTier(CommitFollower, CheckpointSource):
     """This rank's part in copying checkpoints from its local directory to the remote store, and
     the remote store as the restore reads it.
 
@@ -84,7 +84,6 @@ class RemoteTier(Tier):
         local_retainer: Retainer,
     ) -> None:
         self.local, self.remote, self.peers, self.token = local, remote, peers, token
-        self.store: Store = remote
         self._retention = retention
         self._scores = ScoreBook(remote)  # what retention of the remote tier read of its checkpoints' scores
         self._local_retainer = local_retainer
@@ -96,15 +95,20 @@ class RemoteTier(Tier):
         """The newest step this job copied (the same on every rank)."""
 
     name = TierName.REMOTE
-    follows_commits = True
+
+    @property
+    def store(self) -> Store:
+        """The remote store, as the restore reads it."""
+        return self.remote
 
     @property
     def ready(self) -> bool:
         """No upload in flight."""
         return self._thread is None or not self._thread.is_alive()
 
-    def follow(self, step: int) -> None:
-        """Copy checkpoint ``step`` in the background (every rank follows the same steps)."""
+    def follow(self, step: int, source: Store) -> None:
+        """Copy checkpoint ``step`` of the local directory (``source``) in the background (every rank
+        follows the same steps)."""
         if not self.ready:
             raise RuntimeError("an upload is already running")
         self._local_retainer.uploading = step
@@ -141,6 +145,9 @@ class RemoteTier(Tier):
 
     def describe_error(self, error: BaseException) -> str:
         return f"copying a checkpoint to {self.remote.root} failed: {error}"
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        """Nothing to stop: the upload in flight was waited for (:meth:`flush`, :meth:`stop`)."""
 
     def release(self) -> None:
         self.remote.unlock()

@@ -1,5 +1,6 @@
-"""The tiers behind one interface: the ordered list's questions, the null hooks, the rule that nothing
-outside the tier modules tests for a tier, and the example tier of docs/architecture.md run as written."""
+"""The tiers and their roles: the ordered list's questions, each role's methods required when a tier is
+built, the rule that nothing outside the tier modules tests for a tier, and the example tier of
+docs/architecture.md run as written."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ import pytest
 import torch
 
 import checkfreq as cf
-import checkfreq.checkpointer
-from checkfreq.pipeline.tier import SnapshotRequest, Tier, TierName
-from checkfreq.pipeline.tiers import LocalTier, Tiers, choose_tiers
+import checkfreq.pipeline.tiers
+from checkfreq.pipeline.tier import (
+    CheckpointSource,
+    CommitFollower,
+    SnapshotRequest,
+    SnapshotTaker,
+    StateKeeper,
+    Tier,
+    TierName,
+)
+from checkfreq.pipeline.tiers import LocalTier, Tiers, check_own_tiers
 from checkfreq.run.events import read_events
 from checkfreq.storage.local import LocalStore
 from helpers import DOCS, assert_state_equal, docs_example, make_model, train_step
@@ -24,8 +33,10 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "checkfreq"
 TIER_MODULES = {"pipeline/tier.py", "pipeline/tiers.py", "pipeline/memory_tier.py", "pipeline/upload.py"}
 
 
-class Recording(Tier):
-    """A tier that records the order in which it wraps the persist, and offers a target if asked."""
+class Recording(SnapshotTaker):
+    """A snapshot taker that records the order in which it wraps the persist, and offers a target if asked."""
+
+    name = "recording"
 
     def __init__(self, name: str, calls: list[str], target: Any = None) -> None:
         self.name, self.calls, self._target = name, calls, target
@@ -40,6 +51,43 @@ class Recording(Tier):
 
         return job
 
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def due(self, step: int, iteration_time: float) -> bool:
+        return False
+
+    def share(self, tensors: Any, owned: Any, objects: Any, skeleton: Any) -> Any:
+        return tensors, owned, None
+
+    def submit(self, target: Any, pending: Any, skeleton: Any, epoch: Any) -> Any:
+        raise AssertionError("takes no snapshots of its own")
+
+    def taken(self, step: int) -> None:
+        pass
+
+    def record_cost(self, seconds: float) -> None:
+        pass
+
+    def record_device_wait(self, seconds: float) -> None:
+        pass
+
+    def wait(self, timeout: float) -> BaseException | None:
+        return None
+
+    def unpersisted(self, durable_step: int) -> Any:
+        return None
+
+    def report_to(self, write: Any) -> None:
+        pass
+
+    def close(self, *, remove: bool, timeout: float | None = None) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
 
 def test_the_tiers_wrap_a_persist_fastest_outermost_and_each_sees_only_its_own_target(tmp_path: Path) -> None:
     calls: list[str] = []
@@ -53,22 +101,40 @@ def test_the_tiers_wrap_a_persist_fastest_outermost_and_each_sees_only_its_own_t
     assert tiers.committed_to.name == TierName.LOCAL and tiers.far == [] and tiers.followers == []
 
 
-def test_a_bare_tier_is_a_complete_null_object(tmp_path: Path) -> None:
-    tier = Tier()
-    assert not tier.busy and not tier.due(5, 0.1) and tier.ready
-    assert tier.target(None) is None  # type: ignore[arg-type]
-    assert tier.wait(1.0) is None and tier.take_error() is None and tier.unpersisted(-1) is None
-    assert tier.checkpoints() == [] and tier.snapshots() == ([], []) and tier.newest_step() is None
-    persist = object()
-    assert tier.around_persist(None, None, persist) is persist  # type: ignore[arg-type]
-    for hook in (tier.follow, tier.taken, tier.forget_newer_than):
-        hook(3)
-    tier.flush(3, 1.0), tier.stop(1.0), tier.record_cost(0.1), tier.record_device_wait(0.1), tier.release()
-    tier.close(remove=True)
-    with pytest.raises(NotImplementedError, match="no snapshots of its own"):
-        tier.submit(None, None, None, None)  # type: ignore[arg-type]
+@pytest.mark.parametrize("role", [SnapshotTaker, CommitFollower, CheckpointSource, StateKeeper])
+def test_a_tier_missing_one_method_of_its_role_fails_when_built_and_names_it(role: type[Tier]) -> None:
+    required = sorted(role.__abstractmethods__)
+    assert {"close", "release"} <= set(required)
+    for missing in required:
+        methods = {name: (lambda self, *a, **k: None) for name in required if name != missing}
+        incomplete = type(f"Partial{role.__name__}", (role,), {"name": "partial", **methods})
+        with pytest.raises(TypeError, match=missing):
+            incomplete()
+
+
+def test_a_tier_without_a_name_is_refused_when_its_class_is_made(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="must name itself"):
+
+        class Nameless(CheckpointSource):
+            store = LocalStore(tmp_path)
+
+            def close(self, *, remove: bool, timeout: float | None = None) -> None:
+                pass
+
+            def release(self) -> None:
+                pass
+
     with pytest.raises(ValueError, match="need one with a store"):
-        Tiers([Tier()])
+        Tiers([Recording("fast", [])])
+
+
+def test_the_tiers_hold_one_list_per_role_in_order(tmp_path: Path) -> None:
+    fast, local = Recording("fast", []), LocalTier(LocalStore(tmp_path / "a"))
+    far = LocalTier(LocalStore(tmp_path / "b"))
+    tiers = Tiers([fast, local, far])
+    assert tiers.takers == [fast] and tiers.followers == [] and tiers.keepers == []
+    assert tiers.committed_to is local and tiers.far == [far] and not tiers.holds_states
+    assert tiers.searched() == [f"local tier ({tmp_path / 'a'})", f"local tier ({tmp_path / 'b'})"]
 
 
 def test_tier_names_are_an_enum_that_reads_and_travels_as_its_value() -> None:
@@ -88,7 +154,8 @@ def _tier_classes() -> set[str]:
 
 
 def test_nothing_outside_the_tier_modules_tests_for_a_particular_tier() -> None:
-    """No ``isinstance(x, SomeTier)`` and no ``... is None`` on a tier: each hook answers for itself."""
+    """No ``isinstance(x, SomeTier)``, no ``... is None`` on a tier and no test for the memory tier's name:
+    each role's methods answer for the tier, and a restored state says how it is applied."""
     classes = _tier_classes()
     offenders = []
     for path in SRC.rglob("*.py"):
@@ -100,6 +167,8 @@ def test_nothing_outside_the_tier_modules_tests_for_a_particular_tier() -> None:
                 names = {n.id for arg in node.args[1:] for n in ast.walk(arg) if isinstance(n, ast.Name)}
                 if names & classes:
                     offenders.append(f"{relative}:{node.lineno}")
+            if isinstance(node, ast.Compare) and "TierName.MEMORY" in ast.unparse(node):
+                offenders.append(f"{relative}:{node.lineno} {ast.unparse(node)}")  # a found state says if it is held
             if isinstance(node, ast.Compare) and any(
                 isinstance(c, ast.Constant) and c.value is None for c in node.comparators
             ):
@@ -109,31 +178,37 @@ def test_nothing_outside_the_tier_modules_tests_for_a_particular_tier() -> None:
     assert not offenders, offenders
 
 
-def test_the_example_tier_of_the_docs_mirrors_every_checkpoint_and_restores_what_the_directory_lost(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_example_tier_of_the_docs_mirrors_keeps_its_newest_and_restores_what_the_directory_lost(
+    tmp_path: Path,
 ) -> None:
     namespace: dict[str, Any] = {}
     exec(compile(docs_example(DOCS / "architecture.md", "A tier of your own"), "architecture.md", "exec"), namespace)
     mirror = tmp_path / "mirror"
-
-    def with_mirror(local: Any, far: Any, cluster: Any, **options: Any) -> Tiers:  # the line in choose_tiers
-        return Tiers([*choose_tiers(local, far, cluster, **options).all, namespace["MirrorTier"](local, mirror)])
-
-    monkeypatch.setattr(checkfreq.checkpointer, "choose_tiers", with_mirror)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with cf.Checkpointer(tmp_path / "run", policy=2, keep=1, model=model, optimizer=opt, rng=False) as ckpt:
+    tier = namespace["MirrorTier"](mirror, keep=2)
+    with cf.Checkpointer(tmp_path / "run", policy=2, keep=1, tiers=[tier], model=model, optimizer=opt, rng=False) as c:
         for _ in range(6):
             train_step(model, opt)
-            ckpt.step()
-    assert sorted(p.name for p in mirror.iterdir()) == ["step_000000002", "step_000000004", "step_000000006"]
+            c.step()
+    mirrored = sorted(p.name for p in mirror.iterdir())  # a checkpoint committed while a copy ran is skipped
+    assert mirrored[-1] == "step_000000006" and len(mirrored) <= 2  # but close() mirrors the newest
+    assert [p.name for p in (tmp_path / "run").glob("step_*")] == ["step_000000006"]
     trained = {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    for lost in (tmp_path / "run").glob("step_*"):  # the local directory's disk failed
+    for lost in (tmp_path / "run").glob("step_*"):  # the checkpoint directory's disk failed
         shutil.rmtree(lost)
     fresh = make_model(seed=1)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
-    with cf.Checkpointer(tmp_path / "run", policy=2, model=fresh, optimizer=fresh_opt, rng=False) as again:
+    again_tier = namespace["MirrorTier"](mirror)
+    with cf.Checkpointer(tmp_path / "run", policy=2, tiers=[again_tier], model=fresh, optimizer=fresh_opt) as again:
         assert again.restore() == 6
     assert_state_equal({"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}, trained)
     assert [e["tier"] for e in read_events(tmp_path / "run") if e["event"] == "restore"] == ["mirror"]
+
+
+def test_a_tier_of_your_own_is_refused_under_several_ranks_and_anything_else_anywhere(tmp_path: Path) -> None:
+    with pytest.raises(cf.InvalidArgumentError, match="tiers= takes Tier objects"):
+        cf.Checkpointer(tmp_path / "run", tiers=[object()], model=make_model())  # type: ignore[list-item]
+    with pytest.raises(cf.InvalidArgumentError, match="tiers= runs in a job of one process; this job has 2 ranks"):
+        check_own_tiers([LocalTier(LocalStore(tmp_path / "other"))], world_size=2)

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkfreq.pipeline.restore.protocol import Found
-from checkfreq.pipeline.tier import TierName
 from checkfreq.ranks.cluster import Cluster
 from checkfreq.ranks.rebuild import local_view, note_world_size_change
 from checkfreq.run.state import unflatten
@@ -14,11 +13,11 @@ from checkfreq.run.state import unflatten
 
 def restored_state(found: Found, cluster: Cluster, objects: Mapping[str, Any], *, allow_pickle: bool) -> Any:
     """This rank's state in ``found``: a memory snapshot is this rank's own whole state, or its share
-    of its machine's put together (:meth:`~checkfreq.pipeline.tier.Tier.complete`); a checkpoint on
+    of its machine's put together (:meth:`~checkfreq.pipeline.tier.StateKeeper.complete`); a checkpoint on
     disk is cut for this rank at any saved world size."""
-    if found.tier == TierName.MEMORY and found.manifest.distributed is None:  # this rank's whole state
+    if found.held and found.manifest.distributed is None:  # this rank's whole state
         skeleton, tensors = local_view(found.manifest, found.tensors)
-    elif found.tier == TierName.MEMORY:  # a share of its machine's state, DTensors cut to the live ones
+    elif found.held:  # a share of its machine's state, DTensors cut to the live ones
         skeleton, tensors = cluster.view(found.manifest, found.tensors, objects)
     else:
         note_world_size_change(found.manifest, cluster.control.rank, cluster.world_size)
@@ -28,7 +27,7 @@ def restored_state(found: Found, cluster: Cluster, objects: Mapping[str, Any], *
 
 def source_of(found: Found, directory: str) -> str:
     """How a message names the checkpoint restored."""
-    where = "" if found.tier == TierName.LOCAL else f", read from the {found.tier} tier"
+    where = f", read from the {found.tier} tier" if found.elsewhere else ""
     return f"checkpoint {found.name} of {directory}{where}"
 
 

@@ -3,22 +3,17 @@ read it as rank 0 orders, and exchange what each needs."""
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError
 from checkfreq.pipeline.best import best_step
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.copies import fetch_copies
 from checkfreq.pipeline.restore.messages import (
-    ALL_FILES,
     Agenda,
     CheckpointView,
     DamageReport,
@@ -39,8 +34,8 @@ from checkfreq.pipeline.restore.messages import (
 from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.progress import logged_reads
 from checkfreq.pipeline.restore.read import Files, stored_views
-from checkfreq.pipeline.restore.stream import ReplicatedStream
-from checkfreq.pipeline.tier import Tier, TierName
+from checkfreq.pipeline.restore.readable import Blocks, Readable
+from checkfreq.pipeline.tier import CheckpointSource, TierName
 from checkfreq.pipeline.tiers import Tiers
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
@@ -53,8 +48,7 @@ from checkfreq.ranks.collectives import (
     scatter_messages,
     send_message,
 )
-from checkfreq.ranks.rebuild import Box, chunk_holders, source_rank, uncovered
-from checkfreq.ranks.shares import SHARDED
+from checkfreq.ranks.rebuild import uncovered
 from checkfreq.storage.format import FileEntry, Manifest, checkpoint_name
 from checkfreq.storage.local import LocalStore
 
@@ -62,8 +56,6 @@ log = logging.getLogger("checkfreq.restore")
 
 Skipped = list[tuple[str, str]]
 """(checkpoint or memory slot, why it was not restored)."""
-Blocks = Callable[[Manifest], dict[str, Box]]
-"""The block of each sharded tensor of a checkpoint (its manifest) that this rank restores."""
 FROM_PEERS = "peer"
 """Where data came from when other ranks sent it (not a tier)."""
 
@@ -78,66 +70,12 @@ class Found:
     tier: str
     """Where this rank's data came from: tier names (:class:`~checkfreq.pipeline.tier.TierName`) and
     :data:`FROM_PEERS` (other ranks sent it), joined with ``+`` (``"local+peer"``), or ``"memory"``."""
+    held: bool
+    """A whole state a tier holds (:class:`~checkfreq.pipeline.tier.StateKeeper`), applied as it was
+    kept and not on disk; else a checkpoint's files, cut for this rank at any saved world size."""
+    elsewhere: bool
+    """Read, in part or whole, from somewhere else than the checkpoint directory (messages say where)."""
     skipped: Skipped = field(default_factory=list)
-
-
-@dataclass
-class Readable:
-    """What this rank has of one checkpoint: its manifest, the data files in its local directory
-    (intact or not: reading them says), and the first far tier that lists it."""
-
-    step: int
-    manifest: Manifest
-    held: set[str] | None
-    """None on a rank that is not its directory's leader: the leader says what the directory holds."""
-    far: str | None
-    """The name of the first far tier (the remote tier) that lists it, if any."""
-
-    @functools.cached_property
-    def sharded(self) -> bool:
-        """Whether the checkpoint holds sharded tensors (DTensors)."""
-        return self.manifest.distributed is not None and any(
-            entry["kind"] == SHARDED for entry in self.manifest.distributed["tensors"].values()
-        )
-
-    @functools.cached_property
-    def stream(self) -> ReplicatedStream | None:
-        """How the ranks all-gather its replicated pieces (None: they cannot; each gets every file)."""
-        return ReplicatedStream.of(self.manifest)
-
-    def holdings(self, page_cache: int | None, directory_leader: int, needs: list[int] | None) -> Holdings:
-        """What rank 0 learns of it (``needs``: the saved ranks whose files this rank needs whole,
-        None for every file)."""
-        if self.held is None:
-            held: str | list[str] | None = None
-        else:
-            held = ALL_FILES if len(self.held) == len(self.manifest.files) else sorted(self.held)
-        files = json.dumps(self.manifest.files, sort_keys=True).encode()
-        return Holdings(
-            held, self.far is not None, page_cache, directory_leader, xxhash.xxh3_64_hexdigest(files), needs
-        )
-
-    def needs(self, rank: int, world_size: int, blocks: Blocks | None) -> list[int] | None:
-        """The saved ranks whose data files rank ``rank`` of ``world_size`` needs whole besides the
-        replicated tensors: the one whose private state it restores, and those whose shards its
-        ``blocks`` overlap. None: every file (a sharded tensor laid out in a way not recorded, at
-        another world size, or no ``blocks`` given)."""
-        saved_world = self.manifest.world_size
-        needs = {source_rank(rank, saved_world)}
-        if not self.sharded:
-            return sorted(needs)
-        if blocks is None:
-            return None
-        assert self.manifest.distributed is not None  # a sharded checkpoint was written by ranks
-        saved = self.manifest.distributed["tensors"]
-        for name, box in blocks(self.manifest).items():
-            entry = saved[name]
-            if "chunked" in entry:
-                needs.update(chunk_holders(entry["shape"], entry["chunked"], saved_world, box))
-            elif saved_world != world_size:
-                return None
-        # at the same world size, a layout not recorded is taken for the saved one: checked once read
-        return sorted(needs)
 
 
 class Restorer:
@@ -165,7 +103,7 @@ class Restorer:
         self.tiers, self.peers = tiers, peers
         self.retention = Retention(1) if retention is None else retention
         self.local = tiers.store
-        self._stored: dict[str, Tier] = {tier.name: tier for tier in [tiers.committed_to, *tiers.far]}
+        self._stored: dict[str, CheckpointSource] = {tier.name: tier for tier in [tiers.committed_to, *tiers.far]}
         self.page_cache = page_cache
         self.directory_leader = peers.rank if directory_leader is None else directory_leader
         self._locations: dict[str, dict[int, Any]] = {}
@@ -244,12 +182,13 @@ class Restorer:
                     log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
                 return None
             try:  # the shares other ranks keep (a rank that keeps its whole state needs none)
-                state, problem = self.tiers.complete(by_step[best]), None
+                held = by_step[best]
+                state, problem = held.keeper.complete(held), None
             except CheckfreqError as e:
                 problem = f"rank {self.peers.rank}: {e}"
             problems = collect_errors(self.peers, problem)
             if not problems:
-                return Found(state.manifest, state.tensors, state.name, state.tier, skipped)
+                return Found(state.manifest, state.tensors, state.name, state.tier, True, True, skipped)
             failed = f"memory tier: snapshot {best} cannot be put together ({'; '.join(problems)})"
             skipped.append((f"memory snapshot {best}", "; ".join(problems)))
             del by_step[best]  # the same on every rank: the next round tries an older step, or disk
@@ -497,7 +436,7 @@ class Restorer:
         stored.update(replicated)
         order_of_sources = [self.tiers.committed_to.name, FROM_PEERS, *(tier.name for tier in self.tiers.far)]
         used = "+".join(t for t in order_of_sources if t in tiers) or self.tiers.committed_to.name
-        return Found(manifest, stored, checkpoint_name(step), used)
+        return Found(manifest, stored, checkpoint_name(step), used, False, used != self.tiers.committed_to.name)
 
     def _map_file(self, location: Any, name: str, entry: FileEntry) -> tuple[torch.Tensor, dict[str, Any]]:
         """A file of this rank's directory that a rank sharing its page cache verified."""
