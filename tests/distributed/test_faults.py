@@ -194,11 +194,15 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def print_stacks(pids: set[int]) -> None:
-    """Have hung workers print every thread's stack into their agent's output (fault_train.py)."""
+    """Say which processes outlived a fault (the test's output), and have each print every thread's
+    stack into its agent's output (fault_train.py registers the signal; a process that is not a
+    worker of the script would end on it)."""
     for pid in pids:
         try:
+            process = psutil.Process(pid)
+            print(f"hung: pid {pid} ({process.status()}, parent {process.ppid()}): {' '.join(process.cmdline())[:300]}")
             os.kill(pid, STACKS_SIGNAL)
-        except ProcessLookupError:
+        except (psutil.NoSuchProcess, ProcessLookupError):
             pass
     time.sleep(1.0)
 
