@@ -94,7 +94,9 @@ def test_a_sigkill_and_a_resume_keep_the_same_set(runs: dict[str, Path]) -> None
     logged = _evaluations(root / "killed.pt")
     scored = {s: v for s, v in before.items() if v is not None}
     assert scored and all(logged[s] == v for s, v in scored.items())  # the scores the killed run logged
-    assert set(before) == set(sorted(before)[-2:]) | set(sorted(scored, key=lambda s: scored[s])[:2])
+    kept = set(sorted(before)[-2:]) | set(sorted(scored, key=lambda s: scored[s])[:2])
+    # all of them are there; a kill between a commit and its retention leaves the one that retention would delete
+    assert kept <= set(before) and len(set(before) - kept) <= 1, before
     assert _listed(root / "killed") == _listed(root / "straight")
     assert _evaluations(root / "killed.pt") == _evaluations(root / "straight.pt")
     assert_state_equal(torch.load(root / "killed.pt"), torch.load(root / "straight.pt"))
