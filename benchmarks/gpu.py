@@ -421,9 +421,9 @@ def tier_copy(trainer: Trainer, workdir: Path) -> dict[str, float]:
     The third snapshot is timed: the first two create the region and register both slots, and each
     is sealed before the next starts, so that neither a registration nor a checksum overlaps the
     timed copy. Uses the tier directly, so no persist at close writes 12 GB to disk for nothing."""
-    from checkfreq.pipeline.memory_tier import MemoryTier
-    from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-    from checkfreq.pipeline.tier import SnapshotRequest
+    from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+    from checkfreq.pipeline.tiers.memory.tier import MemoryTier
+    from checkfreq.pipeline.tiers.roles import SnapshotRequest
     from checkfreq.policies.memory_cadence import MemoryCadence
 
     tensors = {f"model/{k}": v for k, v in trainer.model.state_dict().items()}

@@ -7,7 +7,7 @@ Every rank runs checkfreq's own code: start-up (``wait_for_every_rank`` and ``ag
 key-value store, then ``ranks.group_cluster.meet``: the job's token, who shares a directory, each
 directory opened), a memory tier's start-up (``ranks.sharing.memory_group``: which ranks share a machine,
 8 to a machine, and with ``replicas=k`` (``--replicas``, 1 by default) the k ranks each rank copies its
-snapshots to and whose it keeps), one commit (``pipeline.commit.Committer.run``, which writes a real data
+snapshots to and whose it keeps), one commit (``pipeline.save.commit.Committer.run``, which writes a real data
 file per rank and rank 0's ``manifest.json`` into one shared directory), three exchanges of the vote on
 when to checkpoint (``ranks.collectives.tree_max``, what ``ranks.agreement.AgreedPolicy``'s vote thread
 runs), the fetch round after machine 1 is lost with its memory and disk
@@ -54,7 +54,7 @@ stream (``restore.stream.ReplicatedStream``: its layout, and the replicated tens
 
 Each snapshot's copies on other machines (the "snapshot copy" phase) is not run on the ranks'
 threads: ``benchmarks/replica_sim.py`` runs real ``ReplicaLink`` links for the first and the last machine's
-ranks (each sends what ``pipeline.replica_parts.outgoing`` makes of its slot: no replicated state)
+ranks (each sends what ``pipeline.tiers.memory.replica_parts.outgoing`` makes of its slot: no replicated state)
 and gives each rank the counts of the copies it sends and of those it keeps, by the ring the
 start-up computes; it also times rank 0's ``fetch_plan`` over N reports.
 
@@ -107,16 +107,16 @@ from benchmarks.sim_counts import CountedLocalStore, CountingPeers, CountingStor
 from benchmarks.sim_report import COPY_PHASE, figure, replica_table, rows, summary, verdicts  # noqa: E402
 from benchmarks.sim_results import Outcome, Run  # noqa: E402
 from benchmarks.sim_transport import REAL_SLEEP, TIMEOUT_S, Baton, Fabric, MemoryPeers, MemoryStore  # noqa: E402
-from checkfreq.pipeline.commit import CommitJob, Committer  # noqa: E402
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
 from checkfreq.pipeline.restore import Found, Restorer  # noqa: E402
 from checkfreq.pipeline.restore.copies import fetch_copies  # noqa: E402
 from checkfreq.pipeline.restore.plan import ReadPlan, fetch_plan  # noqa: E402
 from checkfreq.pipeline.restore.readable import Readable  # noqa: E402
 from checkfreq.pipeline.restore.stream import ReplicatedStream  # noqa: E402
-from checkfreq.pipeline.retainer import Retainer  # noqa: E402
-from checkfreq.pipeline.snapshot import PendingSnapshot, aligned_empty  # noqa: E402
-from checkfreq.pipeline.tier import TierName  # noqa: E402
-from checkfreq.pipeline.tiers import LocalTier, Tiers  # noqa: E402
+from checkfreq.pipeline.retention.retainer import Retainer  # noqa: E402
+from checkfreq.pipeline.save.commit import CommitJob, Committer  # noqa: E402
+from checkfreq.pipeline.tiers.chosen import LocalTier, Tiers  # noqa: E402
+from checkfreq.pipeline.tiers.roles import TierName  # noqa: E402
 from checkfreq.policies.retention import Retention  # noqa: E402
 from checkfreq.ranks import replicas  # noqa: E402
 from checkfreq.ranks.collectives import Peers, Solo, tree_max  # noqa: E402

@@ -2,7 +2,7 @@
 ``benchmarks/protocol_sim.py`` runs and counts them.
 
 * **Each snapshot**: a rank's copy goes to each of its ``replicas`` keepers in turn, point to point, by
-  :class:`checkfreq.pipeline.replicas.ReplicaLink` (header, data, envelope; the keeper's answer).
+  :class:`checkfreq.pipeline.tiers.memory.replicas.ReplicaLink` (header, data, envelope; the keeper's answer).
   :func:`copy_counts` runs real links (their own threads, real shared-memory regions, the
   keeper's checksum check) over :class:`Wire`, an in-memory stand-in for the two calls of
   ``torch.distributed`` the link makes (``send`` and ``recv``), which counts each rank's messages
@@ -10,7 +10,7 @@
   Each rank's slot is as the memory tier builds it (:func:`slot`: its share of its machine's copy
   of the replicated state, cut by ``ranks.group_share.GroupSharer``, its private tensors and
   ``own_bytes`` of state of its own, and the manifest beside them); what the link sends of it is
-  what ``pipeline.replica_parts.outgoing`` makes of it (:func:`sent`: the slot less its runs of
+  what ``pipeline.tiers.memory.replica_parts.outgoing`` makes of it (:func:`sent`: the slot less its runs of
   replicated pieces, which every other machine holds, and an envelope around the manifest).
   :func:`per_snapshot` takes who copies to whom at N from ``ranks.group_share.replica_ring`` (the
   function the start-up runs) and gives every rank the counts of the copies it sends and keeps,
@@ -42,12 +42,12 @@ import torch
 
 from benchmarks.scale_costs import PRIVATE_TENSORS, replicated_state, skeleton
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline import replicas
-from checkfreq.pipeline.replica_parts import outgoing
-from checkfreq.pipeline.replicas import ReplicaLink
 from checkfreq.pipeline.restore.messages import MemoryReport
 from checkfreq.pipeline.restore.plan import fetch_plan
-from checkfreq.pipeline.tier import HeldCopy, StateKeeper
+from checkfreq.pipeline.tiers.memory import replicas
+from checkfreq.pipeline.tiers.memory.replica_parts import outgoing
+from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
+from checkfreq.pipeline.tiers.roles import HeldCopy, StateKeeper
 from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_ring
 from checkfreq.storage.format import Manifest, data_file_name, plan_layout, tensor_entries
 from checkfreq.storage.shm import MemoryRegion, SlotInfo, layout_signature
@@ -113,7 +113,7 @@ def slot(world: int, rank: int, per_machine: int, layers: int, own_bytes: int = 
 
 def sent(world: int, rank: int, per_machine: int, layers: int, own_bytes: int = OWN_BYTES) -> tuple[int, int]:
     """(data bytes, manifest bytes) of the copy of rank ``rank``'s :func:`slot` that goes to each keeper,
-    as ``pipeline.replica_parts.outgoing`` makes it: the slot's data less its runs of replicated pieces,
+    as ``pipeline.tiers.memory.replica_parts.outgoing`` makes it: the slot's data less its runs of replicated pieces,
     and the envelope (what was left out, around the slot's manifest)."""
     data_bytes, meta = slot(world, rank, per_machine, layers, own_bytes)
     info = SlotInfo(0, 0, STEPS[-1], data_bytes, len(meta), layout_signature("sim"), 1)

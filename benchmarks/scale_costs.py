@@ -4,8 +4,8 @@ Usage: ``python benchmarks/scale_costs.py [--worlds 1,2,4,64,1024,16384]``
 
 Computed with checkfreq's own code on synthetic inputs, in one process (no ranks are started): for
 each world size N, the plan every rank computes (:class:`checkfreq.ranks.group_cluster.SharePlan`), one rank's
-commit report as :class:`checkfreq.pipeline.commit.Committer` builds it, the manifest rank 0 writes
-(:func:`checkfreq.pipeline.commit.merge`), each rank's record in its data file's header, the directory
+commit report as :class:`checkfreq.pipeline.save.commit.Committer` builds it, the manifest rank 0 writes
+(:func:`checkfreq.pipeline.save.commit.merge`), each rank's record in its data file's header, the directory
 directory key each rank all-gathers at start (:mod:`checkfreq.ranks.sharing`), and what each rank all-gathers
 at restore. Two states:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from checkfreq.pipeline.commit import CommitReport, agreement_digest, merge
+from checkfreq.pipeline.save.commit import CommitReport, agreement_digest, merge
 from checkfreq.ranks import replicas
 from checkfreq.ranks.group_cluster import SharePlan
 from checkfreq.ranks.shares import PRIVATE, REPLICATED, SHARDED, private_name
@@ -141,7 +141,7 @@ def costs(world: int, state: str, layers: int = LAYERS) -> dict[str, Any]:
 
 def commit_messages(world: int, report: dict[str, Any]) -> dict[str, int]:
     """Bytes one rank other than 0 sends and receives per checkpoint, and rank 0 receives, in the
-    three rounds of :class:`checkfreq.pipeline.commit.Committer` (each message: an 8-byte length, then its
+    three rounds of :class:`checkfreq.pipeline.save.commit.Committer` (each message: an 8-byte length, then its
     JSON); and, for comparison, what each rank received when every round was an all-gather."""
 
     def size(value: Any) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.sim_counts import Counts, Ledger
-from checkfreq.pipeline.commit import CommitResult
+from checkfreq.pipeline.save.commit import CommitResult
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A CPU stand-in for a GPU's streams, events and caching allocator, for the snapshot's ordering logic.
 
-:class:`FakeDevice` has the methods of :class:`~checkfreq.pipeline.device_ops.DeviceOps`. What makes it
+:class:`FakeDevice` has the methods of :class:`~checkfreq.pipeline.capture.device_ops.DeviceOps`. What makes it
 a device and not a plain CPU:
 
 * "device" tensors live in one pool of host memory handed out by a caching allocator: a tensor's

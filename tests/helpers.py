@@ -69,7 +69,7 @@ def assert_state_equal(a: dict, b: dict) -> None:
 
 def memory_tier(ckpt: Any) -> Any:
     """The memory tier of a Checkpointer made with ``memory=``."""
-    from checkfreq.pipeline.memory_tier import MemoryTier
+    from checkfreq.pipeline.tiers.memory.tier import MemoryTier
 
     (tier,) = (t for t in ckpt._tiers.all if isinstance(t, MemoryTier))
     return tier

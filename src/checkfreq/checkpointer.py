@@ -17,17 +17,17 @@ from types import TracebackType
 from typing import Any
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError, UnknownObjectError, UsageError
-from checkfreq.pipeline.commit import Committer
-from checkfreq.pipeline.registered import Registered
+from checkfreq.pipeline.capture.registered import Registered
+from checkfreq.pipeline.capture.staging import check_gpu_staging
 from checkfreq.pipeline.restore import Restorer
 from checkfreq.pipeline.restore.apply import restored_state, source_of
-from checkfreq.pipeline.retainer import Retainer
-from checkfreq.pipeline.saver import Saver
-from checkfreq.pipeline.shutdown import shutdown
-from checkfreq.pipeline.staging import check_gpu_staging
-from checkfreq.pipeline.taker import Taker
-from checkfreq.pipeline.tier import Tier
-from checkfreq.pipeline.tiers import choose_tiers
+from checkfreq.pipeline.retention.retainer import Retainer
+from checkfreq.pipeline.save.commit import Committer
+from checkfreq.pipeline.save.saver import Saver
+from checkfreq.pipeline.save.shutdown import shutdown
+from checkfreq.pipeline.save.taker import Taker
+from checkfreq.pipeline.tiers.chosen import choose_tiers
+from checkfreq.pipeline.tiers.roles import Tier
 from checkfreq.policies import Policy, resolve
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
@@ -99,7 +99,7 @@ class Checkpointer:
             background. ``None`` (the default) does when the state fits in half of the free device
             memory at the first snapshot; ``True``/``False`` always/never (docs/performance.md).
         tiers: tiers of your own, after checkfreq's (docs/architecture.md, "A tier of your own"): each a
-            :class:`~checkfreq.pipeline.tier.Tier` playing one role or more (a ``CommitFollower`` is
+            :class:`~checkfreq.pipeline.tiers.roles.Tier` playing one role or more (a ``CommitFollower`` is
             handed each committed checkpoint, a ``CheckpointSource`` is read by :meth:`restore`).
             In a job of one process; refused under torch.distributed with several ranks.
         values: plain values to checkpoint, by name (numbers, strings, lists, dicts, tensors),

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import checkfreq as cf
-from checkfreq.pipeline.snapshot import Snapshotter
+from checkfreq.pipeline.capture.snapshot import Snapshotter
 from fake_device import FakeDevice
 from helpers import spawn_ranks
 

@@ -1,4 +1,4 @@
-"""The copies of memory snapshots between two real gloo ranks (checkfreq.pipeline.replicas): a copy
+"""The copies of memory snapshots between two real gloo ranks (checkfreq.pipeline.tiers.memory.replicas): a copy
 is kept only once its bytes match the sender's checksum; one damaged on the way, or cut short by
 the sender's death, is never committed, and the keeper's newest good copy stays. A sender that
 freezes mid-copy is found by its heartbeats, and the keeper's process ends."""
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from checkfreq.pipeline import replicas
-from checkfreq.pipeline.replicas import CopyHeader, ReplicaLink
+from checkfreq.pipeline.tiers.memory import replicas
+from checkfreq.pipeline.tiers.memory.replicas import CopyHeader, ReplicaLink
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.liveness import Liveness
 from checkfreq.storage.format import Manifest

@@ -18,7 +18,7 @@ import torch
 from overhead_loop import judge, setup, train  # tests/scripts, on the path through conftest
 
 from checkfreq.checkpointer import Checkpointer
-from checkfreq.pipeline import commit
+from checkfreq.pipeline.save import commit
 from checkfreq.policies import Overhead
 from checkfreq.tools.report import load_run
 

@@ -39,7 +39,7 @@ from torch import nn
 
 import checkfreq as cf
 from checkfreq.data import ResumableLoader
-from checkfreq.pipeline.snapshot import PendingSnapshot, Snapshotter
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot, Snapshotter
 from checkfreq.storage.shm import MemoryRegion
 
 HOOK_SLEEP_S = 60.0

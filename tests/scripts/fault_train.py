@@ -59,9 +59,9 @@ from worker_exit import exit_without_teardown  # beside this script
 
 from checkfreq import Checkpointer
 from checkfreq.data import ResumableLoader
-from checkfreq.pipeline import replicas
-from checkfreq.pipeline.snapshot import Snapshotter
-from checkfreq.pipeline.upload import RemoteTier
+from checkfreq.pipeline.capture.snapshot import Snapshotter
+from checkfreq.pipeline.tiers.memory import replicas
+from checkfreq.pipeline.tiers.remote import RemoteTier
 from checkfreq.policies import DecisionContext, Policy
 from checkfreq.ranks.agreement import VOTE_ACTIVITY
 from checkfreq.ranks.collectives import GroupPeers
@@ -202,7 +202,7 @@ def inject(faults: Faults) -> None:
 
 
 def inject_replicas(faults: Faults) -> None:
-    """Wrap what the replica threads call (``checkfreq.pipeline.replicas``) so that a copy in flight
+    """Wrap what the replica threads call (``checkfreq.pipeline.tiers.memory.replicas``) so that a copy in flight
     calls ``faults.hit`` at the ``replica-send`` and ``replica-keep`` phases (scripts/fsdp_memory.py)."""
     real, commit = replicas.dist, MemoryRegion.commit
     copy = threading.local()  # the sender thread's copy in flight: its step, and its messages sent so far

@@ -8,8 +8,9 @@ groups and never uses the training process group after that:
   restore, and the start-up exchanges;
 * the **vote** group, for a policy whose answer may differ between ranks, used only from each
   rank's vote thread: agreeing on *when* to checkpoint (:mod:`checkfreq.ranks.agreement`);
-* the **commit** group, used only from each rank's background writer (:mod:`checkfreq.pipeline.commit`);
-* the **upload** group, with a remote tier, used only from each rank's uploader (:mod:`checkfreq.pipeline.upload`).
+* the **commit** group, used only from each rank's background writer (:mod:`checkfreq.pipeline.save.commit`);
+* the **upload** group, with a remote tier, used only from each rank's uploader
+  (:mod:`checkfreq.pipeline.tiers.remote`).
 
 Each group connects a pair of ranks only when the pair first exchanges a message (with torch >= 2.8,
 :func:`checkfreq.ranks.compat.gloo_group_on_store`), so a rank holds connections to the few ranks it talks to.

@@ -1,5 +1,5 @@
 """Which bytes each rank of a group keeps when the group, not each rank, holds the state: the memory
-tier on one node (:mod:`checkfreq.pipeline.memory_tier`).
+tier on one node (:mod:`checkfreq.pipeline.tiers.memory.tier`).
 
 Under data parallelism every rank holds the replicated state (parameters, optimizer state). The
 ranks of one machine keep one copy of it between them in shared memory, each ``1/len(group)`` of

@@ -2,7 +2,7 @@
 
 A checkpoint's score is the value of the retention's metric *at its own step*, as the loop reports
 it, taken at the checkpoint's capture and stored with it (the ``checkfreq`` entry of its state,
-and, rank 0's, in its manifest: :mod:`checkfreq.pipeline.best`). It comes from, in this order:
+and, rank 0's, in its manifest: :mod:`checkfreq.pipeline.retention.best`). It comes from, in this order:
 
 * ``ckpt.log(name=value)`` at that step (an evaluation's metric, logged after the evaluation);
 * ``step(loss=…)`` at that step, for the metric ``"loss"``;

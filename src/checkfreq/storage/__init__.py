@@ -5,7 +5,7 @@
   the manifest written last is the commit marker.
 
 A remote tier (``Checkpointer(..., remote=...)``) is a second store; copying checkpoints to it
-is the engine's business (:mod:`checkfreq.pipeline.upload`).
+is the engine's business (:mod:`checkfreq.pipeline.tiers.remote`).
 
 The :class:`Store` protocol and the helpers that write through it are in ``storage.base``.
 See docs/storage.md.

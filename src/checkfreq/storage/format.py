@@ -282,7 +282,8 @@ class Manifest:
     distributed: dict[str, Any] | None = None
     """Written by several ranks: per-rank skeletons and how each tensor is split (see :mod:`checkfreq.ranks.shares`)."""
     score: dict[str, Any] | None = None
-    """With a retention that keeps the best: rank 0's score at the capture (:mod:`checkfreq.pipeline.best`)."""
+    """With a retention that keeps the best: rank 0's score at the capture
+    (:mod:`checkfreq.pipeline.retention.best`)."""
 
     @property
     def complete(self) -> bool:

@@ -1,7 +1,7 @@
 """The best checkpoints of a run, from a shell: ``checkfreq ls`` marks them, ``checkfreq export --best``
 exports the best one.
 
-Each checkpoint's manifest records its score (:mod:`checkfreq.pipeline.best`), and with it the rule of
+Each checkpoint's manifest records its score (:mod:`checkfreq.pipeline.retention.best`), and with it the rule of
 the run that wrote it (the metric, ``"min"`` or ``"max"``, how many of the best it keeps): the best are
 ranked by the rule of the newest scored checkpoint, as that run's retention ranks them.
 """
@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.pipeline.best import Score, ranked, score_of
+from checkfreq.pipeline.retention.best import Score, ranked, score_of
 from checkfreq.storage import Store, open_store
 from checkfreq.tools.catalog import CheckpointRef
 

@@ -23,8 +23,8 @@ from checkfreq.errors import (
     CorruptCheckpointError,
     NoValidCheckpointError,
 )
-from checkfreq.pipeline.replica_parts import manifest_bytes
 from checkfreq.pipeline.restore import read_checkpoint
+from checkfreq.pipeline.tiers.memory.replica_parts import manifest_bytes
 from checkfreq.ranks.rebuild import check_assembles
 from checkfreq.storage import Store, open_store
 from checkfreq.storage.format import (

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from checkfreq.errors import PersistTimeoutError
-from checkfreq.pipeline.fence import Fence, FenceWait
-from checkfreq.pipeline.memory_tier import MemoryTier
-from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-from checkfreq.pipeline.tier import SnapshotRequest
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.capture.fence import Fence, FenceWait
+from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.capture.writer import Writer
+from checkfreq.pipeline.tiers.memory.tier import MemoryTier
+from checkfreq.pipeline.tiers.roles import SnapshotRequest
 from checkfreq.policies.memory_cadence import MemoryCadence
 from fake_device import FakeDevice
 

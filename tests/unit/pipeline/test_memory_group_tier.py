@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline.memory_tier import MemoryTier
-from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-from checkfreq.pipeline.tier import SnapshotRequest
+from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.tiers.memory.tier import MemoryTier
+from checkfreq.pipeline.tiers.roles import SnapshotRequest
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group
 from checkfreq.ranks.rebuild import local_view

@@ -19,9 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkfreq
-from checkfreq.pipeline.best import BestChoice
-from checkfreq.pipeline.commit import Claims, CommitReport, CommitReports, Verdict
-from checkfreq.pipeline.replicas import SNAPSHOT, STOP, CopyAnswer, CopyHeader
 from checkfreq.pipeline.restore.messages import (
     ALL_FILES,
     ORDERS,
@@ -40,13 +37,16 @@ from checkfreq.pipeline.restore.messages import (
     MemoryChoice,
     MemoryReport,
     NewestStep,
+    ReadFrom,
     ReadOrder,
     Refusal,
     decode_copy_transfer,
     decode_order,
 )
-from checkfreq.pipeline.tier import TierName
-from checkfreq.pipeline.upload import UploadOutcome
+from checkfreq.pipeline.retention.best import BestChoice
+from checkfreq.pipeline.save.commit import Claims, CommitReport, CommitReports, Verdict
+from checkfreq.pipeline.tiers.memory.replicas import SNAPSHOT, STOP, CopyAnswer, CopyHeader
+from checkfreq.pipeline.tiers.remote import UploadOutcome
 from checkfreq.ranks.agreement import Vote
 from checkfreq.ranks.collectives import (
     RankError,
@@ -166,7 +166,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Holdings: holdings,
     CheckpointView: st.builds(CheckpointView, holdings | texts),
     ReadOrder: st.builds(
-        ReadOrder, st.lists(st.tuples(texts, st.sampled_from(list(TierName))), max_size=4), st.booleans()
+        ReadOrder, st.lists(st.tuples(texts, st.sampled_from(list(ReadFrom))), max_size=4), st.booleans()
     ),
     ExchangeOrder: st.builds(
         ExchangeOrder,
@@ -244,7 +244,7 @@ def test_the_orders_tags_tell_them_apart() -> None:
     tags = [kind.TAG for kind in ORDERS]
     assert len(set(tags)) == len(tags)
     examples = [
-        ReadOrder([("rank00000.safetensors", TierName.LOCAL)], True),
+        ReadOrder([("rank00000.safetensors", ReadFrom.DIRECTORY)], True),
         ExchangeOrder([], [], [], 0, False),
         Refusal("no manifest"),
     ]

@@ -1,4 +1,4 @@
-"""What a copy of a memory snapshot on another machine carries (checkfreq.pipeline.replica_parts): under
+"""What a copy of a memory snapshot on another machine carries (checkfreq.pipeline.tiers.memory.replica_parts): under
 data parallelism, a rank's private bytes and its manifest, not its share of the replicated state; the
 keeper checks what was sent, and makes the slot whole again from its own machine's regions, checked
 against the sender's slot checksum. Two machines' regions in one process (two shared-memory
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline import replica_parts
-from checkfreq.pipeline.memory_tier import MemoryTier
-from checkfreq.pipeline.replica_parts import outgoing, pieces_of
-from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-from checkfreq.pipeline.tier import SnapshotRequest
+from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.tiers.memory import replica_parts
+from checkfreq.pipeline.tiers.memory.replica_parts import outgoing, pieces_of
+from checkfreq.pipeline.tiers.memory.tier import MemoryTier
+from checkfreq.pipeline.tiers.roles import SnapshotRequest
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group
 from checkfreq.storage import parallel_hash

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from checkfreq.pipeline.snapshot import DEFERRED_COPY_PIECE_BYTES, PendingSnapshot
+from checkfreq.pipeline.capture.snapshot import DEFERRED_COPY_PIECE_BYTES, PendingSnapshot
 
 SOURCES = {
     "float32": lambda: torch.randn(1000, 37),
@@ -119,9 +119,9 @@ def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
     """The writer joins the deferred copies before round 1 of the commit (creating the staging
     location; a collective under torch.distributed), so the fence never copies alone while the
     writer waits on the other ranks or the store. The checkpoint is still committed whole."""
-    from checkfreq.pipeline.commit import CommitJob, Committer
-    from checkfreq.pipeline.retainer import Retainer
-    from checkfreq.pipeline.snapshot import Snapshotter
+    from checkfreq.pipeline.capture.snapshot import Snapshotter
+    from checkfreq.pipeline.retention.retainer import Retainer
+    from checkfreq.pipeline.save.commit import CommitJob, Committer
     from checkfreq.policies.retention import Retention
     from checkfreq.ranks.collectives import Solo
     from checkfreq.storage.local import LocalStore

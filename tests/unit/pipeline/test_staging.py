@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import checkfreq as cf
-from checkfreq.pipeline.staging import ALIGN, StagingBuffer, choose_staging, staging_offsets
+from checkfreq.pipeline.capture.staging import ALIGN, StagingBuffer, choose_staging, staging_offsets
 from checkfreq.run.events import read_events
 from fake_device import FakeDevice
 from helpers import make_model, memory_tier
@@ -135,7 +135,7 @@ def test_the_memory_tier_pins_its_slots_for_cuda_and_restores_onto_the_device(
 
 
 def test_gpu_side_waits_raise_the_costs_the_policy_and_the_cadence_see() -> None:
-    from checkfreq.pipeline.gpu_waits import GpuWaits
+    from checkfreq.pipeline.capture.gpu_waits import GpuWaits
     from checkfreq.policies.memory_cadence import MemoryCadence
     from checkfreq.policies.profiler import Profiler
 
@@ -187,7 +187,7 @@ def _busy_side_stream(snapshotter, device: torch.device) -> None:  # type: ignor
 @pytest.mark.cuda
 @cuda
 def test_a_freed_cuda_temporary_is_copied_before_the_next_forward_reuses_its_memory() -> None:
-    from checkfreq.pipeline.snapshot import Snapshotter
+    from checkfreq.pipeline.capture.snapshot import Snapshotter
 
     device = torch.device("cuda", torch.cuda.current_device())
     snapshotter = Snapshotter(gpu_staging=False)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import checkfreq as cf
-import checkfreq.pipeline.tiers
-from checkfreq.pipeline.tier import (
+import checkfreq.pipeline.tiers.chosen
+from checkfreq.pipeline.tiers.chosen import LocalTier, Tiers, check_own_tiers
+from checkfreq.pipeline.tiers.roles import (
     CheckpointSource,
     CommitFollower,
     SnapshotRequest,
@@ -24,13 +25,17 @@ from checkfreq.pipeline.tier import (
     Tier,
     TierName,
 )
-from checkfreq.pipeline.tiers import LocalTier, Tiers, check_own_tiers
 from checkfreq.run.events import read_events
 from checkfreq.storage.local import LocalStore
 from helpers import DOCS, assert_state_equal, docs_example, make_model, train_step
 
 SRC = Path(__file__).resolve().parents[3] / "src" / "checkfreq"
-TIER_MODULES = {"pipeline/tier.py", "pipeline/tiers.py", "pipeline/memory_tier.py", "pipeline/upload.py"}
+TIER_MODULES = {
+    "pipeline/tiers/roles.py",
+    "pipeline/tiers/chosen.py",
+    "pipeline/tiers/memory/tier.py",
+    "pipeline/tiers/remote.py",
+}
 
 
 class Recording(SnapshotTaker):
@@ -144,7 +149,7 @@ def test_tier_names_are_an_enum_that_reads_and_travels_as_its_value() -> None:
 
 
 def _tier_classes() -> set[str]:
-    return {name for name in dir(checkfreq.pipeline.tiers) if name.endswith("Tier")} | {
+    return {name for name in dir(checkfreq.pipeline.tiers.chosen) if name.endswith("Tier")} | {
         "MemoryTier",
         "RemoteTier",
         "Tier",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import checkfreq as cf
-from checkfreq.pipeline.retainer import Retainer
+from checkfreq.pipeline.retention.retainer import Retainer
 from checkfreq.policies.retention import Retention
 from checkfreq.storage.local import LocalStore
 

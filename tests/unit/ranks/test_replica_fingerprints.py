@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from checkfreq.pipeline.snapshot import Snapshotter
+from checkfreq.pipeline.capture.snapshot import Snapshotter
 from checkfreq.ranks import replicas
 from checkfreq.ranks.group_cluster import SharePlan
 from fake_device import FakeDevice

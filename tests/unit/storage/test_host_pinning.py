@@ -130,7 +130,7 @@ def test_large_memory_snapshots_are_sealed_off_the_training_thread(
 ) -> None:
     import checkfreq as cf
     import helpers
-    from checkfreq.pipeline import memory_tier
+    from checkfreq.pipeline.tiers.memory import tier as memory_tier
     from helpers import make_model, train_step
 
     assert not memory_tier.seal_later(False, 100 << 30) and memory_tier.seal_later(True, 256 << 20)
@@ -208,8 +208,8 @@ def test_a_seal_racing_a_clear_never_brings_the_snapshot_back(shm_dir: Path, tmp
 
 
 def test_a_memory_restore_waits_for_the_checksum_in_flight(shm_dir: Path, tmp_path: Path) -> None:
-    from checkfreq.pipeline.memory_tier import MemoryTarget, MemoryTier
-    from checkfreq.pipeline.snapshot import Snapshotter, layout_of
+    from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+    from checkfreq.pipeline.tiers.memory.tier import MemoryTarget, MemoryTier
     from checkfreq.policies.memory_cadence import MemoryCadence
     from checkfreq.storage.format import Manifest, tensor_entries
 

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 import checkfreq.storage.posix
-from checkfreq.pipeline.snapshot import aligned_empty
+from checkfreq.pipeline.capture.snapshot import aligned_empty
 from checkfreq.storage.format import BLOCK_BYTES, data_chunks
 from checkfreq.storage.posix import write_chunks, write_data_file
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from checkfreq.errors import NoValidCheckpointError
-from checkfreq.pipeline.tiers import Tiers
+from checkfreq.pipeline.tiers.chosen import Tiers
 
 
 def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[str, str]]) -> NoValidCheckpointError:

@@ -13,7 +13,7 @@ from checkfreq.run.state import unflatten
 
 def restored_state(found: Found, cluster: Cluster, objects: Mapping[str, Any], *, allow_pickle: bool) -> Any:
     """This rank's state in ``found``: a memory snapshot is this rank's own whole state, or its share
-    of its machine's put together (:meth:`~checkfreq.pipeline.tier.StateKeeper.complete`); a checkpoint on
+    of its machine's put together (:meth:`~checkfreq.pipeline.tiers.roles.StateKeeper.complete`); a checkpoint on
     disk is cut for this rank at any saved world size."""
     if found.held and found.manifest.distributed is None:  # this rank's whole state
         skeleton, tensors = local_view(found.manifest, found.tensors)

@@ -38,8 +38,8 @@ from checkfreq.pipeline.restore.messages import (
     decode_copy_transfer,
 )
 from checkfreq.pipeline.restore.plan import fetch_plan, memory_choice
-from checkfreq.pipeline.tier import HeldCopy
-from checkfreq.pipeline.tiers import Tiers
+from checkfreq.pipeline.tiers.chosen import Tiers
+from checkfreq.pipeline.tiers.roles import HeldCopy
 from checkfreq.ranks.collectives import (
     Peers,
     broadcast_message,

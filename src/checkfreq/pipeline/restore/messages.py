@@ -10,9 +10,9 @@ that kind has (:func:`decode_order`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar
 
-from checkfreq.pipeline.tier import TierName
 from checkfreq.ranks.collectives import JSON
 
 ALL_FILES = "all"
@@ -174,23 +174,31 @@ class CheckpointView:
         return cls(wire if isinstance(wire, str) else Holdings.from_wire(wire))
 
 
+class ReadFrom(str, Enum):
+    """Where a reader reads a data file from, in the restore's read orders."""
+
+    DIRECTORY = "directory"
+    """The reader's own directory: the tier every persist commits to."""
+    FAR = "far"
+    """The first far tier (the remote tier) that lists the checkpoint."""
+
+
 @dataclass
 class ReadOrder:
     """0 → a rank: read and verify these files, each from its tier; pack their replicated pieces."""
 
     TAG: ClassVar[str] = "read"
 
-    read: list[tuple[str, TierName]]
-    """(data file, where to read it: ``TierName.LOCAL``, the rank's directory, or ``TierName.REMOTE``,
-    the first far tier that lists the checkpoint)."""
+    read: list[tuple[str, ReadFrom]]
+    """(data file, where to read it)."""
     pack: bool
 
     def to_wire(self) -> JSON:
-        return {"read": [[name, tier] for name, tier in self.read], "pack": self.pack}
+        return {"read": [[name, where.value] for name, where in self.read], "pack": self.pack}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> ReadOrder:
-        return cls([(str(name), TierName(tier)) for name, tier in wire["read"]], bool(wire["pack"]))
+        return cls([(str(name), ReadFrom(where)) for name, where in wire["read"]], bool(wire["pack"]))
 
 
 @dataclass

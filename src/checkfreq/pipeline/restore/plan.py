@@ -16,10 +16,10 @@ from checkfreq.pipeline.restore.messages import (
     MemoryChoice,
     MemoryReport,
     Order,
+    ReadFrom,
     ReadOrder,
     Refusal,
 )
-from checkfreq.pipeline.tier import TierName
 from checkfreq.storage.format import Manifest, data_file_name
 
 
@@ -123,7 +123,7 @@ class ReadPlan:
         self.names = sorted(manifest.files)
         self.holders, checked = assign_readers(self.names, views)
         self.reader = {name: next(iter(ranks)) for name, ranks in checked.items()}
-        self.tier = dict.fromkeys(self.reader, TierName.LOCAL)
+        self.source = dict.fromkeys(self.reader, ReadFrom.DIRECTORY)
         self.tried = {name: {views[r].directory_leader for r in ranks} for name, ranks in checked.items()}
         self.remote_ranks = [r for r, view in enumerate(views) if view.remote]
         self.load = Counter(self.reader.values())
@@ -161,14 +161,14 @@ class ReadPlan:
         ranks = sorted(self.remote_ranks, key=lambda r: (self.load[r], r))
         for i, name in enumerate(names):
             reader = ranks[i % len(ranks)]
-            self.reader[name], self.tier[name] = reader, TierName.REMOTE
+            self.reader[name], self.source[name] = reader, ReadFrom.FAR
             self.load[reader] += 1
 
     def orders(self) -> list[Order]:
         """Every rank's next orders, in rank order."""
-        reads: list[list[tuple[str, TierName]]] = [[] for _ in self.views]
+        reads: list[list[tuple[str, ReadFrom]]] = [[] for _ in self.views]
         for name in sorted(self.fresh):
-            reads[self.reader[name]].append((name, self.tier[name]))
+            reads[self.reader[name]].append((name, self.source[name]))
         self.fresh = set()
         return [ReadOrder(read, self.streamed) for read in reads]
 
@@ -178,7 +178,7 @@ class ReadPlan:
         for rank, damaged in enumerate(reports):
             for name, why in damaged.items():
                 no_copy_left: list[Order] = [Refusal(f"rank {rank}: {why}" if len(reports) > 1 else why)] * len(reports)
-                if self.tier[name] == TierName.REMOTE:
+                if self.source[name] == ReadFrom.FAR:
                     return no_copy_left
                 if not self._next_holder(name):  # no other directory holds it: the remote tier, if listed
                     if not self.remote_ranks:
@@ -213,7 +213,7 @@ class ReadPlan:
                 holds = view.held == ALL_FILES or name in held
                 if (
                     holds
-                    and self.tier[name] == TierName.LOCAL
+                    and self.source[name] == ReadFrom.DIRECTORY
                     and view.cache is not None
                     and view.cache == self.views[reader].cache
                 ):

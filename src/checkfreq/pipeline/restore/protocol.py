@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError
-from checkfreq.pipeline.best import best_step
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.copies import fetch_copies
 from checkfreq.pipeline.restore.messages import (
@@ -27,6 +26,7 @@ from checkfreq.pipeline.restore.messages import (
     MemoryReport,
     NewestStep,
     Order,
+    ReadFrom,
     ReadOrder,
     Refusal,
     decode_order,
@@ -35,8 +35,9 @@ from checkfreq.pipeline.restore.plan import ReadPlan, agenda, memory_choice
 from checkfreq.pipeline.restore.progress import logged_reads
 from checkfreq.pipeline.restore.read import Files, stored_views
 from checkfreq.pipeline.restore.readable import Blocks, Readable
-from checkfreq.pipeline.tier import CheckpointSource, TierName
-from checkfreq.pipeline.tiers import Tiers
+from checkfreq.pipeline.retention.best import best_step
+from checkfreq.pipeline.tiers.chosen import Tiers
+from checkfreq.pipeline.tiers.roles import CheckpointSource
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
     Peers,
@@ -68,10 +69,10 @@ class Found:
     tensors: dict[str, torch.Tensor]
     name: str
     tier: str
-    """Where this rank's data came from: tier names (:class:`~checkfreq.pipeline.tier.TierName`) and
+    """Where this rank's data came from: tier names (:class:`~checkfreq.pipeline.tiers.roles.TierName`) and
     :data:`FROM_PEERS` (other ranks sent it), joined with ``+`` (``"local+peer"``), or ``"memory"``."""
     held: bool
-    """A whole state a tier holds (:class:`~checkfreq.pipeline.tier.StateKeeper`), applied as it was
+    """A whole state a tier holds (:class:`~checkfreq.pipeline.tiers.roles.StateKeeper`), applied as it was
     kept and not on disk; else a checkpoint's files, cut for this rank at any saved world size."""
     elsewhere: bool
     """Read, in part or whole, from somewhere else than the checkpoint directory (messages say where)."""
@@ -371,8 +372,8 @@ class Restorer:
         damaged = {}
         total = sum(int(readable.manifest.files[name]["size"]) for name, _ in order.read)
         with logged_reads(readable.step, total):
-            for name, tier in order.read:
-                source = self.tiers.committed_to.name if tier == TierName.LOCAL else readable.far
+            for name, where in order.read:
+                source = self.tiers.committed_to.name if where == ReadFrom.DIRECTORY else readable.far
                 try:
                     files[name] = self._read_file(source, readable.step, name, readable.manifest.files[name])
                     if stream is not None:
@@ -384,7 +385,7 @@ class Restorer:
                     log.warning(
                         "checkpoint %s: %s copy of %s is damaged (%s)",
                         checkpoint_name(readable.step),
-                        "this rank's" if tier == TierName.LOCAL else f"the {source}",
+                        "this rank's" if where == ReadFrom.DIRECTORY else f"the {source}",
                         name,
                         e,
                     )

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from checkfreq.errors import PersistTimeoutError
-from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
+from checkfreq.pipeline.capture.writer import Writer
 
 
 @dataclass(frozen=True)

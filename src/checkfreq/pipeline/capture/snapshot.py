@@ -8,10 +8,10 @@ next forward/backward runs; on CUDA they are copied on a side stream. Either way
 
 On CUDA the host buffer is pinned (the snapshotter's own, or a memory slot registered with the
 CUDA runtime), so the side stream's copies are asynchronous. Where device memory allows, the side
-stream first copies the state into a reused device buffer (:mod:`checkfreq.pipeline.staging`):
+stream first copies the state into a reused device buffer (:mod:`checkfreq.pipeline.capture.staging`):
 the fence then waits only for that device-to-device copy, and the copy to the host follows on the
 side stream while training goes on. The training stream's waits on the side stream are timed on
-the GPU (:mod:`checkfreq.pipeline.gpu_waits`).
+the GPU (:mod:`checkfreq.pipeline.capture.gpu_waits`).
 
 Three rules keep the side stream's copies exact and the training thread free:
 
@@ -23,7 +23,7 @@ Three rules keep the side stream's copies exact and the training thread free:
   non-fused Adam); CUDA copies are ordered by events on the streams, never waited for on the CPU;
 * the next forward waits for the side stream only where forward-mutated CUDA tensors were copied.
 
-The CUDA calls go through :class:`~checkfreq.pipeline.device_ops.DeviceOps`, so that tests run
+The CUDA calls go through :class:`~checkfreq.pipeline.capture.device_ops.DeviceOps`, so that tests run
 this logic on a CPU with a fake that records their order.
 """
 
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from checkfreq.pipeline.device_ops import CUDA, DeviceOps
-from checkfreq.pipeline.gpu_waits import GpuWaits
-from checkfreq.pipeline.staging import StagingBuffer, choose_staging, staging_room
+from checkfreq.pipeline.capture.device_ops import CUDA, DeviceOps
+from checkfreq.pipeline.capture.gpu_waits import GpuWaits
+from checkfreq.pipeline.capture.staging import StagingBuffer, choose_staging, staging_room
 from checkfreq.storage.format import BLOCK_BYTES, Layout, plan_layout, slot_view
 
 log = logging.getLogger("checkfreq.snapshot")
@@ -191,7 +191,7 @@ class Snapshotter:
     Args:
         gpu_staging: stage CUDA snapshots through device memory: ``None`` when the state fits in
             half of the device memory a training step leaves
-            (:func:`~checkfreq.pipeline.staging.choose_staging`), ``True``/``False`` always/never.
+            (:func:`~checkfreq.pipeline.capture.staging.choose_staging`), ``True``/``False`` always/never.
         ops: the device operations (CUDA's; a test's fake records their order on a CPU).
     """
 
@@ -337,7 +337,7 @@ class Snapshotter:
     def _staged_views(self, device: torch.device, pairs: CopyPairs, stream: Any) -> list[torch.Tensor] | None:
         """The staging buffer's views for ``pairs``' sources, or None where this snapshot of ``device``
         goes straight to the host. The choice is made once a whole step has run, and again when the
-        state outgrows the buffer (:mod:`checkfreq.pipeline.staging`)."""
+        state outgrows the buffer (:mod:`checkfreq.pipeline.capture.staging`)."""
         sources = [src for _, src in pairs]
         staging = self._staging.get(device)
         if staging is not None and staging.fits(sources):

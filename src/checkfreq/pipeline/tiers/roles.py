@@ -18,8 +18,8 @@ missing or misspelled one fails when the tier is built):
     holds whole states (and copies of other ranks' snapshots) the restore asks for before files:
     the memory tier.
 
-:class:`~checkfreq.pipeline.tiers.Tiers` is the ordered list a Checkpointer holds (fastest first),
-one typed list per role, built by :func:`checkfreq.pipeline.tiers.choose_tiers`; docs/architecture.md
+:class:`~checkfreq.pipeline.tiers.chosen.Tiers` is the ordered list a Checkpointer holds (fastest first),
+one typed list per role, built by :func:`checkfreq.pipeline.tiers.chosen.choose_tiers`; docs/architecture.md
 shows a tier of your own.
 """
 
@@ -33,8 +33,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
+from checkfreq.pipeline.capture.writer import Writer
 from checkfreq.storage.base import Location, Store
 from checkfreq.storage.format import Layout, Manifest
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from checkfreq.pipeline.device_ops import CUDA, DeviceOps
+from checkfreq.pipeline.capture.device_ops import CUDA, DeviceOps
 
 
 @dataclass(frozen=True)

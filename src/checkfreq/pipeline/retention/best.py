@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from checkfreq.errors import CorruptCheckpointError, NoValidCheckpointError
-from checkfreq.pipeline.registered import RUN_STATE
+from checkfreq.pipeline.capture.registered import RUN_STATE
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import JSON, Peers, broadcast_message
 from checkfreq.run.scores import SCORE_KEY

@@ -7,7 +7,7 @@ not see the slot as pinned (``is_pinned()`` false: the copies then fall back to 
 synchronous and several times slower) — nothing else would say so. Such a slot is remembered, and
 the first snapshot copied into one of them is reported in one warning with the bandwidth its
 device-to-host copy reached, measured on the side stream by timing events
-(:meth:`~checkfreq.pipeline.snapshot.PendingSnapshot.host_copy`): the figure to compare with the
+(:meth:`~checkfreq.pipeline.capture.snapshot.PendingSnapshot.host_copy`): the figure to compare with the
 pinned bandwidth of the machine.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from checkfreq.pipeline.snapshot import PendingSnapshot
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
 from checkfreq.storage.host_pinning import HostRegistry, host_registry
 from checkfreq.storage.shm import MemoryRegion
 

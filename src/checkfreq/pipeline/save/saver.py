@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from checkfreq.errors import CheckfreqError, PeerLostError, PersistError, ReplicaMismatchError
-from checkfreq.pipeline.commit import CommitJob, CommitResult, Committer
-from checkfreq.pipeline.fence import Fence, FenceWait
-from checkfreq.pipeline.snapshot import Snapshotter, layout_of
-from checkfreq.pipeline.tier import HeldSnapshot, SnapshotRequest, SnapshotTaker
-from checkfreq.pipeline.tiers import Tiers
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.capture.fence import Fence, FenceWait
+from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.capture.writer import Writer
+from checkfreq.pipeline.save.commit import CommitJob, CommitResult, Committer
+from checkfreq.pipeline.tiers.chosen import Tiers
+from checkfreq.pipeline.tiers.roles import HeldSnapshot, SnapshotRequest, SnapshotTaker
 from checkfreq.policies.base import DecisionContext
 from checkfreq.policies.profiler import Profiler
 from checkfreq.ranks.cluster import Cluster

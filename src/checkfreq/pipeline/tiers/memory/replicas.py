@@ -2,7 +2,7 @@
 
 Each rank with keepers (:func:`checkfreq.ranks.group_share.replica_ring`: one rank on each of
 ``replicas`` other machines) sends every memory snapshot it commits, less what every other machine
-holds too (its replicated pieces: :mod:`checkfreq.pipeline.replica_parts`), to each keeper in turn,
+holds too (its replicated pieces: :mod:`checkfreq.pipeline.tiers.memory.replica_parts`), to each keeper in turn,
 over a gloo group of its own, on a thread of its own: training never waits for it, except when the
 next snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A
 rank keeps the snapshots it receives in a region of its machine's shared memory named after the
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from checkfreq.errors import CheckfreqError, PeerLostError
-from checkfreq.pipeline.replica_parts import Outgoing, outgoing, pieces_of
+from checkfreq.pipeline.tiers.memory.replica_parts import Outgoing, outgoing, pieces_of
 from checkfreq.ranks.liveness import Liveness
 from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo
 from checkfreq.storage.shm_paths import device_and_inode, replica_path
@@ -103,7 +103,8 @@ class CopyHeader:
 
     @classmethod
     def announcing(cls, info: SlotInfo) -> CopyHeader:
-        """The header announcing the copy of ``info`` (an :class:`~checkfreq.pipeline.replica_parts.Outgoing`'s)."""
+        """The header announcing the copy of ``info`` (an
+        :class:`~checkfreq.pipeline.tiers.memory.replica_parts.Outgoing`'s)."""
         return cls(SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, info.checksum, info.signature)
 
     @classmethod

@@ -16,7 +16,7 @@ state between them: each rank's slot holds its share of it and its own private s
 L times, and each rank copies 1/L of it. A restore reads the group's other shares straight from
 their regions on the same machine (:meth:`MemoryTier.complete`). Sharded state is each rank's own
 (its shards). With ``replicas=k`` each snapshot is also copied to a rank of k other machines
-(:mod:`checkfreq.pipeline.replicas`), and a share this machine lacks is read from the copy kept here.
+(:mod:`checkfreq.pipeline.tiers.memory.replicas`), and a share this machine lacks is read from the copy kept here.
 
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
 the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
@@ -48,11 +48,12 @@ from typing import Any, TypeVar
 import torch
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline.replica_parts import usable_steps, whole
-from checkfreq.pipeline.replicas import ReplicaLink
-from checkfreq.pipeline.slot_pinning import SlotPinning
-from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import (
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
+from checkfreq.pipeline.capture.writer import Writer
+from checkfreq.pipeline.tiers.memory.replica_parts import usable_steps, whole
+from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
+from checkfreq.pipeline.tiers.memory.slot_pinning import SlotPinning
+from checkfreq.pipeline.tiers.roles import (
     HeldCopy,
     HeldSnapshot,
     HeldState,
@@ -62,7 +63,6 @@ from checkfreq.pipeline.tier import (
     StateKeeper,
     TierName,
 )
-from checkfreq.pipeline.writer import Writer
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.shares import SHARDED

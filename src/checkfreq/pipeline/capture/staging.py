@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from checkfreq.errors import InvalidArgumentError
-from checkfreq.pipeline.device_ops import DeviceOps
+from checkfreq.pipeline.capture.device_ops import DeviceOps
 
 log = logging.getLogger("checkfreq.snapshot")
 

@@ -2,7 +2,7 @@
 
 :func:`open_memory_tier` is collective: the ranks learn which of them share a machine's memory
 (:func:`checkfreq.ranks.sharing.memory_group`) and, with ``replicas=``, create the group the copies
-to other machines travel on (:class:`~checkfreq.pipeline.replicas.ReplicaLink`).
+to other machines travel on (:class:`~checkfreq.pipeline.tiers.memory.replicas.ReplicaLink`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 from datetime import timedelta
 
 from checkfreq.errors import InvalidArgumentError
-from checkfreq.pipeline.memory_tier import MemoryTier
-from checkfreq.pipeline.replicas import ReplicaLink
+from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
+from checkfreq.pipeline.tiers.memory.tier import MemoryTier
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.collectives import GroupPeers, Peers
 from checkfreq.ranks.group_share import Group
@@ -42,7 +42,7 @@ def open_memory_tier(
     """This rank's memory tier for ``directory``, among ``peers`` (the job's ranks); rank 0 first
     removes the regions of ranks this job does not have (an earlier job ran with more). With
     ``replicas``, each snapshot is copied to the shared memory of a rank on each of that many other
-    machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.replicas`). Collective."""
+    machines, ``stride`` apart in the ring (:mod:`checkfreq.pipeline.tiers.memory.replicas`). Collective."""
     if cadence.every is None and peers.size > 1:  # ranks measuring different costs would snapshot different steps
         raise InvalidArgumentError(
             "under torch.distributed with several ranks, memory= takes a number of steps "

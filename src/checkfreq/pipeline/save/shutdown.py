@@ -17,8 +17,8 @@ import sys
 import time
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline.tiers import Tiers
-from checkfreq.pipeline.writer import Writer
+from checkfreq.pipeline.capture.writer import Writer
+from checkfreq.pipeline.tiers.chosen import Tiers
 from checkfreq.ranks.cluster import Cluster
 from checkfreq.run.signals import SignalTrap
 

@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import torch
 
 from checkfreq.data.loader import ResumableLoader
-from checkfreq.pipeline.registered import Registered
-from checkfreq.pipeline.tier import SnapshotTaker
+from checkfreq.pipeline.capture.registered import Registered
+from checkfreq.pipeline.tiers.roles import SnapshotTaker
 from checkfreq.ranks.collectives import Peers
 from checkfreq.run.rng import RNGState
 
@@ -76,7 +76,7 @@ REASONS: dict[tuple[str, ...], str] = {("log()",): "log()", ("retake",): "save()
 
 
 class PointReached(Protocol):
-    """What captures at a consistent point (:class:`~checkfreq.pipeline.taker.Taker`)."""
+    """What captures at a consistent point (:class:`~checkfreq.pipeline.save.taker.Taker`)."""
 
     def at_point(self, where: str) -> None:
         """The step's consistent point came, at ``where``."""

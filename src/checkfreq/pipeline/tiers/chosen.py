@@ -1,7 +1,7 @@
 """The tiers a Checkpointer holds, in order, fastest first: which ones it has (:func:`choose_tiers`,
 the one place they are chosen), and each question put to the tiers that play the role it concerns.
 
-The first :class:`~checkfreq.pipeline.tier.CheckpointSource` (the local directory) is where
+The first :class:`~checkfreq.pipeline.tiers.roles.CheckpointSource` (the local directory) is where
 checkpoints are committed; the sources after it (the remote tier) are the *far* tiers the restore
 reads what no directory holds from.
 """
@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from checkfreq.errors import CheckfreqError, InvalidArgumentError
-from checkfreq.pipeline.memory_open import open_memory_tier
-from checkfreq.pipeline.retainer import Retainer
-from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import (
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
+from checkfreq.pipeline.retention.retainer import Retainer
+from checkfreq.pipeline.tiers.local import LocalTier
+from checkfreq.pipeline.tiers.memory.opening import open_memory_tier
+from checkfreq.pipeline.tiers.remote import RemoteTier
+from checkfreq.pipeline.tiers.roles import (
     CheckpointSource,
     CommitFollower,
     HeldCopy,
@@ -27,9 +29,7 @@ from checkfreq.pipeline.tier import (
     SnapshotTarget,
     StateKeeper,
     Tier,
-    TierName,
 )
-from checkfreq.pipeline.upload import RemoteTier
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import Cluster
@@ -37,26 +37,6 @@ from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
 T = TypeVar("T")
-
-
-class LocalTier(CheckpointSource):
-    """The Checkpointer's directory: what every persist commits to (the commit protocol writes it),
-    and the first place the restore looks for files."""
-
-    name = TierName.LOCAL
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    @property
-    def store(self) -> Store:
-        return self._store
-
-    def close(self, *, remove: bool, timeout: float | None = None) -> None:
-        """Nothing runs in the background: the commit protocol writes the directory."""
-
-    def release(self) -> None:
-        self._store.unlock()
 
 
 @dataclass(frozen=True)
@@ -288,7 +268,8 @@ def check_own_tiers(own: Sequence[Tier], world_size: int) -> None:
     for tier in own:
         if not isinstance(tier, Tier):
             raise InvalidArgumentError(
-                f"tiers= takes Tier objects (checkfreq.pipeline.tier: a CommitFollower, a CheckpointSource, ...), "
+                f"tiers= takes Tier objects (checkfreq.pipeline.tiers.roles: a CommitFollower, a "
+                f"CheckpointSource, ...), "
                 f"got {type(tier).__name__}"
             )
     if own and world_size > 1:

@@ -6,7 +6,7 @@ remote ``manifest.json`` last, so a checkpoint whose upload never finished on so
 listed there. Uploads run in a thread of their own, one at a time, on a gloo group of their own.
 
 Every rank uploads the same checkpoints: the commit protocol hands a checkpoint over only if every
-rank's uploader was idle when it reported (:class:`~checkfreq.pipeline.commit.CommitResult`), so a slow
+rank's uploader was idle when it reported (:class:`~checkfreq.pipeline.save.commit.CommitResult`), so a slow
 remote skips checkpoints rather than queueing them; :meth:`RemoteTier.flush` uploads the newest
 committed one if it was skipped.
 """
@@ -24,9 +24,9 @@ from typing import Any, BinaryIO
 import xxhash
 
 from checkfreq.errors import CorruptCheckpointError, PersistError, PersistTimeoutError
-from checkfreq.pipeline.best import ScoreBook
-from checkfreq.pipeline.retainer import Retainer, retain
-from checkfreq.pipeline.tier import CheckpointSource, CommitFollower, TierName
+from checkfreq.pipeline.retention.best import ScoreBook
+from checkfreq.pipeline.retention.retainer import Retainer, retain
+from checkfreq.pipeline.tiers.roles import CheckpointSource, CommitFollower, TierName
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.collectives import (
     JSON,

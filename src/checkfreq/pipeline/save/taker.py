@@ -2,8 +2,8 @@
 
 :class:`Taker` asks the policy (through the cluster, which has the ranks agree), a memory tier's
 cadence and a trapped signal at each step, holds what they decided in the
-:class:`~checkfreq.pipeline.consistent_point.ConsistentPoint`, and captures it when the point comes:
-a checkpoint through the :class:`~checkfreq.pipeline.saver.Saver`, or a snapshot into one tier alone.
+:class:`~checkfreq.pipeline.save.consistent_point.ConsistentPoint`, and captures it when the point comes:
+a checkpoint through the :class:`~checkfreq.pipeline.save.saver.Saver`, or a snapshot into one tier alone.
 It also makes the current state durable for ``save(blocking=True)``, a signal and a clean close.
 The Checkpointer holds one and passes its calls on (docs/exactness.md, "The consistent point").
 """
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkfreq.errors import ExistingCheckpointsError
-from checkfreq.pipeline.consistent_point import ConsistentPoint, Pending, PointListener
-from checkfreq.pipeline.registered import Captured, Registered
-from checkfreq.pipeline.saver import Saver
-from checkfreq.pipeline.tiers import Tiers
+from checkfreq.pipeline.capture.registered import Captured, Registered
+from checkfreq.pipeline.save.consistent_point import ConsistentPoint, Pending, PointListener
+from checkfreq.pipeline.save.saver import Saver
+from checkfreq.pipeline.tiers.chosen import Tiers
 from checkfreq.policies import Policy
 from checkfreq.ranks.cluster import Cluster
 from checkfreq.ranks.ddp_buckets import BucketLayouts
@@ -84,7 +84,7 @@ class Taker:
         return checkpoint
 
     def at_point(self, where: str) -> None:
-        """A consistent point (:mod:`~checkfreq.pipeline.consistent_point`): capture what waits for it."""
+        """A consistent point (:mod:`~checkfreq.pipeline.save.consistent_point`): capture what waits for it."""
         if self.closed:
             return
         step = self._saver.timeline.step

@@ -36,10 +36,10 @@ from typing import Any
 import xxhash
 
 from checkfreq.errors import PersistError, ReplicaMismatchError
-from checkfreq.pipeline.best import score_entry
-from checkfreq.pipeline.retainer import Retainer
-from checkfreq.pipeline.snapshot import PendingSnapshot
-from checkfreq.pipeline.tier import CommitFollower
+from checkfreq.pipeline.capture.snapshot import PendingSnapshot
+from checkfreq.pipeline.retention.best import score_entry
+from checkfreq.pipeline.retention.retainer import Retainer
+from checkfreq.pipeline.tiers.roles import CommitFollower
 from checkfreq.ranks import replicas
 from checkfreq.ranks.collectives import (
     JSON,

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from checkfreq.errors import CheckfreqError
-from checkfreq.pipeline.tier import HeldCopy
+from checkfreq.pipeline.tiers.roles import HeldCopy
 from checkfreq.ranks.shares import REPLICATED
 from checkfreq.storage.format import CHUNK_BYTES, Manifest
 from checkfreq.storage.shm import MemoryRegion, SlotInfo, listed_regions, slot_digest

@@ -79,7 +79,7 @@ class DeviceOps(Protocol):
 
     def memory(self, device: torch.device) -> tuple[int, int, int]:
         """(bytes free on ``device``, bytes the caching allocator holds, peak bytes allocated so far):
-        what decides whether a staging buffer fits (:func:`~checkfreq.pipeline.staging.staging_room`)."""
+        what decides whether a staging buffer fits (:func:`~checkfreq.pipeline.capture.staging.staging_room`)."""
         ...
 
 

@@ -1,6 +1,6 @@
 """Retention applied: the leader of a directory deletes the checkpoints its rule dooms, and the
 damaged checkpoints set aside there once they have expired. For a rule that keeps the best, each
-checkpoint's score is read from its manifest (:class:`~checkfreq.pipeline.best.ScoreBook`)."""
+checkpoint's score is read from its manifest (:class:`~checkfreq.pipeline.retention.best.ScoreBook`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import threading
 from collections.abc import Collection
 
-from checkfreq.pipeline.best import ScoreBook
+from checkfreq.pipeline.retention.best import ScoreBook
 from checkfreq.policies.retention import Retention
 from checkfreq.storage.base import Store
 
