@@ -24,6 +24,10 @@ from checkfreq.tools.report import RunReport, human_seconds, load_run, session_l
 
 console = Console()
 
+MIN_STEPS = 40
+"""Fewest ``--steps`` the demo shows anything with: the default policy's first checkpoint comes after
+its 10 warm-up steps, and the kill at 35-65 % of the run must come after that checkpoint is durable."""
+
 
 @dataclass
 class Segment:
@@ -71,6 +75,12 @@ def demo(
     seed: int = typer.Option(None, help="seed for choosing the kill step (default: random)"),
 ) -> None:
     """Train a small language model, SIGKILL it mid-run, resume it, and check it ends bit-identical."""
+    if steps < MIN_STEPS:
+        raise typer.BadParameter(
+            f"{steps} is too few: the first checkpoint comes after 10 warm-up steps and the kill at 35-65 % of the "
+            f"run must come after it, or the restart resumes nothing; give at least {MIN_STEPS}",
+            param_hint="--steps",
+        )
     workdir = _workdir(directory)
     checkpoints = workdir / "checkpoints"
     if checkpoints.exists() and any(checkpoints.iterdir()):
@@ -118,7 +128,7 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     identical = _identical(workdir / "uninterrupted.safetensors", workdir / "resumed.safetensors")
 
     table = Table(show_header=False, box=None)
-    table.add_row("checkpoints committed", f"{len(commits)} (steps {_ranges(commits)})")
+    table.add_row("checkpoints committed", f"{len(commits)} (steps {_ranges(commits)})" if commits else "none")
     if commits:
         table.add_row(
             "stall per checkpoint",
@@ -126,7 +136,7 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
         )
     table.add_row("killed at step", f"{first.last_step} (SIGKILL)")
     table.add_row("resumed from step", f"{resumed.resumed_from} (lost {first.last_step - resumed.resumed_from} steps)")
-    table.add_row("resumed == uninterrupted", "[green]yes, bit for bit[/]" if identical else "[red]NO[/]")
+    table.add_row("resumed == uninterrupted", verdict_text(identical, resumed.resumed_from))
     console.print(table)
     lost = first.last_step - resumed.resumed_from
     why = lost_text(run, first.last_step, resumed.resumed_from)
@@ -140,8 +150,18 @@ def _summary(workdir: Path, checkpoints: Path, first: Segment, resumed: Segment)
     console.print(
         f"Look closer: checkfreq ls {checkpoints}; checkfreq report {checkpoints}", soft_wrap=True, highlight=False
     )
-    if not identical:
+    if not identical or not resumed.resumed_from:
         raise typer.Exit(1)
+
+
+def verdict_text(identical: bool, resumed_from: int) -> str:
+    """Whether the resumed run ended as the uninterrupted one did; a restart that restored nothing
+    trained from the start, which shows nothing about resuming."""
+    if not identical:
+        return "[red]NO[/]"
+    if not resumed_from:
+        return "[yellow]not shown[/]: nothing was restored, so the restart trained from step 0"
+    return "[green]yes, bit for bit[/]"
 
 
 def lost_text(run: RunReport, killed: int, restored: int) -> str:

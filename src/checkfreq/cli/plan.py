@@ -36,6 +36,8 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """The interval each policy picks for the given costs, and its expected overhead."""
+    if mtbf_hours is not None:
+        _positive("--mtbf-hours", mtbf_hours)
     mtbf = None if mtbf_hours is None else mtbf_hours * HOUR
     floor = overhead_steps(iteration, stall, persist, Overhead.target * p) * iteration
     rows: dict[str, float] = {
@@ -96,7 +98,29 @@ def simulate_command(
     plot: Annotated[Path | None, typer.Option(help="Also write a PNG of placement and overhead to this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
-    """Compare checkpoint policies under Poisson failures: time overhead and value-weighted J."""
+    """Compare checkpoint policies under Poisson failures: time overhead and value-weighted J.
+
+    The header names the workload: W the failure-free training time, t_i the seconds per iteration,
+    C_b the seconds a checkpoint blocks training, C_p the seconds until it is durable, R the restart
+    cost, M the job's mean time between failures, q the probability of an early stop. J weighs the
+    work a failure loses by ω, how fast the loss was falling while that work was done (1 on average
+    over the run: without a loss curve J equals the time overhead).
+    """
+    for option, value in (
+        ("--work-hours", work_hours),
+        ("--iteration", iteration),
+        ("--mtbf-hours", mtbf_hours),
+        ("--epoch-hours", epoch_hours),
+    ):
+        _positive(option, value)
+    for option, value in (("--stall", stall), ("--persist", persist), ("--restart", restart)):
+        _non_negative(option, value)
+    if gpus < 1:
+        raise typer.BadParameter(f"{gpus} GPUs: give at least 1", param_hint="--gpus")
+    if not 0.0 <= stop_probability <= 1.0:
+        raise typer.BadParameter(
+            f"{stop_probability:g} is no probability: give one in [0, 1]", param_hint="--stop-probability"
+        )
     wl = Workload(
         work=work_hours * HOUR,
         iteration=iteration,
@@ -137,13 +161,34 @@ def simulate_command(
     ]
     out = console()
     out.print(f"{runs} paired runs: {_describe(wl)}", soft_wrap=True)
+    out.print(LEGEND)
     out.print(fitted_table(columns, rows, wrap={"policy": 1}))
     out.print(
-        "Minutes, mean per run. time overhead = stall + lost work + recovery; "
-        "J values lost work by the progress it bought (ω)."
+        "Minutes, mean per run. time overhead = stall + lost work + recovery; J = stall + recovery + lost work "
+        "weighted by ω, how fast the loss was falling while that work was done (ω is 1 on average over the run).",
     )
     if plot is not None:
         out.print(f"plot: {plot}")
+
+
+LEGEND = (
+    "W: failure-free training time; t_i: seconds per iteration; C_b: seconds a checkpoint blocks training; "
+    "C_p: seconds until it is durable; R: restart cost; M: job MTBF (mean time between failures); "
+    "q: probability of an early stop"
+)
+"""What the header's letters stand for, printed under it."""
+
+
+def _positive(option: str, value: float) -> None:
+    """Refuse ``value`` for ``option`` unless it is a finite number above zero, naming the option."""
+    if not (value > 0 and math.isfinite(value)):
+        raise typer.BadParameter(f"{value:g} is not a positive number", param_hint=option)
+
+
+def _non_negative(option: str, value: float) -> None:
+    """Refuse ``value`` for ``option`` unless it is a finite number, zero or above, naming the option."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise typer.BadParameter(f"{value:g} is not a number of zero or more", param_hint=option)
 
 
 def _loss(spec: str) -> LossCurve:

@@ -11,7 +11,8 @@ coming later would break that promise without the user asking. What must not hap
 going unnoticed: the first one logs a warning with the figures (how long a persist takes here, at
 what bandwidth, the interval asked, how long training waited) and what to do, and every wait is an
 event (``"busy"``: docs/cli.md) that ``checkfreq report`` and the policy's cost see. ``policy="auto"``
-never asks while a persist is in flight, so it never waits.
+never asks while a persist is in flight, so it never waits. A checkpoint that ``log()``, ``save()`` or
+``close()`` takes waits the same way and is an event too, but warns of nothing: no interval is at stake.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from checkfreq.policies.profiler import Profiler
 from checkfreq.run.events import EventLog
+from checkfreq.run.units import human_rate
 
 log = logging.getLogger("checkfreq.busy")
 
@@ -31,14 +33,22 @@ PERSIST = "persist"
 MEMORY = "memory"
 
 
-def busy_advice(what: str, profiler: Profiler, interval_steps: int | None, action: str) -> str:
-    """The warning of the rule: what was asked, what storage does here, what happens, what to do."""
+def busy_advice(
+    what: str, profiler: Profiler, interval_steps: int | None, action: str, *, outlasted: float | None = None
+) -> str:
+    """The warning of the rule: what was asked, what storage does here, what happens, what to do.
+    ``outlasted``: seconds the previous persist has been running when it is finally done (from its
+    checkpoint to the end of the wait), so the interval advised is longer than the one that waited."""
     iteration = profiler.iteration.value
+    took = profiler.persist.value
     if what == PERSIST:
-        took, rate = profiler.persist.value, profiler.bandwidth.value
+        rate = profiler.bandwidth.value
         measured = f"a persist takes {took:.2f} s here" if math.isfinite(took) else "the first persist is still running"
         if math.isfinite(rate) and math.isfinite(took):
-            measured += f" ({rate / 1e9:.2f} GB/s)"
+            measured += f" ({human_rate(rate)})"
+        if outlasted is not None and (not math.isfinite(took) or outlasted > took):
+            measured += f", and the previous one took {outlasted:.2f} s"
+            took = outlasted
         thing = "checkpoint"
     else:
         measured, thing = "the previous memory snapshot's copy and checksum are still running", "memory snapshot"
@@ -47,8 +57,9 @@ def busy_advice(what: str, profiler: Profiler, interval_steps: int | None, actio
         seconds = f", {interval_steps * iteration:.2f} s" if math.isfinite(iteration) else ""
         asked = f" (every {interval_steps} steps{seconds})"
     advice = "a longer interval, policy='auto' (it never waits for a persist), or faster storage"
-    if what == PERSIST and math.isfinite(iteration) and iteration > 0 and math.isfinite(profiler.persist.value):
-        advice = f"an interval of at least {math.ceil(profiler.persist.value / iteration) + 1} steps, " + advice
+    if what == PERSIST and math.isfinite(iteration) and iteration > 0 and math.isfinite(took):
+        fits = max(math.ceil(took / iteration) + 1, (interval_steps or 0) + 1)
+        advice = f"an interval of at least {fits} steps, " + advice
     if what == MEMORY:
         advice = "a larger memory= interval, memory=True (it spaces snapshots out by their cost), or the GPU staging"
     return f"a {thing} is due{asked} while the previous one is still being written: {measured}. {action} Use {advice}."
@@ -69,9 +80,14 @@ class BusyStorage:
         wait: Callable[[], Any],
         profiler: Profiler,
         interval_steps: int | None = None,
+        *,
+        asked: bool = True,
+        since_previous: float | None = None,
     ) -> float:
         """Call ``wait`` (until the previous ``what`` is written) and return how long it took; if
-        storage was ``busy``, the wait is an event, and the first such wait a warning."""
+        storage was ``busy``, the wait is an event, and the first such wait of a snapshot the user's
+        cadence ``asked`` for a warning (a retake by ``log()``, ``save()`` or ``close()`` is not what an
+        interval decides). ``since_previous``: seconds since the previous checkpoint began."""
         if not busy:
             wait()
             return 0.0
@@ -81,7 +97,7 @@ class BusyStorage:
         self._events.write(
             "busy", step=step, waiting_for=what, wait_s=waited, interval_steps=interval_steps, **_figures(profiler)
         )
-        if what not in self._warned and waited >= noticeable(profiler):
+        if asked and what not in self._warned and waited >= noticeable(profiler):
             self._warned.add(what)
             log.warning(
                 "step %d: %s",
@@ -91,6 +107,7 @@ class BusyStorage:
                     profiler,
                     interval_steps,
                     f"Training waited {waited:.2f} s for it, and will at each such step.",
+                    outlasted=None if since_previous is None else since_previous + waited,
                 ),
             )
         return waited

@@ -5,13 +5,14 @@ misspelled name is not an error: the object is checkpointed under it. But a late
 registers it under the right name would not find it in those checkpoints, so a keyword one edit
 away from ``model``, ``optimizer``, ``scheduler``, ``loader`` or ``scaler`` whose object is of
 that kind is logged as a warning, once per registration. A common name numbered (``optimizer0``, as
-the Lightning callback registers them) or in the plural is taken as meant.
+the Lightning callback registers them) or in the plural is taken as meant. When such a later run
+does not fit, the error names the misspelled name the checkpoints hold (:func:`held_instead`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -77,3 +78,9 @@ def warn_misspelled(caller: str, objects: Mapping[str, Any]) -> list[str]:
             )
             log.warning("%s", warnings[-1])
     return warnings
+
+
+def held_instead(missing: str, held: Iterable[str]) -> str | None:
+    """The name among ``held`` (what a checkpoint holds that nothing registered takes) one edit, or its
+    case, away from ``missing``: where a run that misspelled ``missing`` checkpointed its object."""
+    return next((name for name in held if name.lower() == missing or one_edit_apart(name.lower(), missing)), None)

@@ -20,6 +20,7 @@ import torch
 
 from checkfreq.errors import CorruptCheckpointError, StateMismatchError, UnserializableStateError, UsageError
 from checkfreq.run import scaler_state
+from checkfreq.run.names import held_instead
 from checkfreq.run.tensors import storage_ptr
 from checkfreq.storage.format import MAX_JSON_DEPTH
 
@@ -358,6 +359,13 @@ def apply_state(
     check_materialized(objects, source)
     missing = sorted(set(objects) - set(state) - {"rng"})
     problems = [f"checkpoint holds no state for {', '.join(missing)}"] if missing else []
+    for name in missing:
+        held = held_instead(name, set(state) - set(objects))
+        if held is not None:
+            problems.append(
+                f"it holds state under {held!r}, within one letter of {name!r}: the run that wrote it registered that "
+                f"object as {held}=; register it as {held}= here to resume from these checkpoints"
+            )
     saved_types = (state.get("checkfreq") or {}).get("optimizer_types") or {}
     for name, obj in objects.items():
         if name in state:

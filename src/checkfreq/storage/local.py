@@ -90,6 +90,11 @@ class LocalStore:
                 raise CheckpointDirectoryError(
                     e.errno, f"cannot create checkpoint directory {self.root}: {e.strerror}"
                 ) from None
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointNotFoundError(
+                f"{self.root} is a file, not a checkpoint directory: give the run directory, the one that holds "
+                "the step_* checkpoints"
+            )
         if not self.root.is_dir():
             raise CheckpointNotFoundError(f"checkpoint directory {self.root} does not exist")
         self._lock_fd: int | None = None

@@ -5,14 +5,16 @@ Overhead is estimated per window between two consecutive checkpoints of one sess
 of the window's wall time, less the loop's other work between steps (``away_s``: an evaluation),
 not explained by clean iterations::
 
-    overhead = 1 - interval_steps * clean_iteration_s / (interval_s - away_s)
+    overhead = 1 - min(interval_steps * clean_iteration_s, interval_s - away_s - stall_s) / (interval_s - away_s)
 
 where ``clean_iteration_s`` is the mean time of the window's iterations that neither overlapped a
 persist nor held a stall; for a window without such an iteration, the mean over the whole run's
 clean iterations, and without any, the profiler's smoothed ``iteration_s``. So it
 counts the stall, the slowdown of iterations that overlap a persist, and what else the loop did
 in that window that the profiler could not tell apart from them (logs written before ``away_s``
-have none: their evaluations count). The first checkpoint after a start or a restore is left out (its window
+have none: their evaluations count). Steps that ran faster than the yardstick (timing noise on a
+shared machine) explain no more than the window less its stall, so the figure is never below the
+stall's share, nor below zero. The first checkpoint after a start or a restore is left out (its window
 includes setup). The run's overhead is the same ratio over the sums of all counted windows.
 
 Under torch.distributed every rank logs its own events into its directory's log. A checkpoint, a
@@ -188,7 +190,7 @@ def _estimate_overheads(records: list[CheckpointRecord]) -> None:
             (v for v in (r.clean_iteration_s, run_clean, r.iteration_s) if v is not None), None
         )
         if not r.first_of_session and r.interval_steps and r.busy_s > 0 and r.baseline_iteration_s:
-            r.overhead = 1.0 - r.interval_steps * r.baseline_iteration_s / r.busy_s
+            r.overhead = 1.0 - r.explained_s / r.busy_s
 
 
 def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
@@ -197,7 +199,7 @@ def summarize(report: RunReport, sessions: int, wall_s: float) -> Summary:
     stalls = _values(r.stall_s for r in recs)
     committed = [r for r in recs if r.status == "committed"]
     counted = [r for r in recs if r.overhead is not None]
-    explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
+    explained = sum(r.explained_s for r in counted)
     window = sum(r.busy_s for r in counted)
     return Summary(
         sessions=sessions,
@@ -231,7 +233,7 @@ def summarize_session(report: RunReport, index: int) -> SessionSummary:
     recs = [r for r in report.records if r.session == index]
     counted = [r for r in recs if r.overhead is not None]
     window = sum(r.busy_s for r in counted)
-    explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in counted)
+    explained = sum(r.explained_s for r in counted)
     begin = start["restored_step"] or 0
     span = recs[-1].step - begin if recs else 0
     return SessionSummary(

@@ -82,7 +82,7 @@ def _position(records: list[CheckpointRecord], record: CheckpointRecord) -> int:
 
 def _overhead(records: list[CheckpointRecord]) -> float | None:
     window = sum(r.busy_s for r in records)
-    explained = sum((r.interval_steps or 0) * (r.baseline_iteration_s or 0.0) for r in records)
+    explained = sum(r.explained_s for r in records)
     return 1.0 - explained / window if window > 0 else None
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from checkfreq.errors import CheckfreqError
+from checkfreq.run.units import human_rate
 from checkfreq.tools.report import (
     CheckpointRecord,
     RunReport,
@@ -168,7 +169,7 @@ def _html_row(r: CheckpointRecord, t0: float) -> str:
         r.status,
         human_seconds(r.stall_s),
         human_seconds(r.persist_s),
-        number_text(r.bandwidth_gbps, "{:.3g}"),
+        human_rate(None if r.bandwidth_gbps is None else r.bandwidth_gbps * 1e9),
         human_bytes(r.bytes),
         number_text(r.interval_steps, "{:g}"),
         number_text(None if r.overhead is None else 100 * r.overhead, "{:.2f}"),
@@ -187,7 +188,7 @@ table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:2px 8px;t
 <pre>{summary}</pre>
 <div>{svg}</div>
 <h2>Checkpoints</h2>
-<table><tr><th>t (s)</th><th>step</th><th>status</th><th>stall</th><th>persist</th><th>GB/s</th><th>bytes</th>
+<table><tr><th>t (s)</th><th>step</th><th>status</th><th>stall</th><th>persist</th><th>bandwidth</th><th>bytes</th>
 <th>interval (steps)</th><th>overhead (%)</th><th>reason</th><th>error</th></tr>
 {rows}
 </table></body></html>

@@ -47,6 +47,14 @@ class CheckpointRecord:
         """The window's seconds of training and checkpointing: its wall time less the other work."""
         return (self.interval_s or 0.0) - self.away_s
 
+    @property
+    def explained_s(self) -> float:
+        """The window's seconds its clean steps account for: its steps at the baseline iteration time,
+        never more than the window less its stall (steps faster than the baseline are timing noise,
+        not a negative cost), so its overhead is at least the stall's share and never below zero."""
+        steps = (self.interval_steps or 0) * (self.baseline_iteration_s or 0.0)
+        return max(0.0, min(steps, self.busy_s - (self.stall_s or 0.0)))
+
 
 @dataclass(frozen=True)
 class Summary:

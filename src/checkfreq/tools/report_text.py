@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from checkfreq.run.units import human_bytes, human_rate
 from checkfreq.tools.report_advice import overhead_advice
 from checkfreq.tools.report_model import RunReport, SessionSummary
 
@@ -39,7 +40,7 @@ def summary_text(report: RunReport) -> str:
         )
         lines.append(
             f"persist: median {human_seconds(s.persist_median_s)} "
-            f"at {number_text(s.bandwidth_median_gbps, '{:.3g}')} GB/s, "
+            f"at {human_rate(None if s.bandwidth_median_gbps is None else s.bandwidth_median_gbps * 1e9)}, "
             f"{human_bytes(s.bytes_per_checkpoint)} data file per checkpoint, {human_bytes(s.bytes_written)} written"
         )
     if len(report.rank_stalls) > 1:
@@ -75,7 +76,7 @@ def summary_text(report: RunReport) -> str:
             )
     meaning = (
         ""
-        if s.overhead is None or s.overhead < 0
+        if s.overhead is None
         else (
             ": the share of the time between checkpoints (other work between steps left out) that clean steps "
             "do not account for, that is, the stalls and the steps a persist slowed"
@@ -139,16 +140,8 @@ def carried_text(seeded: tuple[str, ...] | list[str]) -> str:
 
 
 def overhead_text(overhead: float | None, unit: str = "") -> str:
-    """An overhead as a percentage followed by ``unit``; one below zero says what it means."""
-    if overhead is None:
-        return f"n/a %{unit}"
-    text = f"{100 * overhead:.2f} %{unit}"
-    if overhead < 0:
-        text += (
-            " (below zero: the steps ran faster than the clean iterations it is measured against, so "
-            "checkpointing cost less than the timing noise: no measurable overhead)"
-        )
-    return text
+    """An overhead as a percentage followed by ``unit``."""
+    return f"n/a %{unit}" if overhead is None else f"{100 * overhead:.2f} %{unit}"
 
 
 def number_text(value: float | None, fmt: str) -> str:
@@ -168,20 +161,6 @@ def human_seconds(seconds: float | None) -> str:
     if seconds < 600:
         return f"{seconds:.3g} s"
     return f"{seconds / 60:.1f} min" if seconds < 6 * 3600 else f"{seconds / 3600:.1f} h"
-
-
-def human_bytes(nbytes: int | None) -> str:
-    """A size in decimal units for people: ``812 B``, ``1.25 MB``; ``n/a`` for None."""
-    if nbytes is None:
-        return "n/a"
-    if nbytes < 1000:
-        return f"{nbytes} B"
-    value = float(nbytes)
-    for unit in ("kB", "MB", "GB", "TB"):  # noqa: B007 - the unit the loop stops at is the answer
-        value /= 1000
-        if value < 1000:
-            break
-    return f"{value:.3g} {unit}"
 
 
 def _replicas_line(events: list[dict[str, Any]]) -> str:

@@ -136,3 +136,25 @@ def test_catalog_errors(tmp_path: Path) -> None:
     assert isinstance(unknown, cf.UnknownObjectError) and isinstance(unknown, KeyError)
     assert isinstance(_raised(lambda: catalog.resolve_checkpoint(tmp_path / "nothing")), FileNotFoundError)
     assert isinstance(_raised(lambda: export.export(tmp_path, tmp_path / "out.txt")), ValueError)
+
+
+def test_a_step_never_kept_is_named_as_such_with_the_steps_there_are(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt, policy=10) as ckpt:
+        for _ in range(30):
+            model(torch.randn(1, 4)).sum().backward()
+            opt.step()
+            ckpt.step()
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.NoValidCheckpointError) as info:
+            ckpt.restore(step=50)
+    message = str(info.value)
+    assert "no checkpoint of step 50" in message and "none was kept at that step" in message
+    assert "the steps there are 30, 20, 10" in message and f"checkfreq ls {tmp_path}" in message
+    assert "verify" not in message and "damaged" not in message, "nothing is damaged: nothing to verify"
+    (tmp_path / "step_000000020").rename(tmp_path / "step_000000020.damaged-0123456789ab")  # as verify sets aside
+    with cf.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(cf.NoValidCheckpointError) as info:
+            ckpt.restore(step=20)
+    assert "the checkpoint of step 20" in str(info.value) and "was set aside as damaged" in str(info.value)

@@ -59,6 +59,14 @@ def test_a_misspelled_common_name_is_warned_of_once_and_still_checkpointed(
     manifest = (tmp_path / "step_000000003" / "manifest.json").read_text()
     assert f'"{typo}' in manifest  # stored under the name given, as before
 
+    objects[meant] = objects.pop(typo)  # the run resumed under the right name: the error names the one held
+    with cf.Checkpointer(tmp_path, **objects) as ckpt:  # type: ignore[arg-type]
+        with pytest.raises(cf.StateMismatchError) as info:
+            ckpt.restore()
+    assert f"checkpoint holds no state for {meant}" in str(info.value)
+    assert f"it holds state under {typo!r}, within one letter of {meant!r}" in str(info.value)
+    assert f"register it as {typo}= here" in str(info.value)
+
 
 def test_names_of_ones_own_and_objects_of_another_kind_are_not_warned_of(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -82,6 +82,8 @@ def test_disk_full_raises_keeps_the_previous_and_recovers(tmp_path: Path) -> Non
             with pytest.raises(cf.PersistError, match="persist failed") as failure:
                 ckpt.wait()
             assert _errno_of(failure.value) == errno.ENOSPC
+            cause = failure.value.__cause__  # the OSError itself, as documented, on the background path too
+            assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, repr(cause)
             assert _visible(root / "ckpt") == (["step_000000001"], [])  # nothing partial, previous kept
             read_checkpoint(root / "ckpt" / "step_000000001")
             train_step(model, opt)
@@ -142,6 +144,8 @@ def test_io_error_during_write_is_surfaced_and_leaves_nothing_partial(
         with pytest.raises(cf.PersistError) as failure:
             ckpt.save(blocking=True)
         assert _errno_of(failure.value) == errno.EIO
+        cause = failure.value.__cause__  # as documented: the OSError itself, not a wrapper of it
+        assert isinstance(cause, OSError) and cause.errno == errno.EIO, repr(cause)
         assert _visible(tmp_path) == (["step_000000001"], [])
         failing["on"] = False
         train_step(model, opt)

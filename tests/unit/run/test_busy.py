@@ -88,3 +88,38 @@ def test_the_advice_gives_the_measured_figures_and_an_interval_that_fits() -> No
     assert "every 10 steps, 2.20 s" in text and "a persist takes 8.60 s here (1.45 GB/s)" in text
     assert "at least 41 steps" in text and "It waits." in text
     assert "memory=True" in busy_advice(MEMORY, profiler, None, "It waits.")
+
+
+def test_the_advice_says_a_slow_rate_in_a_unit_a_person_reads() -> None:
+    profiler = Profiler()
+    profiler.record_iteration(0.2, persisting=False)
+    profiler.record_persist(0.1, 26_100)  # a small checkpoint: all fsync latency
+    text = busy_advice(PERSIST, profiler, 5, "It waits.")
+    assert "(261 kB/s)" in text and "GB/s" not in text
+
+
+def test_the_advice_never_asks_for_an_interval_shorter_than_the_one_that_waited() -> None:
+    profiler = Profiler()
+    for _ in range(3):
+        profiler.record_iteration(0.142, persisting=False)
+        profiler.record_persist(0.1, 10_000_000)  # the usual persist fits 2 steps...
+    text = busy_advice(PERSIST, profiler, 5, "It waits.", outlasted=0.9)  # ...but the previous one outlasted 5
+    assert "every 5 steps, 0.71 s" in text and "a persist takes 0.10 s here" in text
+    assert "the previous one took 0.90 s" in text and "at least 8 steps" in text
+
+
+def test_a_retake_by_save_waits_without_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 3))
+    opt = torch.optim.Adam(model.parameters())  # 12.6 MB with Adam's state: a persist of 0.4 s
+    caplog.set_level(logging.WARNING, logger="checkfreq.busy")
+    with cf.Checkpointer(ThrottledStore(tmp_path), policy=1000, model=model, optimizer=opt) as ckpt:
+        train_step(model, opt)
+        ckpt.step()
+        ckpt.save()  # the policy decided none: the user's own checkpoints
+        train_step(model, opt)
+        ckpt.step()
+        ckpt.save(blocking=True)  # the previous one is still being written
+    waits = [e for e in read_events(tmp_path) if e["event"] == "busy"]
+    assert [e["step"] for e in waits] == [2] and waits[0]["interval_steps"] is None, "the wait is still recorded"
+    assert not [r for r in caplog.records if r.name == "checkfreq.busy"], "no interval of the user's waited"

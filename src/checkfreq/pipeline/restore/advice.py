@@ -9,12 +9,17 @@ from checkfreq.errors import NoValidCheckpointError
 from checkfreq.pipeline.tiers.chosen import Tiers
 
 
-def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[str, str]]) -> NoValidCheckpointError:
+def no_valid_checkpoint(
+    tiers: Tiers, step: int | None, skipped: Sequence[tuple[str, str]], listed: Sequence[int] = ()
+) -> NoValidCheckpointError:
     """The error for a restore that found checkpoints (or the one at ``step``) but could read none.
 
-    ``skipped`` lists ``(checkpoint or memory slot, why)`` for each one tried, newest first.
+    ``skipped`` lists ``(checkpoint or memory slot, why)`` for each one tried, newest first; ``listed``
+    the steps the tiers list (newest first), named when ``step`` is none of them.
     """
     searched = tiers.searched()
+    if step is not None and not skipped:
+        return _never_kept(tiers, step, listed)
     what = f"for step {step}" if step is not None else "to restore"
     tried = ", ".join(name for name, _ in skipped) or "none"
     reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
@@ -37,4 +42,26 @@ def no_valid_checkpoint(tiers: Tiers, step: int | None, skipped: Sequence[tuple[
         + (f" ({reasons})" if reasons else "")
         + ". Ways out: "
         + "; ".join(ways)
+    )
+
+
+def _never_kept(tiers: Tiers, step: int, listed: Sequence[int]) -> NoValidCheckpointError:
+    """``restore(step=step)`` for a step no tier holds: nothing is damaged, the step was never kept
+    (or retention removed it); the steps there are the ones to pick from."""
+    root = tiers.store.root
+    aside = [a.name for a in tiers.store.set_aside_checkpoints() if a.step == step]
+    if aside:
+        return NoValidCheckpointError(
+            f"the checkpoint of step {step} in {root} was set aside as damaged ({', '.join(aside)}): it is never "
+            'restored; put it back by hand if its damage has passed (docs/storage.md, "Damaged checkpoints"), or '
+            f"restore another step (`checkfreq ls {root}` lists them and which are valid)"
+        )
+    if listed:
+        shown = ", ".join(str(s) for s in listed[:20]) + (f" and {len(listed) - 20} older" if len(listed) > 20 else "")
+        there = f"the steps there are {shown}: restore(step=N) takes one of them, restore() the newest valid one"
+    else:
+        there = "no checkpoint is there at all: restore() without step= starts fresh"
+    return NoValidCheckpointError(
+        f"no checkpoint of step {step} in the {' or '.join(tiers.searched())}: none was kept at "
+        f"that step, or retention has removed it; {there} (`checkfreq ls {root}` lists them and which are valid)"
     )

@@ -215,7 +215,7 @@ class Restorer:
             problems[s] = damaged[s] = found
         skipped += self._skip_newer_than(-1, problems)
         if step is not None or plan.listed:
-            raise no_valid_checkpoint(self.tiers, step, skipped)
+            raise no_valid_checkpoint(self.tiers, step, skipped, self.listed())
         aside = self.local.set_aside_checkpoints()  # every rank looks: each raises, or none does
         if aside:
             raise NoValidCheckpointError(

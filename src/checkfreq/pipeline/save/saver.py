@@ -106,16 +106,19 @@ class Saver:
         timeline.reached_point(start, profiler)
         step = timeline.step
         # the host buffer is reused: one checkpoint in flight
+        asked = reason == "policy"  # a retake by log(), save() or close() is no interval the user chose
         busy.wait(
             PERSIST,
             step,
             self.writer.busy,
             lambda: self.writer.wait(self.timeout),
             profiler,
-            step - timeline.last_checkpoint if reason == "policy" else None,
+            step - timeline.last_checkpoint if asked else None,
+            asked=asked,
+            since_previous=start - timeline.last_checkpoint_time,
         )
         self.collect()
-        busy.wait(MEMORY, step, self.tiers.busy, self.wait_tiers, profiler)
+        busy.wait(MEMORY, step, self.tiers.busy, self.wait_tiers, profiler, asked=asked)
         self.finish_fence()
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
@@ -162,7 +165,7 @@ class Saver:
             if isinstance(error, ReplicaMismatchError):
                 raise error
             if error is not None:  # the caller waits for this very checkpoint: raise whatever on_error says
-                raise PersistError(f"checkpoint at step {step} failed: {error}") from error
+                raise PersistError(f"checkpoint at step {step} failed: {error}") from root_cause(error)
 
     def snapshot_for(self, tier: SnapshotTaker, capture: Capture, *, epoch: Epoch) -> None:
         """Snapshot the state at the current step into ``tier`` alone (its own cadence said so; no persist)."""
@@ -317,7 +320,7 @@ class Saver:
         raise PersistError(
             f'{error}. Training stops here; with on_error="warn" the Checkpointer logs such a failure '
             "and trains on, and a restart resumes from the newest committed checkpoint"
-        ) from cause
+        ) from root_cause(cause)
 
     def apply_commits(
         self, results: list[CommitResult], error: BaseException | None, step: int
@@ -338,6 +341,14 @@ class Saver:
         if error is not None:
             self.events.write("error", step=step, message=str(error))
         return error
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """What a :class:`PersistError` raised for ``error`` chains: the failure itself (an ``OSError``), not
+    another ``PersistError`` that only wraps it on the way from the writer."""
+    while isinstance(error, PersistError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
 
 
 __all__ = ["Capture", "Saver"]
