@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from checkfreq import Checkpointer
 from checkfreq.cli import app
+from checkfreq.storage.format import seal_manifest
 from checkfreq.storage.local import LocalStore
 from checkfreq.tools.catalog import list_checkpoints
 from checkfreq.tools.report import load_run
@@ -194,7 +195,7 @@ def test_verify_fails_a_checkpoint_whose_index_does_not_put_its_tensors_together
     manifest = json.loads((bad / "manifest.json").read_text())
     name = next(n for n, e in manifest["distributed"]["tensors"].items() if len(e["parts"]) > 1)
     manifest["distributed"]["tensors"][name]["shape"][0] += 1
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    (bad / "manifest.json").write_bytes(seal_manifest(manifest))  # sealed again: refused for its index
     code, out = _cli("verify", run, "--no-set-aside")  # kept in place for the diff below
     assert code == 1 and f"FAILED {good.name}: manifest's distributed index is malformed" in out, out
     code, out = _cli("diff", good, bad)

@@ -139,7 +139,10 @@ class LocalStore:
         """Delete leftovers of writes that never committed (only safe while holding the lock)."""
         for path in self.root.glob("step_*.tmp-*"):
             log.info("removing uncommitted checkpoint %s", path.name)
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_symlink():  # the link only, never what it points to
+                path.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
     def staging_dir(self, step: int, token: str, *, create: bool = True) -> Path:
         """Where checkpoint ``step`` of the job named ``token`` is written (every rank sharing
@@ -191,7 +194,17 @@ class LocalStore:
         """Atomically publish a fully written and fsynced staging directory as checkpoint ``step``."""
         fsync_directory(staging)
         final = self.root / checkpoint_name(step)
-        if final.exists():
+        if final.is_symlink():  # never a checkpoint (never listed): the link goes, what it points to stays
+            log.warning(
+                "%s in %s is a symbolic link (to %s), not a checkpoint: replaced by the checkpoint just written",
+                final.name,
+                self.root,
+                _link_target(final),
+            )
+            final.unlink()
+            os.rename(staging, final)
+            fsync_directory(self.root)
+        elif final.exists():
             # A run restored from an older checkpoint reached this step again: the new one replaces it.
             trash = self.root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:12]}"
             os.rename(final, trash)
@@ -210,6 +223,16 @@ class LocalStore:
             step = checkpoint_step(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
                 found.append((step, Path(entry.path)))
+        return sorted(found, reverse=True)
+
+    def linked_checkpoints(self) -> list[tuple[int, Path, str]]:
+        """The ``step_N`` entries that are symbolic links, as (step, path, target), newest first: never
+        listed by :meth:`checkpoints` (a checkpoint's directory is the run directory's own)."""
+        found = []
+        for entry in os.scandir(self.root):
+            step = checkpoint_step(entry.name)
+            if step is not None and entry.is_symlink():
+                found.append((step, Path(entry.path), _link_target(Path(entry.path))))
         return sorted(found, reverse=True)
 
     def delete(self, path: Path) -> None:
@@ -265,6 +288,14 @@ class LocalStore:
                 )
             )
         return sorted(found, key=lambda a: (-a.step, a.name))
+
+
+def _link_target(path: Path) -> str:
+    """Where the symbolic link ``path`` points, as it says (``?`` if it is gone meanwhile)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _read_small(path: Path) -> bytes | None:

@@ -29,6 +29,7 @@ from checkfreq.storage.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
+    checkpoint_step,
     data_chunks,
     decode_header,
     decode_header_length,
@@ -198,15 +199,18 @@ def _read_sections(f: Any, size: int, name: str) -> tuple[torch.Tensor, bytes, s
 
 
 def _open_regular(path: Path, what: str) -> Any:
-    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever).
+    """Open ``path`` for reading, refusing anything but a regular file (a FIFO would block forever) and
+    a symbolic link (a checkpoint's files are its directory's own).
 
     Any OS error (missing, unreadable, I/O error) becomes :class:`CorruptCheckpointError`.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what} is missing") from None
     except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise CorruptCheckpointError(f"{what} is a symbolic link, not a file of the checkpoint's own") from None
         raise CorruptCheckpointError(f"{what} cannot be opened: {e.strerror}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -222,9 +226,15 @@ def _read_exact(f: Any, n: int, name: str) -> bytes:
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """Read and validate ``directory/manifest.json``."""
+    """Read and validate ``directory/manifest.json`` (of the step ``directory``'s name says, if it names one)."""
+    return Manifest.from_json(read_manifest_bytes(directory), step=checkpoint_step(directory.name))
+
+
+def read_manifest_bytes(directory: Path) -> bytes:
+    """The bytes of ``directory/manifest.json``, unchecked; :class:`CorruptCheckpointError` if it is
+    missing, too large, unreadable or not a regular file of the directory's own."""
     path = directory / MANIFEST_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)")
     with _open_regular(path, MANIFEST_NAME) as f:
         if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
@@ -233,4 +243,4 @@ def read_manifest(directory: Path) -> Manifest:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as e:
             raise CorruptCheckpointError(f"{MANIFEST_NAME} cannot be read: {e.strerror}") from None
-    return Manifest.from_json(raw)
+    return raw

@@ -226,7 +226,7 @@ class FsspecStore:
             raise CorruptCheckpointError("manifest.json is missing (checkpoint never committed)") from None
         except OSError as e:
             raise CorruptCheckpointError(f"{MANIFEST_NAME} cannot be read: {e}") from None
-        return Manifest.from_json(raw)
+        return Manifest.from_json(raw, step=checkpoint_step(location.name))
 
     def read_data(
         self, location: PurePosixPath, name: str, size: int, checksum: str

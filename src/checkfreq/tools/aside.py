@@ -16,8 +16,10 @@ aside what it skips), and so is a directory it cannot change (read-only).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from checkfreq.errors import CorruptCheckpointError, DirectoryLockedError
 from checkfreq.storage import Store, open_store
@@ -57,8 +59,9 @@ def _status(store: Store, aside: SetAside) -> CheckpointStatus:
 def set_aside_damaged(store: Store, statuses: Sequence[CheckpointStatus]) -> tuple[list[CheckpointStatus], str | None]:
     """Set aside each checkpoint of ``statuses`` (checked in ``store``) found damaged in ``store``
     itself; return the statuses, those set aside with :attr:`~CheckpointStatus.set_aside` filled,
-    and why none was (a job holds the directory, or it cannot be changed), else None. Never raises
-    for a store it cannot change: what cannot be moved is left in place (the store logs why)."""
+    and why some were not (a job holds the directory, or it cannot be changed), else None. Never raises
+    for a store it cannot change: what cannot be moved is left in place. The store's own log lines are
+    kept out of the output (the statuses say it all, once) and what they say of a failure is the note."""
     damaged = [s for s in statuses if s.damaged_here and checkpoint_step(s.name) is not None]
     if not damaged:
         return list(statuses), None
@@ -70,15 +73,38 @@ def set_aside_damaged(store: Store, statuses: Sequence[CheckpointStatus]) -> tup
             return list(statuses), f"a checkfreq job holds {store.root}: left in place (its restore sets them aside)"
         except OSError as e:
             return list(statuses), f"{store.root} cannot be changed ({e.strerror or e}): left in place"
+    moved, failures = {}, []
     try:
-        moved = {}
         for status in damaged:
             step = checkpoint_step(status.name)
             assert step is not None  # filtered above
-            where = store.set_aside(store.location(step), status.reason or "damaged")
+            with _captured("checkfreq.storage", type(store).__module__) as said:
+                where = store.set_aside(store.location(step), status.reason or "damaged")
             if where is not None:
                 moved[status.name] = str(where.name)
+            else:
+                failures += said
     finally:
         if locked:
             store.unlock()
-    return [dataclasses.replace(s, set_aside=moved[s.name]) if s.name in moved else s for s in statuses], None
+    note = f"left in place: {'; '.join(failures)}" if failures else None
+    return [dataclasses.replace(s, set_aside=moved[s.name]) if s.name in moved else s for s in statuses], note
+
+
+@contextmanager
+def _captured(*names: str) -> Iterator[list[str]]:
+    """The messages the loggers ``names`` are given meanwhile, kept from their handlers."""
+    said: list[str] = []
+    loggers = [logging.getLogger(name) for name in dict.fromkeys(names)]
+
+    def keep(record: logging.LogRecord) -> bool:
+        said.append(record.getMessage())
+        return False
+
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield said
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)

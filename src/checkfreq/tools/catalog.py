@@ -171,7 +171,9 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
             for info in region.snapshots():
                 manifest, valid, reason = None, True, None
                 try:
-                    manifest = Manifest.from_json(manifest_bytes(region.read(info)[0])) if checksums else None
+                    manifest = (
+                        Manifest.from_json(manifest_bytes(region.read(info)[0]), step=info.step) if checksums else None
+                    )
                 except CheckfreqError as e:
                     valid, reason = False, str(e)
                 found.append(
@@ -196,9 +198,31 @@ def memory_snapshots(root: str | os.PathLike[str], *, checksums: bool = True) ->
 def _statuses(
     store: Store, *, checksums: bool, remote: Store | None = None
 ) -> Iterator[tuple[CheckpointStatus, CheckpointRef]]:
-    for _, location in store.checkpoints():
+    links = store.linked_checkpoints() if isinstance(store, LocalStore) else []
+    for step, location in store.checkpoints():
+        while links and links[0][0] > step:
+            yield _linked(store, *links.pop(0))
         ref = CheckpointRef(store, location)
         yield check_checkpoint(ref, checksums=checksums, remote=remote), ref
+    for link in links:
+        yield _linked(store, *link)
+
+
+def _linked(store: Store, step: int, path: Path, target: str) -> tuple[CheckpointStatus, CheckpointRef]:
+    """A ``step_N`` entry that is a symbolic link: never a checkpoint (a restore never reads it), and
+    no damage of the run's to set aside."""
+    status = CheckpointStatus(
+        name=path.name,
+        path=str(path),
+        step=step,
+        epoch=None,
+        bytes=0,
+        created=None,
+        valid=False,
+        reason=f"a symbolic link (to {target}), not a checkpoint directory: never restored",
+        checksummed=False,
+    )
+    return status, CheckpointRef(store, path)
 
 
 def check_checkpoint(ref: CheckpointRef, *, checksums: bool = True, remote: Store | None = None) -> CheckpointStatus:

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 import checkfreq as cf
-from checkfreq.storage.format import MANIFEST_NAME
+from checkfreq.storage.format import MANIFEST_NAME, seal_manifest
 from helpers import assert_state_equal, make_model, train_step
 
 
@@ -251,7 +251,7 @@ def _traversal(path: Path) -> None:
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     entry = manifest["files"].pop("rank00000.safetensors")
     manifest["files"]["../../etc/passwd"] = entry
-    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    (path / MANIFEST_NAME).write_bytes(seal_manifest(manifest))  # sealed again: refused for the name itself
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import checkfreq as cf
 from checkfreq.pipeline.restore import read_checkpoint
 from checkfreq.run.state import MAX_STATE_DEPTH, unflatten
-from checkfreq.storage.format import MANIFEST_NAME, MAX_JSON_DEPTH, Manifest, json_depth
+from checkfreq.storage.format import MANIFEST_NAME, MAX_JSON_DEPTH, Manifest, json_depth, seal_manifest
 from checkfreq.storage.posix import read_data_file, read_manifest
 from helpers import make_model, train_step
 
@@ -85,6 +85,12 @@ def _mutate(doc: Any, path: list[Any], value: Any) -> Any:
     return doc
 
 
+def _resealed(doc: Any) -> bytes:
+    """A mutated manifest with a checksum that matches it (else the checksum refuses it before the checks
+    the fuzzing is for), or, where it is no longer an object, its JSON."""
+    return seal_manifest(doc) if isinstance(doc, dict) else json.dumps(doc).encode()
+
+
 @FUZZ
 @given(raw=st.binary(max_size=2048))
 def test_manifest_from_random_bytes(raw: bytes) -> None:
@@ -102,7 +108,7 @@ def test_read_manifest_from_a_random_file(tmp_path: Path, raw: bytes) -> None:
 @given(path=st.lists(st.integers(0, 50), min_size=1, max_size=6), value=JSON)
 def test_manifest_with_a_mutated_field(checkpoint: Path, path: list[int], value: Any) -> None:
     doc = json.loads((checkpoint / MANIFEST_NAME).read_bytes())
-    _only_checkfreq_errors(Manifest.from_json, json.dumps(_mutate(doc, path, value)).encode())
+    _only_checkfreq_errors(Manifest.from_json, _resealed(_mutate(doc, path, value)))
 
 
 @FUZZ
@@ -115,7 +121,7 @@ def test_checkpoint_with_a_mutated_manifest_is_refused_or_read(checkpoint: Path,
             if f.name != MANIFEST_NAME:
                 os.link(f, target / f.name)
         doc = json.loads((checkpoint / MANIFEST_NAME).read_bytes())
-        (target / MANIFEST_NAME).write_text(json.dumps(_mutate(doc, path, value)))
+        (target / MANIFEST_NAME).write_bytes(_resealed(_mutate(doc, path, value)))
         try:
             manifest, tensors = read_checkpoint(target)
             unflatten(manifest.state, tensors)
@@ -191,7 +197,7 @@ def test_path_traversal_in_file_names_is_refused(checkpoint: Path, name: str) ->
     for tensor in doc["tensors"].values():
         tensor["file"] = name
     with pytest.raises(cf.CorruptCheckpointError, match="unsafe data file"):
-        Manifest.from_json(json.dumps(doc).encode())
+        Manifest.from_json(seal_manifest(doc))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dangling"])
@@ -215,7 +221,7 @@ def test_special_files_never_block_or_escape(tmp_path: Path, checkpoint: Path, k
         if victim != MANIFEST_NAME:  # make the manifest agree with what stat() reports
             doc = json.loads((target / MANIFEST_NAME).read_bytes())
             doc["files"][victim]["size"] = os.stat(path).st_size if kind != "dangling" else 0
-            (target / MANIFEST_NAME).write_text(json.dumps(doc))
+            (target / MANIFEST_NAME).write_bytes(seal_manifest(doc))
         with pytest.raises(cf.CorruptCheckpointError):
             read_checkpoint(target)
 
@@ -248,7 +254,7 @@ def test_pickles_in_the_directory_are_never_loaded(tmp_path: Path) -> None:
     doc = json.loads((newest / MANIFEST_NAME).read_bytes())
     doc["step"], doc["tensors"] = 98, {}
     doc["files"] = {"rank00000.safetensors": {"size": len(payload), "xxh3_64": xxhash.xxh3_64(payload).hexdigest()}}
-    (listed / MANIFEST_NAME).write_text(json.dumps(doc))
+    (listed / MANIFEST_NAME).write_bytes(seal_manifest(doc))
     # and a checkpoint whose skeleton holds a pickled value
     pickled = root / "step_000000097"
     pickled.mkdir()
@@ -257,7 +263,7 @@ def test_pickles_in_the_directory_are_never_loaded(tmp_path: Path) -> None:
     doc = json.loads((newest / MANIFEST_NAME).read_bytes())
     doc["step"] = 97
     doc["state"]["model"] = {"__pickle__": base64.b64encode(payload).decode()}
-    (pickled / MANIFEST_NAME).write_text(json.dumps(doc))
+    (pickled / MANIFEST_NAME).write_bytes(seal_manifest(doc))
 
     model = make_model()
     opt = torch.optim.Adam(model.parameters())

@@ -198,6 +198,14 @@ class Restorer:
 
     def _from_disk(self, step: int | None, listed: list[int]) -> Found | None:
         self._locations = {name: dict(tier.checkpoints()) for name, tier in self._stored.items()}
+        if isinstance(self.local, LocalStore) and self.directory_leader == self.peers.rank:
+            for _, path, target in self.local.linked_checkpoints():
+                log.warning(
+                    "%s in %s is a symbolic link (to %s), not a checkpoint directory: never restored",
+                    path.name,
+                    self.local.root,
+                    target,
+                )
         lists = gather_messages(self.peers, ListedSteps(listed), ListedSteps.from_wire)
         plan = broadcast_message(
             self.peers, None if lists is None else agenda([s.steps for s in lists]), Agenda.from_wire

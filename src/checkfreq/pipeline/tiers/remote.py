@@ -40,6 +40,7 @@ from checkfreq.ranks.collectives import (
 from checkfreq.storage.base import Store
 from checkfreq.storage.format import CHUNK_BYTES, MANIFEST_NAME, Manifest, data_file_name
 from checkfreq.storage.local import LocalStore
+from checkfreq.storage.posix import read_manifest_bytes
 
 log = logging.getLogger("checkfreq.upload")
 
@@ -184,8 +185,8 @@ class RemoteTier(CommitFollower, CheckpointSource):
         source = self.local.location(step)
         error = None
         try:
-            manifest_bytes = (source / MANIFEST_NAME).read_bytes()
-            manifest = Manifest.from_json(manifest_bytes)
+            manifest_bytes = read_manifest_bytes(source)
+            manifest = Manifest.from_json(manifest_bytes, step=step)
             name = data_file_name(rank)
             self._copy(source / name, staging, name, manifest.files[name]["xxh3_64"])
         except Exception as e:  # noqa: BLE001 - every rank hears it

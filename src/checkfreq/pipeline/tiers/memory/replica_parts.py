@@ -113,7 +113,7 @@ def whole(directory: str | os.PathLike[str], copy: HeldCopy) -> HeldCopy:
         return copy
     what = f"the copy of rank {copy.rank}'s memory snapshot {copy.step}"
     data_bytes, checksum, names, meta = _unpack(copy.meta)
-    entries = Manifest.from_json(meta).tensors
+    entries = Manifest.from_json(meta, step=copy.step).tensors
     left_out = set(names)
     omitted = [span for span in _spans(entries) if span[2] in left_out]
     if len(omitted) != len(names):

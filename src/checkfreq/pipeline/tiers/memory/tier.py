@@ -356,7 +356,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
                 self.pinning.pin(self.region, info.slot)
             try:
                 meta, data = self.region.read(info, private=False)  # restore copies into the live objects
-                manifest = Manifest.from_json(meta)
+                manifest = Manifest.from_json(meta, step=info.step)
                 tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
             except CheckfreqError as e:
                 log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
@@ -449,7 +449,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
                 found = region.newest(step)
                 if found is not None:  # a copy kept here is made whole first (it may leave replicated pieces out)
                     copy = whole(self.directory, HeldCopy(rank, step, found[1], found[2], found[0].checksum, b""))
-                    manifest = Manifest.from_json(copy.meta)
+                    manifest = Manifest.from_json(copy.meta, step=step)
                     return manifest, {name: entry_view(copy.data, entry) for name, entry in manifest.tensors.items()}
                 reasons.append(f"{what} {path.name}: {'; '.join(r for _, r in region.skipped) or 'not of that step'}")
             finally:
