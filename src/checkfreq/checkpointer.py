@@ -166,7 +166,7 @@ class Checkpointer:
         cluster = self._cluster = attach(local, far, persist_timeout, self._policy, failure_timeout)
         control = self._control = cluster.control
         self.directory = local.root
-        retainer = Retainer(local, retention, leader=cluster.leader)
+        retainer = Retainer(local, retention, leader=cluster.leader, directory=cluster.directory_leader)
         chosen = self._tiers = choose_tiers(
             local,
             far,

@@ -13,9 +13,10 @@ not a number (NaN) counts as none. Of equal scores the older checkpoint ranks fi
 must score strictly better to displace it.
 
 It counts only the checkpoints a store lists, and a store never lists a checkpoint found damaged
-(:meth:`checkfreq.storage.Store.set_aside`): so ``keep=n`` keeps n checkpoints that restore, as far as
-anything has read them, and a damaged checkpoint never holds a slot a valid one needed. Damaged
-checkpoints are kept apart, for inspection, until ``keep`` valid ones are newer
+(:meth:`checkfreq.storage.Store.set_aside`). The checkpoints that hold a slot (:meth:`Retention.holders`)
+are read back before anything is deleted in their favour (:mod:`checkfreq.pipeline.retention.readback`),
+so ``keep=n`` keeps n checkpoints that restore and a damaged checkpoint never holds a slot a valid one
+needed. Damaged checkpoints are kept apart, for inspection, until ``keep`` valid ones are newer
 (:meth:`Retention.expired`).
 """
 
@@ -91,6 +92,14 @@ class Retention:
             kept.update(step for step in newest_first if step % self.every == 0)
         kept.update(self.best_steps(newest_first, scores or {}))
         return sorted(step for step in newest_first if step not in kept)
+
+    def holders(self, steps: Iterable[int], scores: Mapping[int, float | None] | None = None) -> list[int]:
+        """The steps that hold a slot, newest first: the newest ``keep`` and the ``top`` best by ``scores``.
+        A checkpoint is deleted only in their favour (milestones and protected checkpoints hold no slot:
+        they are kept whatever the others are), so these are the ones to have read back first."""
+        newest_first = sorted(set(steps), reverse=True)
+        held = set(newest_first[: self.keep]).union(self.best_steps(newest_first, scores or {}))
+        return sorted(held, reverse=True)
 
     def best_steps(self, steps: Iterable[int], scores: Mapping[int, float | None]) -> list[int]:
         """The ``top`` steps of ``steps`` that score best, best first (ties: the older first); [] without ``best``."""

@@ -44,7 +44,7 @@ from checkfreq.pipeline.restore.messages import (
     decode_order,
 )
 from checkfreq.pipeline.retention.best import BestChoice
-from checkfreq.pipeline.save.commit import Claims, CommitReport, CommitReports, Verdict
+from checkfreq.pipeline.save.commit import Claims, CommitReport, CommitReports, DamagedSteps, Verdict
 from checkfreq.pipeline.tiers.memory.replicas import SNAPSHOT, STOP, CopyAnswer, CopyHeader
 from checkfreq.pipeline.tiers.remote import UploadOutcome
 from checkfreq.ranks.agreement import Vote
@@ -122,7 +122,7 @@ def commit_reports(draw: st.DrawFn) -> CommitReport:
 verdicts = (
     st.lists(texts, min_size=1, max_size=4).map(lambda errors: Verdict(errors=errors))
     | st.just(Verdict(mismatch=True))
-    | st.booleans().map(lambda upload: Verdict(upload=upload))
+    | st.builds(Verdict, upload=st.booleans(), several=st.booleans())
 )
 holdings = st.builds(
     Holdings,
@@ -150,6 +150,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Verdict: verdicts,
     CommitReports: st.builds(CommitReports, st.lists(commit_reports(), max_size=3)),
     Claims: st.builds(Claims, replica_claims, st.dictionaries(texts, tensor_records(), max_size=3)),
+    DamagedSteps: st.builds(DamagedSteps, st.lists(st.integers(0, 10**12), max_size=4)),
     UploadOutcome: st.just(UploadOutcome()) | st.builds(UploadOutcome, st.just(False), optional_texts),
     # restore
     MemoryReport: st.builds(

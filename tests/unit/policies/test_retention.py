@@ -10,7 +10,25 @@ import torch
 import checkfreq as cf
 from checkfreq.pipeline.retention.retainer import Retainer
 from checkfreq.policies.retention import Retention
+from checkfreq.storage.base import write_data, write_manifest
+from checkfreq.storage.format import FileEntry, Manifest, encode_header, plan_layout, tensor_entries
 from checkfreq.storage.local import LocalStore
+
+DATA = "rank00000.safetensors"
+
+
+def _commit(store: LocalStore, step: int) -> None:
+    """A real one-tensor checkpoint at ``step`` (retention reads back those that hold a slot)."""
+    staging = store.staging_dir(step, "job")
+    layout = plan_layout({"w": (torch.float32, (4,))})
+    size, digest = write_data(store, staging, DATA, encode_header(layout), torch.zeros(16, dtype=torch.uint8))
+    files = {DATA: FileEntry(size=size, xxh3_64=digest)}
+    tensors = tensor_entries(layout, DATA)
+    manifest = Manifest(
+        step=step, epoch=None, world_size=1, files=files, tensors=tensors, state=None, versions={}, created=0.0
+    )
+    write_manifest(store, staging, manifest)
+    store.commit(staging, step)
 
 
 def test_keeps_the_newest() -> None:
@@ -49,17 +67,17 @@ def test_retention_counts_only_the_listed_valid_checkpoints(tmp_path: Path) -> N
     store = LocalStore(tmp_path)
     retainer = Retainer(store, Retention(keep=3), leader=True)
     for step in (2, 4, 6):
-        store.commit(store.staging_dir(step, "job"), step)
+        _commit(store, step)
     store.set_aside(store.location(6), "data file rank00000.safetensors is truncated")
     for step in (7, 10):
-        store.commit(store.staging_dir(step, "job"), step)
+        _commit(store, step)
         retainer.run(protect=step)
     assert [s for s, _ in store.checkpoints()] == [10, 7, 4]
     assert [(a.step, a.reason) for a in store.set_aside_checkpoints()] == [
         (6, "data file rank00000.safetensors is truncated")
     ]
     Retainer(store, Retention(keep=3), leader=False).run()  # only the leader deletes
-    store.commit(store.staging_dir(13, "job"), 13)
+    _commit(store, 13)
     retainer.run(protect=13)
     assert [s for s, _ in store.checkpoints()] == [13, 10, 7] and store.set_aside_checkpoints() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000007", "step_000000010", "step_000000013"]
@@ -74,7 +92,7 @@ def test_refuses_meaningless_counts(bad: dict) -> None:
 def test_a_directorys_leader_applies_a_retention(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     for step in (100, 150, 200, 250, 300):
-        store.commit(store.staging_dir(step, "job"), step)
+        _commit(store, step)
     Retainer(store, Retention(keep=1, every=100), leader=False).run(protect=150)
     assert len(store.checkpoints()) == 5  # only a directory's leader deletes
     Retainer(store, Retention(keep=1, every=100), leader=True).run(protect=150)
@@ -143,3 +161,9 @@ def test_best_is_checked(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(cf.errors.InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Retention(3, **kwargs)  # type: ignore[arg-type]
     assert Retention(3, best=["val_loss", "max"]).best == ("val_loss", "max")  # type: ignore[arg-type]
+
+
+def test_the_holders_of_a_slot_are_the_newest_and_the_best() -> None:
+    assert Retention(keep=2).holders([10, 20, 30, 40]) == [40, 30]
+    assert Retention(keep=1, every=10).holders([10, 20, 25]) == [25]  # a milestone holds no slot
+    assert Retention(2, best=("loss", "min")).holders([1, 2, 3, 4], {1: 0.1, 4: 0.5}) == [4, 3, 1]

@@ -20,6 +20,11 @@ passes them to itself, :class:`~checkfreq.ranks.collectives.Solo`):
    (:class:`~checkfreq.storage.format.Manifest`), so a rank's report and the manifest's growth per rank stay
    the same at any world size.
 
+Then retention: each leader reads back the checkpoints that hold a slot of ``keep`` before it deletes
+one in their favour (:mod:`checkfreq.pipeline.retention.readback`); with node-local directories the
+leaders first tell each other, through rank 0, which they found damaged (one gather and one broadcast
+of a few step numbers, again while a leader finds more), so that every directory sets them aside.
+
 The job is a value (:class:`CommitJob`) and the answer too (:class:`CommitResult`): the writer
 thread runs :meth:`Committer.run` and the training thread applies its result.
 """
@@ -154,22 +159,29 @@ class CommitReport:
 @dataclass
 class Verdict:
     """0 → every rank, round 2: the ranks' errors, or the replicated state differs, or (committable)
-    whether every rank's uploader was idle."""
+    whether every rank's uploader was idle and whether the ranks commit into several directories."""
 
     errors: list[str] = field(default_factory=list)
     mismatch: bool = False
     upload: bool = False
+    several: bool = False
+    """Node-local directories: their leaders tell each other what they read back damaged."""
 
     def to_wire(self) -> dict[str, Any]:
         if self.errors:
             return {"errors": self.errors}
         if self.mismatch:
             return {"mismatch": True}
-        return {"upload": self.upload}
+        return {"upload": self.upload, "several": True} if self.several else {"upload": self.upload}
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> Verdict:
-        return cls(list(wire.get("errors", [])), bool(wire.get("mismatch")), bool(wire.get("upload")))
+        return cls(
+            list(wire.get("errors", [])),
+            bool(wire.get("mismatch")),
+            bool(wire.get("upload")),
+            bool(wire.get("several")),
+        )
 
 
 @dataclass
@@ -201,6 +213,21 @@ class Claims:
     @classmethod
     def from_wire(cls, wire: JSON) -> Claims:
         return cls(wire["replicas"], wire["sharded"])
+
+
+@dataclass
+class DamagedSteps:
+    """Each directory's leader → 0, then 0 → every rank, after a commit: the checkpoints it read back and
+    set aside as damaged (the other ranks send none); then every leader's, which each leader sets aside."""
+
+    steps: list[int]
+
+    def to_wire(self) -> JSON:
+        return self.steps
+
+    @classmethod
+    def from_wire(cls, wire: JSON) -> DamagedSteps:
+        return cls([int(step) for step in wire])
 
 
 class Committer:
@@ -302,8 +329,33 @@ class Committer:
         if upload:
             for tier in self._followers:
                 tier.follow(step, self.store)
+        self._read_back(step, several=verdict.several)
         self.retainer.run(protect=step)
         return CommitResult(step, size, seconds, upload)
+
+    def _read_back(self, step: int, *, several: bool) -> None:
+        """Each directory's leader reads back the checkpoints that hold a slot before retention deletes
+        one in their favour (:meth:`Retainer.check`). Several directories (node-local): the steps any
+        leader found damaged are set aside by every leader that lists them, and again until no leader
+        finds more; a leader's error is raised once every rank is through the rounds."""
+        error: Exception | None = None
+        damaged: list[int] = []
+        while True:
+            found: list[int] = []
+            if error is None:
+                try:
+                    found = self.retainer.check(protect=step, damaged=damaged, fresh=not damaged)
+                except Exception as e:  # noqa: BLE001 - raised once the other ranks are not waiting on this one
+                    error = e
+            if not several:
+                break
+            gathered = gather_messages(self.peers, DamagedSteps(found), DamagedSteps.from_wire)
+            union = None if gathered is None else DamagedSteps(sorted({s for g in gathered for s in g.steps}))
+            damaged = broadcast_message(self.peers, union, DamagedSteps.from_wire).steps
+            if not damaged:
+                break
+        if error is not None:
+            raise error
 
     def _share_reports(self, reports: list[CommitReport] | None, *, leader: bool) -> list[CommitReport] | None:
         """Rank 0 sends the reports to every other directory leader (node-local directories), which
@@ -350,7 +402,8 @@ def judge(reports: list[CommitReport], share: Share | None) -> Verdict:
         return Verdict(errors=errors)
     if share is not None and len({r.agree for r in reports}) > 1:
         return Verdict(mismatch=True)
-    return Verdict(upload=all(r.upload_idle for r in reports))
+    several = share is not None and len({r.directory_leader for r in reports}) > 1
+    return Verdict(upload=all(r.upload_idle for r in reports), several=several)
 
 
 def _problem(verdict: Verdict, peers: Peers, share: Share | None) -> Exception | None:
