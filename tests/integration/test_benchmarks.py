@@ -83,3 +83,25 @@ def test_quick_run_writes_png_and_raw_results(quick_run: Path) -> None:
     rounds = {len(samples) for samples in state["samples"].values()}
     assert rounds == {2}, "every method runs in every interleaved round"
     assert all(runs for runs in results["training"]["runs"].values())
+
+
+def test_the_tensor_count_benchmark_measures_every_count_and_mode_in_one_run(tmp_path: Path) -> None:
+    """``benchmarks.tensor_count`` at two small counts: a row per count and mode, each with its baseline."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tensor_count", "--counts", "8", "40", "--rounds", "1", "--megabytes", "1"]
+        + ["--json", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        check=True,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    rows = json.loads(out.read_text())
+    assert [(r["count"], r["mode"]) for r in rows] == [(8, "disk"), (8, "memory"), (40, "disk"), (40, "memory")]
+    for row in rows:
+        assert row["checkpoint_s"] > 0 and row["copy_loop_s"] > 0
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(rows)  # the header, its rule, a line per row

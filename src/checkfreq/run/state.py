@@ -58,12 +58,13 @@ class _Flattener:
             raise UnserializableStateError(
                 f"{path!r} nests containers more than {MAX_STATE_DEPTH} levels deep, deeper than checkfreq stores"
             )
+        if isinstance(value, torch.Tensor):  # first: most of a state is tensors
+            name = self.name(path)
+            plain = type(value) is torch.Tensor and not value.requires_grad  # a state dict's, as a rule
+            self.tensors[name] = value if plain else value.detach()
+            return {"__tensor__": name}
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
-        if isinstance(value, torch.Tensor):
-            name = self.name(path)
-            self.tensors[name] = value.detach()
-            return {"__tensor__": name}
         if isinstance(value, np.ndarray):
             name = self.name(path)
             self.tensors[name] = torch.from_numpy(np.ascontiguousarray(value))

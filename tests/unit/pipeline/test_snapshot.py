@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from checkfreq.pipeline.capture.snapshot import DEFERRED_COPY_PIECE_BYTES, PendingSnapshot
+from checkfreq.pipeline.capture import snapshot
+from checkfreq.pipeline.capture.snapshot import DEFERRED_COPY_PIECE_BYTES, PendingSnapshot, Snapshotter, layout_of
 
 SOURCES = {
     "float32": lambda: torch.randn(1000, 37),
@@ -140,3 +141,42 @@ def test_the_writer_copies_before_the_first_commit_round(tmp_path) -> None:
     result = committer.run(CommitJob(3, None, pending, {}, None, {}, 0.0))
     assert copied_when_preparing and all(copied_when_preparing)
     assert result.step == 3 and dict(store.checkpoints())
+
+
+def test_the_writer_cuts_the_deferred_copies_into_pieces_not_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-tensor work of a deferred copy runs on the first thread that copies: the writer, as a rule."""
+    cut_on: list[str] = []
+    cut = snapshot._pieces
+
+    def recording(dst: torch.Tensor, src: torch.Tensor) -> list[snapshot.CopyPiece]:
+        cut_on.append(threading.current_thread().name)
+        return cut(dst, src)
+
+    monkeypatch.setattr(snapshot, "_pieces", recording)
+    sources = [torch.randn(100) for _ in range(50)]
+    pending, slots = _pending(sources)
+    assert cut_on == []  # taking the snapshot cut nothing
+    writer = threading.Thread(target=pending.finish_copy, name="writer")
+    writer.start()
+    writer.join()
+    assert cut_on == ["writer"] * len(sources)
+    assert all(torch.equal(a, b) for a, b in zip(slots, sources, strict=True))
+    pending.copy_pieces()  # the fence, late: nothing left to cut or copy
+    assert cut_on == ["writer"] * len(sources)
+
+
+def test_a_session_plans_its_layout_once_and_again_only_when_a_shape_changes() -> None:
+    snapshotter = Snapshotter()
+    state = {"w": torch.zeros(4, 4), "b": torch.zeros(4), "step": torch.zeros((), dtype=torch.int64)}
+    first = snapshotter.layout_of(state)
+    assert snapshotter.layout_of(dict(state)) is first  # the same names, dtypes and shapes: the same plan
+    assert first == layout_of(state)
+    share = {"w": state["w"]}  # a tier's share of the state, planned beside the checkpoint's
+    assert snapshotter.layout_of(share) is snapshotter.layout_of(share)
+    assert snapshotter.layout_of(state) is first
+    grown = {**state, "w": torch.zeros(4, 5)}
+    assert snapshotter.layout_of(grown) is not first and snapshotter.layout_of(grown).nbytes == first.nbytes + 16
+    retyped = {**state, "b": torch.zeros(4, dtype=torch.float64)}
+    assert snapshotter.layout_of(retyped).signature != first.signature

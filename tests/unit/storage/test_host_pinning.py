@@ -209,7 +209,8 @@ def test_a_seal_racing_a_clear_never_brings_the_snapshot_back(shm_dir: Path, tmp
 
 def test_a_memory_restore_waits_for_the_checksum_in_flight(shm_dir: Path, tmp_path: Path) -> None:
     from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
-    from checkfreq.pipeline.tiers.memory.tier import MemoryTarget, MemoryTier
+    from checkfreq.pipeline.tiers.memory.target import MemoryTarget
+    from checkfreq.pipeline.tiers.memory.tier import MemoryTier
     from checkfreq.policies.memory_cadence import MemoryCadence
     from checkfreq.storage.format import Manifest, tensor_entries
 

@@ -48,6 +48,9 @@ log = logging.getLogger("checkfreq.snapshot")
 
 CopyPairs = list[tuple[torch.Tensor, torch.Tensor]]
 
+Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""Tensors' names → their dtypes and shapes: what a layout is planned from."""
+
 
 DEFERRED_COPY_PIECE_BYTES = 4 << 20
 """Deferred copies are split into pieces of at most this size, so the writer and the fence can share them."""
@@ -62,7 +65,9 @@ class PendingSnapshot:
 
     The writer copies the deferred CPU tensors piece by piece (:meth:`finish_copy`); if the next
     ``optimizer.step()`` arrives first, the training thread claims the remaining pieces too
-    (:meth:`copy_pieces`), so the fence lasts as long as a copy on two threads, not on one.
+    (:meth:`copy_pieces`), so the fence lasts as long as a copy on two threads, not on one. The
+    first of the two to copy cuts the copies into pieces: the writer, as a rule, so that this work,
+    which grows with the number of tensors, stays off the training thread.
     """
 
     layout: Layout
@@ -87,13 +92,14 @@ class PendingSnapshot:
     def __post_init__(self) -> None:
         self.cpu_fence = bool(self.deferred_cpu)
         """True if the fence must wait on the CPU for the writer to copy (CPU tensors were deferred)."""
-        self._pieces = [piece for dst, src in self.deferred_cpu for piece in _pieces(dst, src)]
+        self._pieces: list[CopyPiece] | None = None  # cut by the first thread to copy
         self._claims = itertools.count()  # next() on a count is atomic: each piece is claimed once
-        self._left = len(self._pieces)
+        self._left = 0
         self._lock = threading.Lock()
         self._pieces_done = threading.Event()
         self._failed: BaseException | None = None
-        if not self._pieces:
+        if not self.deferred_cpu:
+            self._pieces = []
             self._pieces_done.set()
 
     @property
@@ -105,10 +111,20 @@ class PendingSnapshot:
         """Set once every deferred CPU piece is copied (or one failed): all the fence waits for on the CPU."""
         return self._pieces_done
 
+    def _cut(self) -> list[CopyPiece]:
+        """The deferred copies in pieces, cut once, by the first thread that copies."""
+        with self._lock:
+            if self._pieces is None:
+                self._pieces = [piece for dst, src in self.deferred_cpu for piece in _pieces(dst, src)]
+                self._left = len(self._pieces)
+                if not self._pieces:
+                    self._pieces_done.set()
+            return self._pieces
+
     def copy_pieces(self) -> None:
         """Copy unclaimed pieces until none is left; the writer and the fence both call this."""
-        pieces = self._pieces  # the writer drops its reference once all are done
         try:
+            pieces = self._cut()  # the writer drops its reference once all are done
             while (index := next(self._claims)) < len(pieces):
                 _copy_piece(pieces[index])
                 with self._lock:
@@ -197,6 +213,9 @@ class Snapshotter:
 
     def __init__(self, gpu_staging: bool | None = None, ops: DeviceOps = CUDA) -> None:
         self._signature: tuple[object, ...] | None = None
+        self._viewed: tuple[Layout, bool] | None = None
+        """The layout and pinning the views were last handed out for (the same objects: no comparison)."""
+        self._layouts: list[tuple[Specs, Layout]] = []
         self._buffer: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._ops = ops
@@ -224,19 +243,35 @@ class Snapshotter:
 
     def close(self) -> None:
         """Give back the host buffer and the staging buffers (every snapshot's copies must be done)."""
-        self._buffer, self._views, self._signature = None, [], None
+        self._buffer, self._views, self._signature, self._viewed = None, [], None, None
         for staging in self._staging.values():
             if staging is not None:
                 staging.release()
         self._staging.clear()
 
+    def layout_of(self, tensors: Mapping[str, torch.Tensor]) -> Layout:
+        """Where each of ``tensors`` goes in a snapshot buffer: planned again only when a name, a dtype
+        or a shape changed, so a session's snapshots share one layout (two kept: a checkpoint's, and a
+        tier's share of the state)."""
+        specs = _specs(tensors)
+        for known, layout in self._layouts:
+            if known == specs:
+                return layout
+        layout = plan_layout(specs)
+        self._layouts = [(specs, layout), *self._layouts[:1]]
+        return layout
+
     def _views_for(self, layout: Layout, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        viewed = self._viewed
+        if viewed is not None and viewed[0] is layout and viewed[1] == pin and self._buffer is not None:
+            return self._buffer, self._views
         signature = (layout.signature, pin)
         if signature != self._signature or self._buffer is None:
             self._buffer, self._views = None, []  # release the old buffer before allocating
             self._buffer = aligned_empty(layout.nbytes, pin)
             self._views = [slot_view(self._buffer, slot) for slot in layout.slots]
             self._signature = signature
+        self._viewed = (layout, pin)
         return self._buffer, self._views
 
     def take(
@@ -258,7 +293,7 @@ class Snapshotter:
         tensors of ``aside`` are copied too, into host memory of their own (:attr:`PendingSnapshot.aside`),
         as late as the deferred ones: the replica claim's device pieces, which only the writer reads.
         """
-        layout = layout or layout_of(tensors)
+        layout = layout or self.layout_of(tensors)
         ops = self._ops
         pin = torch.cuda.is_available() and any(ops.is_device(t) for t in tensors.values())
         if buffer is None:
@@ -374,7 +409,11 @@ class Snapshotter:
 
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> Layout:
     """Where each of ``tensors`` goes in a snapshot buffer."""
-    return plan_layout({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+    return plan_layout(_specs(tensors))
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> Specs:
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
 def aside_buffers(tensors: Mapping[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:

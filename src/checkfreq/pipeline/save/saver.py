@@ -18,7 +18,7 @@ import torch
 
 from checkfreq.errors import CheckfreqError, PeerLostError, PersistError, ReplicaMismatchError
 from checkfreq.pipeline.capture.fence import Fence, FenceWait
-from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
+from checkfreq.pipeline.capture.snapshot import Snapshotter
 from checkfreq.pipeline.capture.writer import Writer
 from checkfreq.pipeline.save.commit import CommitJob, CommitResult, Committer
 from checkfreq.pipeline.tiers.chosen import Tiers
@@ -124,7 +124,7 @@ class Saver:
         epoch_label = epoch()
         tensors, owned, share = self.cluster.select(tensors, owned, self.objects, self.snapshotter.is_device)
         profiler.begin_checkpoint()
-        layout = layout_of(tensors)
+        layout = self.snapshotter.layout_of(tensors)
         placement = None
         if self.cluster.writes_whole_state:  # else the share has a buffer of its own
             placement = self.tiers.place(self._request(layout, skeleton, step, epoch_label, tensors))
@@ -177,7 +177,7 @@ class Saver:
         skeleton, tensors, owned = capture(step)
         epoch_label = epoch()
         tensors, owned, split = tier.share(tensors, owned, self.objects, skeleton)
-        layout = layout_of(tensors)
+        layout = self.snapshotter.layout_of(tensors)
         target = tier.target(self._request(layout, skeleton, step, epoch_label, tensors, split))
         if target is None:  # the tier turned itself off (no room, state it does not take)
             self.profiler.record_memory_stall(time.perf_counter() - start)

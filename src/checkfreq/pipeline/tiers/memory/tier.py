@@ -42,7 +42,6 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -53,6 +52,7 @@ from checkfreq.pipeline.capture.writer import Writer
 from checkfreq.pipeline.tiers.memory.replica_parts import usable_steps, whole
 from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
 from checkfreq.pipeline.tiers.memory.slot_pinning import SlotPinning
+from checkfreq.pipeline.tiers.memory.target import MemoryTarget, SlotManifests, seal_later
 from checkfreq.pipeline.tiers.roles import (
     HeldCopy,
     HeldSnapshot,
@@ -67,10 +67,9 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.ranks.group_share import Group, GroupSharer
 from checkfreq.ranks.shares import SHARDED
 from checkfreq.run.state import replicated
-from checkfreq.storage.format import Layout, Manifest, entry_view, tensor_entries
+from checkfreq.storage.format import Manifest, entry_view
 from checkfreq.storage.shm import (
     MemoryRegion,
-    OpenSlot,
     ShmCapacityError,
     layout_signature,
     listed_regions,
@@ -79,32 +78,6 @@ from checkfreq.storage.shm_paths import device_and_inode, region_path, replica_p
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
-
-SEAL_AFTER_BYTES = 256 << 20
-"""Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
-
-
-def seal_later(device_copies: bool, nbytes: int) -> bool:
-    """Whether a snapshot is committed before its checksum (:meth:`MemoryRegion.seal` adds it)."""
-    return device_copies and nbytes >= SEAL_AFTER_BYTES
-
-
-@dataclass(frozen=True)
-class MemoryTarget:
-    """A snapshot on its way into a slot: the slot, and what its header and metadata will say."""
-
-    slot: OpenSlot
-    step: int
-    layout: Layout
-    meta: bytes
-    setup_s: float
-    """Seconds spent creating the region for this snapshot (a one-time cost, not the cadence's)."""
-    seal_later: bool = False
-    """Committed before its checksum, sealed afterwards (a large snapshot from a GPU)."""
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self.slot.data[: self.layout.nbytes]
 
 
 class MemoryTier(SnapshotTaker, StateKeeper):
@@ -139,6 +112,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         """Pins slots for device copies, and says once if the device does not see them pinned."""
         self.cadence = cadence
         self._data_file = data_file
+        self._manifests = SlotManifests(data_file)
         self._writer = Writer()
         self._finalizer = weakref.finalize(self, self._writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
@@ -202,19 +176,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             self.enabled = False
             return None
         layout = request.layout
-        world_size = 1 if request.split is None else request.split["world_size"]  # the job's, for the events
-        manifest = Manifest(
-            step=request.step,
-            epoch=request.epoch,
-            world_size=world_size,
-            files={self._data_file: {"size": layout.nbytes, "xxh3_64": ""}},  # the slot header holds the checksum
-            tensors=tensor_entries(layout, self._data_file),
-            state=request.skeleton,
-            versions=request.versions,
-            created=request.created,
-            distributed=request.split,
-        )
-        meta = manifest.to_json()
+        meta = self._manifests.meta(request)
         start = time.perf_counter()
         if not self.region.fits(layout.nbytes, len(meta)):
             # the region is made again: never unregister or unmap the slot a persist still copies into
