@@ -36,13 +36,17 @@ def comparable(history: list[dict]) -> list[dict]:
     return [{k: v for k, v in entry.items() if not any(t in k for t in TIMING)} for entry in history]
 
 
-def test_killed_and_resumed_trainer_is_bit_identical(tmp_path: Path) -> None:
+def test_killed_and_resumed_trainer_is_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, run = tmp_path / "reference", tmp_path / "run"
     reference.mkdir()
     run.mkdir()
     assert "restored 0 final 12 epoch 2.0" in hf_fit(reference, "final")
     hf_fit(run, "killed1", "--die-at", "5", killed=True)
-    hf_fit(run, "killed2", "--die-at", "8", killed=True)
+    with monkeypatch.context() as info:  # transformers says at INFO where it looks for its RNG file
+        info.setenv("TRANSFORMERS_VERBOSITY", "info")
+        resumed_mid_epoch = hf_fit(run, "killed2", "--die-at", "8", killed=True)  # from step 3
+    assert "***** Running training *****" in resumed_mid_epoch  # the Trainer's INFO lines are shown
+    assert "Didn't find an RNG file" not in resumed_mid_epoch  # the generators come from checkfreq's checkpoint
     assert "restored 6 final 12 epoch 2.0" in hf_fit(run, "final")
 
     expected, actual = torch.load(reference / "final.pt"), torch.load(run / "final.pt")

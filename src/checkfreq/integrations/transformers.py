@@ -157,6 +157,7 @@ class CheckFreqTrainer(Trainer):
         self._checkpointer: Checkpointer | None = None
         self._resume = False
         self._resume_step = 0  # the checkpoint being resumed from, restored at the first batch fetch
+        self._from_checkfreq = False  # this fit resumes from a checkfreq checkpoint (its RNG state too)
         self._saved_state: dict[str, Any] = {}  # its TrainerState, put in place before the Trainer reads it
         self._train_sampler: ResumableSampler | None = None
         self._data_order = CHECKFREQ_ORDER  # or TRAINER_ORDER: the Trainer's own sampler (see _inner_training_loop)
@@ -200,12 +201,14 @@ class CheckFreqTrainer(Trainer):
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._resume_step = self.restored_step = 0
+        self._from_checkfreq = False
         self._data_order = CHECKFREQ_ORDER
         if self._resume:
             found = _resume_point(self.checkfreq_dir, chosen_step(self.checkfreq_dir, self._resume_at))
             if found is not None:  # the Trainer's resume path, fed from the checkfreq checkpoint
                 self._resume_step, path, self._saved_state, self._data_order = found
                 self.restored_step = self._resume_step
+                self._from_checkfreq = True
                 kwargs["resume_from_checkpoint"] = str(path)
                 _note_newer_trainer_checkpoint(self.args.output_dir, self._resume_step)
         elif kwargs.get("resume_from_checkpoint") and Path(kwargs["resume_from_checkpoint"]).is_dir():
@@ -311,9 +314,10 @@ class CheckFreqTrainer(Trainer):
         super()._save_checkpoint(model, trial)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if not self._resume_step:  # the Trainer's own checkpoint
+        if not self._from_checkfreq:  # the Trainer's own checkpoint
             super()._load_rng_state(checkpoint)
-        # else: the generators come back with the rest, right before the first batch is drawn
+        # else: the generators came back with the rest, right before the first batch was drawn; a
+        # mid-epoch resume asks again after it, where the Trainer would warn of an RNG file missing
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         # Restored here, after the Trainer set up the epoch and before anything is drawn from the
