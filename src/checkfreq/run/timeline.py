@@ -66,16 +66,12 @@ class Timeline:
             self.clean_seconds -= seconds
 
     def reached_point(self, now: float, profiler: Profiler) -> None:
-        """The consistent point of the current step came at ``now``, where a capture begins. The loop's work
-        since ``step()`` stays in the next step's time, as in any step (the capture's stall is discounted
-        from it), unless the profiler tells it was other work (an evaluation): then the next step is timed
-        from here. Timing it from here always made a step after a checkpoint look as short as its forward."""
+        """The consistent point of the current step came at ``now``, where a capture begins: the loop's work
+        since ``step()`` is not the next iteration's (the profiler tells whether it was other work)."""
         if self._last_step_time is None:
             return
-        away = profiler.record_between(max(now - self._last_step_time, 0.0))
-        if away:
-            self.away_seconds += away
-            self._last_step_time = now
+        between, self._last_step_time = max(now - self._last_step_time, 0.0), now
+        self.away_seconds += profiler.record_between(between)
 
     def checkpointed(self, start: float) -> dict[str, Any]:
         """A checkpoint began at ``start`` at the current step: what the snapshot event says about
