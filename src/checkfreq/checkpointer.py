@@ -297,6 +297,7 @@ class Checkpointer:
         """
         now = time.perf_counter()
         self._check_open("step()")
+        self._tiers.going_on()
         self._step_order.check(self._timeline.step + 1)
         return self._taker.decide(now, loss)
 
@@ -308,6 +309,7 @@ class Checkpointer:
         the same step. With ``blocking=True``, returns only when the checkpoint is durable (and raises if it failed).
         """
         self._check_open("save()")
+        self._tiers.going_on()
         self._saver.collect()
         taker = self._taker
         taker.at_point("save()")
@@ -321,6 +323,7 @@ class Checkpointer:
         ``Retention(best=...)`` ranks by scores a checkpoint of this step, decided now if none was, and
         captured, like every checkpoint, at the step's consistent point (docs/storage.md, "Keeping the best")."""
         self._check_open("log()")
+        self._tiers.going_on()
         step = self._timeline.step
         if not self._registered.scores.log(step, metrics):
             return
@@ -378,7 +381,7 @@ class Checkpointer:
         self._begin_session(manifest.step)
         self._saver.durable_step = -1 if found.held else manifest.step  # a state a tier holds is not on disk
         self._taker.foreign_step = None  # this run continues them
-        self._tiers.forget_newer_than(manifest.step)
+        self._tiers.went_back_to(manifest.step)
         self._saver.profiler, seeded = seed_session(state.get("checkfreq"), self._policy)
         seconds = time.perf_counter() - start
         self._events.write(

@@ -54,7 +54,8 @@ def ls_command(
     """List checkpoints, newest first: step, epoch, size, age, and valid or invalid with the reason.
 
     Snapshots of the memory tier on this node (shared memory, see docs/storage.md) are listed too, and
-    so are the checkpoints set aside as damaged (never restored, not counted by keep=), with why. A run
+    so are the checkpoints set aside (damaged, or of a course the run left when it went on from an older
+    step: never restored, not counted by keep=), with why. A run
     that keeps the best (keep=Retention(n, best=...)) has its best marked, with their metric.
     """
     from checkfreq.tools.aside import set_aside_statuses
@@ -99,7 +100,7 @@ def ls_command(
     invalid = sum(not s.valid for s in statuses) - aside
     out.print(
         f"{sum(s.valid for s in statuses)} valid, {invalid} invalid"
-        + (f", {aside} set aside as damaged (never restored, not counted by keep=)" if aside else "")
+        + (f", {aside} set aside (never restored, not counted by keep=)" if aside else "")
     )
     counted = (
         "its data files, as its manifest lists them"

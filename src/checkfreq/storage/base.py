@@ -14,16 +14,22 @@ not real (a read that failed for a passing reason) can be undone by hand. A loca
 it to ``step_N.damaged-<id>/``; an object store, which cannot rename, writes a marker file
 (:data:`DAMAGED_NAME`) into it. Either way the marker records why; retention deletes a set-aside
 checkpoint once ``keep`` newer valid ones exist (:meth:`checkfreq.policies.retention.Retention.expired`).
+
+A checkpoint of a course the run left is set aside the same way (:attr:`Aside.ABANDONED`): a run
+that goes on from an older step (``restore(step=N)``, ``restore("best")``) sets aside the newer
+ones, which a later restore must never take (``step_N.abandoned-<id>/`` in a local directory).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +43,24 @@ DAMAGED_NAME = "damaged.json"
 MAX_MARKER_BYTES = 64 << 10
 
 
+class Aside(str, Enum):
+    """Why a checkpoint is set aside."""
+
+    DAMAGED = "damaged"
+    """Found damaged: a read failed its checks."""
+    ABANDONED = "abandoned"
+    """Sound, but newer than the step the run went on from: of a course the run left."""
+
+    @property
+    def level(self) -> int:
+        """The level of its log line: damage is a warning; a course left is said once by whoever left it."""
+        return logging.WARNING if self is Aside.DAMAGED else logging.INFO
+
+    def describe(self, reason: str) -> str:
+        """What a log line says of a checkpoint set aside for ``reason``."""
+        return f"is damaged ({reason})" if self is Aside.DAMAGED else f"is of a course the run left ({reason})"
+
+
 class Location(Protocol):
     """Where one checkpoint lives in a store (a ``PurePath`` for the stores here)."""
 
@@ -48,7 +72,7 @@ class Location(Protocol):
 
 @dataclass(frozen=True)
 class SetAside:
-    """A checkpoint set aside as damaged: never listed, restored or counted by retention."""
+    """A checkpoint set aside (damaged, or of an abandoned course): never listed, restored or counted by retention."""
 
     step: int
     location: Any
@@ -57,18 +81,22 @@ class SetAside:
     """Why it was found damaged (as its marker records it)."""
     when: float | None
     """When it was set aside (seconds since the epoch); None if its marker is unreadable."""
+    kind: Aside = Aside.DAMAGED
+    """Why: damaged, or of a course the run left."""
 
     @property
     def name(self) -> str:
-        """Its name now: ``step_N.damaged-<id>`` in a local directory, ``step_N`` in an object store."""
+        """Its name now: ``step_N.damaged-<id>`` (``.abandoned-<id>``) in a local directory, ``step_N``
+        in an object store."""
         return str(self.location.name)
 
 
-def damaged_marker(reason: str, manifest_digest: str | None = None) -> bytes:
+def damaged_marker(reason: str, manifest_digest: str | None = None, kind: Aside = Aside.DAMAGED) -> bytes:
     """The contents of :data:`DAMAGED_NAME`: why, when and by whom a checkpoint was set aside, and
     the xxh3-64 of the manifest it was found with (an object store hides the checkpoint only while
     that manifest is there, so a checkpoint written again at the same step is not hidden)."""
     record = {
+        "kind": kind.value,
         "reason": reason,
         "set_aside": time.time(),
         "host": socket.gethostname(),
@@ -95,6 +123,7 @@ def set_aside_of(step: int, location: Any, record: dict[str, Any]) -> SetAside:
         location,
         reason if isinstance(reason, str) else "reason not recorded",
         float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else None,
+        Aside.ABANDONED if record.get("kind") == Aside.ABANDONED.value else Aside.DAMAGED,
     )
 
 
@@ -161,14 +190,14 @@ class Store(Protocol):
     def delete(self, location: Any) -> None:
         """Remove a committed (or set-aside) checkpoint so that a kill never leaves half of it listed."""
 
-    def set_aside(self, location: Any, reason: str) -> Any | None:
-        """Take the damaged checkpoint at ``location`` (one :meth:`checkpoints` listed) out of the
-        listing, keeping its files, with a marker saying ``reason``; log it once. Return where it is
-        now, or None where it is left in place (gone already, or the store is read-only). Never
-        raises for a store it cannot change."""
+    def set_aside(self, location: Any, reason: str, kind: Aside = Aside.DAMAGED) -> Any | None:
+        """Take the checkpoint at ``location`` (one :meth:`checkpoints` listed), damaged or of an
+        abandoned course (``kind``), out of the listing, keeping its files, with a marker saying
+        ``reason``; log it once. Return where it is now, or None where it is left in place (gone
+        already, or the store is read-only). Never raises for a store it cannot change."""
 
     def set_aside_checkpoints(self) -> Sequence[SetAside]:
-        """The checkpoints set aside as damaged, newest first."""
+        """The checkpoints set aside, newest first."""
         ...
 
 

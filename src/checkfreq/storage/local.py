@@ -1,10 +1,11 @@
 """Where checkpoints live: a local directory with atomic commits, listing, retention and a lock.
 
-Layout: ``<root>/step_000001200/`` (committed), ``<root>/step_000001200.tmp-<id>/`` (being
-written; never read) and ``<root>/step_000001200.damaged-<id>/`` (set aside as damaged, with a
-``damaged.json`` saying why; never listed). A checkpoint becomes visible only through the final
-``rename``, after every file and the manifest are fsynced; the parent directory is fsynced after the
-rename. Setting aside is one ``rename`` too: a kill leaves the checkpoint either listed or set aside.
+Layout: ``<root>/step_000001200/`` (committed), ``<root>/step_000001200.tmp-<id>/`` (being written;
+never read) and ``<root>/step_000001200.damaged-<id>/`` (set aside as damaged, with a
+``damaged.json`` saying why; never listed; ``.abandoned-<id>``: of a course the run left). A
+checkpoint becomes visible only through the final ``rename``, after every file and the manifest are
+fsynced; the parent directory is fsynced after the rename. Setting aside is one ``rename`` too: a
+kill leaves the checkpoint either listed or set aside.
 """
 
 from __future__ import annotations
@@ -29,14 +30,22 @@ from checkfreq.errors import (
     DirectoryLockedError,
     DirectoryNotWritableError,
 )
-from checkfreq.storage.base import DAMAGED_NAME, MAX_MARKER_BYTES, SetAside, damaged_marker, read_marker, set_aside_of
+from checkfreq.storage.base import (
+    DAMAGED_NAME,
+    MAX_MARKER_BYTES,
+    Aside,
+    SetAside,
+    damaged_marker,
+    read_marker,
+    set_aside_of,
+)
 from checkfreq.storage.format import Manifest, checkpoint_name, checkpoint_step
 from checkfreq.storage.posix import read_data_file, read_manifest, write_chunks
 
 log = logging.getLogger("checkfreq.storage.local")
 
 LOCK_NAME = ".checkfreq.lock"
-_SET_ASIDE_NAME = re.compile(r"^step_(\d{9,})\.damaged-[0-9a-f]{12}$")
+_SET_ASIDE_NAME = re.compile(r"^step_(\d{9,})\.(?:damaged|abandoned)-[0-9a-f]{12}$")
 _HELD_LOCKS: set[int] = set()
 
 
@@ -241,42 +250,42 @@ class LocalStore:
         os.rename(path, hidden)
         shutil.rmtree(hidden, ignore_errors=True)
 
-    def set_aside(self, location: Path, reason: str) -> Path | None:
-        """Rename the damaged checkpoint ``location`` to ``step_N.damaged-<id>`` (atomic: it is listed
-        or set aside, never half of each) and write its ``damaged.json``; None where it is left in
-        place: gone already (deleted, or set aside by another process), or the directory cannot be
-        changed (read-only)."""
-        aside = location.with_name(f"{location.name}.damaged-{uuid.uuid4().hex[:12]}")
+    def set_aside(self, location: Path, reason: str, kind: Aside = Aside.DAMAGED) -> Path | None:
+        """Rename the checkpoint ``location`` to ``step_N.damaged-<id>`` (``.abandoned-<id>``: see
+        :class:`Aside`; atomic: it is listed or set aside, never half of each) and write its
+        ``damaged.json``; None where it is left in place: gone already (deleted, or set aside by
+        another process), or the directory cannot be changed (read-only)."""
+        aside = location.with_name(f"{location.name}.{kind.value}-{uuid.uuid4().hex[:12]}")
         try:
             os.rename(location, aside)
         except FileNotFoundError:
             return None
         except OSError as e:
             log.warning(
-                "checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
+                "checkpoint %s of %s %s but cannot be set aside (%s): left in place",
                 location.name,
                 self.root,
-                reason,
+                kind.describe(reason),
                 e.strerror or e,
             )
             return None
         try:
             fsync_directory(self.root)
-            (aside / DAMAGED_NAME).write_bytes(damaged_marker(reason))
+            (aside / DAMAGED_NAME).write_bytes(damaged_marker(reason, kind=kind))
         except OSError as e:  # the rename is what counts; the marker only says why
             log.info("could not record why %s was set aside: %s", aside, e)
-        log.warning(
-            "checkpoint %s of %s is damaged (%s): set aside as %s; it is no longer listed, restored "
-            "or counted by keep=",
+        log.log(
+            kind.level,
+            "checkpoint %s of %s %s: set aside as %s; it is no longer listed, restored or counted by keep=",
             location.name,
             self.root,
-            reason,
+            kind.describe(reason),
             aside.name,
         )
         return aside
 
     def set_aside_checkpoints(self) -> list[SetAside]:
-        """The ``step_N.damaged-<id>`` directories, newest first."""
+        """The ``step_N.damaged-<id>`` and ``step_N.abandoned-<id>`` directories, newest first."""
         found = []
         for entry in os.scandir(self.root):
             match = _SET_ASIDE_NAME.match(entry.name)

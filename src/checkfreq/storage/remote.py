@@ -30,7 +30,15 @@ import torch
 import xxhash
 
 from checkfreq.errors import CheckpointNotFoundError, CorruptCheckpointError, DirectoryNotWritableError
-from checkfreq.storage.base import DAMAGED_NAME, MAX_MARKER_BYTES, SetAside, damaged_marker, read_marker, set_aside_of
+from checkfreq.storage.base import (
+    DAMAGED_NAME,
+    MAX_MARKER_BYTES,
+    Aside,
+    SetAside,
+    damaged_marker,
+    read_marker,
+    set_aside_of,
+)
 from checkfreq.storage.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, checkpoint_name, checkpoint_step
 from checkfreq.storage.posix import read_data_stream
 
@@ -136,8 +144,9 @@ class FsspecStore:
         hidden = {step for step in marked if step in committed and self._marker(committed[step]) is not None}
         return sorted(((step, location) for step, location in committed.items() if step not in hidden), reverse=True)
 
-    def set_aside(self, location: PurePosixPath, reason: str) -> PurePosixPath | None:
-        """Write ``damaged.json`` into the damaged checkpoint ``location``, which hides it while its
+    def set_aside(self, location: PurePosixPath, reason: str, kind: Aside = Aside.DAMAGED) -> PurePosixPath | None:
+        """Write ``damaged.json`` into the checkpoint ``location`` (damaged, or of an abandoned course:
+        ``kind``), which hides it while its
         manifest is the one there now; None where it is left in place (no manifest any more, or the
         store refuses the write)."""
         manifest = str(location / MANIFEST_NAME)
@@ -149,24 +158,25 @@ class FsspecStore:
             raw = None  # unreadable: the marker hides whatever manifest is there
         digest = None if raw is None else xxhash.xxh3_64_hexdigest(raw)
         try:
-            self.fs.pipe_file(str(location / DAMAGED_NAME), damaged_marker(reason, digest))
+            self.fs.pipe_file(str(location / DAMAGED_NAME), damaged_marker(reason, digest, kind))
         except OSError as e:
             log.warning(
-                "checkpoint %s of %s is damaged (%s) but cannot be set aside (%s): left in place",
+                "checkpoint %s of %s %s but cannot be set aside (%s): left in place",
                 location.name,
                 self.root,
-                reason,
+                kind.describe(reason),
                 e,
             )
             return None
         finally:
             self.fs.invalidate_cache()
-        log.warning(
-            "checkpoint %s of %s is damaged (%s): set aside (%s written into it); it is no longer "
+        log.log(
+            kind.level,
+            "checkpoint %s of %s %s: set aside (%s written into it); it is no longer "
             "listed, restored or counted by keep=",
             location.name,
             self.root,
-            reason,
+            kind.describe(reason),
             DAMAGED_NAME,
         )
         return location

@@ -30,8 +30,8 @@ from checkfreq.tools.catalog import CheckpointRef, CheckpointStatus, checkpoint_
 
 
 def set_aside_statuses(root: str | os.PathLike[str] | Store) -> list[CheckpointStatus]:
-    """The checkpoints of the run at ``root`` set aside as damaged, newest first: invalid, with the
-    reason their marker records and :attr:`~CheckpointStatus.set_aside` their name now."""
+    """The checkpoints of the run at ``root`` set aside (damaged, or of a course the run left), newest
+    first: invalid, with the reason their marker records and :attr:`~CheckpointStatus.set_aside` their name now."""
     store = root if not isinstance(root, (str, os.PathLike)) else open_store(root, create=False)
     return [_status(store, aside) for aside in store.set_aside_checkpoints()]
 

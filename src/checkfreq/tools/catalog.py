@@ -88,8 +88,9 @@ class CheckpointStatus:
     """Ranks whose data files are not in this directory (a node-local directory holds its node's
     ranks' files only) and were not checked: no remote tier was given to check them in."""
     set_aside: str | None = None
-    """Its name now if it is set aside as damaged (by a restore that skipped it, or by ``checkfreq
-    verify``; :func:`checkfreq.tools.aside.set_aside_statuses` lists them); None while it is listed."""
+    """Its name now if it is set aside: as damaged (by a restore that skipped it, or by ``checkfreq
+    verify``), or as of a course the run left (by a run that went on from an older step;
+    :func:`checkfreq.tools.aside.set_aside_statuses` lists them); None while it is listed."""
     damaged_here: bool = field(default=False, repr=False)
     """Invalid for damage in its own store (not for what the remote tier lacks): what may be set aside."""
 

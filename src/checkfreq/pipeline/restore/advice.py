@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from checkfreq.errors import NoValidCheckpointError
 from checkfreq.pipeline.tiers.chosen import Tiers
+from checkfreq.storage.base import Aside
+from checkfreq.storage.format import checkpoint_name
 
 
 def no_valid_checkpoint(
@@ -49,10 +51,19 @@ def _never_kept(tiers: Tiers, step: int, listed: Sequence[int]) -> NoValidCheckp
     """``restore(step=step)`` for a step no tier holds: nothing is damaged, the step was never kept
     (or retention removed it); the steps there are the ones to pick from."""
     root = tiers.store.root
-    aside = [a.name for a in tiers.store.set_aside_checkpoints() if a.step == step]
+    aside = [a for a in tiers.store.set_aside_checkpoints() if a.step == step]
+    left = [a for a in aside if a.kind is Aside.ABANDONED]
+    if left:
+        return NoValidCheckpointError(
+            f"the checkpoint of step {step} in {root} is of a course the run left ({left[0].reason}) and was "
+            f"set aside as {left[0].name}: it is never restored; to go back to that course, rename it to "
+            f'{checkpoint_name(step)} by hand (docs/storage.md, "Going on from an older checkpoint"), or restore '
+            f"another step (`checkfreq ls {root}` lists them)"
+        )
     if aside:
         return NoValidCheckpointError(
-            f"the checkpoint of step {step} in {root} was set aside as damaged ({', '.join(aside)}): it is never "
+            f"the checkpoint of step {step} in {root} was set aside as damaged ({', '.join(a.name for a in aside)}): "
+            "it is never "
             'restored; put it back by hand if its damage has passed (docs/storage.md, "Damaged checkpoints"), or '
             f"restore another step (`checkfreq ls {root}` lists them and which are valid)"
         )

@@ -227,7 +227,7 @@ class Restorer:
         aside = self.local.set_aside_checkpoints()  # every rank looks: each raises, or none does
         if aside:
             raise NoValidCheckpointError(
-                f"{self.local.root} lists no checkpoint to restore, but holds {len(aside)} set aside as damaged "
+                f"{self.local.root} lists no checkpoint to restore, but holds {len(aside)} set aside "
                 f"({', '.join(a.name for a in aside[:3])}): rather than start afresh over them, put one back by "
                 'hand if its damage has passed (docs/storage.md, "Damaged checkpoints"), restore from another '
                 "tier, or give the run a new directory"

@@ -67,9 +67,10 @@ def retain(
         for checkpoint in aside:
             if checkpoint.step in expired:
                 log.info(
-                    "deleting %s of %s, set aside as damaged (%s): %d newer checkpoints are valid",
+                    "deleting %s of %s, set aside as %s (%s): %d newer checkpoints are valid",
                     checkpoint.name,
                     store.root,
+                    checkpoint.kind.value,
                     checkpoint.reason,
                     retention.keep,
                 )

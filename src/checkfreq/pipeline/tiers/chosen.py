@@ -8,6 +8,8 @@ reads what no directory holds from.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -37,6 +39,8 @@ from checkfreq.storage.base import Store
 from checkfreq.storage.local import LocalStore
 
 T = TypeVar("T")
+
+log = logging.getLogger("checkfreq.tiers")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class Tiers:
         """The checkpoint sources behind it."""
         self.stores = [tier.store for tier in sources]
         """The stores of the checkpoint sources: where checkpoints are committed first, then the far ones."""
+        self._went_back_to: int | None = None
+        """The step the run restored, until it goes on from it (:meth:`going_on`)."""
 
     @property
     def store(self) -> Store:
@@ -201,9 +207,31 @@ class Tiers:
         """The newest whole state any tier holds (not verified)."""
         return max((s for s in (tier.newest_step() for tier in self.keepers) if s is not None), default=None)
 
-    def forget_newer_than(self, step: int) -> None:
+    def went_back_to(self, step: int) -> None:
+        """The run restored ``step``: the tiers that hold states drop what they hold of later steps, and
+        the newer checkpoints the sources list are set aside once the run goes on (:meth:`going_on`)."""
         for tier in self.keepers:
             tier.forget_newer_than(step)
+        self._went_back_to = step
+
+    def going_on(self) -> None:
+        """The run trains on (a ``step()``, ``save()`` or ``log()``): if it restored a step, the sources
+        set aside the checkpoints newer than it, of the course the run left, which no later restore may
+        take (a restore only to look at an older state, with no training after it, leaves them)."""
+        step, self._went_back_to = self._went_back_to, None
+        if step is None:
+            return
+        reason = f"the run went on from step {step} at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        for source in [self.committed_to, *self.far]:
+            if newer := source.set_aside_newer_than(step, reason):
+                log.warning(
+                    "going on from step %d: the newer checkpoints of %s (steps %s) are of the course the run "
+                    "left; set aside (step_N.abandoned-<id>, or a damaged.json in an object store), no restore "
+                    "takes them, and retention deletes them once keep= newer checkpoints exist",
+                    step,
+                    source.store.root,
+                    ", ".join(map(str, sorted(newer))),
+                )
 
 
 def choose_tiers(
@@ -247,7 +275,7 @@ def choose_tiers(
                 failure_timeout=failure_timeout,
             )
         )
-    chosen.append(LocalTier(local))
+    chosen.append(LocalTier(local, leader=cluster.leader))
     for store in far:
         assert isinstance(local, LocalStore)  # open_stores puts a local directory in front of a remote tier
         chosen.append(

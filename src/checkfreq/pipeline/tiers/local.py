@@ -12,12 +12,17 @@ class LocalTier(CheckpointSource):
 
     name = TierName.LOCAL
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
+    def __init__(self, store: Store, *, leader: bool = True) -> None:
+        self._store, self._leader = store, leader
 
     @property
     def store(self) -> Store:
         return self._store
+
+    @property
+    def tends_listing(self) -> bool:
+        """The directory's leader (one rank per directory) changes what it lists."""
+        return self._leader
 
     def close(self, *, remove: bool, timeout: float | None = None) -> None:
         """Nothing runs in the background: the commit protocol writes the directory."""

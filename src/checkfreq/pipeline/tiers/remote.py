@@ -172,6 +172,11 @@ class RemoteTier(CommitFollower, CheckpointSource):
             self._local_retainer.uploading = None
             self._local_retainer.run()
 
+    @property
+    def tends_listing(self) -> bool:
+        """Rank 0 of the upload group changes what the remote tier lists (it commits and applies retention there)."""
+        return self.peers.rank == 0
+
     def _upload(self, step: int) -> None:
         rank = self.peers.rank
         error: str | None = None

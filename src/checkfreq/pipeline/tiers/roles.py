@@ -35,7 +35,7 @@ import torch
 
 from checkfreq.pipeline.capture.snapshot import PendingSnapshot
 from checkfreq.pipeline.capture.writer import Writer
-from checkfreq.storage.base import Location, Store
+from checkfreq.storage.base import Aside, Location, Store
 from checkfreq.storage.format import Layout, Manifest
 
 T = TypeVar("T")
@@ -248,6 +248,21 @@ class CheckpointSource(Tier):
     def checkpoints(self) -> Sequence[tuple[int, Location]]:
         """The committed checkpoints it offers, as (step, location) (not verified)."""
         return self.store.checkpoints()
+
+    @property
+    def tends_listing(self) -> bool:
+        """Whether this rank changes what the store lists (sets aside, deletes): in a job of several
+        ranks, one rank per store does. A tier of your own runs in a job of one process."""
+        return True
+
+    def set_aside_newer_than(self, step: int, reason: str) -> list[int]:
+        """The run went on from ``step``: set aside the newer checkpoints listed here (they are of the
+        course it left: :attr:`~checkfreq.storage.base.Aside.ABANDONED`) where this rank tends the
+        listing, so that no later restore takes one; the steps set aside."""
+        if not self.tends_listing:
+            return []
+        newer = [(s, location) for s, location in self.store.checkpoints() if s > step]
+        return [s for s, location in newer if self.store.set_aside(location, reason, Aside.ABANDONED) is not None]
 
     def read_manifest(self, location: Any) -> Manifest:
         """The manifest of one of :meth:`checkpoints`."""

@@ -422,11 +422,22 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         )
 
     def forget_newer_than(self, step: int) -> None:
-        """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline."""
+        """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline, and
+        so do the copies of later steps this machine keeps for other ranks (its first rank clears them,
+        before any rank's next step can send a new copy: that step waits for this rank's collectives)."""
         self.wait_sealed()  # a seal in flight never writes a header back after the clear
         if (newest := self.newest_step()) is not None and newest > step:
             log.info("memory tier: dropping snapshots after step %d (restored an older step)", step)
             self.region.clear()
+        if self.group is not None and self.rank != min(self.group.ranks):
+            return
+        for rank, region in listed_regions(self.directory, "replica"):
+            try:
+                if any(info.step > step for info in region.snapshots()):
+                    log.info("memory tier: dropping the copies of rank %d's snapshots after step %d", rank, step)
+                    region.clear()
+            finally:
+                region.release(remove=False)
 
     def close(self, *, remove: bool, timeout: float | None = None) -> None:
         """Stop the commit thread; with ``remove`` (a clean close) delete the region too."""
