@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from torch import nn
 
 import checkfreq as cf
 from checkfreq.integrations.lightning import CheckFreqCallback
+from checkfreq.storage.base import Aside
 from checkfreq.storage.local import LocalStore
 from helpers import SCRIPTS, assert_state_equal
 
@@ -96,6 +98,24 @@ def test_restore_best_restores_the_best_bit_for_bit(runs: Path) -> None:
     with cf.Checkpointer(runs / "killed", model=holder, rng=False) as ckpt:
         assert ckpt.restore(step="best") == 18
     assert_state_equal(holder.state_dict(), torch.load(runs / "killed.pt.models" / "18.pt"))
+
+
+def test_a_fit_goes_back_to_the_best_and_on_from_it_exactly(runs: Path, tmp_path: Path) -> None:
+    """``resume="best"`` over a copy of the straight run: the fit restores step 18 (the best by
+    ``val_loss``), sets aside the newer ones (of the course it left), and trains epochs 4 and 5
+    again: it ends bit-identical to the straight run, with the same checkpoints kept."""
+    shutil.copytree(runs / "straight", tmp_path / "run")
+    _fit(tmp_path / "run", tmp_path / "run.pt", 0, "0", "best")
+    assert (tmp_path / "run.pt.restored").read_text() == "18"
+    assert_state_equal(torch.load(tmp_path / "run.pt"), torch.load(runs / "straight.pt"))
+    assert _scores(tmp_path / "run") == _scores(runs / "straight")
+    aside = LocalStore(tmp_path / "run", create=False).set_aside_checkpoints()
+    newer = sorted(step for step in _scores(runs / "straight") if step > 18)
+    assert newer and sorted((a.step, a.kind) for a in aside) == [(step, Aside.ABANDONED) for step in newer]
+    with pytest.raises(cf.errors.InvalidArgumentError, match="resume takes True, False or 'best'"):
+        CheckFreqCallback("unused", monitor="val_loss", save_top_k=1, resume="newest")
+    with pytest.raises(cf.errors.InvalidArgumentError, match="needs monitor= and save_top_k="):
+        CheckFreqCallback("unused", resume="best")
 
 
 def test_a_validation_mid_epoch_scores_the_checkpoint_of_its_step(tmp_path: Path) -> None:

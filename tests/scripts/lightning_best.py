@@ -1,12 +1,14 @@
 """A Lightning fit that keeps the best checkpoints by a noisy validation loss, killable at a step.
 
-``python lightning_best.py DIR OUT KILL_STEP [VAL_EVERY]``: 5 epochs of 6 optimizer steps over a
+``python lightning_best.py DIR OUT KILL_STEP [VAL_EVERY [RESUME]]``: 5 epochs of 6 optimizer steps over a
 :class:`ResumableLoader`, with ``CheckFreqCallback(DIR, policy=4, keep=2, monitor="val_loss",
 mode="min", save_top_k=2)``. The validation runs after each epoch (or every ``VAL_EVERY`` batches
 with ``val_check_interval``); its ``val_loss`` is the model's loss plus a noise of the step
 (:data:`NOISE`), so that the best are not the newest. Each validation appends ``{"step", "val_loss"}``
 to ``OUT.evals`` and writes the weights to ``OUT.models/STEP.pt``; at ``KILL_STEP`` (0: never) the
-process SIGKILLs itself right after that optimizer step; at the end the weights go to ``OUT``.
+process SIGKILLs itself right after that optimizer step; at the end the weights go to ``OUT`` and the
+step the fit restored to ``OUT.restored``. ``VAL_EVERY`` 0: after each epoch; ``RESUME`` ``best``: the
+callback's ``resume="best"``.
 """
 
 from __future__ import annotations
@@ -72,12 +74,14 @@ class DieAt(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(directory: str, out: str, kill_step: int, val_every: int | None) -> None:
+def main(directory: str, out: str, kill_step: int, val_every: int | None, resume: bool | str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     os.makedirs(f"{out}.models", exist_ok=True)
     model = Classifier(out)
-    checkfreq = CheckFreqCallback(directory, policy=4, keep=2, monitor="val_loss", mode="min", save_top_k=2)
+    checkfreq = CheckFreqCallback(
+        directory, policy=4, keep=2, monitor="val_loss", mode="min", save_top_k=2, resume=resume
+    )
     val = torch.utils.data.DataLoader(Points(), batch_size=8)
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
@@ -94,8 +98,11 @@ def main(directory: str, out: str, kill_step: int, val_every: int | None) -> Non
     train = ResumableLoader(Points(), batch_size=BATCH, shuffle=True, seed=5)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
     torch.save(model.state_dict(), out)
+    with open(f"{out}.restored", "w") as f:
+        f.write(str(checkfreq.restored_step))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    every = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), every or None, sys.argv[5] if len(sys.argv) > 5 else True)
     exit_without_teardown()

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 
 from checkfreq.checkpointer import CHECKPOINTER_OPTIONS, Checkpointer
 from checkfreq.data import ResumableLoader
-from checkfreq.errors import ExistingCheckpointsError, UsageError
+from checkfreq.errors import ExistingCheckpointsError, InvalidArgumentError, UsageError
 from checkfreq.integrations.best import best_retention
 from checkfreq.integrations.lightning_metrics import EpochMetrics
 from checkfreq.integrations.loss import LossFeed
@@ -119,7 +119,10 @@ class CheckFreqCallback(pl.Callback):
         keep: committed checkpoints to keep.
         remote: optional second tier, copied to in the background (see docs/storage.md).
         remote_keep: checkpoints to keep in ``remote`` (default: ``keep``).
-        resume: restore the newest valid checkpoint when the fit starts.
+        resume: restore the newest valid checkpoint when the fit starts; ``"best"``: the best by
+            ``monitor`` (with ``save_top_k``), to go on from it: the newer checkpoints are then of a
+            course the fit left and are set aside (docs/lightning.md, "Going back to the best");
+            ``False``: start afresh (an empty directory only).
         save_on_train_end: take a blocking checkpoint when training ends.
         monitor: what convergence-aware policies see as the loss: ``None`` for the loss
             ``training_step`` returns, or the name of a metric logged with ``self.log``. It is read
@@ -142,7 +145,7 @@ class CheckFreqCallback(pl.Callback):
         keep: int | Retention = 3,
         remote: str | os.PathLike[str] | Store | None = None,
         remote_keep: int | Retention | None = None,
-        resume: bool = True,
+        resume: bool | Literal["best"] = True,
         save_on_train_end: bool = True,
         monitor: str | None = None,
         mode: str = "min",
@@ -156,6 +159,12 @@ class CheckFreqCallback(pl.Callback):
         self._validated: Any = None  # the epoch's validation value, logged once its last step is counted
         self._settings = dict(policy=policy, keep=keep, remote=remote, remote_keep=remote_keep, **options)
         self._directory = directory
+        if not isinstance(resume, bool) and resume != "best":
+            raise InvalidArgumentError(f"resume takes True, False or 'best', got {resume!r}")
+        if resume == "best" and self._best is None:
+            raise InvalidArgumentError(
+                "resume='best' goes back to the best checkpoint by monitor: it needs monitor= and save_top_k= too"
+            )
         self._resume = resume
         self._save_on_train_end = save_on_train_end
         self._monitor = monitor
@@ -184,7 +193,7 @@ class CheckFreqCallback(pl.Callback):
         if trainer.ckpt_path is not None:
             _hand_over_from_ckpt_path(trainer, self._checkpointer)
         elif self._resume:
-            self.restored_step = self._checkpointer.restore()
+            self.restored_step = self._checkpointer.restore(step="best" if self._resume == "best" else None)
             if self.restored_step:
                 log.info("resuming at epoch %d, optimizer step %d", trainer.current_epoch, trainer.global_step)
                 for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):
