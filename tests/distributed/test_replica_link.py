@@ -159,3 +159,38 @@ def test_a_sender_frozen_mid_copy_is_found_by_its_heartbeats_and_the_keeper_ends
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGKILL)
             process.join(10)
+
+
+def _unsealed(rank: int, work: Path) -> None:
+    """Rank 0 offers two snapshots committed before their checksum (as a large GPU snapshot is)."""
+    logging.basicConfig(filename=work / f"rank{rank}.log", level=logging.INFO)
+    os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{work / 'store'}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    directory = work / "ckpt"
+    if rank == 0:
+        region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
+        link = ReplicaLink(dist.group.WORLD, directory, sends_to=1, receives_from=[])
+        skipped: list[dict] = []
+        link.report = lambda event, **fields: skipped.append({"event": event, **fields})
+        for step in (3, 4):
+            region.reserve(1 << 16, 1024)
+            info = region.commit(region.begin(), step, 1 << 16, b"{}", b"s" * 16, checksum=False)
+            assert not link.offer(region, info)
+        link.close(30)
+        (work / "skipped.json").write_text(json.dumps(skipped))
+    else:
+        ReplicaLink(dist.group.WORLD, directory, sends_to=None, receives_from=[0]).close(60)
+
+
+def test_a_snapshot_not_copied_is_said_once_with_why_and_what_to_do(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        (tmp_path / f"shm{rank}").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    spawn_ranks(_unsealed, (tmp_path,), nprocs=2)
+    said = [line for line in (tmp_path / "rank0.log").read_text().splitlines() if "is not copied" in line]
+    assert len(said) == 1, said
+    assert "snapshot 3 is not copied to rank 1 (checksum not computed yet)" in said[0] and "256 MiB" in said[0]
+    skipped = json.loads((tmp_path / "skipped.json").read_text())
+    assert [(s["event"], s["step"]) for s in skipped] == [("replica skipped", 3), ("replica skipped", 4)]

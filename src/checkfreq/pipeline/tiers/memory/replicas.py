@@ -157,6 +157,16 @@ class CopyAnswer:
         return torch.empty(cls.WIDTH, dtype=torch.int64)
 
 
+_IN_FLIGHT_ADVICE = (
+    "copying takes longer than snapshotting here, so a lost node resumes from the newest copy its keeper "
+    "holds, a snapshot or more older; snapshot less often (memory=N steps) for the copies to keep up"
+)
+_PENDING_ADVICE = (
+    "a GPU snapshot of 256 MiB or more is committed before its checksum, and a copy is checked by it: "
+    "such a snapshot is copied only when its checksum is ready as it is offered"
+)
+
+
 class ReplicaLink:
     """This rank's copies to its keepers and its keeping of the copies other ranks send it.
 
@@ -192,6 +202,8 @@ class ReplicaLink:
         self._idle.set()
         self.sending: int | None = None
         """The slot being copied (it must not be overwritten until the copy is done)."""
+        self._warned: set[str] = set()
+        """The reasons a copy was skipped for that were logged (each once)."""
         self._broken: dict[int, BaseException] = {}
         """Keeper → why copying to it failed (it is sent no more copies this session)."""
         self._sending_to: int | None = None
@@ -222,15 +234,28 @@ class ReplicaLink:
         if not self._live():
             return False
         if not self._idle.is_set():  # the busy rule: the previous copy is still in flight
-            self.report("replica skipped", step=info.step, to=self.sends_to, reason="the previous copy is in flight")
-            return False
+            return self._skip(info.step, "the previous copy is in flight", _IN_FLIGHT_ADVICE)
         if info.checksum == PENDING:  # committed before its checksum (a large GPU snapshot): nothing to check a copy by
-            self.report("replica skipped", step=info.step, to=self.sends_to, reason="checksum not computed yet")
-            return False
+            return self._skip(info.step, "checksum not computed yet", _PENDING_ADVICE)
         self._idle.clear()
         self.sending = info.slot
         self._offers.put((region, info))
         return True
+
+    def _skip(self, step: int, reason: str, advice: str) -> bool:
+        """A snapshot not copied: an event each time, a warning the first time for each reason."""
+        self.report("replica skipped", step=step, to=self.sends_to, reason=reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning(
+                "memory tier: snapshot %d is not copied to rank %s (%s): %s. Said once; each snapshot not "
+                "copied is a 'replica skipped' event of the run's log",
+                step,
+                ", ".join(map(str, self.sends_to)),
+                reason,
+                advice,
+            )
+        return False
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait until no copy is in flight, at most ``timeout`` seconds; whether none is."""
