@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from checkfreq.tools.report_copies import CopyLag
+
 
 @dataclass
 class CheckpointRecord:
@@ -122,11 +124,13 @@ class RunReport:
     starts: list[dict[str, Any]] = field(default_factory=list)
     """Each session's ``start`` event, and its restore (``restored_step``, ``seeded``) if it had one."""
     memory_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
     waits: list[dict[str, Any]] = field(default_factory=list)
     """The ``busy`` waits (for the previous persist or memory snapshot) and ``gpu_wait`` waits."""
-    """The memory tier's snapshots (``time``, ``step``, ``stall_s``, ``bytes``): a series apart from persists."""
     replicas: list[dict[str, Any]] = field(default_factory=list)
     """The memory tier's copies to another machine (``replica``, ``replica skipped``, ``replica refused``)."""
+    copy_lag: CopyLag | None = None
+    """How far the copies on other machines lagged the snapshots, every rank's (None: no copy kept)."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
     """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
@@ -143,5 +147,6 @@ class RunReport:
             "rank_stalls": self.rank_stalls,
             "memory_snapshots": self.memory_snapshots,
             "replicas": self.replicas,
+            "copy_lag": asdict(self.copy_lag) if self.copy_lag else None,
             "waits": self.waits,
         }

@@ -9,6 +9,7 @@ from typing import Any
 
 from checkfreq.run.units import human_bytes, human_rate
 from checkfreq.tools.report_advice import overhead_advice
+from checkfreq.tools.report_copies import CopyLag
 from checkfreq.tools.report_model import RunReport, SessionSummary
 
 
@@ -65,6 +66,8 @@ def summary_text(report: RunReport) -> str:
         )
     if report.replicas:
         lines.append(_replicas_line(report.replicas))
+        if report.copy_lag is not None:
+            lines.append(_copy_lag_line(report.copy_lag))
     for kind, what in (
         ("busy", "waited for busy storage (the previous persist or memory snapshot)"),
         ("gpu_wait", "GPU streams waited on snapshot copies"),
@@ -178,3 +181,18 @@ def _replicas_line(events: list[dict[str, Any]]) -> str:
     if refused:
         line += f"; {len(refused)} refused by the keeper (damaged on the way)"
     return line
+
+
+def _copy_lag_line(lag: CopyLag) -> str:
+    """How far the copies on other machines lagged the snapshots, in one line."""
+    line = (
+        f"copy lag: median {human_seconds(lag.median_s)} ({lag.median_snapshots:.3g} snapshots), max "
+        f"{human_seconds(lag.max_s)} ({lag.max_snapshots} snapshots) from a snapshot to its copy kept"
+    )
+    if lag.without_copy:
+        ranks = ", ".join(map(str, lag.without_copy))
+        return f"{line}; rank {ranks} had no copy kept: a node lost with it resumes from disk"
+    return (
+        f"{line}; at the end every rank's copy had reached step {lag.reached_step} (newest snapshot "
+        f"{lag.newest_step}): a node lost then resumes from there at best"
+    )

@@ -65,12 +65,13 @@ def expected_summary(events: list[dict]) -> dict:
             after_boundary = True
         elif e["event"] == "snapshot":
             baseline = e["clean_iteration_s"] if e["clean_iteration_s"] is not None else run_clean
-            if not after_boundary and baseline is not None:
+            if not after_boundary and baseline is not None and busy_s(e) > 0:
                 counted.append((e, baseline))
             after_boundary = False
     explained = sum(
-        min(e["interval_steps"] * baseline, busy_s(e) - fences.get(e["step"], e["stall_s"])) for e, baseline in counted
-    )  # steps faster than the yardstick explain at most the window less its stall
+        max(0.0, min(e["interval_steps"] * baseline, busy_s(e) - fences.get(e["step"], e["stall_s"])))
+        for e, baseline in counted
+    )  # steps faster than the yardstick explain at most the window less its stall, and never less than nothing
     return {
         "clean_iteration_s": run_clean,
         "checkpoints": len(snapshots),
@@ -132,10 +133,13 @@ def test_report_shows_each_session_separately(run: Path, reported: tuple[dict, P
     events = read_events(run)
     second_start = [i for i, e in enumerate(events) if e["event"] == "start"][1]
     # the first one's window holds the restore
-    counted = [e for e in events[second_start:] if e["event"] == "snapshot"][1:]
+    windows = [e for e in events[second_start:] if e["event"] == "snapshot"][1:]
+    counted = [e for e in windows if busy_s(e) > 0]
     clean = {c["step"]: c["baseline_iteration_s"] for c in doc["checkpoints"]}
     stalls = {c["step"]: c["stall_s"] for c in doc["checkpoints"]}
-    explained = sum(min(e["interval_steps"] * clean[e["step"]], busy_s(e) - stalls[e["step"]]) for e in counted)
+    explained = sum(
+        max(0.0, min(e["interval_steps"] * clean[e["step"]], busy_s(e) - stalls[e["step"]])) for e in counted
+    )  # as expected_summary: never less than nothing
     assert resumed["overhead"] == pytest.approx(1 - explained / sum(busy_s(e) for e in counted))
     text = summary_text(load_run(run))
     assert "session 1: started fresh; 2 checkpoints, steps 5..10, 200 per 1000 steps" in text
@@ -402,3 +406,22 @@ def test_timeline_breaks_between_sessions_skips_short_windows_and_draws_from_zer
     assert len([line for line in overhead.get_lines() if line.get_label() in ("per window", "_nolegend_")]) == 2
     assert interval.get_ylim()[0] == 0 and interval.get_ylim()[1] > 10  # the constant 10 steps, on an axis from 0
     assert "exp7/checkpoints (10 checkpoints, 2 sessions)" in figure.get_suptitle()  # the path, not just "checkpoints"
+
+
+def test_the_copies_lag_in_seconds_and_snapshots_and_where_a_lost_node_resumes(tmp_path: Path) -> None:
+    """Rank 0's copy of snapshot 2 lands after its snapshots 3 and 4 (2.5 s); rank 1's of 5 at once:
+    the report gives the lag's median and max, and step 2 as where a node lost at the end resumes."""
+    logs = [EventLog(tmp_path, rank=rank) for rank in (0, 1)]
+    for log in logs:
+        log.write("start", time=0.0, pid=log.rank, policy="Every", keep=3)
+    for step in range(1, 7):
+        for log in logs:
+            log.write("memory", time=float(step), step=step, stall_s=0.001, bytes=100)
+    logs[0].write("replica", time=4.5, step=2, to=1, bytes=100, seconds=0.1, kept=True)
+    logs[1].write("replica", time=5.2, step=5, to=0, bytes=100, seconds=0.1, kept=True)
+    text = summary_text(load_run(tmp_path))
+    assert "copy lag: median 1.35 s (1 snapshots), max 2.5 s (2 snapshots)" in text, text
+    assert "every rank's copy had reached step 2 (newest snapshot 6)" in text
+    logs[0].write("memory", time=7.0, step=7, stall_s=0.001, bytes=100)
+    EventLog(tmp_path, rank=2).write("memory", time=7.0, step=7, stall_s=0.001, bytes=100)
+    assert "rank 2 had no copy kept" in summary_text(load_run(tmp_path))
