@@ -9,7 +9,9 @@ snapshot too, so it restarts the count.
 A snapshot's cost is what the training thread waits (the copy now, the fence) plus what the
 memory tier's thread works in the background (the deferred copies and the checksum): on a host
 whose cores the training loop keeps busy, that work slows the next iterations by about its own
-length. Counting it in full errs on the side of the bound where spare cores would absorb it.
+length. Counting it in full errs on the side of the bound where spare cores would absorb it. The
+thread's work is its CPU time, not its wall time: on a loaded machine the thread waits for a core
+far longer than it works, and that wait takes nothing from training.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class MemoryCadence:
         self._last_step = step
 
     def record_background(self, seconds: float) -> None:
-        """The memory tier's thread worked ``seconds`` on one memory-only snapshot."""
+        """The memory tier's thread worked ``seconds`` (its CPU time) on one memory-only snapshot."""
         self.background.add(seconds)
 
     def record_device_wait(self, seconds: float) -> None:

@@ -242,12 +242,20 @@ def test_memory_cadence_fixed_and_within_the_overhead_bound() -> None:
         MemoryCadence(every=0)
 
 
+def _compute(seconds: float) -> None:
+    """A step's compute: ``seconds`` of this thread's CPU time. On a loaded machine it takes longer, as the
+    snapshot's copy does (a sleep would not, and would make every snapshot look costly there)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def test_default_cadence_snapshots_every_step_when_cheap_and_spaces_out_when_not(shm_dir: Path, tmp_path: Path) -> None:
     cheap, tick = torch.nn.Linear(4, 4), torch.nn.Linear(1, 1)  # tick's forward: each step's consistent point
     with cf.Checkpointer(tmp_path / "cheap", policy=1000, memory=True, model=cheap, tick=tick) as ckpt:
         for _ in range(20):
             tick(torch.ones(1))
-            time.sleep(0.25)  # "compute" after the point: far longer than copying 20 floats
+            _compute(0.3)  # after the point: far longer than copying 20 floats
             ckpt.step()
     cheap_steps = [e["step"] for e in read_events(tmp_path / "cheap") if e["event"] == "memory"]
     # every step, but for a hiccup of a busy machine (step 2's too)
