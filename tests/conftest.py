@@ -15,12 +15,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SCRIPTS, free_port
+from helpers import SCRIPTS, TESTS, free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 sys.path.append(str(SCRIPTS))  # tests that import a training script import its helpers too
+
+JOB_FOLDERS = ("distributed", "integration")
+"""The folders whose tests run real jobs of several processes (torchrun, DDP, Lightning, the HF Trainer,
+kills and node losses): the slow tier."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test of :data:`JOB_FOLDERS` ``slow``. ``python -m pytest -q`` (no path, no ``-m``) runs
+    the quick tier, the slow one deselected; ``python -m pytest -q -m slow`` the slow tier; a path given
+    runs what it names. CI runs both tiers, so every test runs there."""
+    for item in items:
+        if item.path.relative_to(TESTS).parts[0] in JOB_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not config.option.markexpr:
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
 
 
 @pytest.fixture
