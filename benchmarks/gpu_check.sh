@@ -30,6 +30,17 @@ out="${OUT:-$PWD/gpu-check}"
 mkdir -p "$out"
 start=$(date +%s)
 
+# Nothing can be installed on the lent machine: say at once what its python lacks, before any device time
+missing=$("$PY" -c '
+import importlib.util
+need = ["torch", "safetensors", "numpy", "xxhash", "fsspec", "typer", "rich", "pytest", "psutil"]
+print(" ".join(name for name in need if importlib.util.find_spec(name) is None))
+')
+if [ -n "$missing" ]; then
+    echo "gpu_check: $PY lacks $missing (checkfreq's and its tests' dependencies); nothing was run" | tee "$out/summary.txt"
+    exit 2
+fi
+
 shm_root="${GPU_CHECK_SHM:-/dev/shm}"
 export CHECKFREQ_SHM_DIR="$shm_root/checkfreq-gpu-check-$$"
 mkdir -p "$CHECKFREQ_SHM_DIR"

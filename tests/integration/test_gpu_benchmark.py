@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from checkfreq.storage.shm_paths import SHM_DIR_ENV
+from helpers import ROOT, tmpfs
 
 sys.path.insert(0, str(ROOT))
 
@@ -46,9 +47,11 @@ def test_every_mode_runs_and_a_failing_dcp_baseline_is_reported(
     assert events["memory stall_s"]["n"] >= 8 and events["restore_s"]["n"] >= 1
     assert doc["modes"]["memory=1"]["restore"]["memory_s"] > 0 and doc["tier"]["memory tier copy GB/s"] > 0
     assert doc["modes"]["policy=10"]["events"]["snapshot stall_s"]["n"] == 1
+    assert doc["modes"]["memory=1"]["events"]["snapshots"]["memory"] >= 8  # the tier was on: said per mode
     assert set(doc["limits"]) >= {"D2H pinned copy_ GB/s", "D2D copy_ GB/s", "disk write+fsync GB/s"}
     table = capsys.readouterr().out
     assert "| DCP async_save/10 |" in table and "failed: KeyError" in table
+    assert "| snapshots (checkpoints, memory) |" in table
     assert (tmp_path / "out.json").exists() and not list(tmp_path.glob("cf-gpu-*"))  # its directory is removed
 
 
@@ -113,3 +116,17 @@ def test_a_run_without_limits_reports_each_mode_on_the_training_stream_beside_th
     out = capsys.readouterr().out
     assert "memory=1: mean step on the training stream" in out and "stall the events saw per step" in out
     assert "| limit" not in out
+
+
+def test_a_memory_tier_without_room_fails_its_modes_and_the_tier_copy_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/dev/shm too small for two slots: the tier turns itself off with a warning, and the benchmark
+    says so for each memory mode and for the tier copy, rather than time disk-only checkpointing
+    under a memory mode's name or die before any mode."""
+    with tmpfs(tmp_path / "shm", "1m") as shm:
+        monkeypatch.setenv(SHM_DIR_ENV, str(shm))
+        doc = gpu.main(["--tiny", "--device", "cpu", "--steps", "3", "--warmup", "1", "--modes", "memory=1,default"])
+    assert doc["tier"]["skipped"].startswith(f"no room in {shm}")
+    assert "took no snapshot" in doc["modes"]["memory=1"]["failed"]
+    assert "failed" not in doc["modes"]["default"]
