@@ -356,7 +356,8 @@ class Checkpointer:
 
         Returns the restored step, or 0 when the directory holds no checkpoint (a fresh run). Invalid checkpoints
         are skipped with a warning saying why; if checkpoints exist but none is valid (or, for ``"best"``, none
-        has a score), raises :class:`~checkfreq.errors.NoValidCheckpointError`.
+        has a score), raises :class:`~checkfreq.errors.NoValidCheckpointError`. Training on from a step older
+        than the newest sets the newer checkpoints aside: a later restore never takes that course again.
         """
         self._check_open("restore()")
         self._taker.point.take()  # what this run decided is not for the state restored
