@@ -122,7 +122,9 @@ def test_an_evaluation_between_steps_is_not_counted_as_checkpointing(tmp_path: P
     plain, _, _ = _evaluating_loop(tmp_path / "plain", 0.0)
     taken, slept, away = _evaluating_loop(tmp_path / "evaluating", 0.1)
     assert 0.7 * slept <= away <= slept + 0.5, (away, slept)
-    assert taken >= plain / 2, (taken, plain)
+    # counted as overhead the evaluations leave it 5 or 6; two timing-driven runs on a shared machine
+    # differ by more than a factor of 2 at times (9 against 19 in a CI run), hence the floor of 8
+    assert taken >= min(plain / 2, 8), (taken, plain)
     report = load_run(tmp_path / "evaluating")  # checkfreq report: the windows' other work set aside too
     logged = sum(r.away_s for r in report.records)
     assert 0.7 * slept <= logged <= away + 1e-9, (logged, away)
