@@ -33,6 +33,8 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # the same global batches, summed in a
 ARGS = ("--epochs", "3", "--every", str(EVERY), "--memory", "1")
 THREE = ("--samples", "48", "--global-batch", "12")
 """Three nodes of one rank: 48 samples in global batches of 12 (at 3 ranks and at 1), 12 steps again."""
+LAGGING = ("--ballast-mb", "48")
+"""48 MiB of each rank's own: a snapshot's copy to the other node takes longer than a step."""
 PRIVATE = 4 + 624 * 4 + 5056
 """A DDP rank's private tensors: ``seen`` (float32), numpy's RNG key (624 uint32) and torch's CPU RNG state."""
 
@@ -123,6 +125,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def three_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _uninterrupted(tmp_path_factory.mktemp("three_reference"), *THREE, nproc=3)
+
+
+@pytest.fixture(scope="module")
+def lagging_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("lagging_reference"), *LAGGING)
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +273,39 @@ def test_ddp_copies_carry_no_replicated_bytes_and_a_lost_node_resumes_from_memor
     for rank in range(4):
         assert_state_equal(
             torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(ddp_reference / f"final.rank{rank}.pt")
+        )
+
+
+@pytest.mark.parametrize("nnodes", ["1:2", "2"])
+def test_a_node_lost_while_its_copies_lag_leaves_a_step_every_rank_restores_from_memory(
+    lagging_reference: Path, tmp_path: Path, nnodes: str
+) -> None:
+    """FSDP2, ``memory=1``, ``replicas=1``, each rank 48 MiB of its own state: copying a snapshot to the
+    other node takes longer than a step. Node 1 goes at once after step 7, its copies in flight, with
+    its memory and disk (no remote tier). The survivors (``1:2``), or they and a replacement node
+    (``2``), restore every rank from memory at a step no more than two snapshots back, and the job
+    ends on the uninterrupted run's course."""
+    extra = (*LAGGING, "--replicas", "1", "--lose-node-now", "7")
+    _lose_node(tmp_path, free_port(), extra, nnodes)
+    events = [e for node in (0, 1) for e in read_events(tmp_path / f"node{node}")]
+    restores = {(e["rank"], e["step"], e["tier"]) for e in events if e["event"] == "restore"}
+    steps = {step for _, step, _ in restores}
+    assert len(steps) == 1 and 5 <= min(steps) <= 7, restores
+    assert {tier for _, _, tier in restores} == {"memory"}, restores
+    assert len(restores) == (2 if nnodes == "1:2" else 4), restores
+    waits = [e for e in events if e["event"] == "replica wait"]
+    assert all(e["seconds"] >= 0 and e["done"] for e in waits), waits
+    losses, expected = read_losses(tmp_path / "steps.log"), read_losses(lagging_reference / "steps.log")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], **TOLERANCE)
+    if nnodes == "1:2":
+        torch.testing.assert_close(
+            torch.load(tmp_path / "final.full.pt"), torch.load(lagging_reference / "final.full.pt"), **TOLERANCE
+        )
+        return
+    for rank in range(4):
+        assert_state_equal(
+            torch.load(tmp_path / f"final.rank{rank}.pt"), torch.load(lagging_reference / f"final.rank{rank}.pt")
         )
 
 

@@ -161,8 +161,10 @@ def test_a_sender_frozen_mid_copy_is_found_by_its_heartbeats_and_the_keeper_ends
             process.join(10)
 
 
-def _unsealed(rank: int, work: Path) -> None:
-    """Rank 0 offers two snapshots committed before their checksum (as a large GPU snapshot is)."""
+def _outlasted(rank: int, work: Path) -> None:
+    """Rank 0 offers three snapshots at once while its keeper is not yet listening: the first copy
+    waits for the keeper, the next two are offered while it is in flight (as after a wait for it that
+    outlasted the failure timeout)."""
     logging.basicConfig(filename=work / f"rank{rank}.log", level=logging.INFO)
     os.environ[SHM_DIR_ENV] = str(work / f"shm{rank}")
     dist.init_process_group(
@@ -170,17 +172,18 @@ def _unsealed(rank: int, work: Path) -> None:
     )
     directory = work / "ckpt"
     if rank == 0:
-        region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory))
+        region = MemoryRegion(work / "shm0" / "own", device_and_inode(directory), slots=3)
         link = ReplicaLink(dist.group.WORLD, directory, sends_to=1, receives_from=[])
         skipped: list[dict] = []
         link.report = lambda event, **fields: skipped.append({"event": event, **fields})
-        for step in (3, 4):
-            region.reserve(1 << 16, 1024)
-            info = region.commit(region.begin(), step, 1 << 16, b"{}", b"s" * 16, checksum=False)
-            assert not link.offer(region, info)
+        offered = [link.offer(region, _commit(region, step, step)) for step in (3, 4, 5)]
+        assert offered == [True, False, False]
+        (work / "offered").touch()
         link.close(30)
         (work / "skipped.json").write_text(json.dumps(skipped))
     else:
+        while not (work / "offered").exists():
+            time.sleep(0.05)
         ReplicaLink(dist.group.WORLD, directory, sends_to=None, receives_from=[0]).close(60)
 
 
@@ -188,9 +191,13 @@ def test_a_snapshot_not_copied_is_said_once_with_why_and_what_to_do(tmp_path: Pa
     for rank in (0, 1):
         (tmp_path / f"shm{rank}").mkdir()
     (tmp_path / "ckpt").mkdir()
-    spawn_ranks(_unsealed, (tmp_path,), nprocs=2)
+    spawn_ranks(_outlasted, (tmp_path,), nprocs=2)
     said = [line for line in (tmp_path / "rank0.log").read_text().splitlines() if "is not copied" in line]
     assert len(said) == 1, said
-    assert "snapshot 3 is not copied to rank 1 (checksum not computed yet)" in said[0] and "256 MiB" in said[0]
+    assert "snapshot 4 is not copied to rank 1 (the previous copy is in flight)" in said[0]
+    assert "stalled link or keeper" in said[0]
     skipped = json.loads((tmp_path / "skipped.json").read_text())
-    assert [(s["event"], s["step"]) for s in skipped] == [("replica skipped", 3), ("replica skipped", 4)]
+    assert [(s["event"], s["step"]) for s in skipped if s["event"] == "replica skipped"] == [
+        ("replica skipped", 4),
+        ("replica skipped", 5),
+    ]

@@ -17,6 +17,10 @@ values) to ``<final>.rank<r>.pt``.
   at incarnation 0 again), after step STEP, every rank waits for what is in flight (the remote
   tier's copy and the replicas included); then every rank of the last node (the last ``--lost-nodes``
   nodes) SIGKILLs itself, each node's last one its torchrun agent first: the node is gone.
+* ``--ballast-mb M``: each rank also keeps M MiB of a tensor of its own (one value of it changes at each
+  step), so that a memory snapshot's copy to another node takes longer than a step: copies lag.
+* ``--lose-node-now STEP``: as ``--kill-node``, but nothing in flight is waited for: the last node goes at
+  once after step STEP, with copies of its snapshots in flight.
 * ``--flip-copy``: with ``--kill-node``, once every rank waited, rank 0 changes one byte of the
   newest copy it keeps of the first lost rank's snapshots (a copy damaged in memory) before the node goes.
 * ``--faults`` and ``--markers``: the fault matrix's faults (``fault_train.py``; here the phases
@@ -101,6 +105,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--flip-copy", action="store_true")
+    parser.add_argument("--ballast-mb", type=int, default=0)
+    parser.add_argument("--lose-node-now", type=int, default=None)
     parser.add_argument("--faults", default="")
     parser.add_argument("--markers", default=None)
     parser.add_argument("--wait-remote-before", type=int, default=0)
@@ -140,6 +146,8 @@ def main() -> None:
         loader=loader,
     )
     ckpt["seen"] = torch.zeros(())
+    if args.ballast_mb:
+        ckpt["ballast"] = torch.full((args.ballast_mb << 18,), float(rank))
     if args.markers:  # what this machine keeps of other machines' snapshots, before the restore takes any
         for held in memory_snapshots(args.ckpt_dir):
             if held.name.startswith("memory copy of rank "):
@@ -149,6 +157,7 @@ def main() -> None:
                     flush=True,
                 )
     step = ckpt.restore()
+    lost_before = args.kill_marker is not None and os.path.exists(args.kill_marker)
     at = f" at={time.time()!r}" if args.markers else ""
     print(
         f"life={life} rank={rank} world={world} restored step={step}{at}\n", end="", flush=True
@@ -160,6 +169,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             ckpt["seen"] += len(y)
+            if args.ballast_mb:
+                ckpt["ballast"][ckpt.global_step % 1024] += 1.0
             if ckpt.step() and ckpt.global_step < args.wait_remote_before:
                 ckpt.wait(remote=True)  # collective: the checkpoints before the faults are in the remote tier
             if args.step_log:
@@ -170,6 +181,12 @@ def main() -> None:
             if args.die == f"{life}:{rank}:{ckpt.global_step}":
                 ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.lose_node_now == ckpt.global_step and not lost_before:
+                if rank >= world - per_node:  # the last node's ranks, at once
+                    open(args.kill_marker, "a").close()
+                    if rank % per_node == per_node - 1:
+                        os.kill(os.getppid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
             if args.kill_node == ckpt.global_step and not os.path.exists(args.kill_marker):
                 ckpt.wait(remote=bool(args.remote))  # collective: every rank
                 dist.barrier()  # every rank has looked at the marker
@@ -181,7 +198,12 @@ def main() -> None:
                         os.kill(os.getppid(), signal.SIGKILL)  # the torchrun agent that started this worker
                     os.kill(os.getpid(), signal.SIGKILL)
     torch.save(
-        {"model": local(model.state_dict()), "optimizer": local(optimizer.state_dict()), "seen": ckpt["seen"]},
+        {
+            "model": local(model.state_dict()),
+            "optimizer": local(optimizer.state_dict()),
+            "seen": ckpt["seen"],
+            **({"ballast": ckpt["ballast"]} if args.ballast_mb else {}),
+        },
         f"{args.final}.rank{rank}.pt",
     )
     full = {

@@ -14,11 +14,11 @@ Commit protocol of one snapshot (:meth:`MemoryRegion.begin`, then :meth:`MemoryR
 the slot's header is zeroed first, the data and metadata are copied in, and only then is the
 header written: magic, sequence number, step, lengths, layout signature, a checksum of data and
 metadata (xxh3-64 of 64 MiB chunks hashed in parallel, :mod:`checkfreq.storage.parallel_hash`), and
-a checksum of the header itself. A process killed anywhere in between
-leaves that slot without a valid header (or with one whose checksum does not match), and the
-other slot, which the protocol never touches meanwhile, still holds the previous complete
-snapshot. Reading copies a slot into private memory and verifies its checksum on the copy, so
-a torn or bit-flipped snapshot is detected and skipped, never loaded.
+a checksum of the header itself. A process killed anywhere in between leaves that slot without a
+valid header (or with one whose checksum does not match), and the other slots, which the protocol
+never touches meanwhile, still hold the previous complete snapshots (two slots by default; three
+with ``replicas=``: :data:`COPIED_SLOTS`). Reading copies a slot into private memory and verifies
+its checksum on the copy, so a torn or bit-flipped snapshot is detected and skipped, never loaded.
 
 A large snapshot may be committed before its checksum is known (``commit(..., checksum=False)``,
 then :meth:`MemoryRegion.seal`): the header, written only once the copy is complete, is the
@@ -56,11 +56,16 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.storage.format import BLOCK_BYTES
 from checkfreq.storage.host_pinning import HostRegistry
 from checkfreq.storage.parallel_hash import chunked_xxh3
-from checkfreq.storage.shm_paths import device_and_inode, region_path, shm_directory
+from checkfreq.storage.shm_paths import device_and_inode, region_path
 
 log = logging.getLogger("checkfreq.shm")
 
 SLOTS = 2
+"""A region's slots by default: the newest snapshot and the one being written."""
+COPIED_SLOTS = 3
+"""A region's slots when snapshots are copied to other machines (``replicas=``): the two newest
+snapshots and the one being written, so that the step every rank can restore from stays in memory
+while copies lag a snapshot behind (docs/storage.md, "Copies that lag")."""
 HEADER_BYTES = 4096
 META_MIN_BYTES = 64 << 10
 VERSION = 2  # 2: chunked checksums
@@ -112,16 +117,19 @@ def _align(n: int) -> int:
 
 
 class MemoryRegion:
-    """One rank's shared-memory region: :data:`SLOTS` snapshot slots and their headers.
+    """One rank's shared-memory region: ``slots`` snapshot slots and their headers.
 
     Opening adopts a region left by an earlier process on the same directory (a restart reads
-    it) and removes one that belongs to another directory incarnation or is not a region of
-    this version (unless ``tidy`` is False: a look that changes nothing). Nothing is created
-    until :meth:`reserve`.
+    it, whatever its number of slots) and removes one that belongs to another directory
+    incarnation or is not a region of this version (unless ``tidy`` is False: a look that changes
+    nothing). Nothing is created until :meth:`reserve`, which makes one of ``slots`` slots.
     """
 
-    def __init__(self, path: Path, identity: tuple[int, int], *, tidy: bool = True) -> None:
+    def __init__(self, path: Path, identity: tuple[int, int], *, tidy: bool = True, slots: int = SLOTS) -> None:
         self.path = path
+        self._wanted = slots
+        self.slots = slots
+        """The slots of the mapped region (an adopted one keeps its own number until it is made again)."""
         self._identity = identity
         self._map: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
@@ -138,8 +146,8 @@ class MemoryRegion:
             self._adopt(tidy)
 
     @classmethod
-    def for_directory(cls, directory: str | os.PathLike[str], rank: int = 0) -> MemoryRegion:
-        return cls(region_path(directory, rank), device_and_inode(directory))
+    def for_directory(cls, directory: str | os.PathLike[str], rank: int = 0, *, slots: int = SLOTS) -> MemoryRegion:
+        return cls(region_path(directory, rank), device_and_inode(directory), slots=slots)
 
     @property
     def mapped(self) -> bool:
@@ -167,7 +175,7 @@ class MemoryRegion:
                     log.info("removing shared-memory region %s: %s", self.path, reason)
                     self.path.unlink(missing_ok=True)
                 return
-            _, _, _, self._data_capacity, self._meta_capacity, _, _ = _REGION.unpack(raw)
+            _, _, self.slots, self._data_capacity, self._meta_capacity, _, _ = _REGION.unpack(raw)
             self._map_fd(fd, size)
         finally:
             os.close(fd)
@@ -178,11 +186,11 @@ class MemoryRegion:
         if len(raw) < _REGION.size:
             return "it is truncated"
         magic, version, slots, data_cap, meta_cap, dev, ino = _REGION.unpack(raw)
-        if magic != _REGION_MAGIC or version != VERSION or slots != SLOTS:
+        if magic != _REGION_MAGIC or version != VERSION or slots not in (SLOTS, COPIED_SLOTS):
             return "it is not a region of this checkfreq version"
         if (dev, ino) != self._identity:
             return "it was written for an earlier directory of the same name"
-        if size != HEADER_BYTES + SLOTS * (data_cap + meta_cap):
+        if size != HEADER_BYTES + slots * (data_cap + meta_cap):
             return "its size does not match its header"
         return None
 
@@ -194,15 +202,16 @@ class MemoryRegion:
     def reserve(self, data_bytes: int, meta_bytes: int) -> None:
         """Make sure every slot holds ``data_bytes`` of data and ``meta_bytes`` of metadata.
 
-        Keeps the mapped region when it is large enough; otherwise replaces it (its snapshots
-        are dropped) by one with room to spare for metadata that grows. Raises
+        Keeps the mapped region when it is large enough and has the slots asked for; otherwise
+        replaces it (its snapshots are dropped) by one with room to spare for metadata that grows. Raises
         :class:`ShmCapacityError` if the shared-memory filesystem has no room (nothing is left
         behind then).
         """
         if self.fits(data_bytes, meta_bytes):
             return
         data_cap, meta_cap = _align(max(1, data_bytes)), _align(max(META_MIN_BYTES, 2 * meta_bytes))
-        size = HEADER_BYTES + SLOTS * (data_cap + meta_cap)
+        slots = self._wanted
+        size = HEADER_BYTES + slots * (data_cap + meta_cap)
         self.release(remove=True)
         directory = self.path.parent
         try:
@@ -213,13 +222,13 @@ class MemoryRegion:
         if free < size:
             raise ShmCapacityError(
                 f"{directory} has {free / 2**20:.1f} MiB free; the memory tier needs {size / 2**20:.1f} MiB "
-                f"({SLOTS} snapshots of {data_bytes / 2**20:.1f} MiB)"
+                f"({slots} snapshots of {data_bytes / 2**20:.1f} MiB)"
             )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # tmpfs reserves the pages now: no SIGBUS later
-            os.pwrite(fd, _REGION.pack(_REGION_MAGIC, VERSION, SLOTS, data_cap, meta_cap, *self._identity), 0)
-            self._data_capacity, self._meta_capacity = data_cap, meta_cap
+            os.pwrite(fd, _REGION.pack(_REGION_MAGIC, VERSION, slots, data_cap, meta_cap, *self._identity), 0)
+            self._data_capacity, self._meta_capacity, self.slots = data_cap, meta_cap, slots
             self._map_fd(fd, size)
         except OSError as e:
             self.path.unlink(missing_ok=True)
@@ -231,11 +240,16 @@ class MemoryRegion:
         finally:
             os.close(fd)
         self._sequence = 0
-        log.info("memory tier: %s, %d slots of %.1f MiB", self.path, SLOTS, data_cap / 2**20)
+        log.info("memory tier: %s, %d slots of %.1f MiB", self.path, slots, data_cap / 2**20)
 
     def fits(self, data_bytes: int, meta_bytes: int) -> bool:
         """Whether :meth:`reserve` would keep the mapping (and its registrations) as it is."""
-        return self._map is not None and data_bytes <= self._data_capacity and meta_bytes <= self._meta_capacity
+        return (
+            self._map is not None
+            and self.slots == self._wanted
+            and data_bytes <= self._data_capacity
+            and meta_bytes <= self._meta_capacity
+        )
 
     def pin_slot(self, slot: int, registry: HostRegistry) -> bool:
         """Register ``slot``'s data area with ``registry`` (once per mapping: a no-op if it is
@@ -310,7 +324,7 @@ class MemoryRegion:
         """Slots with a valid header, newest first (their data is not verified here)."""
         if self._map is None:
             return []
-        found = [info for slot in range(SLOTS) if (info := self.header(slot)) is not None]
+        found = [info for slot in range(self.slots) if (info := self.header(slot)) is not None]
         return sorted(found, key=lambda info: -info.sequence)
 
     # ------------------------------------------------------------------ write
@@ -318,21 +332,34 @@ class MemoryRegion:
     def begin(self, keep: int | None = None) -> OpenSlot:
         """Open a slot for the next snapshot: its header is invalidated before this returns.
 
-        The slot chosen is never ``keep`` (a slot still being persisted to disk) and, when
-        there is a choice, never the newest committed snapshot. The sequence number is drawn
-        here, so snapshots rank in the order they were taken whichever thread commits them.
+        The slot chosen is never ``keep`` (a slot still being persisted to disk): a slot without a
+        snapshot if there is one, else the oldest snapshot's, which, when there is a choice, is
+        not one of the newest ``slots - 1`` (:meth:`spare`). The sequence number is drawn here, so
+        snapshots rank in the order they were taken whichever thread commits them.
         """
         assert self._map is not None and self._bytes is not None
-        newest = next(iter(self.snapshots()), None)
-        free = [s for s in range(SLOTS) if s != keep]
-        preferred = [s for s in free if newest is None or s != newest.slot]
-        slot = (preferred or free)[0]
+        slot = self._overwritten(keep)
         at = self._header_at(slot)
         with self._lock:  # a seal never writes a header that begin() has invalidated
             self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
             self._sequence += 1
             sequence = self._sequence
         return OpenSlot(slot, sequence, self.slot_data(slot))
+
+    def spare(self, keep: int | None = None) -> bool:
+        """Whether :meth:`begin` (never opening ``keep``) has a slot that holds none of the newest
+        ``slots - 1`` snapshots."""
+        return self._overwritten(keep) not in self._newest_slots()
+
+    def _newest_slots(self) -> set[int]:
+        return {info.slot for info in self.snapshots()[: self.slots - 1]}
+
+    def _overwritten(self, keep: int | None) -> int:
+        """The slot :meth:`begin` opens: an empty one, else the oldest snapshot's, never ``keep``."""
+        held = {info.slot: info.sequence for info in self.snapshots()}
+        free = sorted((s for s in range(self.slots) if s != keep), key=lambda s: held.get(s, -1))
+        newest = self._newest_slots()
+        return next((s for s in free if s not in newest), free[0])
 
     def commit(
         self,
@@ -390,7 +417,7 @@ class MemoryRegion:
         """Invalidate every snapshot (the run went back to an older state: they are another timeline)."""
         with self._lock:  # a seal checks and writes a header under it: it never brings one back
             if self._map is not None:
-                for slot in range(SLOTS):
+                for slot in range(self.slots):
                     at = self._header_at(slot)
                     self._map[at : at + _SLOT_HEADER_STRIDE] = bytes(_SLOT_HEADER_STRIDE)
 
@@ -455,29 +482,3 @@ def slot_digest(data: memoryview, meta: bytes) -> int:
 
 class ShmSnapshotError(CheckfreqError):
     """A memory-tier snapshot is torn or damaged (its checksum does not match)."""
-
-
-def remove_regions_beyond(directory: str | os.PathLike[str], world_size: int) -> list[Path]:
-    """Delete the regions of ranks that a job of ``world_size`` ranks no longer has (an earlier
-    job on the directory ran with more); returns what was removed. Rank 0 calls it at start."""
-    removed = []
-    for rank, region in listed_regions(directory):
-        if rank >= world_size:
-            log.info("removing shared-memory region %s: this job has %d ranks", region.path, world_size)
-            region.release(remove=True)
-            removed.append(region.path)
-    return removed
-
-
-def listed_regions(directory: str | os.PathLike[str], kind: str = "rank") -> list[tuple[int, MemoryRegion]]:
-    """The regions of checkpoint ``directory`` on this node, by rank (read-only look, for the CLI);
-    with ``kind="replica"``, the copies this node keeps of other nodes' ranks' snapshots."""
-    prefix = region_path(directory, 0).name.rsplit("-rank", 1)[0] + f"-{kind}"
-    found = []
-    for path in sorted(shm_directory().glob(prefix + "*")):
-        try:
-            rank = int(path.name[len(prefix) :])
-        except ValueError:
-            continue
-        found.append((rank, MemoryRegion(path, device_and_inode(directory), tidy=False)))
-    return found

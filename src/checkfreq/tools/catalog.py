@@ -36,7 +36,7 @@ from checkfreq.storage.format import (
     typed_checkpoint_step,
 )
 from checkfreq.storage.local import LocalStore
-from checkfreq.storage.shm import listed_regions
+from checkfreq.storage.shm_listing import listed_regions
 
 
 @dataclass(frozen=True)

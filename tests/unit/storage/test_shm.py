@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, layout_signature, remove_regions_beyond
+from checkfreq.storage.shm import MemoryRegion, ShmSnapshotError, layout_signature
+from checkfreq.storage.shm_listing import remove_regions_beyond
 from checkfreq.storage.shm_paths import device_and_inode, region_path
 
 SIG = layout_signature(("x",))
@@ -236,4 +237,37 @@ def test_begin_never_touches_the_slot_being_persisted(shm_dir: Path, tmp_path: P
         target.data[:4096].fill_(step)
         region.commit(target, step, 4096, b"{}", SIG)
     assert sorted(i.step for i in region.snapshots()) == [1, 4]
+    region.release(remove=True)
+
+
+def test_a_region_of_three_slots_keeps_the_two_newest_snapshots_while_a_third_is_written(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    region = MemoryRegion.for_directory(tmp_path, slots=3)
+    region.reserve(4096, 100)
+    assert region.slots == 3 and region.nbytes > 0
+    for step in (1, 2, 3, 4, 5):
+        target = region.begin()  # opened, its header invalidated: the two before it are whole
+        assert sorted(i.step for i in region.snapshots()) == [s for s in (step - 2, step - 1) if s > 0]
+        target.data[:4096].fill_(step)
+        region.commit(target, step, 4096, b"{}", SIG)
+    assert [i.step for i in region.snapshots()] == [5, 4, 3]
+    region.release(remove=False)
+
+    plain = MemoryRegion.for_directory(tmp_path)  # a restart without replicas= still reads it
+    assert plain.slots == 3 and [i.step for i in plain.snapshots()] == [5, 4, 3]
+    plain.reserve(4096, 100)  # its first snapshot makes a region of its own number of slots
+    assert plain.slots == 2 and plain.snapshots() == []
+    plain.release(remove=True)
+
+
+def test_a_slot_held_by_a_persist_leaves_no_spare_slot_only_when_it_is_the_oldest(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    region = MemoryRegion.for_directory(tmp_path, slots=3)
+    region.reserve(4096, 100)
+    slots = [put(region, step) for step in (1, 2, 3)]
+    assert region.spare() and region.spare(keep=slots[2])
+    assert not region.spare(keep=slots[0])  # only the second newest could be opened: the caller waits first
+    assert region.begin(keep=slots[0]).slot == slots[1]
     region.release(remove=True)

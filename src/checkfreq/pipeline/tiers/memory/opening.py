@@ -20,7 +20,7 @@ from checkfreq.ranks.group_share import Group
 from checkfreq.ranks.groups import new_gloo_groups
 from checkfreq.ranks.sharing import memory_group, memory_key
 from checkfreq.storage.format import data_file_name
-from checkfreq.storage.shm import remove_regions_beyond
+from checkfreq.storage.shm_listing import remove_regions_beyond
 
 log = logging.getLogger("checkfreq.memory")
 
@@ -62,6 +62,7 @@ def open_memory_tier(
         rank=peers.rank,
         group=Group(tuple(members.ranks), peers.rank, peers.size),
         failure_timeout=failure_timeout,
+        copied=bool(members.sends_to),
     )
     if replicas:  # every rank: the group is created collectively
         _, (copies,) = new_gloo_groups(["replica"], timedelta(seconds=failure_timeout), REPLICA_GROUP_TIMEOUT)

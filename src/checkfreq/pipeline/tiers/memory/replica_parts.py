@@ -36,7 +36,8 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline.tiers.roles import HeldCopy
 from checkfreq.ranks.shares import REPLICATED
 from checkfreq.storage.format import CHUNK_BYTES, Manifest
-from checkfreq.storage.shm import MemoryRegion, SlotInfo, listed_regions, slot_digest
+from checkfreq.storage.shm import MemoryRegion, SlotInfo, slot_digest
+from checkfreq.storage.shm_listing import listed_regions
 
 OMIT_MIN_BYTES = 4096
 """The shortest run of replicated bytes a copy leaves out."""

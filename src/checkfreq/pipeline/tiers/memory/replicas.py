@@ -3,11 +3,15 @@
 Each rank with keepers (:func:`checkfreq.ranks.group_share.replica_ring`: one rank on each of
 ``replicas`` other machines) sends every memory snapshot it commits, less what every other machine
 holds too (its replicated pieces: :mod:`checkfreq.pipeline.tiers.memory.replica_parts`), to each keeper in turn,
-over a gloo group of its own, on a thread of its own: training never waits for it, except when the
-next snapshot needs the slot still being sent (the busy rule, bounded by ``failure_timeout``). A
-rank keeps the snapshots it receives in a region of its machine's shared memory named after the
-sender (:func:`checkfreq.storage.shm_paths.replica_path`), each slot committed only once its bytes match
-the sender's checksum: a copy cut short (the sender died) or damaged on the way is never used.
+over a gloo group of its own, on a thread of its own. Training waits for it only at the next snapshot,
+and only if the copy is still in flight then (:meth:`ReplicaLink.catch_up`, bounded by
+``failure_timeout``): a copy never falls more than one snapshot behind, which keeps the step every
+rank can restore from in memory (docs/storage.md, "Copies that lag"). A rank keeps the snapshots it
+receives in a region of its machine's shared memory named after the sender
+(:func:`checkfreq.storage.shm_paths.replica_path`, :data:`~checkfreq.storage.shm.COPIED_SLOTS` slots:
+the two newest copies and the one arriving), each slot committed only once its bytes match the
+sender's checksum: a copy cut short (the sender died) or damaged on the way is never used, and never
+takes the place of the two newest whole ones.
 
 On the wire, each snapshot is a :class:`CopyHeader` (:attr:`CopyHeader.WIDTH` int64 values: kind, step,
 the copy's data and manifest bytes and checksum, layout signature), its data (in pieces of at most
@@ -44,7 +48,7 @@ import torch.distributed as dist
 from checkfreq.errors import CheckfreqError, PeerLostError
 from checkfreq.pipeline.tiers.memory.replica_parts import Outgoing, outgoing, pieces_of
 from checkfreq.ranks.liveness import Liveness
-from checkfreq.storage.shm import PENDING, MemoryRegion, ShmCapacityError, SlotInfo
+from checkfreq.storage.shm import COPIED_SLOTS, MemoryRegion, ShmCapacityError, SlotInfo
 from checkfreq.storage.shm_paths import device_and_inode, replica_path
 
 log = logging.getLogger("checkfreq.memory")
@@ -158,12 +162,13 @@ class CopyAnswer:
 
 
 _IN_FLIGHT_ADVICE = (
-    "copying takes longer than snapshotting here, so a lost node resumes from the newest copy its keeper "
-    "holds, a snapshot or more older; snapshot less often (memory=N steps) for the copies to keep up"
+    "a copy took longer than the failure timeout: a lost node resumes from the newest copy its keeper "
+    "holds; look for a stalled link or keeper"
 )
-_PENDING_ADVICE = (
-    "a GPU snapshot of 256 MiB or more is committed before its checksum, and a copy is checked by it: "
-    "such a snapshot is copied only when its checksum is ready as it is offered"
+_WAIT_ADVICE = (
+    "copying takes longer than snapshotting here, and a snapshot waits until the copies of the one before are "
+    "kept, so that a lost node's state stays in memory; snapshot less often (memory=N steps) for the copies to "
+    "keep up"
 )
 
 
@@ -229,14 +234,13 @@ class ReplicaLink:
     # ------------------------------------------------------------------ sending
 
     def offer(self, region: MemoryRegion, info: SlotInfo) -> bool:
-        """Copy the snapshot of ``info`` (committed in ``region``) to the keepers in the background, one
-        after the other, unless the previous copy is still in flight or no keeper can take it; whether it goes."""
+        """Copy the snapshot of ``info`` (committed in ``region``, its checksum computed) to the keepers
+        in the background, one after the other, unless the previous copy is still in flight (it
+        outlasted :meth:`catch_up`'s wait) or no keeper can take it; whether it goes."""
         if not self._live():
             return False
-        if not self._idle.is_set():  # the busy rule: the previous copy is still in flight
+        if not self._idle.is_set():  # the previous copy outlasted the wait for it
             return self._skip(info.step, "the previous copy is in flight", _IN_FLIGHT_ADVICE)
-        if info.checksum == PENDING:  # committed before its checksum (a large GPU snapshot): nothing to check a copy by
-            return self._skip(info.step, "checksum not computed yet", _PENDING_ADVICE)
         self._idle.clear()
         self.sending = info.slot
         self._offers.put((region, info))
@@ -256,6 +260,27 @@ class ReplicaLink:
                 advice,
             )
         return False
+
+    def catch_up(self, step: int, timeout: float) -> float:
+        """Before snapshot ``step``: wait until the previous snapshot's copies are done, at most
+        ``timeout`` seconds; the seconds waited. A wait is a ``replica wait`` event, and said once."""
+        if self._idle.is_set():
+            return 0.0
+        start = time.perf_counter()
+        done = self._idle.wait(timeout)
+        seconds = time.perf_counter() - start
+        self.report("replica wait", step=step, seconds=seconds, to=self.sends_to, done=done)
+        if "wait" not in self._warned:
+            self._warned.add("wait")
+            log.warning(
+                "memory tier: snapshot %d waited %.2f s for the copy of the previous one to rank %s: %s. "
+                "Said once; each wait is a 'replica wait' event of the run's log",
+                step,
+                seconds,
+                ", ".join(map(str, self.sends_to)),
+                _WAIT_ADVICE,
+            )
+        return seconds
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait until no copy is in flight, at most ``timeout`` seconds; whether none is."""
@@ -326,7 +351,9 @@ class ReplicaLink:
     # ------------------------------------------------------------------ keeping
 
     def _keep_loop(self, sender: int) -> None:
-        region = MemoryRegion(replica_path(self.directory, sender), device_and_inode(self.directory))
+        region = MemoryRegion(
+            replica_path(self.directory, sender), device_and_inode(self.directory), slots=COPIED_SLOTS
+        )
         received = CopyHeader.empty()
         try:
             while True:

@@ -17,6 +17,9 @@ L times, and each rank copies 1/L of it. A restore reads the group's other share
 their regions on the same machine (:meth:`MemoryTier.complete`). Sharded state is each rank's own
 (its shards). With ``replicas=k`` each snapshot is also copied to a rank of k other machines
 (:mod:`checkfreq.pipeline.tiers.memory.replicas`), and a share this machine lacks is read from the copy kept here.
+Then the region has three slots, not two, and a snapshot is begun only once the previous one's copies
+are kept (:meth:`MemoryTier.target`): the step every rank can restore from stays in memory, however far
+the copies lag (docs/storage.md, "Copies that lag").
 
 A slot that CUDA tensors are copied into, or restored from, is registered with the CUDA runtime
 the first time (:class:`~checkfreq.storage.host_pinning.HostRegistry`), so the copy runs on the
@@ -49,7 +52,8 @@ import torch
 from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline.capture.snapshot import PendingSnapshot
 from checkfreq.pipeline.capture.writer import Writer
-from checkfreq.pipeline.tiers.memory.replica_parts import usable_steps, whole
+from checkfreq.pipeline.tiers.memory.neighbours import kept_copy, share_on_machine
+from checkfreq.pipeline.tiers.memory.replica_parts import usable_steps
 from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
 from checkfreq.pipeline.tiers.memory.slot_pinning import SlotPinning
 from checkfreq.pipeline.tiers.memory.target import MemoryTarget, SlotManifests, seal_later
@@ -69,12 +73,15 @@ from checkfreq.ranks.shares import SHARDED
 from checkfreq.run.state import replicated
 from checkfreq.storage.format import Manifest, entry_view
 from checkfreq.storage.shm import (
+    COPIED_SLOTS,
+    SLOTS,
     MemoryRegion,
     ShmCapacityError,
+    SlotInfo,
     layout_signature,
-    listed_regions,
 )
-from checkfreq.storage.shm_paths import device_and_inode, region_path, replica_path
+from checkfreq.storage.shm_listing import listed_regions
+from checkfreq.storage.shm_paths import replica_path
 
 log = logging.getLogger("checkfreq.memory")
 T = TypeVar("T")
@@ -88,6 +95,8 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         cadence: when memory-only snapshots are taken.
         data_file: the data file name the snapshot's manifest refers to.
         group: the ranks of this machine that keep the state together (None: this rank keeps all of it).
+        copied: its snapshots are copied to other machines (``replicas=``): the region has
+            :data:`~checkfreq.storage.shm.COPIED_SLOTS` slots.
     """
 
     def __init__(
@@ -99,12 +108,13 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         rank: int = 0,
         group: Group | None = None,
         failure_timeout: float = 30.0,
+        copied: bool = False,
     ) -> None:
         self.directory, self.rank = directory, rank
         self.failure_timeout = failure_timeout
         self.link: ReplicaLink | None = None
         """Copies of this rank's snapshots on another machine, and of others' here (``replicas=``)."""
-        self.region = MemoryRegion.for_directory(directory, rank)
+        self.region = MemoryRegion.for_directory(directory, rank, slots=COPIED_SLOTS if copied else SLOTS)
         self.group = group
         self._sharer = None if group is None else GroupSharer(group)
         self._sealer: ThreadPoolExecutor | None = None
@@ -118,6 +128,8 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         self._persisting: int | None = None  # the slot a persist is writing to disk
         self._persist_done = threading.Event()  # the persist holding a slot is over (its copy in, its write out)
         self._persist_done.set()
+        self._persist_committed = threading.Event()  # the persist holding a slot committed it (and offered its copy)
+        self._persist_committed.set()
         self.enabled = True
         """False once /dev/shm had no room, or a job of one process has sharded state: snapshots go to disk only."""
         self.newest: HeldSnapshot | None = None
@@ -177,6 +189,8 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             return None
         layout = request.layout
         meta = self._manifests.meta(request)
+        if self.link is not None:
+            self._catch_up(self.link, request.step)
         start = time.perf_counter()
         if not self.region.fits(layout.nbytes, len(meta)):
             # the region is made again: never unregister or unmap the slot a persist still copies into
@@ -208,6 +222,18 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             seal_later(request.device_copies, layout.nbytes),
         )
 
+    def _catch_up(self, link: ReplicaLink, step: int) -> None:
+        """Before snapshot ``step`` is begun: wait (each wait at most ``failure_timeout``) until the
+        previous snapshot is offered to the keepers (its commit by a persist, its checksum) and its
+        copies are kept, and until a slot other than the two newest snapshots' is free. So no rank
+        overwrites the snapshot every rank can restore from while a copy lags (docs/storage.md,
+        "Copies that lag"); the training thread's wait counts as the snapshot's cost."""
+        self._persist_committed.wait(self.failure_timeout)
+        self.wait_sealed()
+        link.catch_up(step, self.failure_timeout)
+        if self._persisting is not None and not self.region.spare(self._persisting):
+            self._persist_done.wait(self.failure_timeout)
+
     def _held_slot(self) -> int | None:
         """The slot the next snapshot must not overwrite: the one a persist writes to disk, else the one
         being copied to another machine. When both are held, the copy is waited for (the busy rule),
@@ -237,12 +263,18 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             layout_signature(target.layout.signature),
             checksum=not target.seal_later,
         )
-        if self.link is not None:
-            self.link.offer(self.region, info)
-        if target.seal_later:
+        if target.seal_later:  # copied once sealed: a copy is checked by its checksum
             if self._sealer is None:
                 self._sealer = ThreadPoolExecutor(1, thread_name_prefix="checkfreq-seal")
-            self._sealer.submit(self.region.seal, info)
+            self._sealer.submit(self._seal, info)
+        elif self.link is not None:
+            self.link.offer(self.region, info)
+
+    def _seal(self, info: SlotInfo) -> None:
+        """Compute the checksum of a snapshot committed without it, then offer its copy."""
+        sealed = self.region.seal(info)
+        if sealed is not None and self.link is not None:
+            self.link.offer(self.region, sealed)
 
     def wait_sealed(self) -> None:
         """Wait until the checksums of the committed snapshots are written (or given up: slot reused)."""
@@ -287,12 +319,16 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             return persist
         self._persisting = target.slot.slot
         self._persist_done.clear()
+        self._persist_committed.clear()
         self.newest = None  # the persist supersedes any memory-only snapshot
         self.taken(target.step)
 
         def job() -> T:
             try:
-                self.commit(target, pending)
+                try:
+                    self.commit(target, pending)
+                finally:
+                    self._persist_committed.set()
                 return persist()
             finally:
                 self._persisting = None
@@ -349,7 +385,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         tensors = dict(state.tensors)
         records = {name: {**record, "parts": list(record["parts"])} for name, record in split["tensors"].items()}
         for rank in others:
-            manifest, arrays = self._share(rank, step)
+            manifest, arrays = share_on_machine(self.directory, rank, step)
             tensors.update(arrays)
             try:
                 for name in sharded if resharded else ():
@@ -378,16 +414,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         return [info.step for info in self.region.snapshots()], copies
 
     def read_copy(self, rank: int, step: int) -> HeldCopy:
-        region = MemoryRegion(replica_path(self.directory, rank), device_and_inode(self.directory), tidy=False)
-        try:
-            found = region.newest(step)
-        finally:
-            region.release(remove=False)
-        if found is None:
-            why = "; ".join(reason for _, reason in region.skipped) or "none of that step"
-            raise CheckfreqError(f"the copy of rank {rank}'s memory snapshot {step} kept here cannot be read: {why}")
-        info, meta, data = found
-        return whole(self.directory, HeldCopy(rank, step, meta, data, info.checksum, info.signature))
+        return kept_copy(self.directory, rank, step)
 
     def adopt(self, copy: HeldCopy) -> None:
         """Commit ``copy`` into a slot of this rank's region, checked against the checksum it was kept with."""
@@ -395,31 +422,6 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         slot = self.region.begin(keep=self._held_slot())
         slot.data[: copy.data.numel()].copy_(copy.data)
         self.region.commit(slot, copy.step, copy.data.numel(), copy.meta, copy.signature, expect=copy.checksum)
-
-    def _share(self, rank: int, step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
-        """Rank ``rank``'s share of memory snapshot ``step``, from its region on this machine, else
-        from the replica this machine keeps of it."""
-        reasons = []
-        for what, path in (
-            ("its region", region_path(self.directory, rank)),
-            ("the copy kept here,", replica_path(self.directory, rank)),
-        ):
-            if not path.exists():
-                continue
-            region = MemoryRegion(path, device_and_inode(self.directory), tidy=False)
-            try:
-                found = region.newest(step)
-                if found is not None:  # a copy kept here is made whole first (it may leave replicated pieces out)
-                    copy = whole(self.directory, HeldCopy(rank, step, found[1], found[2], found[0].checksum, b""))
-                    manifest = Manifest.from_json(copy.meta, step=step)
-                    return manifest, {name: entry_view(copy.data, entry) for name, entry in manifest.tensors.items()}
-                reasons.append(f"{what} {path.name}: {'; '.join(r for _, r in region.skipped) or 'not of that step'}")
-            finally:
-                region.release(remove=False)
-        raise CheckfreqError(
-            f"rank {rank}'s share of memory snapshot {step} is on no region of this machine "
-            f"({os.uname().nodename})" + (f" ({'; '.join(reasons)})" if reasons else "")
-        )
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline, and
