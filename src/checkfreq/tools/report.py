@@ -96,7 +96,7 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
                 )
         elif kind == "memory":
             report.memory_snapshots.append({k: event.get(k) for k in ("time", "step", "stall_s", "bytes")})
-        elif kind in ("replica", "replica skipped", "replica refused"):
+        elif kind in ("replica", "replica skipped", "replica refused", "replica wait"):
             report.replicas.append(
                 {k: event.get(k) for k in ("event", "time", "step", "rank", "bytes", "seconds", "kept", "reason")}
             )

@@ -128,7 +128,8 @@ class RunReport:
     waits: list[dict[str, Any]] = field(default_factory=list)
     """The ``busy`` waits (for the previous persist or memory snapshot) and ``gpu_wait`` waits."""
     replicas: list[dict[str, Any]] = field(default_factory=list)
-    """The memory tier's copies to another machine (``replica``, ``replica skipped``, ``replica refused``)."""
+    """The memory tier's copies to another machine (``replica``, ``replica skipped``, ``replica refused``,
+    ``replica wait``)."""
     copy_lag: CopyLag | None = None
     """How far the copies on other machines lagged the snapshots, every rank's (None: no copy kept)."""
     summary: Summary | None = None

@@ -170,14 +170,20 @@ def _replicas_line(events: list[dict[str, Any]]) -> str:
     """The memory tier's copies on another machine (``replicas=1``) in one line."""
     kept = [e for e in events if e["event"] == "replica" and e.get("kept")]
     skipped = [e for e in events if e["event"] == "replica skipped"]
+    waited = [e for e in events if e["event"] == "replica wait"]
     refused = [e for e in events if e["event"] == "replica" and not e.get("kept")]  # the sender's side of each
     line = (
         f"memory copies on another machine: {len(kept)} kept there "
         f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, median "
         f"{human_seconds(_median(_values(e.get('seconds') for e in kept)))} each, off the training thread)"
     )
+    if waited:
+        line += (
+            f"; {len(waited)} snapshots waited for the copies of the one before (median "
+            f"{human_seconds(_median(_values(e.get('seconds') for e in waited)))}: copying is slower than snapshotting)"
+        )
     if skipped:
-        line += f"; {len(skipped)} not copied (the previous copy still in flight, or its checksum not computed yet)"
+        line += f"; {len(skipped)} not copied (the previous copy still in flight after the failure timeout)"
     if refused:
         line += f"; {len(refused)} refused by the keeper (damaged on the way)"
     return line

@@ -425,3 +425,17 @@ def test_the_copies_lag_in_seconds_and_snapshots_and_where_a_lost_node_resumes(t
     logs[0].write("memory", time=7.0, step=7, stall_s=0.001, bytes=100)
     EventLog(tmp_path, rank=2).write("memory", time=7.0, step=7, stall_s=0.001, bytes=100)
     assert "rank 2 had no copy kept" in summary_text(load_run(tmp_path))
+
+
+def test_snapshots_that_waited_for_the_copies_are_counted_with_their_median_wait(tmp_path: Path) -> None:
+    log = EventLog(tmp_path, rank=0)
+    log.write("start", time=0.0, pid=0, policy="Every", keep=3)
+    for step in range(1, 5):
+        log.write("memory", time=float(step), step=step, stall_s=0.001, bytes=100)
+        log.write("replica", time=step + 0.5, step=step, to=1, bytes=100, seconds=0.9, kept=True)
+    for step, seconds in ((2, 0.2), (3, 0.4), (4, 0.3)):
+        log.write("replica wait", time=float(step), step=step, seconds=seconds, to=[1], done=True)
+    text = summary_text(load_run(tmp_path))
+    assert "memory copies on another machine: 4 kept there" in text, text
+    assert "3 snapshots waited for the copies of the one before (median 300 ms" in text, text
+    assert "not copied" not in text
