@@ -17,8 +17,11 @@ from typer.testing import CliRunner
 
 import checkfreq as cf
 from checkfreq.cli import app
+from checkfreq.pipeline.tiers.memory.tier import MemoryTier
 from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.run.events import read_events
+from checkfreq.storage import shm
+from checkfreq.storage.format import data_file_name
 from checkfreq.storage.shm import MemoryRegion
 from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, region_path
 from helpers import SCRIPTS, make_model, train_step
@@ -113,6 +116,22 @@ def test_a_torn_newest_snapshot_falls_back_to_the_previous_one(shm_dir: Path, tm
     assert int(resumed["ready"]) == older.step and resumed["final"] == reference
     restore = [e for e in read_events(run) if e["event"] == "restore"][-1]
     assert restore["tier"] == "memory" and "checksum" in restore["skipped"][0][1]
+
+
+def test_a_restore_hashes_the_chosen_snapshot_once_and_no_other_slot(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    train(run, "--memory", "1", "--hook", "slot", "--hook-at", "15")  # killed with both slots committed
+    hashed: list[int] = []
+    digest = shm.slot_digest
+    monkeypatch.setattr(shm, "slot_digest", lambda data, meta: hashed.append(len(data)) or digest(data, meta))
+    tier = MemoryTier(run, MemoryCadence(every=1), data_file=data_file_name(0))
+    states, skipped = tier.snapshots()
+    assert len(states) == 2 and not skipped and hashed == []  # listed from headers and sealed manifests
+    chosen = tier.complete(states[0])
+    assert hashed == [chosen.manifest.files[data_file_name(0)]["size"]]  # the bytes restored, once
+    tier.close(remove=False)
 
 
 def test_a_region_read_while_a_snapshot_is_being_committed_shows_only_complete_ones(

@@ -96,7 +96,8 @@ class HeldSnapshot:
 
 @dataclass(frozen=True)
 class HeldState:
-    """A verified whole state read back from a tier that holds states (not files)."""
+    """A whole state read back from a tier that holds states (not files), verified once
+    :meth:`StateKeeper.complete` returned it."""
 
     manifest: Manifest
     tensors: dict[str, torch.Tensor]
@@ -281,13 +282,14 @@ class StateKeeper(Tier):
     def snapshots(
         self, step: int | None = None, *, device_copies: bool = False
     ) -> tuple[list[HeldState], list[tuple[str, str]]]:
-        """Every verified state it holds (or those at ``step``), newest first, and the (name, reason)
-        of those skipped."""
+        """Every state it holds (or those at ``step``), newest first, its data verified by
+        :meth:`complete`, and the (name, reason) of those skipped."""
 
     @abstractmethod
     def complete(self, state: HeldState) -> HeldState:
-        """``state`` (one of :meth:`snapshots`) with what other ranks keep of it added, read where they
-        keep it; a :class:`~checkfreq.errors.CheckfreqError` if some of it cannot be read."""
+        """``state`` (one of :meth:`snapshots`), verified, with what other ranks keep of it added, read
+        where they keep it; a :class:`~checkfreq.errors.CheckfreqError` if some of it cannot be read or
+        fails its checksum."""
 
     @abstractmethod
     def newest_step(self) -> int | None:

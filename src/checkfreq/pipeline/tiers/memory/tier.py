@@ -134,6 +134,8 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         """False once /dev/shm had no room, or a job of one process has sharded state: snapshots go to disk only."""
         self.newest: HeldSnapshot | None = None
         """The newest snapshot taken into memory alone (none since a persist)."""
+        self._unverified: dict[str, SlotInfo] = {}
+        """The states :meth:`snapshots` gave whose data :meth:`complete` has not verified yet, by name."""
 
     name = TierName.MEMORY
 
@@ -341,10 +343,13 @@ class MemoryTier(SnapshotTaker, StateKeeper):
     def snapshots(
         self, step: int | None = None, *, device_copies: bool = False
     ) -> tuple[list[HeldState], list[tuple[str, str]]]:
-        """Every verified snapshot (or those at ``step``), newest first, and the (slot, reason) of those
-        skipped; with ``device_copies`` (restored onto a GPU) each slot is pinned before it is read.
-        A checksum still being computed is waited for: what is restored is verified."""
+        """Every snapshot with a valid header and manifest (or those at ``step``), newest first, and the
+        (slot, reason) of those skipped; with ``device_copies`` (restored onto a GPU) the newest slot is
+        pinned before it is read. Its data is verified by :meth:`complete`, for the one snapshot the
+        ranks choose only: one pass over the bytes restored, not one over every slot. A checksum still
+        being computed is waited for: what is restored is verified."""
         self.wait_sealed()
+        self._unverified = {}
         states: list[HeldState] = []
         skipped: list[tuple[str, str]] = []
         for info in self.region.snapshots():
@@ -352,15 +357,17 @@ class MemoryTier(SnapshotTaker, StateKeeper):
                 continue
             if device_copies and not states:  # the newest valid one is restored: its copies go to the device
                 self.pinning.pin(self.region, info.slot)
+            name = f"memory slot {info.slot}"
             try:
-                meta, data = self.region.read(info, private=False)  # restore copies into the live objects
-                manifest = Manifest.from_json(meta, step=info.step)
+                data, meta = self.region.slot_bytes(info)  # views: restore copies into the live objects
+                manifest = Manifest.from_json(meta, step=info.step)  # sealed: checked on its own
                 tensors = {name: entry_view(data, entry) for name, entry in manifest.tensors.items()}
             except CheckfreqError as e:
                 log.warning("skipping memory snapshot in slot %d: %s", info.slot, e)
-                skipped.append((f"memory slot {info.slot}", str(e)))
+                skipped.append((name, str(e)))
                 continue
-            states.append(HeldState(manifest, tensors, f"memory slot {info.slot}", self))
+            self._unverified[name] = info
+            states.append(HeldState(manifest, tensors, name, self))
         return states, skipped
 
     def complete(self, state: HeldState) -> HeldState:
@@ -369,7 +376,10 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         write again once training goes on): the shares of the ranks of its machine when it was taken
         (each holds part of the replicated state) or, for sharded state restored at another world
         size, every rank's, from its own region or the replica this machine keeps of it. A
-        :class:`CheckfreqError` naming the rank if one cannot be read here."""
+        :class:`CheckfreqError` naming the rank if one cannot be read here, or if this rank's own
+        share fails its checksum (verified here, once: :meth:`snapshots`)."""
+        if (info := self._unverified.pop(state.name, None)) is not None:
+            self.region.read(info, private=False)
         split = state.manifest.distributed
         if split is None:
             return state
