@@ -43,6 +43,8 @@ from checkfreq.pipeline.capture.device_ops import CUDA, DeviceOps
 from checkfreq.pipeline.capture.gpu_waits import GpuWaits
 from checkfreq.pipeline.capture.staging import StagingBuffer, choose_staging, staging_room
 from checkfreq.storage.format import BLOCK_BYTES, Layout, plan_layout, slot_view
+from checkfreq.storage.host_buffer import RegisteredBuffer
+from checkfreq.storage.host_pinning import HostRegistry, host_registry
 
 log = logging.getLogger("checkfreq.snapshot")
 
@@ -209,14 +211,20 @@ class Snapshotter:
             half of the device memory a training step leaves
             (:func:`~checkfreq.pipeline.capture.staging.choose_staging`), ``True``/``False`` always/never.
         ops: the device operations (CUDA's; a test's fake records their order on a CPU).
+        registry: registers the host buffer of device copies (None: this process's, made when first needed).
     """
 
-    def __init__(self, gpu_staging: bool | None = None, ops: DeviceOps = CUDA) -> None:
+    def __init__(
+        self, gpu_staging: bool | None = None, ops: DeviceOps = CUDA, registry: HostRegistry | None = None
+    ) -> None:
         self._signature: tuple[object, ...] | None = None
         self._viewed: tuple[Layout, bool] | None = None
         """The layout and pinning the views were last handed out for (the same objects: no comparison)."""
         self._layouts: list[tuple[Specs, Layout]] = []
         self._buffer: torch.Tensor | None = None
+        self._registered: RegisteredBuffer | None = None
+        """The host buffer when device copies go to it: registered, given back at :meth:`close`."""
+        self._registry = registry
         self._views: list[torch.Tensor] = []
         self._ops = ops
         self._streams: dict[torch.device, Any] = {}
@@ -243,7 +251,8 @@ class Snapshotter:
 
     def close(self) -> None:
         """Give back the host buffer and the staging buffers (every snapshot's copies must be done)."""
-        self._buffer, self._views, self._signature, self._viewed = None, [], None, None
+        self._release_buffer()
+        self._signature, self._viewed = None, None
         for staging in self._staging.values():
             if staging is not None:
                 staging.release()
@@ -267,12 +276,29 @@ class Snapshotter:
             return self._buffer, self._views
         signature = (layout.signature, pin)
         if signature != self._signature or self._buffer is None:
-            self._buffer, self._views = None, []  # release the old buffer before allocating
-            self._buffer = aligned_empty(layout.nbytes, pin)
+            self._release_buffer()  # before allocating: the old one's copies and writes are done
+            self._buffer = self._host_buffer(layout.nbytes) if pin else aligned_empty(layout.nbytes, pin=False)
             self._views = [slot_view(self._buffer, slot) for slot in layout.slots]
             self._signature = signature
         self._viewed = (layout, pin)
         return self._buffer, self._views
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for device copies: registered (:class:`RegisteredBuffer`), else, if the
+        platform refused, torch's pinned memory."""
+        if self._registry is None:
+            self._registry = host_registry()
+        registered = RegisteredBuffer(nbytes, self._registry)
+        if not registered.pinned:
+            return aligned_empty(nbytes, pin=True)
+        self._registered = registered
+        return registered.tensor
+
+    def _release_buffer(self) -> None:
+        if self._registered is not None:
+            self._registered.release()
+            self._registered = None
+        self._buffer, self._views = None, []
 
     def take(
         self,
