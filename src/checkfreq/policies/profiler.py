@@ -145,8 +145,9 @@ class Profiler:
 
     def record_between(self, seconds: float) -> float:
         """The loop's own work between a ``step()`` and the consistent point where a checkpoint is captured
-        (a scheduler, an evaluation): no iteration's time. Returns what of it was other work (added to
-        :attr:`away`): all of it when it took longer than an iteration would, else nothing."""
+        (loading the next batch, a scheduler, an evaluation). Returns what of it was other work (added to
+        :attr:`away`): all of it when it took longer than an iteration would, else nothing (it is then
+        part of the next iteration's time)."""
         if self.iteration.value > 0 and seconds > AWAY_FACTOR * self.iteration.value:
             self.away += seconds
             return seconds

@@ -66,12 +66,16 @@ class Timeline:
             self.clean_seconds -= seconds
 
     def reached_point(self, now: float, profiler: Profiler) -> None:
-        """The consistent point of the current step came at ``now``, where a capture begins: the loop's work
-        since ``step()`` is not the next iteration's (the profiler tells whether it was other work)."""
+        """The consistent point of the current step came at ``now``, where a capture begins. The loop's
+        work since ``step()`` is the next iteration's (loading a batch, the host's part of a step)
+        unless the profiler finds it other work (an evaluation): that is left out of the next
+        iteration. The capture's stall is left out by the profiler itself."""
         if self._last_step_time is None:
             return
-        between, self._last_step_time = max(now - self._last_step_time, 0.0), now
-        self.away_seconds += profiler.record_between(between)
+        away = profiler.record_between(max(now - self._last_step_time, 0.0))
+        if away:
+            self.away_seconds += away
+            self._last_step_time = now
 
     def checkpointed(self, start: float) -> dict[str, Any]:
         """A checkpoint began at ``start`` at the current step: what the snapshot event says about

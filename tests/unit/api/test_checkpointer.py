@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -176,6 +177,24 @@ def test_an_iteration_a_short_persist_overlapped_counts_as_persisting(tmp_path: 
         ckpt.step()  # nothing ran during this one
     after = (ckpt.profiler.iteration.count, ckpt.profiler.iteration_while_persisting.count)
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+def test_the_work_before_the_forward_counts_in_the_iteration_after_a_checkpoint(tmp_path: Path) -> None:
+    """The consistent point is the model's forward: a batch's preparation before it (30 ms here) is the
+    next iteration's, also the one a persist overlaps, not other work and not left out."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = cf.Checkpointer(tmp_path, policy=cf.Every(3), model=model, optimizer=opt)
+    for _ in range(15):
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.03:  # preparing the next batch, on the host
+            pass
+        train_step(model, opt)
+        ckpt.step()
+    profiler = ckpt.profiler
+    ckpt.close()
+    assert profiler.iteration_while_persisting.count >= 3 and profiler.away == 0
+    assert profiler.iteration_while_persisting.value > 0.5 * profiler.iteration.value > 0.01
 
 
 def test_fresh_directory_restores_step_zero(tmp_path: Path) -> None:
