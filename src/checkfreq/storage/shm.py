@@ -80,6 +80,12 @@ _SLOT_HEADER_AT = 128
 _SLOT_HEADER_STRIDE = 128
 
 
+_ROOM_ADVICE = (
+    "Give it room: a larger /dev/shm (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory "
+    "and a sizeLimit, or mount -o remount,size=... /dev/shm), or CHECKFREQ_SHM_DIR=<a tmpfs with room>"
+)
+
+
 class ShmCapacityError(CheckfreqError):
     """The shared-memory filesystem has no room for the memory tier's region."""
 
@@ -222,7 +228,7 @@ class MemoryRegion:
         if free < size:
             raise ShmCapacityError(
                 f"{directory} has {free / 2**20:.1f} MiB free; the memory tier needs {size / 2**20:.1f} MiB "
-                f"({slots} snapshots of {data_bytes / 2**20:.1f} MiB)"
+                f"({slots} snapshots of {data_bytes / 2**20:.1f} MiB). {_ROOM_ADVICE}"
             )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -234,7 +240,7 @@ class MemoryRegion:
             self.path.unlink(missing_ok=True)
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise ShmCapacityError(
-                    f"{directory} ran out of space reserving {size / 2**20:.1f} MiB for the memory tier"
+                    f"{directory} ran out of space reserving {size / 2**20:.1f} MiB for the memory tier. {_ROOM_ADVICE}"
                 ) from None
             raise
         finally:

@@ -213,7 +213,7 @@ def test_a_small_tmpfs_is_refused_up_front(tmp_path: Path) -> None:
     if result.returncode != 0 and "mount" in result.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr
-    assert "refused:" in result.stdout and "needs 8.1 MiB" in result.stdout
+    assert "refused:" in result.stdout and "needs 8.1 MiB" in result.stdout and "--shm-size" in result.stdout
     assert "left: []" in result.stdout
 
 
