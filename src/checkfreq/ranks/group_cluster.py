@@ -45,7 +45,7 @@ from checkfreq.ranks.agreement import VOTE_ACTIVITY, AgreedPolicy, needs_agreeme
 from checkfreq.ranks.collectives import GroupPeers, Peers, broadcast_message, collect_errors
 from checkfreq.ranks.compat import default_store
 from checkfreq.ranks.groups import new_gloo_groups
-from checkfreq.ranks.liveness import Liveness
+from checkfreq.ranks.liveness import SILENT_BEATS, Liveness
 from checkfreq.ranks.messages import Token
 from checkfreq.ranks.rebuild import Box, local_box, local_view, restore_targets, sharded_blocks
 from checkfreq.ranks.shares import (
@@ -255,12 +255,13 @@ class GroupCluster:
         ``error`` looks like a lost peer's, first watch the heartbeats for at most ``seconds``."""
         liveness = self.liveness
         if liveness.failure is None and seconds > 0 and looks_like_a_lost_peer(error):
-            # only to name the rank (this one leaves anyway): silent for 2.5 beats, where a live rank beats every one
+            # only to name the rank (this one leaves anyway)
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            silence = SILENT_BEATS * liveness.interval
             liveness.find_lost(
                 f"training (this rank failed with {type(error).__name__}: {first_line})",
-                min(seconds, 4.5 * liveness.interval),
-                silence=2.5 * liveness.interval,
+                min(seconds, silence + 2 * liveness.interval),
+                silence=silence,
             )
         if liveness.failure is None:  # this rank's own error: the other ranks end, it goes on as its caller decides
             liveness.give_up(f"rank {self.rank} left on {type(error).__name__}: {error}", end_process=False)

@@ -23,7 +23,12 @@ minutes is alive, a rank whose process is gone is not. The signs of life:
   otherwise see only its connection close, and name it, not the rank that was lost.
 * **a closed connection**: gloo's "Connection closed by peer" on a message to or from one rank names
   that rank, whether gloo refuses the message as it is posted (the connection had closed before)
-  or as it is awaited.
+  or as it is awaited. In an exchange with several ranks (an all-gather), where gloo does not say
+  which, the rank named is the first whose heartbeat is silent for :data:`SILENT_BEATS`
+  heartbeat intervals: a rank that died is named within a few intervals, not the failure timeout.
+* **a process of this machine that ended** (:mod:`checkfreq.ranks.processes`): an awaited rank whose
+  process is seen gone for a heartbeat interval is lost. gloo does not fail an all-gather whose rank
+  was killed; this ends it, and the ranks of other machines learn it as the job's failure.
 
 Once this process learns that the job failed (a peer lost, or another rank's failure published), it
 ends itself (``os._exit(1)``) if it is still running :data:`EXIT_GRACE` times the failure timeout
@@ -46,6 +51,7 @@ from typing import Any
 import torch.distributed as dist
 
 from checkfreq.errors import PeerLostError
+from checkfreq.ranks.processes import ProcessIdentity, has_ended, this_process
 
 log = logging.getLogger("checkfreq.liveness")
 
@@ -56,6 +62,10 @@ EXIT_GRACE = 1.0
 _FAILED = "failed"
 _READ = "failed/read"
 """How many ranks have read the published failure."""
+SILENT_BEATS = 2.5
+"""Where a rank is already known to be gone (a connection closed in a wait on several ranks, a peer's
+error in training), the heartbeat intervals a rank stays silent to be named the lost one: the wait
+ends within a few beats, not the failure timeout (a live rank beats every interval)."""
 READ_MARGIN_S = 0.5
 """Beyond a heartbeat interval, how long the rank that published the job's failure waits for the
 others to read it before it goes on leaving."""
@@ -63,17 +73,23 @@ others to read it before it goes on leaving."""
 
 @dataclass(frozen=True)
 class Whoami:
-    """Rank → the job's key-value store, at start-up: where this rank runs (errors name a lost rank by it)."""
+    """Rank → the job's key-value store, at start-up: where this rank runs (errors name a lost rank
+    by it; ranks of the same machine see at once that its process ended)."""
 
     host: str
     pid: int
+    process: ProcessIdentity | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"host": self.host, "pid": self.pid}
+        wire: dict[str, Any] = {"host": self.host, "pid": self.pid}
+        if self.process is not None:
+            wire["process"] = self.process.to_wire()
+        return wire
 
     @classmethod
     def from_wire(cls, wire: Any) -> Whoami:
-        return cls(str(wire["host"]), int(wire["pid"]))
+        process = None if wire.get("process") is None else ProcessIdentity.from_wire(wire["process"])
+        return cls(str(wire["host"]), int(wire["pid"]), process)
 
 
 class Liveness:
@@ -92,10 +108,13 @@ class Liveness:
         """Why the job failed, once this process knows it."""
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
         self._read: dict[int, float] = {}  # rank -> when its counter was last read
+        self._processes: dict[int, ProcessIdentity | None] = {}  # rank -> its process, if this one can see it
+        self._ended: dict[int, float] = {}  # rank -> when its process was first seen ended
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exit_timer: threading.Timer | None = None
-        store.set(f"who/{rank}", json.dumps(Whoami(socket.gethostname(), os.getpid()).to_wire()))
+        whoami = Whoami(socket.gethostname(), os.getpid(), this_process())
+        store.set(f"who/{rank}", json.dumps(whoami.to_wire()))
         store.add(f"alive/{rank}", 1)
         self._thread = threading.Thread(target=self._beat, name="checkfreq-heartbeat", daemon=True)
         self._thread.start()
@@ -110,10 +129,15 @@ class Liveness:
         if self.failure is not None:
             raise self.failure
         now = time.monotonic()
-        due = [r for r in awaited if r != self.rank and now - self._read.get(r, -1e9) >= self.interval]
+        awaited = [r for r in awaited if r != self.rank]
+        for rank in awaited:
+            self._check_process(rank, activity, now)
+        due = [r for r in awaited if now - self._read.get(r, -1e9) >= self.interval]
         for rank in due:
             try:
                 count = self.store.add(f"alive/{rank}", 0)
+                if rank not in self._processes and (who := self._whoami(rank)) is not None:
+                    self._processes[rank] = who.process
             except RuntimeError as e:  # the store is gone: so is the job
                 raise self.give_up(f"the job's key-value store stopped answering ({e}) during {activity}") from e
             self._read[rank] = now
@@ -121,7 +145,20 @@ class Liveness:
             if seen is None or seen[0] != count:
                 self._seen[rank] = (count, now)
             elif now - seen[1] > silence:
-                raise self.give_up(f"{self.describe(rank)} stopped answering during {activity}")
+                raise self.give_up(f"{self.describe(rank)} stopped answering during {activity}", lost=rank)
+
+    def _check_process(self, rank: int, activity: str, now: float) -> None:
+        """Raise :class:`PeerLostError` if ``rank`` runs on this machine and its process ended a
+        heartbeat interval ago or more (what it sent before it ended, its last word at a close
+        included, has had time to arrive)."""
+        process = self._processes.get(rank)
+        if process is None or not has_ended(process):
+            return
+        since = self._ended.setdefault(rank, now)
+        if now - since >= self.interval:
+            if (published := self._published()) is not None:  # it left after telling why the job failed
+                raise published
+            raise self.give_up(f"{self.describe(rank)} ended (its process is gone) during {activity}", lost=rank)
 
     def closed(self, rank: int | None, activity: str, error: BaseException) -> PeerLostError:
         """The error for a wait that failed with ``error`` (gloo's): ``rank`` closed its connection
@@ -129,27 +166,30 @@ class Liveness:
         known = self.failure or self._published()
         if known is not None:
             return known
-        if rank is None:  # which one: the first whose heartbeat stops within the timeout
-            found = self.find_lost(activity, self.timeout + 2 * self.interval)
+        if rank is None:  # which one: a connection closed, so the first whose heartbeats stop for a few beats
+            silence = SILENT_BEATS * self.interval
+            found = self.find_lost(activity, silence + 2 * self.interval, silence)
             return found or self.give_up(f"a rank closed its connection during {activity} ({error})")
-        return self.give_up(f"{self.describe(rank)} closed its connection during {activity}: it died or left")
+        return self.give_up(
+            f"{self.describe(rank)} closed its connection during {activity}: it died or left", lost=rank
+        )
 
     # ------------------------------------------------------------------ giving up
 
-    def give_up(self, reason: str, *, end_process: bool = True) -> PeerLostError:
-        """Record that the job failed (``reason``: what happened, to whom), tell every rank through
-        the store, and arm the exit (unless ``end_process`` is False: this rank leaves by its own
-        error, which its caller may handle); returns the error to raise. The first reason stays."""
+    def give_up(self, reason: str, *, lost: int | None = None, end_process: bool = True) -> PeerLostError:
+        """Record that the job failed (``reason``: what happened, to whom; ``lost``: the rank lost,
+        if known), tell every rank through the store, and arm the exit (unless ``end_process`` is
+        False: this rank leaves by its own error, which its caller may handle); returns the error to
+        raise. The first reason stays."""
         published = False
         with self._lock:
             if self.failure is None:
-                self.failure = self._error(f"{reason} (seen by rank {self.rank})")
+                words = f"{reason} (seen by rank {self.rank})"
+                self.failure = self._error(words)
                 log.error("%s", self.failure)
-                try:
-                    if not self.store.check([_FAILED]):
-                        self.store.set(_FAILED, f"{reason} (seen by rank {self.rank})")
-                        published = True
-                    else:
+                try:  # one rank publishes, even where several find the loss at once
+                    published = self.store.compare_set(_FAILED, "", words) == words.encode()
+                    if not published:
                         self.store.add(_READ, 1)
                 except RuntimeError:
                     pass  # the store is gone: every rank finds that out by itself
@@ -157,18 +197,19 @@ class Liveness:
                     self._arm_exit()
             failure = self.failure
         if published:
-            self._let_ranks_read()
+            self._let_ranks_read(self.size - 1 - (lost is not None))
         return failure
 
-    def _let_ranks_read(self) -> None:
-        """Return once every other rank has read the failure this rank published, or a heartbeat
-        interval later: the store may live in this process (a worker hosts it when torchrun does not
-        share its own) and end with it, and a rank that had not read why the job failed would then
-        name this rank, which only left, as the one lost."""
+    def _let_ranks_read(self, readers: int) -> None:
+        """Return once ``readers`` ranks (every other rank, the lost one aside) have read the
+        failure this rank published, or a heartbeat interval later: the store may live in this
+        process (a worker hosts it when torchrun does not share its own) and end with it, and a rank
+        that had not read why the job failed would then name this rank, which only left, as the one
+        lost."""
         deadline = time.monotonic() + self.interval + READ_MARGIN_S
         while time.monotonic() < deadline:
             try:
-                if self.store.add(_READ, 0) >= self.size - 1:
+                if self.store.add(_READ, 0) >= readers:
                     return
             except RuntimeError:
                 return
@@ -177,11 +218,20 @@ class Liveness:
     def describe(self, rank: int) -> str:
         """``rank 3 (host, pid 1234)``, as the rank published it at start-up."""
         try:
-            wire = json.loads(self.store.get(f"who/{rank}")) if self.store.check([f"who/{rank}"]) else None
-            who = None if wire is None else Whoami.from_wire(wire)
-        except (RuntimeError, ValueError, KeyError, TypeError):
+            who = self._whoami(rank)
+        except RuntimeError:
             who = None
         return f"rank {rank}" if who is None else f"rank {rank} ({who.host}, pid {who.pid})"
+
+    def _whoami(self, rank: int) -> Whoami | None:
+        """What ``rank`` published at start-up, or None if it did not (yet) or it cannot be read;
+        raises the store's ``RuntimeError``."""
+        if not self.store.check([f"who/{rank}"]):
+            return None
+        try:
+            return Whoami.from_wire(json.loads(self.store.get(f"who/{rank}")))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
 
     def stop(self) -> None:
         """Stop the heartbeat (the Checkpointer is closed)."""

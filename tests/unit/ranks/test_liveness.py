@@ -19,7 +19,7 @@ beats every 5 s of real time, too rarely to matter during a test."""
 
 
 class DictStore:
-    """The calls Liveness makes on a ``torch.distributed.Store``: set, get, add, check."""
+    """The calls Liveness makes on a ``torch.distributed.Store``: set, get, add, compare_set, check."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
@@ -42,6 +42,14 @@ class DictStore:
             value = int(self.data.get(key, b"0")) + amount
             self.data[key] = str(value).encode()
             return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._answer()
+        with self._lock:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+            return self.data[key]
 
     def check(self, keys: list[str]) -> bool:
         self._answer()
@@ -204,3 +212,43 @@ def test_the_first_reason_stays(store: DictStore, clock: Clock, made: list[Liven
     first = me.give_up("first", end_process=False)
     assert me.give_up("second", end_process=False) is first
     assert store.get("failed").decode() == "first (seen by rank 0)"
+
+
+class BeatingClock(Clock):
+    """A clock whose time passing makes the live ranks beat, once per ``beat`` seconds."""
+
+    def __init__(self, store: DictStore, alive: list[int], beat: float) -> None:
+        super().__init__()
+        self.store, self.alive, self.beat, self._next = store, alive, beat, self.now + beat
+
+    def sleep(self, seconds: float) -> None:
+        super().sleep(seconds)
+        while self.now >= self._next:
+            for rank in self.alive:
+                self.store.add(f"alive/{rank}", 1)
+            self._next += self.beat
+
+
+@pytest.mark.parametrize("dead", [[3], []], ids=["a rank died", "none died"])
+def test_a_closed_connection_in_an_all_gather_ends_within_a_few_beats_not_the_timeout(
+    store: DictStore, made: list[Liveness], monkeypatch: pytest.MonkeyPatch, dead: list[int]
+) -> None:
+    """gloo does not say which rank of an all-gather closed its connection: the one whose heartbeat
+    stops is named a few beats later, and if every rank still beats the wait ends as soon."""
+    me = _rank(made, store, 0, 4)
+    alive = [r for r in (1, 2, 3) if r not in dead]
+    for rank in (1, 2, 3):
+        _peer(store, rank)
+    clock = BeatingClock(store, alive, me.interval)
+    monkeypatch.setattr(liveness_module, "time", clock)
+    error = me.closed(None, "the restore's exchange", RuntimeError("Connection closed by peer"))
+    waited = clock.now - 1000.0
+    if dead:
+        assert "rank 3 (node3, pid 103) stopped answering during the restore's exchange" in str(error)
+    else:
+        assert "a rank closed its connection during the restore's exchange" in str(error)
+    assert not any(f"rank {r} (" in str(error) for r in alive)  # a rank that beats is never named
+    watched = (liveness_module.SILENT_BEATS + 2) * me.interval
+    read_by_the_others = me.interval + liveness_module.READ_MARGIN_S  # once named, the others read why
+    assert waited <= watched + read_by_the_others + 0.2 < TIMEOUT / 3
+    assert me.failure is error
