@@ -18,11 +18,12 @@ from rich.table import Table
 from checkfreq.cli import app
 from checkfreq.cli._output import EXIT_FAILED, JSON_HELP, console, emit_json, fitted_table, human_age, reports_errors
 from checkfreq.cli.progress import bytes_to_read, reading
-from checkfreq.tools.report import human_bytes
+from checkfreq.tools.report import human_bytes, human_seconds
 
 if TYPE_CHECKING:
     from checkfreq.tools.catalog import CheckpointStatus
     from checkfreq.tools.diff import CheckpointDiff
+    from checkfreq.tools.memory_cut import MemoryCut
 
 JsonFlag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
 RemoteOption = Annotated[
@@ -61,6 +62,7 @@ def ls_command(
     from checkfreq.tools.aside import set_aside_statuses
     from checkfreq.tools.best import rank_run
     from checkfreq.tools.catalog import is_url, list_checkpoints, memory_snapshots
+    from checkfreq.tools.memory_cut import memory_cut
 
     disk = list_checkpoints(directory, checksums=not quick, remote=remote)
     statuses = sorted(
@@ -108,6 +110,8 @@ def ls_command(
         else "its data files and manifest.json on disk"
     )
     out.print(f"size: {counted} (docs/cli.md, 'Sizes')")
+    if (cut := memory_cut(statuses)) is not None:
+        out.print(_memory_cut_text(cut), soft_wrap=True)
     if any(s.valid for s in listed):
         best = min(ranking.best.items(), key=lambda item: item[1].rank, default=None)
         out.print(
@@ -115,6 +119,22 @@ def ls_command(
             + (f'; ckpt.restore(step="best") takes step {best[0]}' if best else ""),
             soft_wrap=True,
         )
+
+
+def _memory_cut_text(cut: MemoryCut) -> str:
+    """Where the other machines' ranks would resume from memory if lost now, and the copy lag."""
+    ranks = ", ".join(map(str, cut.copied_ranks))
+    head = f"memory: this machine keeps copies of rank {ranks}"
+    if cut.resume_step is None:
+        return (
+            f"{head}, but no step is held whole by every rank listed here: if their machine were lost now, "
+            "it would resume from disk"
+        )
+    lag = f"{cut.lag_steps} steps" + ("" if cut.lag_s is None else f", {human_seconds(cut.lag_s)}")
+    return (
+        f"{head}: if their machine were lost now, every rank would resume from memory at step {cut.resume_step}, "
+        f"{lag} behind this machine's newest snapshot ({cut.newest_step}): the copy lag"
+    )
 
 
 @app.command("inspect")

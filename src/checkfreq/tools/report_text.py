@@ -174,7 +174,8 @@ def _replicas_line(events: list[dict[str, Any]]) -> str:
     refused = [e for e in events if e["event"] == "replica" and not e.get("kept")]  # the sender's side of each
     line = (
         f"memory copies on another machine: {len(kept)} kept there "
-        f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, median "
+        f"({human_bytes(sum(e.get('bytes') or 0 for e in kept))}, "
+        f"{human_bytes(int(_median(_values(e.get('bytes') for e in kept)) or 0))} sent a snapshot, median "
         f"{human_seconds(_median(_values(e.get('seconds') for e in kept)))} each, off the training thread)"
     )
     if waited:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from checkfreq.cli import app
 from checkfreq.errors import CheckfreqError
 from checkfreq.pipeline.capture.snapshot import Snapshotter, layout_of
 from checkfreq.pipeline.tiers.memory import replica_parts
@@ -116,6 +118,8 @@ def test_a_copy_carries_only_private_bytes_and_is_made_whole_where_it_is_kept(
     assert made.meta == slot_meta and made.checksum == info.checksum and torch.equal(made.data, slot_data)
     listed = {s.name.rsplit(" slot", 1)[0]: s.valid for s in memory_snapshots(tmp_path)}  # checkfreq ls
     assert listed == {"memory rank 0": True, "memory rank 1": True, "memory copy of rank 2": True}, listed
+    shown = CliRunner().invoke(app, ["ls", str(tmp_path)], env={"COLUMNS": "400"})
+    assert f"every rank would resume from memory at step {STEP}, 0 steps" in shown.output, shown.output
 
     for tier in tiers:
         tier.close(remove=False)

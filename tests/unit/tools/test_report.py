@@ -436,6 +436,6 @@ def test_snapshots_that_waited_for_the_copies_are_counted_with_their_median_wait
     for step, seconds in ((2, 0.2), (3, 0.4), (4, 0.3)):
         log.write("replica wait", time=float(step), step=step, seconds=seconds, to=[1], done=True)
     text = summary_text(load_run(tmp_path))
-    assert "memory copies on another machine: 4 kept there" in text, text
+    assert "memory copies on another machine: 4 kept there (400 B, 100 B sent a snapshot" in text, text
     assert "3 snapshots waited for the copies of the one before (median 300 ms" in text, text
     assert "not copied" not in text
