@@ -105,3 +105,15 @@ def test_the_tensor_count_benchmark_measures_every_count_and_mode_in_one_run(tmp
         assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows)  # the header, its rule, a line per row
+
+
+def test_copies_slower_than_snapshots_always_leave_a_step_both_machines_hold() -> None:
+    """``benchmarks.copy_lag`` with each copy taking three snapshot intervals: under the memory tier's rule
+    every copy is kept, the snapshots come at the copies' pace, and at every begin a step is held whole
+    by both the sender's region and the keeper's copies, one snapshot behind at most."""
+    from benchmarks.copy_lag import RULES, run
+
+    row = run(RULES[0], ratio=3.0, interval=0.05, snapshots=10, megabytes=1.0)
+    assert row.copies_kept == row.snapshots and row.without_cut == 0, row
+    assert row.lag_max == 1 and row.behind_max == 1, row
+    assert row.waits >= 1 and row.interval_s > 0.05, row
