@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -191,6 +192,7 @@ def _failing_rank(rank: int, store_path: str, out: str, peer: str) -> None:
     agreed = AgreedPolicy(
         Scripted([], 0), GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(seconds=2))), timeout=2
     )
+    Path(out, f"ready{rank}").touch()
     for step in range(1, STEPS + 1):  # votes at every step: the iteration time is unknown
         if rank == 1 and step == 4:
             if peer == "dies":
@@ -210,13 +212,22 @@ def test_a_vote_whose_peer_dies_or_is_silent_is_a_clear_error_on_the_training_th
     brings nothing within the 2 s timeout, and its step 5 raises CheckfreqError (step 4 when rank 1
     exits before its vote thread has answered the vote of step 3)."""
     context = mp.spawn(_failing_rank, args=(str(tmp_path / "store"), str(tmp_path), peer), nprocs=2, join=False)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "error.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for(lambda: all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)), STARTUP_S)  # a busy machine
+    _wait_for((tmp_path / "error.json").exists, 60)
     for process in context.processes:
         process.kill()
     failure = json.loads((tmp_path / "error.json").read_text())
     assert failure["step"] in (4, 5) and "rank 0: the ranks' vote on when to checkpoint" in failure["error"], failure
+
+
+STARTUP_S = 600
+"""How long two processes may take to import torch and meet, on a machine busy with other work."""
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _frozen_rank(rank: int, store_path: str, out: str) -> None:
@@ -225,6 +236,7 @@ def _frozen_rank(rank: int, store_path: str, out: str) -> None:
     liveness = Liveness(dist.PrefixStore("alive", store), rank, 2, timeout=2.0)
     vote = GroupPeers(dist.new_group(backend="gloo", timeout=timedelta(minutes=5)), liveness, VOTE_ACTIVITY)
     agreed = AgreedPolicy(Scripted([], 0), vote, timeout=2.0, liveness=liveness)
+    Path(out, f"ready{rank}").touch()
     for step in range(1, STEPS + 1):
         if rank == 1 and step == 4:
             os.kill(os.getpid(), signal.SIGSTOP)  # a node that vanished: its connections stay open, its heart stops
@@ -245,6 +257,7 @@ def test_a_vote_whose_peer_freezes_names_it_on_the_training_thread_and_the_proce
     context = mp.spawn(_frozen_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=False)
     try:
         survivor = context.processes[0]
+        _wait_for(lambda: all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)), STARTUP_S)  # a busy machine
         survivor.join(timeout=90)
         assert survivor.exitcode == 1
     finally:
