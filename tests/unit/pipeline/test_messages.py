@@ -59,6 +59,7 @@ from checkfreq.ranks.collectives import (
     scatter_messages,
 )
 from checkfreq.ranks.liveness import Whoami
+from checkfreq.ranks.processes import ProcessIdentity
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers, Token
 
 # ---------------------------------------------------------------------------------- values
@@ -144,7 +145,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     GroupMembers: st.builds(
         GroupMembers, st.lists(counts, max_size=8), st.lists(counts, max_size=3), st.lists(counts, max_size=3)
     ),
-    Whoami: st.builds(Whoami, texts, counts),
+    Whoami: st.builds(Whoami, texts, counts, st.none() | st.builds(ProcessIdentity, texts, counts, counts)),
+    ProcessIdentity: st.builds(ProcessIdentity, texts, counts, counts),
     # commit and upload
     CommitReport: commit_reports(),
     Verdict: verdicts,
