@@ -146,6 +146,8 @@ class MemoryRegion:
         self._registry: HostRegistry | None = None
         self._pinned: dict[int, int] = {}  # slot -> registered address
         self._refused: set[int] = set()  # slots whose registration the platform refused, in this mapping
+        self.mapping = 0
+        """Counts the region's mappings: a view of a slot taken under another number points nowhere."""
         self.skipped: list[tuple[str, str]] = []
         """(slot, reason) of every snapshot :meth:`newest` found torn or damaged."""
         if path.exists():
@@ -204,6 +206,7 @@ class MemoryRegion:
         populate = getattr(mmap, "MAP_POPULATE", 0)  # map every page now, not at the first copy
         self._map = mmap.mmap(fd, size, mmap.MAP_SHARED | populate, mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.mapping += 1
 
     def reserve(self, data_bytes: int, meta_bytes: int) -> None:
         """Make sure every slot holds ``data_bytes`` of data and ``meta_bytes`` of metadata.
@@ -290,6 +293,7 @@ class MemoryRegion:
         """Unmap the region (its slots unregistered first); with ``remove``, delete its file too."""
         self._unpin_all()
         self._bytes = None
+        self.mapping += 1
         if self._map is not None:
             try:
                 self._map.close()

@@ -307,6 +307,7 @@ class Snapshotter:
         *,
         layout: Layout | None = None,
         buffer: torch.Tensor | None = None,
+        views: list[torch.Tensor] | None = None,
         step: int = 0,
         memory: bool = False,
         aside: Mapping[str, torch.Tensor] | None = None,
@@ -315,7 +316,8 @@ class Snapshotter:
 
         ``buffer`` (``layout.nbytes`` bytes, e.g. a slot of the memory tier) replaces the
         snapshotter's own buffer for this snapshot; ``layout`` is ``layout_of(tensors)`` if the
-        caller planned it already. ``step`` and ``memory`` label the GPU waits it causes. The
+        caller planned it already; ``views``, if given, are ``buffer``'s for ``layout`` (made once per
+        slot by a memory tier). ``step`` and ``memory`` label the GPU waits it causes. The
         tensors of ``aside`` are copied too, into host memory of their own (:attr:`PendingSnapshot.aside`),
         as late as the deferred ones: the replica claim's device pieces, which only the writer reads.
         """
@@ -324,7 +326,7 @@ class Snapshotter:
         pin = torch.cuda.is_available() and any(ops.is_device(t) for t in tensors.values())
         if buffer is None:
             buffer, views = self._views_for(layout, pin)
-        else:
+        elif views is None:
             views = [slot_view(buffer, slot) for slot in layout.slots]
         now_cpu: CopyPairs = []
         later_cpu: CopyPairs = []

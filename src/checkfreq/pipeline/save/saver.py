@@ -133,6 +133,7 @@ class Saver:
             owned,
             layout=layout,
             buffer=None if placement is None else placement.target.buffer,
+            views=None if placement is None else placement.target.views,
             step=step,
             aside=None if share is None else share["later"],  # the replica claim's device pieces, for the writer
         )
@@ -182,7 +183,9 @@ class Saver:
         if target is None:  # the tier turned itself off (no room, state it does not take)
             self.profiler.record_memory_stall(time.perf_counter() - start)
             return
-        pending = self.snapshotter.take(tensors, owned, layout=layout, buffer=target.buffer, step=step, memory=True)
+        pending = self.snapshotter.take(
+            tensors, owned, layout=layout, buffer=target.buffer, views=target.views, step=step, memory=True
+        )
         writer = tier.submit(target, pending, skeleton, epoch_label)
         stall = time.perf_counter() - start
         self.events.write(str(tier.name), step=step, stall_s=stall, bytes=layout.nbytes)

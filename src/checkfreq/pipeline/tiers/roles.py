@@ -65,6 +65,11 @@ class SnapshotTarget(Protocol):
         """Seconds spent making the target for this snapshot (a one-time cost, not the snapshot's)."""
         ...
 
+    @property
+    def views(self) -> list[torch.Tensor] | None:
+        """A view of ``buffer`` for each tensor of the snapshot's layout, made ahead (None: none)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SnapshotRequest:

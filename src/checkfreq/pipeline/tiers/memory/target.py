@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from checkfreq.pipeline.tiers.roles import SnapshotRequest
-from checkfreq.storage.format import Layout, Manifest, TensorEntry, tensor_entries
-from checkfreq.storage.shm import OpenSlot
+from checkfreq.storage.format import Layout, Manifest, TensorEntry, slot_view, tensor_entries
+from checkfreq.storage.shm import MemoryRegion, OpenSlot
 
 SEAL_AFTER_BYTES = 256 << 20
 """Snapshots from a GPU at least this large are committed before their checksum, computed afterwards."""
@@ -31,10 +31,35 @@ class MemoryTarget:
     """Seconds spent creating the region for this snapshot (a one-time cost, not the cadence's)."""
     seal_later: bool = False
     """Committed before its checksum, sealed afterwards (a large snapshot from a GPU)."""
+    views: list[torch.Tensor] | None = None
+    """A typed view of the slot for each tensor of ``layout``, in its order (None: made from ``buffer``)."""
 
     @property
     def buffer(self) -> torch.Tensor:
         return self.slot.data[: self.layout.nbytes]
+
+
+class SlotViews:
+    """The views of each slot for a layout, made once per slot, layout and mapping of the region
+    rather than once per snapshot (thousands of tensors cost thousands of views)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, list[torch.Tensor]] = {}
+        self._for: tuple[int, Layout] | None = None
+
+    def of(self, region: MemoryRegion, slot: OpenSlot, layout: Layout) -> list[torch.Tensor]:
+        """The views of ``layout``'s tensors in ``slot`` of ``region``, as mapped now."""
+        if self._for is None or self._for[0] != region.mapping or self._for[1] is not layout:
+            self._made, self._for = {}, (region.mapping, layout)
+        views = self._made.get(slot.slot)
+        if views is None:
+            buffer = slot.data[: layout.nbytes]
+            views = self._made[slot.slot] = [slot_view(buffer, entry) for entry in layout.slots]
+        return views
+
+    def clear(self) -> None:
+        """Drop every view (the region is about to be unmapped)."""
+        self._made, self._for = {}, None
 
 
 class SlotManifests:

@@ -56,7 +56,7 @@ from checkfreq.pipeline.tiers.memory.neighbours import kept_copy, share_on_machi
 from checkfreq.pipeline.tiers.memory.replica_parts import usable_steps
 from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
 from checkfreq.pipeline.tiers.memory.slot_pinning import SlotPinning
-from checkfreq.pipeline.tiers.memory.target import MemoryTarget, SlotManifests, seal_later
+from checkfreq.pipeline.tiers.memory.target import MemoryTarget, SlotManifests, SlotViews, seal_later
 from checkfreq.pipeline.tiers.roles import (
     HeldCopy,
     HeldSnapshot,
@@ -123,6 +123,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         self.cadence = cadence
         self._data_file = data_file
         self._manifests = SlotManifests(data_file)
+        self._views = SlotViews()
         self._writer = Writer()
         self._finalizer = weakref.finalize(self, self._writer.close, None)
         self._persisting: int | None = None  # the slot a persist is writing to disk
@@ -222,6 +223,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             meta,
             time.perf_counter() - start,
             seal_later(request.device_copies, layout.nbytes),
+            self._views.of(self.region, slot, layout),
         )
 
     def _catch_up(self, link: ReplicaLink, step: int) -> None:
@@ -463,6 +465,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             if remove:  # the job is done: the copies kept for others are of no use
                 for sender in self.link.receives_from:
                     replica_path(self.directory, sender).unlink(missing_ok=True)
+        self._views.clear()
         self.region.release(remove=remove)
 
     def release(self) -> None:
