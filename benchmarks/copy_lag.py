@@ -24,17 +24,17 @@ ratio and rule: the snapshots taken, the interval they came at, the waits for a 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from benchmarks.replica_sim import Wire, WireGroup, _on_wire, slot
+from benchmarks.report import print_rows
 from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
 from checkfreq.storage.shm import COPIED_SLOTS, SLOTS, MemoryRegion, layout_signature
 from checkfreq.storage.shm_paths import device_and_inode, replica_path
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.getLogger("checkfreq").setLevel(logging.ERROR)  # each wait and skip is the table's, not a warning's
     rows = [run(rule, ratio, args.interval, args.snapshots, args.megabytes) for ratio in args.ratios for rule in RULES]
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    print_rows(table(rows), rows, args.json)
 
 
 if __name__ == "__main__":

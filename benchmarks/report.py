@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,14 @@ from benchmarks.stats import fmt_with_spread, median, spread
 
 BEGIN = "<!-- benchmark results: begin (written by python -m benchmarks.run) -->"
 END = "<!-- benchmark results: end -->"
+
+
+def print_rows(table: str, rows: Sequence[Any], json_path: str | None) -> None:
+    """Print a benchmark's Markdown ``table``; with ``json_path``, also write its ``rows`` (dataclasses) there."""
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
 
 
 def _gbps(values: list[float]) -> str:

@@ -20,17 +20,17 @@ between-checkpoints cost, every figure from the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 import checkfreq as cf
+from benchmarks.report import print_rows
 
 MODES = ("disk", "memory")
 
@@ -148,10 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     rows = [measure(count, mode, args.rounds, args.megabytes) for count in args.counts for mode in args.modes]
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    print_rows(table(rows), rows, args.json)
 
 
 if __name__ == "__main__":
