@@ -8,6 +8,7 @@ no ``/proc``) nothing can be told, and the heartbeats alone say it.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +61,9 @@ def has_ended(process: ProcessIdentity) -> bool | None:
     return started != process.started or state in _ENDED_STATES
 
 
+@functools.cache
 def _this_kernel() -> str | None:
+    """The boot and pid namespace of this process (neither changes while it runs), read once."""
     try:
         with open(_BOOT_ID, encoding="ascii") as boot:
             return f"{boot.read().strip()}/{os.readlink(_PID_NAMESPACE)}"
