@@ -59,8 +59,8 @@ from checkfreq.ranks.collectives import (
     scatter_messages,
 )
 from checkfreq.ranks.liveness import Whoami
-from checkfreq.ranks.processes import ProcessIdentity
 from checkfreq.ranks.messages import DirectoryKey, DirectoryLeader, GroupMembers, Token
+from checkfreq.ranks.processes import ProcessIdentity
 
 # ---------------------------------------------------------------------------------- values
 
