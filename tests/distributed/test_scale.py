@@ -545,6 +545,7 @@ def _connections_rank(rank: int, world: int, store_path: str, directory: str, ou
     ckpt.close()
     counts = {"default": before, "checkfreq": _established_connections() - before, "votes": votes}
     Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+    dist.barrier()  # a rank that left first would close its sockets while another counts them
     dist.destroy_process_group()
 
 
