@@ -47,7 +47,7 @@ from checkfreq.pipeline.restore.plan import fetch_plan
 from checkfreq.pipeline.tiers.memory import replicas
 from checkfreq.pipeline.tiers.memory.replica_parts import outgoing
 from checkfreq.pipeline.tiers.memory.replicas import ReplicaLink
-from checkfreq.pipeline.tiers.roles import HeldCopy, StateKeeper
+from checkfreq.pipeline.tiers.roles import HeldCopy, SnapshotKey, StateKeeper
 from checkfreq.ranks.group_share import Group, GroupSharer, groups_of, replica_ring
 from checkfreq.storage.format import Manifest, data_file_name, plan_layout, tensor_entries
 from checkfreq.storage.shm import MemoryRegion, SlotInfo, layout_signature
@@ -61,6 +61,8 @@ STRIDE = 1
 """``replica_stride=1``: machine ``i`` copies to machines ``i + 1``, ``i + 2``, ... (``replicas`` of them)."""
 STEPS = (90, 100)
 """The memory snapshots every rank holds (two slots), and the copies it keeps of its sender's."""
+COURSE = 1
+"""The course every snapshot and copy is of (one run, no restore since)."""
 DISK_STEP = 50
 """The newest step on disk, which the survivors list."""
 OWN_BYTES = 1 << 20
@@ -340,7 +342,8 @@ class Loss:
     def report(self, rank: int, senders: Sequence[int]) -> MemoryReport:
         if self.is_lost(rank):
             return MemoryReport([], None, {})
-        return MemoryReport(list(STEPS), DISK_STEP, {sender: list(STEPS) for sender in senders})
+        held = [(step, COURSE) for step in STEPS]
+        return MemoryReport(held, DISK_STEP, {sender: list(held) for sender in senders})
 
 
 class KeptCopies(StateKeeper):
@@ -356,7 +359,7 @@ class KeptCopies(StateKeeper):
         return state
 
     def newest_step(self) -> int | None:
-        return max(self._report.steps, default=None)
+        return max((step for step, _ in self._report.steps), default=None)
 
     def forget_newer_than(self, step: int) -> None:
         pass
@@ -371,14 +374,14 @@ class KeptCopies(StateKeeper):
         self._report, self._bytes = report, copy_bytes
         self.adopted: list[HeldCopy] = []
 
-    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
-        return list(self._report.steps), {rank: list(steps) for rank, steps in self._report.copies.items()}
+    def holdings(self) -> tuple[list[SnapshotKey], dict[int, list[SnapshotKey]]]:
+        return list(self._report.steps), {rank: list(keys) for rank, keys in self._report.copies.items()}
 
-    def read_copy(self, rank: int, step: int) -> HeldCopy:
-        if step not in self._report.copies.get(rank, []):
-            raise CheckfreqError(f"no copy of rank {rank}'s snapshot {step} here")
-        meta = b'{"step": %d}' % step
-        return HeldCopy(rank, step, meta, torch.zeros(self._bytes, dtype=torch.uint8), 1, b"s" * 16)
+    def read_copy(self, rank: int, key: SnapshotKey) -> HeldCopy:
+        if key not in self._report.copies.get(rank, []):
+            raise CheckfreqError(f"no copy of rank {rank}'s snapshot {key[0]} here")
+        meta = b'{"step": %d}' % key[0]
+        return HeldCopy(rank, key[0], meta, torch.zeros(self._bytes, dtype=torch.uint8), 1, b"s" * 16, key[1])
 
     def adopt(self, copy: HeldCopy) -> None:
         self.adopted.append(copy)

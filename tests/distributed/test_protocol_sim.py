@@ -4,6 +4,7 @@ code on a thread per rank over an in-memory transport, at a few ranks, and what 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -274,7 +275,7 @@ def test_the_fetch_round_costs_a_rank_the_same_and_rank_0_linearly(copies: dict[
         assert (fetch[0].messages_in, fetch[0].messages_out) == (world - 1 + tree,) * 2, world
     small, large = copies[24], copies[128]
     assert small.fetch_plan_bytes == large.fetch_plan_bytes < 200
-    assert 0.9 < (sum(large.report_bytes) / 128) / (sum(small.report_bytes) / 24) < 1.1
+    assert 0.9 < statistics.median(large.report_bytes) / statistics.median(small.report_bytes) < 1.1  # a survivor's
     assert max(large.report_bytes) <= max(small.report_bytes) + 8  # digits
 
 

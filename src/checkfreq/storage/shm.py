@@ -46,7 +46,7 @@ import mmap
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,11 +68,11 @@ snapshots and the one being written, so that the step every rank can restore fro
 while copies lag a snapshot behind (docs/storage.md, "Copies that lag")."""
 HEADER_BYTES = 4096
 META_MIN_BYTES = 64 << 10
-VERSION = 2  # 2: chunked checksums
+VERSION = 3  # 2: chunked checksums; 3: a course in each slot header
 _REGION_MAGIC = b"CKFQSHMR"
 _SLOT_MAGIC = b"CKFQSLOT"
 _REGION = struct.Struct("<8sIIQQQQ")  # magic, version, slots, data capacity, meta capacity, directory st_dev, st_ino
-_SLOT = struct.Struct("<8sQqQQ16sQ")  # magic, sequence, step, data bytes, meta bytes, layout signature, checksum
+_SLOT = struct.Struct("<8sQqQQ16sQQ")  # magic, sequence, step, data and meta bytes, layout signature, checksum, course
 _CHECK = struct.Struct("<Q")  # xxh3-64 of the packed slot header
 PENDING = 0
 """The checksum field of a committed snapshot whose checksum is not computed yet."""
@@ -101,6 +101,8 @@ class SlotInfo:
     meta_bytes: int
     signature: bytes
     checksum: int
+    course: int = 0
+    """The course of the run that took it (each restore starts another): with it, a step names one state."""
 
 
 @dataclass(frozen=True)
@@ -325,10 +327,10 @@ class MemoryRegion:
         body, (check,) = raw[: _SLOT.size], _CHECK.unpack(raw[_SLOT.size :])
         if xxhash.xxh3_64_intdigest(body) != check:
             return None
-        magic, sequence, step, data_bytes, meta_bytes, signature, checksum = _SLOT.unpack(body)
+        magic, sequence, step, data_bytes, meta_bytes, signature, checksum, course = _SLOT.unpack(body)
         if magic != _SLOT_MAGIC or data_bytes > self._data_capacity or meta_bytes > self._meta_capacity:
             return None
-        return SlotInfo(slot, sequence, step, data_bytes, meta_bytes, signature, checksum)
+        return SlotInfo(slot, sequence, step, data_bytes, meta_bytes, signature, checksum, course)
 
     def snapshots(self) -> list[SlotInfo]:
         """Slots with a valid header, newest first (their data is not verified here)."""
@@ -381,6 +383,7 @@ class MemoryRegion:
         *,
         checksum: bool = True,
         expect: int | None = None,
+        course: int = 0,
     ) -> SlotInfo:
         """Publish the snapshot copied into ``target``: metadata, then checksum, then header (last).
 
@@ -397,7 +400,7 @@ class MemoryRegion:
         digest = self._checksum(start, data_bytes, meta_at, len(meta)) if checksum else PENDING
         if expect is not None and digest != expect:
             raise ShmSnapshotError(f"the copy of step {step} does not match its sender's checksum: damaged on the way")
-        info = SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, digest)
+        info = SlotInfo(target.slot, target.sequence, step, data_bytes, len(meta), signature, digest, course)
         self._write_header(info)
         return info
 
@@ -408,7 +411,7 @@ class MemoryRegion:
             return None
         start = self._data_at(info.slot)
         digest = self._checksum(start, info.data_bytes, start + self._data_capacity, info.meta_bytes)
-        sealed = SlotInfo(info.slot, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature, digest)
+        sealed = replace(info, checksum=digest)
         with self._lock:
             if self._map is None or self.header(info.slot) != info:
                 return None
@@ -417,9 +420,7 @@ class MemoryRegion:
 
     def _write_header(self, info: SlotInfo) -> None:
         assert self._map is not None
-        body = _SLOT.pack(
-            _SLOT_MAGIC, info.sequence, info.step, info.data_bytes, info.meta_bytes, info.signature, info.checksum
-        )
+        body = _SLOT.pack(_SLOT_MAGIC, *astuple(info)[1:])  # the header's fields in order, but the slot
         at = self._header_at(info.slot)
         self._map[at : at + _SLOT.size + _CHECK.size] = body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -468,12 +469,12 @@ class MemoryRegion:
         meta_at = self._data_at(info.slot) + self._data_capacity
         return self.slot_data(info.slot)[: info.data_bytes], bytes(self._map[meta_at : meta_at + info.meta_bytes])
 
-    def newest(self, step: int | None = None) -> tuple[SlotInfo, bytes, torch.Tensor] | None:
-        """The newest snapshot (or the one at ``step``) that verifies; damaged ones are skipped
-        with a warning and listed in :attr:`skipped`."""
+    def newest(self, step: int | None = None, course: int | None = None) -> tuple[SlotInfo, bytes, torch.Tensor] | None:
+        """The newest snapshot (or the one at ``step``, of ``course``) that verifies; damaged ones are
+        skipped with a warning and listed in :attr:`skipped`."""
         self.skipped = []
         for info in self.snapshots():
-            if step is not None and info.step != step:
+            if (step is not None and info.step != step) or (course is not None and info.course != course):
                 continue
             try:
                 meta, data = self.read(info)

@@ -67,6 +67,8 @@ from checkfreq.ranks.processes import ProcessIdentity
 texts = st.text(max_size=20)
 ints = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 counts = st.integers(min_value=0, max_value=2**40)
+snapshot_keys = st.tuples(counts, counts)
+"""A memory snapshot as the restore names it: its step and its course."""
 checksums = st.integers(min_value=0, max_value=2**64 - 1)
 signatures = st.binary(min_size=16, max_size=16)
 optional_texts = st.none() | texts
@@ -157,13 +159,13 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     # restore
     MemoryReport: st.builds(
         MemoryReport,
-        st.lists(counts, max_size=4),
+        st.lists(snapshot_keys, max_size=4),
         st.none() | counts,
-        st.dictionaries(counts, st.lists(counts, max_size=2), max_size=2),
+        st.dictionaries(counts, st.lists(snapshot_keys, max_size=2), max_size=2),
     ),
-    FetchPlan: st.builds(FetchPlan, st.none() | counts, st.lists(st.tuples(counts, counts), max_size=3)),
-    MemoryChoice: st.builds(MemoryChoice, st.none() | counts, st.booleans()),
-    NewestStep: st.builds(NewestStep, st.none() | counts),
+    FetchPlan: st.builds(FetchPlan, st.none() | counts, st.lists(st.tuples(counts, counts), max_size=3), texts, counts),
+    MemoryChoice: st.builds(MemoryChoice, st.none() | snapshot_keys, st.booleans()),
+    NewestStep: st.builds(NewestStep, st.none() | counts, counts),
     ListedSteps: st.builds(ListedSteps, st.lists(counts, max_size=4)),
     Agenda: st.builds(Agenda, st.lists(counts, max_size=4), st.dictionaries(counts, texts, max_size=4), st.booleans()),
     Holdings: holdings,
@@ -322,7 +324,7 @@ def test_the_wire_carries_the_same_json_as_before() -> None:
         "ok": False,
         "error": "e",
     }
-    assert MemoryChoice(5, True).to_wire() == [5, True] and ListedSteps([3, 1]).to_wire() == [3, 1]
+    assert MemoryChoice((5, 9), True).to_wire() == [[5, 9], True] and ListedSteps([3, 1]).to_wire() == [3, 1]
     assert ExchangeOutcome("p", None).to_wire() == ["p", None]
     assert ExchangeVerdict(["e"], (2, "w")).to_wire() == [["e"], [2, "w"]]
     assert FileTransfer({"a": 1}, 4).to_wire() == {"header": {"a": 1}, "size": 4}

@@ -29,6 +29,8 @@ from checkfreq.storage.shm_paths import SHM_DIR_ENV, device_and_inode, region_pa
 from checkfreq.tools.catalog import memory_snapshots
 
 STEP = 5
+COURSE = 3
+"""The course the machines' snapshots are taken in."""
 FIRST, MINE = 1000, 3000
 """Elements of each rank's two private tensors (float32), laid before and after its replicated pieces."""
 
@@ -65,6 +67,7 @@ def _machine(
         tier = MemoryTier(
             directory, MemoryCadence(1), data_file=data_file_name(0), rank=rank, group=Group(ranks, rank, 4)
         )
+        tier.course = COURSE
         tensors, owned, split = tier.share(state(rank, module), set(), {"model": module}, {"rank": rank})
         layout = layout_of(tensors)
         target = tier.target(
@@ -83,7 +86,8 @@ def _keep(directory: Path, sender: int, copy: replica_parts.Outgoing) -> None:
     slot = region.begin()
     for into, piece in zip(pieces_of(slot.data, copy.info.data_bytes), copy.pieces(), strict=True):
         into.copy_(piece)
-    region.commit(slot, copy.info.step, copy.info.data_bytes, copy.meta, copy.info.signature, expect=copy.info.checksum)
+    info = copy.info
+    region.commit(slot, info.step, info.data_bytes, copy.meta, info.signature, expect=info.checksum, course=info.course)
     region.release(remove=False)
 
 
@@ -113,8 +117,10 @@ def test_a_copy_carries_only_private_bytes_and_is_made_whole_where_it_is_kept(
     _keep(tmp_path, 2, copy)
     sender.release(remove=False)
     own, copies = tiers[0].holdings()
-    assert own == [STEP] and copies == {2: [STEP]}
-    made = tiers[0].read_copy(2, STEP)
+    assert own == [(STEP, COURSE)] and copies == {2: [(STEP, COURSE)]}
+    with pytest.raises(CheckfreqError, match="none of that step and course"):
+        tiers[0].read_copy(2, (STEP, COURSE + 1))  # a step of another course is another state
+    made = tiers[0].read_copy(2, (STEP, COURSE))
     assert made.meta == slot_meta and made.checksum == info.checksum and torch.equal(made.data, slot_data)
     listed = {s.name.rsplit(" slot", 1)[0]: s.valid for s in memory_snapshots(tmp_path)}  # checkfreq ls
     assert listed == {"memory rank 0": True, "memory rank 1": True, "memory copy of rank 2": True}, listed
@@ -150,7 +156,7 @@ def test_a_copy_no_region_here_can_make_whole_is_not_reported_nor_used(
         match=r"the copy of rank 2's memory snapshot 5 left out replicated pieces "
         r"no region of this machine holds at that step \(e.g. 'model/big@",
     ):
-        tiers[0].read_copy(2, STEP)
+        tiers[0].read_copy(2, (STEP, COURSE))
 
     replica_path(tmp_path, 0).unlink(missing_ok=True)
     region_path(tmp_path, 0).unlink()  # rank 0's region gone: its pieces are listed nowhere
@@ -199,7 +205,7 @@ def test_a_copy_of_replicated_state_alone_carries_no_data_and_is_kept(
     tiers = _machine(monkeypatch, shm_dir / "a", tmp_path, (0, 1), module, replicated_only)
     _keep(tmp_path, 2, copy)
     sender.release(remove=False)
-    made = tiers[0].read_copy(2, STEP)
+    made = tiers[0].read_copy(2, (STEP, COURSE))
     assert made.checksum == info.checksum and torch.equal(made.data, slot_data)
     for tier in tiers:
         tier.close(remove=False)

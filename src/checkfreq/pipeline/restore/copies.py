@@ -39,7 +39,7 @@ from checkfreq.pipeline.restore.messages import (
 )
 from checkfreq.pipeline.restore.plan import fetch_plan, memory_choice
 from checkfreq.pipeline.tiers.chosen import Tiers
-from checkfreq.pipeline.tiers.roles import HeldCopy
+from checkfreq.pipeline.tiers.roles import HeldCopy, SnapshotKey
 from checkfreq.ranks.collectives import (
     Peers,
     broadcast_message,
@@ -88,7 +88,7 @@ def _plan(reports: list[MemoryReport], unusable: set[tuple[int, int, int]]) -> F
         return plan
     best = memory_choice(reports).best
     if best is not None:
-        plan.instead = f"restoring memory snapshot {best}, which every rank holds, instead"
+        plan.instead = f"restoring memory snapshot {best[0]}, which every rank holds, instead"
         return plan
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
     plan.instead = (
@@ -104,6 +104,7 @@ def _take(tiers: Tiers, peers: Peers, plan: FetchPlan) -> tuple[set[int], str | 
     tried in turn, one round each; the ranks no keeper could give a copy (the same on every rank),
     and why this rank's own last copy tried could not be taken over (None: it was, or none was due)."""
     assert plan.step is not None
+    key = (plan.step, plan.course)
     keepers: dict[int, list[int]] = {}
     for rank, keeper in plan.pairs:
         keepers.setdefault(rank, []).append(keeper)
@@ -117,9 +118,9 @@ def _take(tiers: Tiers, peers: Peers, plan: FetchPlan) -> tuple[set[int], str | 
                 continue
             keeper = keepers[rank][attempt]
             if keeper == peers.rank:
-                _send(tiers, peers, rank, plan.step)  # never raises for a copy it cannot read: the next one is sent
+                _send(tiers, peers, rank, key)  # never raises for a copy it cannot read: the next one is sent
             elif rank == peers.rank:
-                damaged = _take_one(tiers, peers, rank, keeper, plan.step)
+                damaged = _take_one(tiers, peers, rank, keeper, key)
                 if damaged is not None:
                     failed[index[rank]] = 1
                     if attempt + 1 < len(keepers[rank]):  # logged now; the last one with rank 0's next plan
@@ -134,12 +135,13 @@ def _take(tiers: Tiers, peers: Peers, plan: FetchPlan) -> tuple[set[int], str | 
     return set(left), damaged
 
 
-def _take_one(tiers: Tiers, peers: Peers, rank: int, keeper: int, step: int) -> str | None:
-    """Take over this rank's copy of snapshot ``step`` from rank ``keeper``; why it cannot be used
+def _take_one(tiers: Tiers, peers: Peers, rank: int, keeper: int, key: SnapshotKey) -> str | None:
+    """Take over this rank's copy of snapshot ``key`` from rank ``keeper``; why it cannot be used
     (naming the snapshot and its keeper), or None."""
     header = receive_message(peers, keeper, decode_copy_transfer)
+    step = key[0]
     try:
-        tiers.adopt(_receive(peers, rank, keeper, step, header))
+        tiers.adopt(_receive(peers, rank, keeper, key, header))
     except PeerLostError:
         raise
     except CheckfreqError as e:  # damaged where it is kept, or on the way
@@ -147,12 +149,12 @@ def _take_one(tiers: Tiers, peers: Peers, rank: int, keeper: int, step: int) -> 
     return None
 
 
-def _send(tiers: Tiers, peers: Peers, rank: int, step: int) -> None:
-    """Send rank ``rank`` the copy of its snapshot ``step`` kept here, or why it cannot be read (the
+def _send(tiers: Tiers, peers: Peers, rank: int, key: SnapshotKey) -> None:
+    """Send rank ``rank`` the copy of its snapshot ``key`` kept here, or why it cannot be read (the
     receiving rank reports it)."""
     host = socket.gethostname()
     try:
-        copy = tiers.read_copy(rank, step)
+        copy = tiers.read_copy(rank, key)
     except PeerLostError:
         raise
     except CheckfreqError as e:
@@ -163,10 +165,10 @@ def _send(tiers: Tiers, peers: Peers, rank: int, step: int) -> None:
     peers.send(copy.data.contiguous(), rank)
 
 
-def _receive(peers: Peers, rank: int, keeper: int, step: int, header: CopyTransfer | CopyUnreadable) -> HeldCopy:
-    """The copy of this rank's snapshot ``step`` that rank ``keeper`` sends after ``header``."""
+def _receive(peers: Peers, rank: int, keeper: int, key: SnapshotKey, header: CopyTransfer | CopyUnreadable) -> HeldCopy:
+    """The copy of this rank's snapshot ``key`` that rank ``keeper`` sends after ``header``."""
     if isinstance(header, CopyUnreadable):
         raise CheckfreqError(header.error)
     meta = peers.receive(header.meta, keeper).numpy().tobytes()
     data = peers.receive(header.data, keeper)
-    return HeldCopy(rank, step, meta, data, header.checksum, header.signature)
+    return HeldCopy(rank, key[0], meta, data, header.checksum, header.signature, key[1])

@@ -13,42 +13,51 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
+from checkfreq.pipeline.tiers.roles import SnapshotKey
 from checkfreq.ranks.collectives import JSON
 
 ALL_FILES = "all"
 """``Holdings.held`` for a directory that holds every data file of the checkpoint."""
 
 
+def _keys(wire: JSON) -> list[SnapshotKey]:
+    return [(int(step), int(course)) for step, course in wire]
+
+
 @dataclass
 class MemoryReport:
-    """Rank → 0: the memory snapshots this rank holds, the newest step its disk tiers list, and (with
-    ``replicas=``) the steps of the copies of other ranks' snapshots its machine keeps, by rank."""
+    """Rank → 0: the memory snapshots this rank holds (step and course), the newest step its disk tiers
+    list, and (with ``replicas=``) the copies of other ranks' snapshots its machine keeps, by rank."""
 
-    steps: list[int]
+    steps: list[SnapshotKey]
     disk: int | None
-    copies: dict[int, list[int]] = field(default_factory=dict)
+    copies: dict[int, list[SnapshotKey]] = field(default_factory=dict)
 
     def to_wire(self) -> JSON:
-        return {"steps": self.steps, "disk": self.disk, "copies": {str(r): s for r, s in self.copies.items()}}
+        copies = {str(r): [list(key) for key in keys] for r, keys in self.copies.items()}
+        return {"steps": [list(key) for key in self.steps], "disk": self.disk, "copies": copies}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> MemoryReport:
-        copies = {int(r): [int(s) for s in steps] for r, steps in (wire.get("copies") or {}).items()}
-        return cls([int(s) for s in wire["steps"]], None if wire["disk"] is None else int(wire["disk"]), copies)
+        copies = {int(r): _keys(keys) for r, keys in (wire.get("copies") or {}).items()}
+        return cls(_keys(wire["steps"]), None if wire["disk"] is None else int(wire["disk"]), copies)
 
 
 @dataclass
 class FetchPlan:
-    """0 → every rank: the memory snapshot (None: none) that the ranks which lost theirs take from the
-    copies other ranks keep, as (rank, a rank keeping its copy) pairs, each rank's keepers in the order
-    they are tried; after a copy no keeper could give, what the restore does ``instead`` (for the log)."""
+    """0 → every rank: the memory snapshot (step and course; step None: none) that the ranks which lost
+    theirs take from the copies other ranks keep, as (rank, a rank keeping its copy) pairs, each rank's
+    keepers in the order they are tried; after a copy no keeper could give, what the restore does
+    ``instead`` (for the log)."""
 
     step: int | None
     pairs: list[tuple[int, int]]
     instead: str = ""
+    course: int = 0
 
     def to_wire(self) -> JSON:
-        return {"step": self.step, "pairs": [list(p) for p in self.pairs], "instead": self.instead}
+        pairs = [list(p) for p in self.pairs]
+        return {"step": self.step, "pairs": pairs, "instead": self.instead, "course": self.course}
 
     @classmethod
     def from_wire(cls, wire: JSON) -> FetchPlan:
@@ -57,39 +66,43 @@ class FetchPlan:
             None if step is None else int(step),
             [(int(r), int(h)) for r, h in wire["pairs"]],
             str(wire.get("instead", "")),
+            int(wire.get("course", 0)),
         )
 
 
 @dataclass
 class NewestStep:
     """Rank → 0, then 0 → every rank, at start-up: the newest step a rank's tiers list or hold, then
-    the newest of every rank's (None: none)."""
+    the newest of every rank's (None: none) with the course rank 0 drew for the run's snapshots
+    (:mod:`checkfreq.pipeline.restore.course`)."""
 
     step: int | None
+    course: int = 0
 
     def to_wire(self) -> JSON:
-        return self.step
+        return [self.step, self.course]
 
     @classmethod
     def from_wire(cls, wire: JSON) -> NewestStep:
-        return cls(None if wire is None else int(wire))
+        step, course = wire
+        return cls(None if step is None else int(step), int(course))
 
 
 @dataclass
 class MemoryChoice:
-    """0 → every rank: the memory snapshot to restore (None: none, restore from disk), and whether
-    every rank holds some snapshot."""
+    """0 → every rank: the memory snapshot to restore, its step and course (None: none, restore from
+    disk), and whether every rank holds some snapshot."""
 
-    best: int | None
+    best: SnapshotKey | None
     common: bool
 
     def to_wire(self) -> JSON:
-        return [self.best, self.common]
+        return [None if self.best is None else list(self.best), self.common]
 
     @classmethod
     def from_wire(cls, wire: JSON) -> MemoryChoice:
         best, common = wire
-        return cls(None if best is None else int(best), bool(common))
+        return cls(None if best is None else _keys([best])[0], bool(common))
 
 
 @dataclass

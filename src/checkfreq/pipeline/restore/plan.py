@@ -20,43 +20,45 @@ from checkfreq.pipeline.restore.messages import (
     ReadOrder,
     Refusal,
 )
+from checkfreq.pipeline.tiers.roles import SnapshotKey
 from checkfreq.storage.format import Manifest, data_file_name
 
 
 def memory_choice(reports: list[MemoryReport]) -> MemoryChoice:
-    """The memory snapshot to restore: the newest step every rank holds unless disk lists a newer one
-    (or None), and whether every rank holds some step."""
+    """The memory snapshot to restore: the newest every rank holds, of the same step and course,
+    unless disk lists a newer step (or None); and whether every rank holds some snapshot. A step the
+    ranks hold of different courses is not one state: never chosen."""
     common = set.intersection(*(set(r.steps) for r in reports))
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
     best = max(common, default=None)
-    if best is not None and disk is not None and best < disk:
+    if best is not None and disk is not None and best[0] < disk:
         best = None
     return MemoryChoice(best, bool(common))
 
 
 def fetch_plan(reports: list[MemoryReport], unusable: frozenset[tuple[int, int, int]] = frozenset()) -> FetchPlan:
-    """The newest memory step every rank holds itself or can take from a copy another rank keeps
-    (not older than the newest step on disk), when some rank must take it from a copy: each such
-    rank with every rank keeping its copy, in rank order (the first tried first, the next if it
-    fails). Nothing to take (``step`` None) when every rank holds that step itself, or no step can
-    be had by all. A copy in ``unusable`` (rank, step, keeper: one that could not be taken over) is
+    """The newest memory snapshot (step and course) every rank holds itself or can take from a copy
+    another rank keeps (not older than the newest step on disk), when some rank must take it from a
+    copy: each such rank with every rank keeping its copy, in rank order (the first tried first, the
+    next if it fails). Nothing to take (``step`` None) when every rank holds that snapshot itself, or
+    none can be had by all. A copy of another course than the snapshot's is never taken (a course the
+    run left). A copy in ``unusable`` (rank, step, keeper: one that could not be taken over) is
     passed over: the other keepers of that copy, else an older step."""
     disk = max((r.disk for r in reports if r.disk is not None), default=None)
-    keepers: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the other ranks keeping its copy: one pass
+    keepers: dict[tuple[int, SnapshotKey], list[int]] = {}  # (rank, snapshot) -> the ranks keeping its copy
     for keeper, report in enumerate(reports):
         for rank, held in report.copies.items():
-            for step in held:
-                if rank != keeper and (rank, step, keeper) not in unusable:
-                    keepers.setdefault((rank, step), []).append(keeper)
-    steps = {s for r in reports for s in r.steps} | {step for _, step in keepers}
-    for step in sorted(steps, reverse=True):
-        if disk is not None and step < disk:
+            for key in held:
+                if rank != keeper and (rank, key[0], keeper) not in unusable:
+                    keepers.setdefault((rank, key), []).append(keeper)
+    keys = {key for r in reports for key in r.steps} | {key for _, key in keepers}
+    for key in sorted(keys, reverse=True):
+        if disk is not None and key[0] < disk:
             break
-        lacking = [rank for rank, report in enumerate(reports) if step not in report.steps]
-        if all((rank, step) in keepers for rank in lacking):
-            return FetchPlan(
-                step if lacking else None, [(rank, keeper) for rank in lacking for keeper in keepers[(rank, step)]]
-            )
+        lacking = [rank for rank, report in enumerate(reports) if key not in report.steps]
+        if all((rank, key) in keepers for rank in lacking):
+            pairs = [(rank, keeper) for rank in lacking for keeper in keepers[(rank, key)]]
+            return FetchPlan(key[0], pairs, course=key[1]) if lacking else FetchPlan(None, [])
     return FetchPlan(None, [])
 
 

@@ -12,6 +12,7 @@ import torch
 from checkfreq.errors import CheckfreqError, CorruptCheckpointError, InvalidArgumentError, NoValidCheckpointError
 from checkfreq.pipeline.restore.advice import no_valid_checkpoint
 from checkfreq.pipeline.restore.copies import fetch_copies
+from checkfreq.pipeline.restore.course import draw_course, next_course
 from checkfreq.pipeline.restore.messages import (
     Agenda,
     CheckpointView,
@@ -109,6 +110,7 @@ class Restorer:
         self.directory_leader = peers.rank if directory_leader is None else directory_leader
         self._locations: dict[str, dict[int, Any]] = {}
         self._blocks: Blocks | None = None
+        self._first_course, self._restores = 0, 0  # the course drawn at start-up, and the restores since
 
     def listed(self) -> list[int]:
         """Steps of the committed checkpoints either tier lists, newest first (not verified)."""
@@ -116,11 +118,19 @@ class Restorer:
         return sorted(steps, reverse=True)
 
     def newest_on_any_rank(self) -> int | None:
-        """The newest step any rank's tiers list or hold (not verified), the same on every rank. Collective."""
+        """The newest step any rank's tiers list or hold (not verified), the same on every rank; the
+        tiers take the course rank 0 draws for the session's snapshots. Collective."""
         mine = [s for s in [*self.listed()[:1], self.tiers.newest_step()] if s is not None]
         steps = gather_messages(self.peers, NewestStep(max(mine, default=None)), NewestStep.from_wire)
-        newest = None if steps is None else NewestStep(max((s.step for s in steps if s.step is not None), default=None))
-        return broadcast_message(self.peers, newest, NewestStep.from_wire).step
+        newest = (
+            None
+            if steps is None
+            else NewestStep(max((s.step for s in steps if s.step is not None), default=None), draw_course())
+        )
+        agreed = broadcast_message(self.peers, newest, NewestStep.from_wire)
+        self._first_course = agreed.course
+        self.tiers.begin_course(agreed.course)  # the session's snapshots are of a course of its own
+        return agreed.step
 
     def find(
         self, step: int | str | None = None, blocks: Blocks | None = None, *, device_copies: bool = False
@@ -136,6 +146,8 @@ class Restorer:
         """
         if isinstance(step, bool) or not (step is None or step == "best" or isinstance(step, int)):
             raise InvalidArgumentError(f"restore() takes step=None, a step number or 'best', got {step!r}")
+        self._restores += 1
+        self.tiers.begin_course(next_course(self._first_course, self._restores))  # what follows is another course
         with during(self.peers, "the restore"):
             if step == "best" and (step := best_step(self._stored.values(), self.peers, self.retention)) is None:
                 return None
@@ -169,30 +181,34 @@ class Restorer:
         if self.tiers.keeps_copies and step is None:  # a rank that lost its snapshots takes them from copies
             fetch_copies(self.tiers, self.peers, listed[0] if listed else None)
         states, skipped = self.tiers.snapshots(step, device_copies=device_copies)
-        by_step, failed = {state.manifest.step: state for state in states}, ""  # failed: logged with what follows
+        by_key = {(state.manifest.step, state.course): state for state in states}
+        failed = ""  # logged with what follows
         while True:
             reports = gather_messages(
-                self.peers, MemoryReport(sorted(by_step), listed[0] if listed else None), MemoryReport.from_wire
+                self.peers, MemoryReport(sorted(by_key), listed[0] if listed else None), MemoryReport.from_wire
             )
             choice = None if reports is None else memory_choice(reports)
             best, common = (chosen := broadcast_message(self.peers, choice, MemoryChoice.from_wire)).best, chosen.common
             if failed:  # the shard, where its copy is kept, and the next source every rank goes to
-                log.warning("%s; restoring %s instead", failed, "from disk" if best is None else f"snapshot {best}")
+                log.warning("%s; restoring %s instead", failed, "from disk" if best is None else f"snapshot {best[0]}")
             if best is None:
-                if by_step and not common:
-                    log.warning("memory tier: not every rank holds a valid snapshot; restoring from disk")
+                if by_key and not common:
+                    log.warning(
+                        "memory tier: not every rank holds a valid snapshot of one step and course (a rank "
+                        "absent from an earlier restore keeps those of the course the run left); restoring from disk"
+                    )
                 return None
             try:  # the shares other ranks keep (a rank that keeps its whole state needs none)
-                held = by_step[best]
+                held = by_key[best]
                 state, problem = held.keeper.complete(held), None
             except CheckfreqError as e:
                 problem = f"rank {self.peers.rank}: {e}"
             problems = collect_errors(self.peers, problem)
             if not problems:
                 return Found(state.manifest, state.tensors, state.name, state.tier, True, True, skipped)
-            failed = f"memory tier: snapshot {best} cannot be put together ({'; '.join(problems)})"
-            skipped.append((f"memory snapshot {best}", "; ".join(problems)))
-            del by_step[best]  # the same on every rank: the next round tries an older step, or disk
+            failed = f"memory tier: snapshot {best[0]} cannot be put together ({'; '.join(problems)})"
+            skipped.append((f"memory snapshot {best[0]}", "; ".join(problems)))
+            del by_key[best]  # the same on every rank: the next round tries an older step, or disk
 
     # ------------------------------------------------------------------ disk
 

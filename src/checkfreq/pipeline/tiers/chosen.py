@@ -26,6 +26,7 @@ from checkfreq.pipeline.tiers.roles import (
     HeldCopy,
     HeldSnapshot,
     HeldState,
+    SnapshotKey,
     SnapshotRequest,
     SnapshotTaker,
     SnapshotTarget,
@@ -173,10 +174,16 @@ class Tiers:
         """A tier keeps copies of other ranks' snapshots (``replicas=``)."""
         return any(tier.keeps_copies for tier in self.keepers)
 
-    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
-        """The steps of the snapshots the tiers hold, and of the copies they keep, by rank (not verified)."""
-        own: set[int] = set()
-        copies: dict[int, set[int]] = {}
+    def begin_course(self, course: int) -> None:
+        """The snapshots taken from now on are of ``course`` (every rank's the same): a step they share
+        with an older snapshot names another state unless the courses match too."""
+        for tier in self.keepers:
+            tier.course = course
+
+    def holdings(self) -> tuple[list[SnapshotKey], dict[int, list[SnapshotKey]]]:
+        """The snapshots the tiers hold, and the copies they keep, by rank (not verified)."""
+        own: set[SnapshotKey] = set()
+        copies: dict[int, set[SnapshotKey]] = {}
         for tier in self.keepers:
             steps, kept = tier.holdings()
             own.update(steps)
@@ -184,13 +191,13 @@ class Tiers:
                 copies.setdefault(rank, set()).update(held)
         return sorted(own), {rank: sorted(held) for rank, held in copies.items()}
 
-    def read_copy(self, rank: int, step: int) -> HeldCopy:
-        """The copy of rank ``rank``'s snapshot ``step`` the first tier keeping one holds, verified."""
+    def read_copy(self, rank: int, key: SnapshotKey) -> HeldCopy:
+        """The copy of rank ``rank``'s snapshot ``key`` the first tier keeping one holds, verified."""
         errors = []
         for tier in self.keepers:
             if tier.keeps_copies:
                 try:
-                    return tier.read_copy(rank, step)
+                    return tier.read_copy(rank, key)
                 except CheckfreqError as e:
                     errors.append(str(e))
         raise CheckfreqError("; ".join(errors) or f"no tier keeps copies of rank {rank}'s snapshots")

@@ -110,6 +110,8 @@ class HeldState:
     """What logs call it (``memory slot 1``)."""
     keeper: StateKeeper
     """The tier holding it (which completes it: :meth:`StateKeeper.complete`)."""
+    course: int = 0
+    """The course of the run it was taken in (:attr:`~checkfreq.storage.shm.SlotInfo.course`)."""
 
     @property
     def tier(self) -> str:
@@ -128,6 +130,8 @@ class HeldCopy:
     data: torch.Tensor
     checksum: int
     signature: bytes
+    course: int = 0
+    """The course of the run its snapshot was taken in (:attr:`~checkfreq.storage.shm.SlotInfo.course`)."""
 
 
 class Tier(ABC):
@@ -279,9 +283,17 @@ class CheckpointSource(Tier):
         return self.store.read_data(location, name, size, checksum)
 
 
+SnapshotKey = tuple[int, int]
+"""A held snapshot as the restore names it: its step and its course. A step alone names no state: a
+run that went back to an older step and on takes that step's number again for another state."""
+
+
 class StateKeeper(Tier):
     """A tier that holds whole states, which the restore asks for before files, and may keep copies of
     other ranks' snapshots (``replicas=``)."""
+
+    course: int = 0
+    """The course of the run its next snapshots are taken in, the same on every rank (:meth:`Tiers.begin_course`)."""
 
     @abstractmethod
     def snapshots(
@@ -310,12 +322,12 @@ class StateKeeper(Tier):
         """It keeps copies of other ranks' snapshots: the restore asks every rank which."""
 
     @abstractmethod
-    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
-        """The steps of the snapshots it holds (not verified), and of the copies it keeps, by rank."""
+    def holdings(self) -> tuple[list[SnapshotKey], dict[int, list[SnapshotKey]]]:
+        """The snapshots it holds (not verified), and the copies it keeps, by rank."""
 
     @abstractmethod
-    def read_copy(self, rank: int, step: int) -> HeldCopy:
-        """Its copy of rank ``rank``'s snapshot ``step``, verified; a :class:`CheckfreqError` if it has none."""
+    def read_copy(self, rank: int, key: SnapshotKey) -> HeldCopy:
+        """Its copy of rank ``rank``'s snapshot ``key``, verified; a :class:`CheckfreqError` if it has none."""
 
     @abstractmethod
     def adopt(self, copy: HeldCopy) -> None:

@@ -128,7 +128,7 @@ def whole(directory: str | os.PathLike[str], copy: HeldCopy) -> HeldCopy:
     for begin, end in runs:
         data[begin:end] = copy.data[at : at + end - begin]
         at += end - begin
-    missing = _fill(directory, copy.step, {name: (begin, end) for begin, end, name in omitted}, data)
+    missing = _fill(directory, copy.step, copy.course, {name: (begin, end) for begin, end, name in omitted}, data)
     if missing:
         raise CheckfreqError(
             f"{what} left out replicated pieces no region of this machine holds at that step "
@@ -142,22 +142,25 @@ def whole(directory: str | os.PathLike[str], copy: HeldCopy) -> HeldCopy:
     return dataclasses.replace(copy, meta=meta, data=data, checksum=checksum)
 
 
-def usable_steps(directory: str | os.PathLike[str], copies: MemoryRegion) -> list[int]:
-    """The steps of the copies in region ``copies`` that this machine can make whole (:func:`whole`):
-    each sent whole, or every piece it left out listed, with its size, by a region of this machine at
-    its step (slot headers and manifests only: nothing is verified here)."""
-    steps, held = [], None
+def usable_steps(directory: str | os.PathLike[str], copies: MemoryRegion) -> list[tuple[int, int]]:
+    """The (step, course) of the copies in region ``copies`` that this machine can make whole
+    (:func:`whole`): each sent whole, or every piece it left out listed, with its size, by a region of
+    this machine at its step and course (slot headers and manifests only: nothing is verified here)."""
+    steps: list[tuple[int, int]] = []
+    held = None
     for info in copies.snapshots():
         meta = copies.slot_bytes(info)[1]
         if not meta.startswith(_MAGIC):
-            steps.append(info.step)
+            steps.append((info.step, info.course))
             continue
         try:
             _, _, names, manifest = _unpack(meta)
             entries = Manifest.from_json(manifest).tensors
             held = _listed(directory) if held is None else held
-            if all(name in entries and held.get((info.step, name)) == _size(entries[name]) for name in names):
-                steps.append(info.step)
+            if all(
+                name in entries and held.get((info.step, info.course, name)) == _size(entries[name]) for name in names
+            ):
+                steps.append((info.step, info.course))
         except (CheckfreqError, KeyError, TypeError, ValueError):
             continue  # damaged: the restore will not count on it
     return steps
@@ -254,9 +257,9 @@ def _spans(entries: Mapping[str, Mapping[str, Any]]) -> list[tuple[int, int, str
     return sorted((int(entry["offsets"][0]), int(entry["offsets"][1]), name) for name, entry in entries.items())
 
 
-def _listed(directory: str | os.PathLike[str]) -> dict[tuple[int, str], int]:
-    """(step, stored name) → bytes of every array the manifests of this machine's regions list."""
-    held: dict[tuple[int, str], int] = {}
+def _listed(directory: str | os.PathLike[str]) -> dict[tuple[int, int, str], int]:
+    """(step, course, stored name) → bytes of every array the manifests of this machine's regions list."""
+    held: dict[tuple[int, int, str], int] = {}
     for _, region in listed_regions(directory):
         try:
             for info in region.snapshots():
@@ -265,23 +268,23 @@ def _listed(directory: str | os.PathLike[str]) -> dict[tuple[int, str], int]:
                 except CheckfreqError:
                     continue
                 for name, entry in entries.items():
-                    held[(info.step, name)] = _size(entry)
+                    held[(info.step, info.course, name)] = _size(entry)
         finally:
             region.release(remove=False)
     return held
 
 
 def _fill(
-    directory: str | os.PathLike[str], step: int, wanted: dict[str, tuple[int, int]], data: torch.Tensor
+    directory: str | os.PathLike[str], step: int, course: int, wanted: dict[str, tuple[int, int]], data: torch.Tensor
 ) -> list[str]:
     """Copy into ``data`` each of ``wanted`` (stored name → its range) from a verified region of this
-    machine at ``step``; the names no region held."""
+    machine at ``step`` of ``course``; the names no region held."""
     left = dict(wanted)
     for _, region in listed_regions(directory):
         try:
-            if not left or not any(info.step == step for info in region.snapshots()):
+            if not left or not any((info.step, info.course) == (step, course) for info in region.snapshots()):
                 continue
-            found = region.newest(step)
+            found = region.newest(step, course)
             if found is None:
                 continue
             _, meta, source = found

@@ -88,7 +88,7 @@ def _unsigned(value: int) -> int:
 @dataclass(frozen=True)
 class CopyHeader:
     """Sender → keeper, before a copy's data and manifest: what follows (on the wire: :attr:`WIDTH`
-    int64 values, the checksum's 64 bits as a signed value, the signature as two, and one unused 0)."""
+    int64 values, the checksum's 64 bits as a signed value, the signature as two, and the course)."""
 
     WIDTH: ClassVar[int] = 8
     """int64 values on the wire."""
@@ -104,12 +104,14 @@ class CopyHeader:
     """The copy's xxh3-64 checksum (unsigned)."""
     signature: bytes
     """The slot's 16-byte layout signature."""
+    course: int = 0
+    """The slot's course (:attr:`~checkfreq.storage.shm.SlotInfo.course`): the copy is kept with it."""
 
     @classmethod
     def announcing(cls, info: SlotInfo) -> CopyHeader:
         """The header announcing the copy of ``info`` (an
         :class:`~checkfreq.pipeline.tiers.memory.replica_parts.Outgoing`'s)."""
-        return cls(SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, info.checksum, info.signature)
+        return cls(SNAPSHOT, info.step, info.data_bytes, info.meta_bytes, info.checksum, info.signature, info.course)
 
     @classmethod
     def stop(cls) -> CopyHeader:
@@ -118,18 +120,27 @@ class CopyHeader:
 
     @property
     def info(self) -> SlotInfo:
-        """The announced copy's step, sizes, checksum and signature (slot and sequence 0)."""
-        return SlotInfo(0, 0, self.step, self.data_bytes, self.meta_bytes, self.signature, self.checksum)
+        """The announced copy's step, sizes, checksum, signature and course (slot and sequence 0)."""
+        return SlotInfo(0, 0, self.step, self.data_bytes, self.meta_bytes, self.signature, self.checksum, self.course)
 
     def to_tensor(self) -> torch.Tensor:
         low, high = struct.unpack("<qq", self.signature)
-        values = [self.kind, self.step, self.data_bytes, self.meta_bytes, _signed(self.checksum), low, high, 0]
+        values = [
+            self.kind,
+            self.step,
+            self.data_bytes,
+            self.meta_bytes,
+            _signed(self.checksum),
+            low,
+            high,
+            self.course,
+        ]
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> CopyHeader:
-        kind, step, data_bytes, meta_bytes, checksum, low, high, _ = (int(v) for v in tensor.tolist())
-        return cls(kind, step, data_bytes, meta_bytes, _unsigned(checksum), struct.pack("<qq", low, high))
+        kind, step, data_bytes, meta_bytes, checksum, low, high, course = (int(v) for v in tensor.tolist())
+        return cls(kind, step, data_bytes, meta_bytes, _unsigned(checksum), struct.pack("<qq", low, high), course)
 
     @classmethod
     def empty(cls) -> torch.Tensor:
@@ -388,7 +399,13 @@ class ReplicaLink:
         dist.recv(meta, group=self.group, group_src=sender, tag=COPY_TAG)
         try:
             region.commit(
-                slot, info.step, info.data_bytes, meta.numpy().tobytes(), info.signature, expect=info.checksum
+                slot,
+                info.step,
+                info.data_bytes,
+                meta.numpy().tobytes(),
+                info.signature,
+                expect=info.checksum,
+                course=info.course,
             )
         except CheckfreqError as e:
             log.warning("memory tier: the replica of rank %d's snapshot %d is not kept: %s", sender, info.step, e)

@@ -61,6 +61,7 @@ from checkfreq.pipeline.tiers.roles import (
     HeldCopy,
     HeldSnapshot,
     HeldState,
+    SnapshotKey,
     SnapshotRequest,
     SnapshotTaker,
     SnapshotTarget,
@@ -266,6 +267,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             target.meta,
             layout_signature(target.layout.signature),
             checksum=not target.seal_later,
+            course=self.course,
         )
         if target.seal_later:  # copied once sealed: a copy is checked by its checksum
             if self._sealer is None:
@@ -369,7 +371,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
                 skipped.append((name, str(e)))
                 continue
             self._unverified[name] = info
-            states.append(HeldState(manifest, tensors, name, self))
+            states.append(HeldState(manifest, tensors, name, self, info.course))
         return states, skipped
 
     def complete(self, state: HeldState) -> HeldState:
@@ -397,7 +399,7 @@ class MemoryTier(SnapshotTaker, StateKeeper):
         tensors = dict(state.tensors)
         records = {name: {**record, "parts": list(record["parts"])} for name, record in split["tensors"].items()}
         for rank in others:
-            manifest, arrays = share_on_machine(self.directory, rank, step)
+            manifest, arrays = share_on_machine(self.directory, rank, step, state.course)
             tensors.update(arrays)
             try:
                 for name in sharded if resharded else ():
@@ -405,15 +407,15 @@ class MemoryTier(SnapshotTaker, StateKeeper):
             except (KeyError, TypeError) as e:
                 raise CheckfreqError(f"rank {rank}'s share of memory snapshot {step} does not record {e}") from None
         manifest = dataclasses.replace(state.manifest, distributed={**split, "tensors": records})
-        return HeldState(manifest, tensors, state.name, state.keeper)
+        return dataclasses.replace(state, manifest=manifest, tensors=tensors)
 
     @property
     def keeps_copies(self) -> bool:
         return self.link is not None
 
-    def holdings(self) -> tuple[list[int], dict[int, list[int]]]:
-        """The steps of this rank's snapshots and of the copies its machine keeps (its first rank reports those)."""
-        copies: dict[int, list[int]] = {}
+    def holdings(self) -> tuple[list[SnapshotKey], dict[int, list[SnapshotKey]]]:
+        """This rank's snapshots and the copies its machine keeps (its first rank reports those)."""
+        copies: dict[int, list[SnapshotKey]] = {}
         for rank, region in (
             listed_regions(self.directory, "replica")
             if self.group is None or self.rank == min(self.group.ranks)
@@ -423,17 +425,19 @@ class MemoryTier(SnapshotTaker, StateKeeper):
                 copies[rank] = usable_steps(self.directory, region)
             finally:
                 region.release(remove=False)
-        return [info.step for info in self.region.snapshots()], copies
+        return [(info.step, info.course) for info in self.region.snapshots()], copies
 
-    def read_copy(self, rank: int, step: int) -> HeldCopy:
-        return kept_copy(self.directory, rank, step)
+    def read_copy(self, rank: int, key: SnapshotKey) -> HeldCopy:
+        return kept_copy(self.directory, rank, *key)
 
     def adopt(self, copy: HeldCopy) -> None:
         """Commit ``copy`` into a slot of this rank's region, checked against the checksum it was kept with."""
         self.region.reserve(copy.data.numel(), len(copy.meta))
         slot = self.region.begin(keep=self._held_slot())
         slot.data[: copy.data.numel()].copy_(copy.data)
-        self.region.commit(slot, copy.step, copy.data.numel(), copy.meta, copy.signature, expect=copy.checksum)
+        self.region.commit(
+            slot, copy.step, copy.data.numel(), copy.meta, copy.signature, expect=copy.checksum, course=copy.course
+        )
 
     def forget_newer_than(self, step: int) -> None:
         """The run went back to ``step``: snapshots of later steps belong to an abandoned timeline, and
