@@ -133,6 +133,11 @@ def lagging_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def three_lagging_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _uninterrupted(tmp_path_factory.mktemp("three_lagging_reference"), *THREE, *LAGGING, nproc=3)
+
+
+@pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _uninterrupted(tmp_path_factory.mktemp("ddp_reference"), "--ddp")
 
@@ -348,6 +353,39 @@ def test_two_of_three_nodes_lost_for_good_resume_from_the_two_copies_the_survivo
     torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], **TOLERANCE)
     torch.testing.assert_close(
         torch.load(tmp_path / "final.full.pt"), torch.load(three_reference / "final.full.pt"), **TOLERANCE
+    )
+
+
+def test_a_keeper_lost_mid_copy_with_two_replicas_leaves_a_step_every_rank_restores_from_memory(
+    three_lagging_reference: Path, tmp_path: Path
+) -> None:
+    """FSDP2 on three agents of one rank (``--nnodes 1:3``), ``replicas=2``, each rank 48 MiB of its
+    own: copies lag. Node 2 keeps the copies of both other nodes and sends its own to both; it goes at
+    once after step 7, copies to it and from it in flight, with its memory and disk (no remote tier).
+    The survivors restore both ranks from memory (their own snapshots, and the copies each keeps of
+    rank 2's) at a step no more than two snapshots back, and finish on the uninterrupted run's course."""
+    port = free_port()
+    extra = (*THREE, *LAGGING, "--replicas", "2", "--lose-node-now", "7")
+    agents = [_agent(tmp_path, node, port, *extra, nnodes="1:3", nproc=1) for node in (0, 1, 2)]
+    try:
+        assert agents[2].wait(timeout=200) == -9, (tmp_path / "node2.out").read_text()[-3000:]
+        for gone in ("shm2", "node2"):
+            subprocess.run(["rm", "-rf", str(tmp_path / gone)], check=True)
+        codes = [agents[n].wait(timeout=200) for n in (0, 1)]
+        assert codes == [0, 0], [(tmp_path / f"node{n}.out").read_text()[-3000:] for n in (0, 1)]
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    events = [e for node in (0, 1) for e in read_events(tmp_path / f"node{node}")]
+    restores = {(e["rank"], e["step"], e["tier"]) for e in events if e["event"] == "restore" and e["world_size"] == 2}
+    steps = {step for _, step, _ in restores}
+    assert len(restores) == 2 and len(steps) == 1 and 5 <= min(steps) <= 7, restores
+    assert {tier for _, _, tier in restores} == {"memory"}, restores
+    losses, expected = read_losses(tmp_path / "steps.log"), read_losses(three_lagging_reference / "steps.log")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    torch.testing.assert_close([losses[s] for s in sorted(losses)], [expected[s] for s in sorted(losses)], **TOLERANCE)
+    torch.testing.assert_close(
+        torch.load(tmp_path / "final.full.pt"), torch.load(three_lagging_reference / "final.full.pt"), **TOLERANCE
     )
 
 
