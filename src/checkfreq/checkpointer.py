@@ -33,6 +33,7 @@ from checkfreq.policies.memory_cadence import MemoryCadence
 from checkfreq.policies.profiler import Profiler
 from checkfreq.policies.retention import Retention
 from checkfreq.ranks.cluster import attach
+from checkfreq.ranks.processes import started_at
 from checkfreq.run.events import EventLog
 from checkfreq.run.options import check_objects, check_option_types, check_registration
 from checkfreq.run.rng import RNGState
@@ -200,6 +201,7 @@ class Checkpointer:
         self._events.write(
             "start",
             pid=os.getpid(),
+            process_started=started_at(),
             policy=type(self._policy).__name__,
             keep=retention.keep,
             keep_every=retention.every,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,16 @@ def this_process() -> ProcessIdentity | None:
     if kernel is None or stat is None:
         return None
     return ProcessIdentity(kernel, pid, stat[1])
+
+
+def started_at() -> float | None:
+    """When this process started, in seconds since the epoch (its start in clock ticks after boot, on
+    the boot clock), or None where ``/proc`` cannot tell."""
+    stat = _stat(os.getpid())
+    if stat is None:
+        return None
+    since_boot = stat[1] / os.sysconf("SC_CLK_TCK")
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
 
 
 def has_ended(process: ProcessIdentity) -> bool | None:

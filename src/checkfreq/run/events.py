@@ -4,7 +4,9 @@ Schema (every record has ``event``, ``time`` (seconds since the epoch) and ``ran
 rank under torch.distributed, 0 for one process; logs written before ranks were recorded have
 none, which means 0); a measurement not taken yet is ``null``; docs/cli.md describes every field).
 Every rank of a distributed job appends to the same log:
-- ``{"event": "start", "pid", "policy", "keep"}`` — a Checkpointer opened the directory;
+- ``{"event": "start", "pid", "process_started", "policy", "keep"}`` — a Checkpointer opened the
+  directory; ``process_started``: when its process began (seconds since the epoch; null where
+  ``/proc`` cannot tell);
 - ``{"event": "snapshot", "step", "stall_s", "bytes", "policy", "reason", "epoch", "interval_steps",
   "interval_s", "iteration_s", "iteration_persisting_s", "clean_iterations", "clean_iteration_s",
   "away_s"}`` — training thread blocked for ``stall_s``; the interval is the one the policy chose

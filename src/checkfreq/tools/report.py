@@ -39,6 +39,7 @@ from checkfreq.errors import CheckfreqError
 from checkfreq.run.events import EVENTS_NAME, read_events
 from checkfreq.tools.report_copies import copy_lag
 from checkfreq.tools.report_model import CheckpointRecord, RunReport, SessionSummary, Summary
+from checkfreq.tools.report_restarts import restarts
 from checkfreq.tools.report_text import (  # noqa: F401 - the text is part of this module's API
     human_bytes,
     human_seconds,
@@ -58,7 +59,11 @@ def load_run(directory: str | os.PathLike[str]) -> RunReport:
     if not events:
         raise CheckfreqError(f"{directory} has no event log ({EVENTS_NAME}); is it a checkfreq run directory?")
     report = RunReport(
-        str(directory), start_time=events[0]["time"], rank_stalls=_rank_stalls(events), copy_lag=copy_lag(events)
+        str(directory),
+        start_time=events[0]["time"],
+        rank_stalls=_rank_stalls(events),
+        copy_lag=copy_lag(events),
+        restarts=restarts(events),
     )
     open_by_step: dict[int, CheckpointRecord] = {}
     new_session, sessions = True, 0

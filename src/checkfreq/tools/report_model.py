@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from checkfreq.tools.report_copies import CopyLag
+from checkfreq.tools.report_restarts import Restart
 
 
 @dataclass
@@ -132,6 +133,8 @@ class RunReport:
     ``replica wait``)."""
     copy_lag: CopyLag | None = None
     """How far the copies on other machines lagged the snapshots, every rank's (None: no copy kept)."""
+    restarts: list[Restart] = field(default_factory=list)
+    """What each restart cost (rank 0's events)."""
     summary: Summary | None = None
     rank_stalls: dict[int, list[float]] = field(default_factory=dict)
     """Each rank's stall per checkpoint, in log order (one entry for a single process)."""
@@ -149,5 +152,6 @@ class RunReport:
             "memory_snapshots": self.memory_snapshots,
             "replicas": self.replicas,
             "copy_lag": asdict(self.copy_lag) if self.copy_lag else None,
+            "restarts": [asdict(r) for r in self.restarts],
             "waits": self.waits,
         }

@@ -11,6 +11,7 @@ from checkfreq.run.units import human_bytes, human_rate
 from checkfreq.tools.report_advice import overhead_advice
 from checkfreq.tools.report_copies import CopyLag
 from checkfreq.tools.report_model import RunReport, SessionSummary
+from checkfreq.tools.report_restarts import Restart
 
 
 def _values(items: Any) -> list[Any]:
@@ -77,6 +78,8 @@ def summary_text(report: RunReport) -> str:
             lines.append(
                 f"{what}: {len(waits)} times, total {human_seconds(sum(waits))}, max {human_seconds(max(waits))}"
             )
+    if report.restarts:
+        lines.append(_restarts_line(report.restarts))
     meaning = (
         ""
         if s.overhead is None
@@ -90,6 +93,18 @@ def summary_text(report: RunReport) -> str:
     if len(report.sessions) > 1:
         lines.extend(session_line(session) for session in report.sessions)
     return "\n".join(lines)
+
+
+def _restarts_line(restarts: list[Restart]) -> str:
+    """What the restarts cost, each part's median (docs/cli.md, "report"); n/a where not recorded."""
+    replayed = [r.replayed for r in restarts]
+    return (
+        f"restarts: {len(restarts)}, each (median) down {human_seconds(_median(_values(r.down_s for r in restarts)))} "
+        "(from the last event before it to the new process: detection, exit, the launcher's restart; at most), "
+        f"the script's start {human_seconds(_median(_values(r.script_s for r in restarts)))} (imports, process "
+        f"group, model), the restore {human_seconds(_median([r.restore_s for r in restarts]))}, steps replayed "
+        f"at least {statistics.median(replayed):g} (max {max(replayed)})"
+    )
 
 
 def _mean_far_from_smoothed(mean: float | None, smoothed: float | None) -> str:
