@@ -30,13 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from benchmarks.goodput_breakdown import PHASES, Failure, failures, read_marks, step_seconds
+from benchmarks.goodput_plot import plot
 from benchmarks.report import print_rows
 
 JOB = Path(__file__).with_name("goodput_job.py")
@@ -307,12 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every run's rows here")
+    parser.add_argument("--png", default=None, help="draw each variant's failure breakdown here")
     args = parser.parse_args(argv)
     variants = list(dict.fromkeys([*args.variants, REFERENCE]))
     runs = measure(variants, args.seconds, args.mtbf, args.node_share, args.repeats, args.seed)
     print_rows(
         table(runs) + "\n\nSeconds a failure spends in each phase (median):\n\n" + breakdown(runs), runs, args.json
     )
+    if args.png:
+        plot([asdict(run) for run in runs], args.png)
     return 0
 
 

@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
 from helpers import ROOT
@@ -119,14 +121,16 @@ def test_copies_slower_than_snapshots_always_leave_a_step_both_machines_hold() -
     assert row.waits >= 1 and row.interval_s > 0.05, row
 
 
-def test_the_goodput_benchmark_breaks_each_failure_down_and_checks_the_final_state() -> None:
+def test_the_goodput_benchmark_breaks_each_failure_down_and_checks_the_final_state(tmp_path: Path) -> None:
     """``benchmarks.goodput`` made short: checkfreq with ``memory=1`` and ``replicas=1`` under real torchrun
     agents, killed (a rank or node 1) every few seconds, and the fault-free reference. Each failure comes
     back from a restore with at most a step or two replayed, each phase of its cost measured, and the
     job's final state is the reference's at the same step, bit for bit."""
     from benchmarks.goodput import measure
+    from benchmarks.goodput_plot import plot
 
-    runs = {run.variant: run for run in measure(["checkfreq-memory", "none"], 45.0, 10.0, 0.5, 1, seed=3)}
+    measured = measure(["checkfreq-memory", "none"], 45.0, 10.0, 0.5, 1, seed=3)
+    runs = {run.variant: run for run in measured}
     run = runs["checkfreq-memory"]
     assert run.finished and run.failures and run.steps > 0, run
     for failure in run.failures:
@@ -134,3 +138,5 @@ def test_the_goodput_benchmark_breaks_each_failure_down_and_checks_the_final_sta
         assert {"restart", "imports", "group", "model", "setup", "restore"} <= failure.keys(), failure
     assert run.identical is not False, run  # None only where the reference stopped short of its step
     assert runs["none"].finished and not runs["none"].failures
+    plot([asdict(run) for run in measured], str(tmp_path / "goodput.png"))
+    assert matplotlib.image.imread(tmp_path / "goodput.png").shape[2] in (3, 4)  # a picture, drawn
